@@ -1,0 +1,126 @@
+"""Every ``EXL3_*`` environment variable, declared once, read on first use.
+
+Nothing in exl3 reads ``os.environ`` for an ``EXL3_*`` name anywhere else (a test greps for it).
+Values are read when :func:`get` is first called, never at import time; :func:`reload` re-reads
+them (tests use it after changing the environment).
+
+| variable | meaning |
+|---|---|
+| ``EXL3_PLUGINS`` | comma-separated allow-list of entry-point plugin names; unset = all |
+| ``EXL3_DISABLE_PLUGINS`` | comma-separated block-list of plugin names |
+| ``EXL3_DISABLE_PLUGIN_AUTOLOAD`` | ``1``: load only the core built-ins, no entry points |
+| ``EXL3_TRACE_PLUGINS`` | ``1``: log every hook call (debugging plugins) |
+| ``EXL3_ATTN_BACKENDS`` | comma-separated attention backend names, in the order to try them |
+| ``EXL3_CACHE_DIR`` | where exl3 keeps imported models (default ``~/.cache/exl3``, or ``$XDG_CACHE_HOME/exl3``) |
+| ``EXL3_DEFAULT_MODEL`` | model directory used when ``--model`` is not given |
+| ``EXL3_DISABLE_EXT`` | ``1``: never load the compiled extension (pure torch everywhere) |
+| ``EXL3_NUM_THREADS`` | CPU threads for the compiled CPU ops (0 = torch's default) |
+| ``EXL3_PAGE_SIZE`` | KV-cache page size in tokens (default 256) |
+| ``EXL3_CUDA_GRAPHS`` | ``0`` disables CUDA-graph decode |
+| ``EXL3_LOG_LEVEL`` | log level for the ``exl3`` logger (default ``WARNING``) |
+| ``EXL3_NO_PROGRESS`` | ``1``: never draw progress bars |
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+PREFIX = "EXL3_"
+
+
+def _list(v: str | None) -> tuple[str, ...] | None:
+    if v is None or not v.strip():
+        return None
+    return tuple(x.strip() for x in v.split(",") if x.strip())
+
+
+def _flag(v: str | None, default: bool = False) -> bool:
+    if v is None or v == "":
+        return default
+    if v.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if v.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"environment flag has value {v!r}; use 1/0, true/false, yes/no or on/off")
+
+
+def _int(name: str, v: str | None, default: int) -> int:
+    if v is None or v == "":
+        return default
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{PREFIX}{name}={v!r} is not an integer") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Snapshot of the ``EXL3_*`` environment (see the module docstring for each field)."""
+
+    plugins: tuple[str, ...] | None = None
+    disable_plugins: tuple[str, ...] = ()
+    disable_plugin_autoload: bool = False
+    trace_plugins: bool = False
+    attn_backends: tuple[str, ...] | None = None
+    cache_dir: Path = Path("~/.cache/exl3").expanduser()
+    default_model: Path | None = None
+    disable_ext: bool = False
+    num_threads: int = 0
+    page_size: int = 256
+    cuda_graphs: bool = True
+    log_level: str = "WARNING"
+    no_progress: bool = False
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> Settings:
+        e = dict(os.environ if env is None else env)
+
+        def g(name: str) -> str | None:
+            return e.get(PREFIX + name)
+
+        def flag(name: str, default: bool = False) -> bool:
+            try:
+                return _flag(g(name), default)
+            except ValueError as err:
+                raise ValueError(f"{PREFIX}{name}: {err}") from None
+
+        xdg = e.get("XDG_CACHE_HOME")
+        default_cache = Path(xdg) / "exl3" if xdg else Path("~/.cache/exl3").expanduser()
+        page_size = _int("PAGE_SIZE", g("PAGE_SIZE"), 256)
+        if page_size <= 0 or page_size % 16:
+            raise ValueError(f"{PREFIX}PAGE_SIZE={page_size} must be a positive multiple of 16")
+        dm = g("DEFAULT_MODEL")
+        return cls(
+            plugins=_list(g("PLUGINS")),
+            disable_plugins=_list(g("DISABLE_PLUGINS")) or (),
+            disable_plugin_autoload=flag("DISABLE_PLUGIN_AUTOLOAD"),
+            trace_plugins=flag("TRACE_PLUGINS"),
+            attn_backends=_list(g("ATTN_BACKENDS")),
+            cache_dir=Path(g("CACHE_DIR")).expanduser() if g("CACHE_DIR") else default_cache,
+            default_model=Path(dm).expanduser() if dm else None,
+            disable_ext=flag("DISABLE_EXT"),
+            num_threads=_int("NUM_THREADS", g("NUM_THREADS"), 0),
+            page_size=page_size,
+            cuda_graphs=flag("CUDA_GRAPHS", True),
+            log_level=(g("LOG_LEVEL") or "WARNING").upper(),
+            no_progress=flag("NO_PROGRESS"),
+        )
+
+
+_current: Settings | None = None
+
+
+def get() -> Settings:
+    """The settings, read from the environment on first call."""
+    global _current
+    if _current is None:
+        _current = Settings.from_env()
+    return _current
+
+
+def reload() -> Settings:
+    """Re-read the environment (after tests or a CLI change it)."""
+    global _current
+    _current = None
+    return get()
