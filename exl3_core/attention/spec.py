@@ -1,0 +1,70 @@
+"""Static attention configuration (AttnSpec) and the per-call tensors (AttnArgs).
+
+Layout contract shared by every backend (packed "varlen" layout, one row per token):
+
+* ``q``: ``[T, num_q_heads, head_dim]`` for the T query tokens of all sequences in the batch,
+  sequence b owning rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.
+* Without a cache (``spec.cache is None``): ``k``/``v`` are ``[T, num_kv_heads, head_dim(_v)]``,
+  the same tokens as q (a full forward).
+* With a paged cache: the new keys/values were already written into the cache by the cache
+  layer; ``k_cache``/``v_cache`` are ``[num_pages, page_size, num_kv_heads, head_dim(_v)]`` and
+  ``page_table[b, i]`` is the page holding tokens ``i*page_size ..`` of sequence b.
+  For ``"mla/*"`` caches ``v_cache`` is None: values are the first ``head_dim_v`` channels of
+  the keys (the compressed latent), so per-token cache reads are the latent only.
+* ``seq_lens_k[b]``: keys visible to sequence b including its new tokens, so query i of
+  sequence b sits at absolute position ``seq_lens_k[b] - q_len_b + i`` (causal masks use this).
+* ``max_seqlen_q``/``max_seqlen_k``: host-side upper bounds, constant across CUDA-graph replays.
+"""
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+
+
+class AttnSpec(NamedTuple):
+    """Everything a backend needs to decide whether it can run a call; hashable, cached on."""
+
+    head_dim: int
+    num_q_heads: int
+    num_kv_heads: int
+    dtype: torch.dtype
+    cache: str | None = None  # None | "kv/fp16" | "mla/fp16" | ...
+    phase: Literal["prefill", "decode"] = "prefill"
+    causal: bool = True
+    window: int | None = None
+    softcap: float = 0.0
+    has_sinks: bool = False
+    varlen: bool = True
+    non_causal_spans: bool = False
+    device_type: str = "cpu"
+    device_cc: tuple[int, int] = (0, 0)
+    head_dim_v: int | None = None  # None: same as head_dim
+
+    @property
+    def v_dim(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+
+class AttnArgs(NamedTuple):
+    """The tensors of one attention call (see the module docstring for layouts)."""
+
+    spec: AttnSpec
+    q: torch.Tensor
+    cu_seqlens_q: torch.Tensor  # int32 [B+1]
+    seq_lens_k: torch.Tensor  # int32 [B]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    scale: float
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    k_cache: torch.Tensor | None = None
+    v_cache: torch.Tensor | None = None
+    page_table: torch.Tensor | None = None  # int32 [B, max_pages]
+    sinks: torch.Tensor | None = None  # [num_q_heads] attention-sink logits
+
+
+def device_cc(device: torch.device) -> tuple[int, int]:
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)
+    return (0, 0)

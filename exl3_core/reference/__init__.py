@@ -1,0 +1,1 @@
+"""Pure-torch oracles. Every kernel and fast path is tested against these."""

@@ -1,0 +1,67 @@
+"""Reference attention over the packed/paged layout of :mod:`exl3_core.attention.spec`.
+
+Computes in fp32, one sequence at a time. It is the oracle for every backend and the CPU
+fallback; it syncs with the host (sequence lengths) and is not meant for CUDA graphs.
+"""
+from __future__ import annotations
+
+import torch
+
+from exl3_core.attention.spec import AttnArgs
+
+
+def gather_paged(cache: torch.Tensor, page_table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """Tokens ``0..length-1`` of one sequence from a paged cache ``[pages, page_size, H, D]``."""
+    page_size = cache.shape[1]
+    n_pages = (length + page_size - 1) // page_size
+    pages = cache[page_table_row[:n_pages].long()]  # [n, page_size, H, D]
+    return pages.reshape(-1, *cache.shape[2:])[:length]
+
+
+def attention(args: AttnArgs) -> torch.Tensor:
+    spec = args.spec
+    q_all = args.q
+    T, Hq, _ = q_all.shape
+    Hkv = spec.num_kv_heads
+    group = Hq // Hkv
+    out = torch.empty((T, Hq, spec.v_dim), dtype=q_all.dtype, device=q_all.device)
+    cu = args.cu_seqlens_q.tolist()
+    lens_k = args.seq_lens_k.tolist()
+    for b in range(len(lens_k)):
+        q0, q1 = cu[b], cu[b + 1]
+        nq, nk = q1 - q0, lens_k[b]
+        if nq == 0:
+            continue
+        q = q_all[q0:q1].float()
+        if spec.cache is None:
+            assert args.k is not None and args.v is not None
+            k = args.k[q0:q1].float()
+            v = args.v[q0:q1].float()
+            nk = nq
+        else:
+            assert args.k_cache is not None and args.page_table is not None
+            k = gather_paged(args.k_cache, args.page_table[b], nk).float()
+            if args.v_cache is None:  # latent cache: values are the leading channels of keys
+                v = k[..., : spec.v_dim]
+            else:
+                v = gather_paged(args.v_cache, args.page_table[b], nk).float()
+        k = k.repeat_interleave(group, dim=1)  # [nk, Hq, D]
+        v = v.repeat_interleave(group, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q, k) * args.scale
+        if spec.softcap > 0:
+            s = torch.tanh(s / spec.softcap) * spec.softcap
+        qpos = torch.arange(nk - nq, nk, device=q.device)[:, None]
+        kpos = torch.arange(nk, device=q.device)[None, :]
+        mask = torch.zeros((nq, nk), dtype=torch.bool, device=q.device)
+        if spec.causal:
+            mask |= kpos > qpos
+        if spec.window is not None:
+            mask |= kpos <= qpos - spec.window
+        s = s.masked_fill(mask[None], float("-inf"))
+        if args.sinks is not None:
+            sink = args.sinks.float()[:, None, None].expand(Hq, nq, 1)
+            p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            p = torch.softmax(s, dim=-1)
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", p, v).to(out.dtype)
+    return out
