@@ -31,8 +31,9 @@ class ArchSpec:
     :param hf_arch: exact HF class string, e.g. ``"FooForCausalLM"``.
     :param model: ``"module:Class"`` of the :class:`exl3_core.archkit.Model` subclass.
     :param aliases: further HF strings served by the same class.
-    :param test_config: ``"module:fn"`` returning a tiny random HF config (a ``transformers``
-        ``PretrainedConfig``) for the conformance suite in :mod:`exl3_core.testing`.
+    :param test_config: ``"module:fn"`` returning ``{variant name: transformers PretrainedConfig}``,
+        tiny random configs that the conformance suite in :mod:`exl3_core.testing` builds with
+        transformers and compares exl3 against (no model hub needed).
     :param gguf_arch: llama.cpp ``general.architecture`` values this architecture imports from.
     :param gguf_adapter: ``"module:attr"`` of a :class:`exl3_core.convert.gguf_import.GGUFAdapter`
         that maps GGUF metadata to an HF ``config.json`` and states the tensor quirks.

@@ -1,0 +1,4 @@
+"""Qwen2, Qwen3 and Qwen3-MoE architectures for exl3."""
+from __future__ import annotations
+
+__version__ = "0.1.0"

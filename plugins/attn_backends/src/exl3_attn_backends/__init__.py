@@ -1,0 +1,4 @@
+"""Triton paged attention (and flash-attn/xformers adapters) for exl3."""
+from __future__ import annotations
+
+__version__ = "0.1.0"
