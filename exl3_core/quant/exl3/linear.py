@@ -1,0 +1,215 @@
+"""EXL3-quantized linear layer: checkpoint loading, validation and the forward pass (spec 1, 4.3).
+
+The trellis stays the source of truth. The torch reference path decodes Ŵ once (the slow part)
+and caches it in fp16 (exact) next to the trellis; the compiled GEMM, when built, decodes on the fly.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+import torch
+
+from exl3_core import ext
+from exl3_core.quant.exl3 import codebook as _cb
+from exl3_core.quant.exl3.dequant import apply_scales_and_rotations, codebook_from_markers
+from exl3_core.quant.exl3.hadamard import EXL3_BLOCK, had_blockwise
+from exl3_core.quant.exl3.trellis import MAX_K, decode_inner
+
+PAD = EXL3_BLOCK  # quantized in/out features are zero-padded to multiples of 128 (spec 1.4)
+CODEBOOK_LABELS = {v: k for k, v in _cb.CODEBOOK_NAMES.items()}
+
+
+def padded(features: int) -> int:
+    """``features`` rounded up to the 128 multiple EXL3 stores."""
+    return -(-features // PAD) * PAD
+
+
+def is_exl3_storage(key: str, names: Collection[str]) -> bool:
+    """True iff ``key`` is stored as EXL3: ``trellis`` + (``suh``|``su``) + (``svh``|``sv``) (spec 1.5)."""
+    return (
+        f"{key}.trellis" in names
+        and (f"{key}.suh" in names or f"{key}.su" in names)
+        and (f"{key}.svh" in names or f"{key}.sv" in names)
+    )
+
+
+def unpack_sign_bits(packed: torch.Tensor, length: int, name: str) -> torch.Tensor:
+    """Legacy ``su``/``sv`` (int16 ``[len/16]``): bit i of word w is element 16w+i, set = -1 (spec 1.5)."""
+    if packed.dtype != torch.int16 or packed.dim() != 1:
+        raise ValueError(f"{name}: legacy packed signs must be 1-D int16, got {packed.dtype} {tuple(packed.shape)}")
+    if packed.numel() * 16 != length:
+        raise ValueError(f"{name}: has {packed.numel()} words, expected {length // 16} (= {length} signs / 16)")
+    bits = (packed.to(torch.int32).unsqueeze(-1) >> torch.arange(16, dtype=torch.int32, device=packed.device)) & 1
+    return (1 - 2 * bits).reshape(length).to(torch.float16)
+
+
+def _check_trellis(name: str, trellis: torch.Tensor, k: int | None = None, n: int | None = None) -> int:
+    """Validate dtype/rank/word count (and padded shape when known); return K."""
+    if trellis.dtype != torch.int16:
+        raise ValueError(f"{name}: dtype {trellis.dtype}, expected int16 (safetensors I16)")
+    if trellis.dim() != 3:
+        raise ValueError(f"{name}: shape {tuple(trellis.shape)}, expected 3-D [in/16, out/16, 16*K]")
+    words = trellis.shape[-1]
+    if words % 16 or not 1 <= words // 16 <= MAX_K:
+        raise ValueError(
+            f"{name}: last dim {words} gives an impossible K ({words}/16); EXL3 stores 16*K int16 words per "
+            f"16x16 tile with K in 1..{MAX_K}, so the tensor is truncated or not an EXL3 trellis"
+        )
+    K = words // 16
+    if k is not None and n is not None and tuple(trellis.shape) != (k // 16, n // 16, 16 * K):
+        raise ValueError(
+            f"{name}: shape {list(trellis.shape)}, expected [{k // 16}, {n // 16}, {16 * K}] for padded "
+            f"in/out features {k}/{n}; the file is truncated or belongs to another layer size"
+        )
+    return K
+
+
+class EXL3Linear(torch.nn.Module):
+    """``y = x @ W + bias`` with W stored as an EXL3 trellis (``(in, out)`` orientation, padded to 128).
+
+    Buffers keep the checkpoint's names and dtypes: ``trellis`` (int16), ``suh``/``svh`` (fp16) and
+    the optional ``bias`` (fp16, padded length). ``in_features``/``out_features`` are the true sizes;
+    inputs narrower than the padded width are zero-extended and outputs trimmed.
+    """
+
+    trellis: torch.Tensor
+    suh: torch.Tensor
+    svh: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        trellis: torch.Tensor,
+        suh: torch.Tensor,
+        svh: torch.Tensor,
+        codebook: int,
+        in_features: int,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+        key: str = "exl3_linear",
+    ) -> None:
+        super().__init__()
+        if codebook not in CODEBOOK_LABELS:
+            raise ValueError(f"{key}: unknown codebook id {codebook!r}; expected 0 (3inst), 1 (mcg) or 2 (mul1)")
+        k, n = padded(in_features), padded(out_features)
+        self.K = _check_trellis(f"{key}.trellis", trellis, k, n)
+        for name, t, size in (("suh", suh, k), ("svh", svh, n)):
+            if not t.dtype.is_floating_point or tuple(t.shape) != (size,):
+                raise ValueError(f"{key}.{name}: {t.dtype} {list(t.shape)}, expected a float vector [{size}]")
+        if bias is not None:
+            if not bias.dtype.is_floating_point or bias.dim() != 1 or bias.numel() not in (out_features, n):
+                raise ValueError(
+                    f"{key}.bias: {bias.dtype} {list(bias.shape)}, expected a float vector [{n}] or [{out_features}]"
+                )
+            if bias.numel() != n:
+                bias = torch.nn.functional.pad(bias, (0, n - bias.numel()))
+        self.key = key
+        self.codebook = codebook
+        self.in_features = in_features
+        self.out_features = out_features
+        self.padded_in_features = k
+        self.padded_out_features = n
+        self.cache_decoded = True
+        self.register_buffer("trellis", trellis)
+        self.register_buffer("suh", suh)
+        self.register_buffer("svh", svh)
+        self.register_buffer("bias", bias)
+        self._inner: torch.Tensor | None = None
+
+    @classmethod
+    def from_tensors(
+        cls,
+        key: str,
+        get: Callable[[str], torch.Tensor | None],
+        in_features: int,
+        out_features: int,
+    ) -> EXL3Linear:
+        """Build from checkpoint tensors ``<key>.*``; ``get(name)`` returns a tensor or None if absent."""
+        trellis = get(f"{key}.trellis")
+        if trellis is None:
+            raise KeyError(f"{key}.trellis: missing; {key} is not stored as EXL3")
+        k, n = padded(in_features), padded(out_features)
+        _check_trellis(f"{key}.trellis", trellis, k, n)
+
+        def scales(side: str, size: int) -> torch.Tensor:
+            t = get(f"{key}.{side}h")
+            if t is not None:
+                return t
+            legacy = get(f"{key}.{side}")
+            if legacy is None:
+                raise KeyError(f"{key}.{side}h: missing (and no legacy {key}.{side}); checkpoint is incomplete")
+            return unpack_sign_bits(legacy, size, f"{key}.{side}")
+
+        codebook = codebook_from_markers(key, get(f"{key}.mcg"), get(f"{key}.mul1"))
+        return cls(
+            trellis, scales("su", k), scales("sv", n), codebook, in_features, out_features,
+            bias=get(f"{key}.bias"), key=key,
+        )
+
+    # ---- decoded weights
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module override
+        self._inner = None  # .to()/.cuda() move the trellis; the cache follows lazily
+        return super()._apply(fn, recurse)
+
+    def clear_cache(self) -> None:
+        """Drop the decoded Ŵ (memory); the next reference forward decodes again."""
+        self._inner = None
+
+    def inner(self) -> torch.Tensor:
+        """Decoded fp16 Ŵ ``[k, n]`` (padded, rotated domain), bit-exact; cached if ``cache_decoded``."""
+        if self._inner is not None:
+            return self._inner
+        w = decode_inner(self.trellis, self.K, self.codebook)
+        if self.cache_decoded:
+            self._inner = w
+        return w
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 W ``[in_features, out_features]`` in the original basis (bias not included)."""
+        w = apply_scales_and_rotations(self.inner(), self.suh, self.svh)
+        return w[: self.in_features, : self.out_features]
+
+    # ---- forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width = x.shape[-1]
+        if width not in (self.in_features, self.padded_in_features):
+            raise ValueError(
+                f"{self.key}: input last dim {width}, expected {self.in_features} (or padded {self.padded_in_features})"
+            )
+        if width < self.padded_in_features:
+            x = torch.nn.functional.pad(x, (0, self.padded_in_features - width))
+        y = exl3_matmul(x, self)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y[..., : self.out_features].to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, K={self.K}, "
+            f"codebook={CODEBOOK_LABELS[self.codebook]}, bias={self.bias is not None}"
+        )
+
+
+def exl3_matmul_reference(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
+    """fp32 ``x @ W`` (padded widths, no bias) via spec 4.3 without intermediate fp16 rounding."""
+    xs = x.to(torch.float32) * layer.suh.to(torch.float32)
+    xh = had_blockwise(xs, dim=-1)
+    z = xh @ layer.inner().to(torch.float32)
+    return had_blockwise(z, dim=-1) * layer.svh.to(torch.float32)
+
+
+def exl3_matmul(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
+    """Op-dispatch seam for ``x[..., k] @ W -> [..., n]`` (padded widths, no bias).
+
+    On CUDA with the compiled op present it calls
+    ``torch.ops.exl3.exl3_gemm(x2d fp16 [m, k] contiguous, trellis, suh, svh, codebook: int) -> fp16 [m, n]``
+    (K from the trellis' last dim); otherwise the fp32 torch reference. The result's dtype is
+    the path's (fp16 or fp32); the caller casts.
+    """
+    if x.is_cuda and ext.has_op("exl3_gemm"):
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float16).contiguous()
+        y = ext.op("exl3_gemm")(x2, layer.trellis, layer.suh, layer.svh, layer.codebook)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+    return exl3_matmul_reference(x, layer)
