@@ -206,7 +206,7 @@ def save_sharded(
         tmp_files.clear()
         if n > 1:
             weight_map = {name: final.name for names, final in zip(shard_names, finals) for name in names}
-            # total_size counts tensor data bytes only, not headers (as HF and exllamav3 write it).
+            # total_size counts tensor data bytes only, not headers (as HF writes it).
             total = sum(shard_bytes)
             _write_json_atomic({"metadata": {"total_size": total}, "weight_map": weight_map}, out / INDEX_FILE)
     except BaseException:
