@@ -48,10 +48,12 @@ def _dtype_table() -> dict[str, torch.dtype]:
 
 ST_TO_TORCH: dict[str, torch.dtype] = _dtype_table()
 TORCH_TO_ST: dict[torch.dtype, str] = {v: k for k, v in ST_TO_TORCH.items()}
+# Precomputed: headers can list tens of thousands of tensors.
+_ITEMSIZE: dict[torch.dtype, int] = {d: torch.empty((), dtype=d).element_size() for d in TORCH_TO_ST}
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return _ITEMSIZE.get(dtype) or torch.empty((), dtype=dtype).element_size()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,7 +58,7 @@ def _normalize(requests: Requests) -> dict[str, TensorRequest]:
 
 def _release(device: torch.device) -> None:
     gc.collect()  # tensors caught in reference cycles (e.g. by traceback frames) go now, not later
-    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         torch.cuda.empty_cache()
 
 
@@ -101,7 +101,8 @@ def load_tensors(
             continue
         plan.append((key, req))
     if problems:
-        head = f"{len(problems)} of {len(reqs)} requested tensors cannot be loaded:\n  " if len(problems) > 1 else ""
+        head = f"{len(problems)} of {len(reqs)} requested tensors cannot be loaded:\n  "
+        head = head if len(problems) > 1 else ""
         raise LoaderError(head + "\n  ".join(problems))
 
     total = collection.total_bytes([r.name for _, r in plan])
@@ -141,8 +142,8 @@ def load_tensors(
         where = collection.file_of(current) if current is not None else collection.directory
         raise LoaderError(
             f"loading tensor {current!r} from {where} to {device} failed ({type(e).__name__}: {e}); "
-            f"nothing from this load was kept on the device. Free device memory or pick another device; if the file is damaged, re-download or "
-            f"re-convert the model"
+            f"nothing from this load was kept on the device. Free device memory or pick another "
+            f"device; if the file is damaged, re-download or re-convert the model"
         ) from e
     finally:
         if own_bar is not None:

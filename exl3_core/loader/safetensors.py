@@ -33,7 +33,9 @@ def _dtype_name(d: torch.dtype) -> str:
 def shape_matches(found: tuple[int, ...], expect: Collection[int | None]) -> bool:
     """``expect`` may use ``None`` or ``-1`` for dimensions of any size."""
     exp = tuple(expect)
-    return len(exp) == len(found) and all(e is None or e == -1 or e == f for e, f in zip(exp, found))
+    if len(exp) != len(found):
+        return False
+    return all(e is None or e == -1 or e == f for e, f in zip(exp, found, strict=True))
 
 
 def match_prefix(name: str, prefix: str) -> bool:
@@ -356,4 +358,6 @@ class SafetensorsCollection:
                 f"tensors={len(self._tensors)})")
 
 
-__all__ = ["SafetensorsCollection", "LoaderError", "INDEX_FILE", "SINGLE_FILE", "match_prefix", "shape_matches"]
+__all__ = [
+    "INDEX_FILE", "SINGLE_FILE", "LoaderError", "SafetensorsCollection", "match_prefix", "shape_matches",
+]

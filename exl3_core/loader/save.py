@@ -48,8 +48,9 @@ def _check_tensor(name: object, t: object, path: Path) -> None:
 def _write(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str] | None) -> int:
     """Write ``tensors`` to ``path`` via a temporary file and an atomic rename. Returns data bytes."""
     if sys.byteorder != "little":
-        raise LoaderError(f"{path}: safetensors is little-endian; writing from a big-endian host is not supported")
-    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise LoaderError(f"{path}: safetensors is little-endian; big-endian hosts cannot write it")
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str)
+                                        for k, v in metadata.items()):
         raise LoaderError(f"{path}: metadata must map str to str (safetensors stores nothing else)")
     for name, t in tensors.items():
         _check_tensor(name, t, path)
@@ -63,7 +64,8 @@ def _write(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[st
     for name in order:
         t = tensors[name]
         n = _nbytes(t)
-        header[name] = {"dtype": TORCH_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        header[name] = {"dtype": TORCH_TO_ST[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + n]}
         offset += n
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-(8 + len(blob)) % 8)  # space padding is valid JSON whitespace
@@ -79,7 +81,7 @@ def _write(tensors: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[st
                 if t.numel() == 0:
                     continue
                 raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                f.write(memoryview(raw.numpy()))
+                f.write(raw.numpy().data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -201,14 +203,16 @@ def save_sharded(
 
         n = len(tmp_files)
         finals = [out / SINGLE_FILE] if n == 1 else [out / shard_name(i + 1, n) for i in range(n)]
-        for tmp, final in zip(tmp_files, finals):
+        for tmp, final in zip(tmp_files, finals, strict=True):
             os.replace(tmp, final)
         tmp_files.clear()
         if n > 1:
-            weight_map = {name: final.name for names, final in zip(shard_names, finals) for name in names}
+            weight_map = {name: final.name
+                          for names, final in zip(shard_names, finals, strict=True) for name in names}
             # total_size counts tensor data bytes only, not headers (as HF writes it).
             total = sum(shard_bytes)
-            _write_json_atomic({"metadata": {"total_size": total}, "weight_map": weight_map}, out / INDEX_FILE)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            _write_json_atomic(index, out / INDEX_FILE)
     except BaseException:
         for tmp in tmp_files:
             tmp.unlink(missing_ok=True)

@@ -439,8 +439,10 @@ def test_save_sharded_single_file_replaces_stale_shards(tmp_path: Path) -> None:
         assert all(torch.equal(r.get_tensor(k), v) for k, v in small.items())
 
 
-def test_save_sharded_oversized_group_gets_own_shard(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    items = [("a.0", torch.randn(10)), ("b.0", torch.randn(100)), ("b.1", torch.randn(100)), ("c.0", torch.randn(10))]
+def test_save_sharded_oversized_group_gets_own_shard(tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    items = [("a.0", torch.randn(10)), ("b.0", torch.randn(100)), ("b.1", torch.randn(100)),
+             ("c.0", torch.randn(10))]
     with caplog.at_level("WARNING", logger="exl3.loader"):
         files = save_sharded(items, tmp_path, 200, group_key=lambda k: k.split(".")[0])
     assert len(files) == 3 and "shard of its own" in caplog.text
