@@ -94,7 +94,7 @@ def load_plugins(
                                 version=_dist_version("exl3-core"))
     if autoload if autoload is not None else not s.disable_plugin_autoload:
         allow = allow if allow is not None else s.plugins
-        for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
             if ep.name in infos:
                 continue
             dist = ep.dist.name if ep.dist is not None else None

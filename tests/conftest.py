@@ -1,0 +1,62 @@
+"""Shared fixtures: device selection, CUDA skipping, seeded RNG, isolated plugin sets."""
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+TESTS = Path(__file__).resolve().parent
+DATA = TESTS / "data"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default=None, help="torch device for GPU tests (default: cuda:0 when present)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device(request: pytest.FixtureRequest) -> torch.device:
+    opt = request.config.getoption("--device")
+    if opt:
+        return torch.device(opt)
+    return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    random.seed(1234)
+    torch.manual_seed(1234)
+
+
+@pytest.fixture
+def clean_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """Drop every EXL3_* variable for the test and re-read settings before and after."""
+    from exl3_core import settings
+
+    for k in list(os.environ):
+        if k.startswith("EXL3_"):
+            monkeypatch.delenv(k)
+    settings.reload()
+    yield monkeypatch
+    monkeypatch.undo()
+    settings.reload()
+
+
+@pytest.fixture
+def plugins():
+    """A plugin set with only the core built-ins (tests never depend on what is installed)."""
+    from exl3_core.plugins import load_plugins
+
+    return load_plugins(autoload=False)
