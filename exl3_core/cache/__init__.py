@@ -1,0 +1,8 @@
+"""Paged cache: per-layer storage (CacheLayer), the Cache of a model, the page allocator."""
+from __future__ import annotations
+
+from exl3_core.cache.cache import Cache
+from exl3_core.cache.layer import CacheLayer
+from exl3_core.cache.pages import CacheExhausted, PageAllocator, page_hashes
+
+__all__ = ["Cache", "CacheExhausted", "CacheLayer", "PageAllocator", "page_hashes"]

@@ -1,0 +1,49 @@
+"""The plain paged KV cache layer: keys and values stored in the model's float dtype."""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from exl3_core.cache.layer import CacheLayer
+
+_VIEW = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+class KVCacheLayer(CacheLayer):
+    """``k``/``v`` tensors ``[num_pages, page_size, num_kv_heads, head_dim(_v)]``.
+
+    Variant ``"fp16"`` means "unquantized half-width storage"; it keeps whatever float dtype the
+    model runs in (fp16 or bf16 on GPU, fp32 in CPU tests) and names that dtype in its view.
+    """
+
+    kind: ClassVar[str] = "kv"
+    variant: ClassVar[str] = "fp16"
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        if self.dtype not in _VIEW:
+            raise ValueError(f"KVCacheLayer: dtype {self.dtype} is not a float dtype (use fp16, bf16 or fp32)")
+        shape = (self.num_pages, self.page_size, self.num_kv_heads)
+        self.k = torch.zeros((*shape, self.head_dim), dtype=self.dtype, device=self.device)
+        self.v = torch.zeros((*shape, self.head_dim_v), dtype=self.dtype, device=self.device)
+
+    def views(self) -> tuple[str, ...]:
+        return (f"kv/{_VIEW[self.dtype]}",)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+        if v is None:
+            raise ValueError("KVCacheLayer.write: v is None; a 'kv' cache stores values (latent caches use kind 'mla')")
+        # one scatter per tensor over the flattened [pages*page_size] slot axis: no host sync
+        self.k.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, k.to(self.dtype))
+        self.v.view(-1, self.num_kv_heads, self.head_dim_v).index_copy_(0, slot_mapping, v.to(self.dtype))
+
+    def attn_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.k, self.v
+
+    def copy_page(self, src: int, dst: int) -> None:
+        self.k[dst].copy_(self.k[src])
+        self.v[dst].copy_(self.v[src])
+
+    def storage_size(self) -> int:
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
