@@ -1,4 +1,5 @@
 """EXL3 trellis codec against ExLlamaV3's golden tensors and independent per-tile oracles."""
+
 from __future__ import annotations
 
 import time
@@ -159,7 +160,9 @@ def test_golden_pack_unpack_round_trip_and_wrap(variant: str) -> None:
         assert bool(check_wrap(states, K).all()) and bool(check_states(states, K).all())
         assert torch.equal(pack_trellis(states, K), trellis)
         # decoding through the codebook oracle on the unpacked states agrees with decode_inner
-        assert torch.equal(place_tiles(cbmod.decode(states, VARIANTS[variant])), decode_inner(trellis, K, VARIANTS[variant]))
+        assert torch.equal(
+            place_tiles(cbmod.decode(states, VARIANTS[variant])), decode_inner(trellis, K, VARIANTS[variant])
+        )
 
 
 # ---- packing
@@ -230,7 +233,11 @@ def test_reconstruct_vs_exllamav3_weight(variant: str) -> None:
         k, n = w.shape
         # fp64 oracle with explicit block-diagonal matrices built from the golden H128
         w_hat = inner[f"{key}.inner"].to(torch.float64)
-        oracle = suh.double()[:, None] * (_block_diag_had(k, h128) @ w_hat @ _block_diag_had(n, h128)) * svh.double()
+        oracle = (
+            suh.double()[:, None]
+            * (_block_diag_had(k, h128) @ w_hat @ _block_diag_had(n, h128))
+            * svh.double()
+        )
         assert torch.allclose(w.double(), oracle, rtol=0, atol=1e-6)
         # ExLlamaV3 rounds to fp16 between its steps; the README quotes ~7e-4 max from an fp32 decoder
         ref = inner[f"{key}.weight"].float()

@@ -1,4 +1,5 @@
 """Hadamard constructions and the EXL3 blockwise rotation."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,7 +26,7 @@ def test_had128_matches_exllamav3() -> None:
 def test_sylvester_natural_order_formula() -> None:
     h = get_hadamard(64)
     i = torch.arange(64)
-    popcount = torch.tensor([bin(int(a) & int(b)).count("1") for a in i for b in i]).view(64, 64)
+    popcount = torch.tensor([(int(a) & int(b)).bit_count() for a in i for b in i]).view(64, 64)
     assert torch.equal(h, (1 - 2 * (popcount % 2)).float())
 
 

@@ -1,4 +1,5 @@
 """EXL3Linear: loading every golden linear, forward vs the fp32 reconstruction, validation errors."""
+
 from __future__ import annotations
 
 import json
@@ -33,14 +34,20 @@ def _linear_sizes(cfg: dict) -> dict[str, tuple[int, int]]:
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
     return {
-        "q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-        "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h), "lm_head": (h, v),
+        "q_proj": (h, q),
+        "k_proj": (h, kv),
+        "v_proj": (h, kv),
+        "o_proj": (q, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+        "lm_head": (h, v),
     }
 
 
 def _load(model_dir: Path) -> dict[str, torch.Tensor]:
     with safe_open(model_dir / "model.safetensors", "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+        return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
 
 
 def _random_layer(
@@ -49,14 +56,18 @@ def _random_layer(
     g = torch.Generator().manual_seed(seed)
     k, n = -(-in_f // 128) * 128, -(-out_f // 128) * 128
     t = {
-        "x.trellis": torch.randint(-32768, 32768, (k // 16, n // 16, 16 * K), generator=g, dtype=torch.int32).to(torch.int16),
+        "x.trellis": torch.randint(
+            -32768, 32768, (k // 16, n // 16, 16 * K), generator=g, dtype=torch.int32
+        ).to(torch.int16),
         "x.suh": (torch.randn(k, generator=g) * 0.05).half(),
         "x.svh": (torch.randn(n, generator=g) * 0.05).half(),
     }
     if bias:
         t["x.bias"] = torch.randn(out_f, generator=g).half()
     if cb != CB_3INST:
-        t["x." + ("mcg" if cb == CB_MCG else "mul1")] = torch.tensor(marker_int32("mcg" if cb == CB_MCG else "mul1"), dtype=torch.int32)
+        t["x." + ("mcg" if cb == CB_MCG else "mul1")] = torch.tensor(
+            marker_int32("mcg" if cb == CB_MCG else "mul1"), dtype=torch.int32
+        )
     return t
 
 
@@ -69,7 +80,9 @@ def test_every_golden_linear_loads_and_matches_reconstruct(model_dir: Path) -> N
     qcfg = json.loads((model_dir / "quantization_config.json").read_text())["tensor_storage"]
     sizes = _linear_sizes(cfg)
     tensors = _load(model_dir)
-    keys = sorted({n.rsplit(".", 1)[0] for n in tensors if is_exl3_storage(n.rsplit(".", 1)[0], tensors.keys())})
+    keys = sorted(
+        {n.rsplit(".", 1)[0] for n in tensors if is_exl3_storage(n.rsplit(".", 1)[0], tensors.keys())}
+    )
     assert len(keys) == 7 * cfg["num_hidden_layers"] + 1  # every projection plus the head
     g = torch.Generator().manual_seed(1)
     ks = set()
@@ -79,11 +92,15 @@ def test_every_golden_linear_loads_and_matches_reconstruct(model_dir: Path) -> N
         # K and codebook agree with ExLlamaV3's own per-tensor metadata
         meta = qcfg[key]
         assert layer.K == meta["bits_per_weight"]
-        expected_cb = CB_MUL1 if "mul1_multiplier" in meta else CB_MCG if "mcg_multiplier" in meta else CB_3INST
+        expected_cb = (
+            CB_MUL1 if "mul1_multiplier" in meta else CB_MCG if "mcg_multiplier" in meta else CB_3INST
+        )
         assert layer.codebook == expected_cb
         ks.add(layer.K)
         x = torch.randn(2, 3, in_f, generator=g)
-        w = reconstruct(tensors[f"{key}.trellis"], tensors[f"{key}.suh"], tensors[f"{key}.svh"], None, layer.codebook)
+        w = reconstruct(
+            tensors[f"{key}.trellis"], tensors[f"{key}.suh"], tensors[f"{key}.svh"], None, layer.codebook
+        )
         ref = x @ w[:in_f, :out_f]
         y = layer(x)
         assert y.shape == (2, 3, out_f) and y.dtype == torch.float32
@@ -94,7 +111,11 @@ def test_every_golden_linear_loads_and_matches_reconstruct(model_dir: Path) -> N
 
 
 def test_codebook_detection_on_golden_names() -> None:
-    for model_dir, cb in (("model_c_exl3_3.0bpw_3inst", CB_3INST), ("model_c_exl3_3.0bpw_mcg", CB_MCG), ("model_c_exl3_3.0bpw_mul1", CB_MUL1)):
+    for model_dir, cb in (
+        ("model_c_exl3_3.0bpw_3inst", CB_3INST),
+        ("model_c_exl3_3.0bpw_mcg", CB_MCG),
+        ("model_c_exl3_3.0bpw_mul1", CB_MUL1),
+    ):
         tensors = _load(GOLDEN / "exl3" / model_dir)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # locked marker values: no warning
@@ -108,7 +129,12 @@ def test_codebook_detection_on_golden_names() -> None:
 
 @pytest.mark.parametrize(
     ("in_f", "out_f", "K", "cb", "bias"),
-    [(200, 72, 2, CB_MUL1, True), (256, 384, 5, CB_MCG, False), (130, 128, 1, CB_3INST, True), (128, 300, 8, CB_MUL1, False)],
+    [
+        (200, 72, 2, CB_MUL1, True),
+        (256, 384, 5, CB_MCG, False),
+        (130, 128, 1, CB_3INST, True),
+        (128, 300, 8, CB_MUL1, False),
+    ],
 )
 def test_forward_matches_x_at_reconstruct(in_f: int, out_f: int, K: int, cb: int, bias: bool) -> None:
     t = _random_layer(in_f, out_f, K, cb, bias=bias, seed=K)
@@ -163,7 +189,9 @@ def test_dispatch_uses_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None
     layer = EXL3Linear.from_tensors("x", t.get, 128, 128)
     x = torch.randn(2, 128)
     # CPU input never goes to the compiled GEMM even when it exists
-    assert torch.allclose(exl3_matmul(x, layer), x @ reconstruct(t["x.trellis"], t["x.suh"], t["x.svh"], 2, CB_MUL1), atol=1e-4)
+    assert torch.allclose(
+        exl3_matmul(x, layer), x @ reconstruct(t["x.trellis"], t["x.suh"], t["x.svh"], 2, CB_MUL1), atol=1e-4
+    )
 
 
 def test_legacy_packed_signs() -> None:
@@ -211,7 +239,11 @@ def test_wrong_features_for_trellis(golden_mul1: dict[str, torch.Tensor]) -> Non
 
 @pytest.mark.parametrize("words", [144, 40, 8])
 def test_impossible_k(words: int) -> None:
-    t = {"x.trellis": torch.zeros(8, 8, words, dtype=torch.int16), "x.suh": torch.ones(128).half(), "x.svh": torch.ones(128).half()}
+    t = {
+        "x.trellis": torch.zeros(8, 8, words, dtype=torch.int16),
+        "x.suh": torch.ones(128).half(),
+        "x.svh": torch.ones(128).half(),
+    }
     with pytest.raises(ValueError, match=rf"x\.trellis: last dim {words} gives an impossible K"):
         EXL3Linear.from_tensors("x", t.get, 128, 128)
 

@@ -1,9 +1,9 @@
 """Full EXL3 dequantization to the original basis (format spec 4.2) and codebook detection (1.3)."""
+
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Collection, Mapping
-from typing import Union
 
 import torch
 
@@ -15,7 +15,7 @@ from exl3_core.quant.exl3.trellis import decode_inner
 MARKER_VALUES = {"mcg": _cb.MCG_MULT, "mul1": _cb.MUL1_MULT}
 MARKER_CODEBOOK = {"mcg": _cb.CB_MCG, "mul1": _cb.CB_MUL1}
 
-TensorSource = Union[Callable[[str], "torch.Tensor | None"], Mapping[str, torch.Tensor], Collection[str]]
+TensorSource = Callable[[str], "torch.Tensor | None"] | Mapping[str, torch.Tensor] | Collection[str]
 
 
 def marker_int32(name: str) -> int:
@@ -24,11 +24,13 @@ def marker_int32(name: str) -> int:
     return v - (1 << 32) if v >= 1 << 31 else v
 
 
-def codebook_from_markers(module_key: str, mcg: torch.Tensor | bool | None, mul1: torch.Tensor | bool | None) -> int:
+def codebook_from_markers(
+    module_key: str, mcg: torch.Tensor | bool | None, mul1: torch.Tensor | bool | None
+) -> int:
     """Codebook id from the two optional marker tensors of one module (spec 1.3).
 
     Pass the marker tensor, ``True`` (present, value unknown) or ``None``/``False`` (absent).
-    Both present is an error (exllamav3's GEMM refuses it too). A marker whose value is not the
+    Both present is an error (the reference engine's GEMM refuses it too). A marker whose value is not the
     locked constant warns: such checkpoints came from experimental pre-2025-10 builds whose
     custom multiplier current decoders (this one included) ignore.
     """
@@ -36,7 +38,8 @@ def codebook_from_markers(module_key: str, mcg: torch.Tensor | bool | None, mul1
     if len(present) == 2:
         raise ValueError(
             f"{module_key}: both {module_key}.mcg and {module_key}.mul1 are present; an EXL3 tensor uses "
-            f"one codebook, so the checkpoint is malformed (remove one marker; exllamav3 refuses it too)"
+            f"one codebook, so the checkpoint is malformed (remove one marker; the reference engine "
+            f"refuses it too)"
         )
     if not present:
         return _cb.CB_3INST
@@ -44,8 +47,8 @@ def codebook_from_markers(module_key: str, mcg: torch.Tensor | bool | None, mul1
     if isinstance(marker, torch.Tensor):
         if marker.numel() != 1 or marker.dtype.is_floating_point:
             warnings.warn(
-                f"{module_key}.{name}: marker should be a 0-dim int32, got {marker.dtype} {tuple(marker.shape)}; "
-                f"using the {name} codebook anyway",
+                f"{module_key}.{name}: marker should be a 0-dim int32, got {marker.dtype} "
+                f"{tuple(marker.shape)}; using the {name} codebook anyway",
                 stacklevel=2,
             )
         else:
@@ -65,6 +68,7 @@ def codebook_from_tensors(source: TensorSource, module_key: str) -> int:
 
     With a bare collection of names only presence is known, so marker values are not checked.
     """
+
     def fetch(name: str) -> torch.Tensor | bool | None:
         full = f"{module_key}.{name}"
         if isinstance(source, Mapping):
@@ -88,11 +92,13 @@ def reconstruct(
     """fp32 weight ``[k, n]`` (padded, ``(in, out)`` orientation) in the original basis.
 
     The fp32 reference of spec 4.2: decode Ŵ exactly, rotate both sides with H128/sqrt(128) and
-    scale rows by ``suh`` and columns by ``svh`` without intermediate rounding. ExLlamaV3's own
-    dequantizer rounds to fp16 between steps, so the two differ by ~1e-3 relative.
+    scale rows by ``suh`` and columns by ``svh`` without intermediate rounding. The reference
+    engine's own dequantizer rounds to fp16 between steps, so the two differ by ~1e-3 relative.
     """
     if trellis.dim() != 3:
-        raise ValueError(f"reconstruct: trellis must be 3-D [k/16, n/16, 16K], got shape {tuple(trellis.shape)}")
+        raise ValueError(
+            f"reconstruct: trellis must be 3-D [k/16, n/16, 16K], got shape {tuple(trellis.shape)}"
+        )
     k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
     if suh.shape != (k,) or svh.shape != (n,):
         raise ValueError(

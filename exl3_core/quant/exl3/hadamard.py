@@ -5,6 +5,7 @@ for experiments and for callers that want non-power-of-two rotations: Sylvester 
 (q+1, q ≡ 3 mod 4), Paley II (2(q+1), q ≡ 1 mod 4), q any odd prime power, and Kronecker
 products of those. Orders none of these reach (92, 172, ...) raise ``ValueError``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -154,7 +155,7 @@ def _plan(n: int) -> tuple | None:
         return direct
     if n % 4:
         return None  # Hadamard orders above 2 are multiples of 4
-    for a in range(2, int(math.isqrt(n)) + 1):
+    for a in range(2, math.isqrt(n) + 1):
         if n % a == 0 and _plan(a) is not None and _plan(n // a) is not None:
             return ("kron", a, n // a)
     return None

@@ -3,6 +3,7 @@
 The trellis stays the source of truth. The torch reference path decodes Ŵ once (the slow part)
 and caches it in fp16 (exact) next to the trellis; the compiled GEMM, when built, decodes on the fly.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
@@ -36,10 +37,16 @@ def is_exl3_storage(key: str, names: Collection[str]) -> bool:
 def unpack_sign_bits(packed: torch.Tensor, length: int, name: str) -> torch.Tensor:
     """Legacy ``su``/``sv`` (int16 ``[len/16]``): bit i of word w is element 16w+i, set = -1 (spec 1.5)."""
     if packed.dtype != torch.int16 or packed.dim() != 1:
-        raise ValueError(f"{name}: legacy packed signs must be 1-D int16, got {packed.dtype} {tuple(packed.shape)}")
+        raise ValueError(
+            f"{name}: legacy packed signs must be 1-D int16, got {packed.dtype} {tuple(packed.shape)}"
+        )
     if packed.numel() * 16 != length:
-        raise ValueError(f"{name}: has {packed.numel()} words, expected {length // 16} (= {length} signs / 16)")
-    bits = (packed.to(torch.int32).unsqueeze(-1) >> torch.arange(16, dtype=torch.int32, device=packed.device)) & 1
+        raise ValueError(
+            f"{name}: has {packed.numel()} words, expected {length // 16} (= {length} signs / 16)"
+        )
+    bits = (
+        packed.to(torch.int32).unsqueeze(-1) >> torch.arange(16, dtype=torch.int32, device=packed.device)
+    ) & 1
     return (1 - 2 * bits).reshape(length).to(torch.float16)
 
 
@@ -90,7 +97,9 @@ class EXL3Linear(torch.nn.Module):
     ) -> None:
         super().__init__()
         if codebook not in CODEBOOK_LABELS:
-            raise ValueError(f"{key}: unknown codebook id {codebook!r}; expected 0 (3inst), 1 (mcg) or 2 (mul1)")
+            raise ValueError(
+                f"{key}: unknown codebook id {codebook!r}; expected 0 (3inst), 1 (mcg) or 2 (mul1)"
+            )
         k, n = padded(in_features), padded(out_features)
         self.K = _check_trellis(f"{key}.trellis", trellis, k, n)
         for name, t, size in (("suh", suh, k), ("svh", svh, n)):
@@ -99,7 +108,8 @@ class EXL3Linear(torch.nn.Module):
         if bias is not None:
             if not bias.dtype.is_floating_point or bias.dim() != 1 or bias.numel() not in (out_features, n):
                 raise ValueError(
-                    f"{key}.bias: {bias.dtype} {list(bias.shape)}, expected a float vector [{n}] or [{out_features}]"
+                    f"{key}.bias: {bias.dtype} {list(bias.shape)}, expected a float vector "
+                    f"[{n}] or [{out_features}]"
                 )
             if bias.numel() != n:
                 bias = torch.nn.functional.pad(bias, (0, n - bias.numel()))
@@ -137,18 +147,26 @@ class EXL3Linear(torch.nn.Module):
                 return t
             legacy = get(f"{key}.{side}")
             if legacy is None:
-                raise KeyError(f"{key}.{side}h: missing (and no legacy {key}.{side}); checkpoint is incomplete")
+                raise KeyError(
+                    f"{key}.{side}h: missing (and no legacy {key}.{side}); checkpoint is incomplete"
+                )
             return unpack_sign_bits(legacy, size, f"{key}.{side}")
 
         codebook = codebook_from_markers(key, get(f"{key}.mcg"), get(f"{key}.mul1"))
         return cls(
-            trellis, scales("su", k), scales("sv", n), codebook, in_features, out_features,
-            bias=get(f"{key}.bias"), key=key,
+            trellis,
+            scales("su", k),
+            scales("sv", n),
+            codebook,
+            in_features,
+            out_features,
+            bias=get(f"{key}.bias"),
+            key=key,
         )
 
     # ---- decoded weights
 
-    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001, ANN202 - nn.Module override
+    def _apply(self, fn: Callable[..., torch.Tensor], recurse: bool = True) -> EXL3Linear:
         self._inner = None  # .to()/.cuda() move the trellis; the cache follows lazily
         return super()._apply(fn, recurse)
 
@@ -176,7 +194,8 @@ class EXL3Linear(torch.nn.Module):
         width = x.shape[-1]
         if width not in (self.in_features, self.padded_in_features):
             raise ValueError(
-                f"{self.key}: input last dim {width}, expected {self.in_features} (or padded {self.padded_in_features})"
+                f"{self.key}: input last dim {width}, expected {self.in_features} "
+                f"(or padded {self.padded_in_features})"
             )
         if width < self.padded_in_features:
             x = torch.nn.functional.pad(x, (0, self.padded_in_features - width))

@@ -4,6 +4,7 @@ Pure torch and vectorised over every tile at once. A tensor's trellis is int16 `
 each ``[tk, tn]`` row is one tail-biting sequence of 256 K-bit symbols whose 16-bit sliding-window
 states index the codebook. This module is the CPU oracle the compiled decoders are tested against.
 """
+
 from __future__ import annotations
 
 import functools
@@ -114,7 +115,7 @@ def unpack_states(trellis: torch.Tensor, K: int | None = None) -> torch.Tensor:
 
 def symbols_from_states(states: torch.Tensor, K: int) -> torch.Tensor:
     """Low K bits of each state (the symbol it appends); any integer dtype -> int32."""
-    return (states.to(torch.int32) & ((1 << check_k(K)) - 1))
+    return states.to(torch.int32) & ((1 << check_k(K)) - 1)
 
 
 def pack_trellis(states_or_symbols: torch.Tensor, K: int) -> torch.Tensor:
@@ -125,7 +126,9 @@ def pack_trellis(states_or_symbols: torch.Tensor, K: int) -> torch.Tensor:
     """
     K = check_k(K)
     if states_or_symbols.shape[-1] != TILE_NUMEL:
-        raise ValueError(f"pack_trellis: last dim must be {TILE_NUMEL} (one tile), got {tuple(states_or_symbols.shape)}")
+        raise ValueError(
+            f"pack_trellis: last dim must be {TILE_NUMEL} (one tile), got {tuple(states_or_symbols.shape)}"
+        )
     if states_or_symbols.dtype.is_floating_point or states_or_symbols.dtype == torch.bool:
         raise TypeError(f"pack_trellis: needs an integer tensor, got {states_or_symbols.dtype}")
     lead = states_or_symbols.shape[:-1]
@@ -178,16 +181,24 @@ def place_tiles(values: torch.Tensor) -> torch.Tensor:
 def tiles_from_matrix(w: torch.Tensor) -> torch.Tensor:
     """Inverse of ``place_tiles``: ``[k, n]`` -> ``[k/16, n/16, 256]`` in sequence order."""
     if w.dim() != 2 or w.shape[0] % TILE or w.shape[1] % TILE:
-        raise ValueError(f"tiles_from_matrix: expected [k, n] with k, n multiples of 16, got {tuple(w.shape)}")
+        raise ValueError(
+            f"tiles_from_matrix: expected [k, n] with k, n multiples of 16, got {tuple(w.shape)}"
+        )
     k, n = w.shape
-    flat = w.reshape(k // TILE, TILE, n // TILE, TILE).permute(0, 2, 1, 3).reshape(k // TILE, n // TILE, TILE_NUMEL)
+    flat = (
+        w.reshape(k // TILE, TILE, n // TILE, TILE)
+        .permute(0, 2, 1, 3)
+        .reshape(k // TILE, n // TILE, TILE_NUMEL)
+    )
     return flat.index_select(-1, _perm_cpu().to(w.device))
 
 
 def decode_inner(trellis: torch.Tensor, K: int | None, codebook: int) -> torch.Tensor:
     """Decode a whole trellis ``[k/16, n/16, 16K]`` to the fp16 inner matrix Ŵ ``[k, n]``, bit-exactly."""
     if trellis.dim() != 3:
-        raise ValueError(f"decode_inner: trellis must be 3-D [k/16, n/16, 16K], got shape {tuple(trellis.shape)}")
+        raise ValueError(
+            f"decode_inner: trellis must be 3-D [k/16, n/16, 16K], got shape {tuple(trellis.shape)}"
+        )
     tk, tn, _ = trellis.shape
     states = _states(trellis, K, tile_order=True)  # [tk, tn, r*16+c]
     lut = _cb.lut(codebook).to(trellis.device)
