@@ -1,0 +1,1 @@
+"""Jobs that turn checkpoints into other checkpoints (GGUF import, EXL3 quantization)."""
