@@ -1,0 +1,145 @@
+"""Multi-head attention with grouped/multi-query KV heads, over the dispatcher's backends.
+
+The module projects q/k/v, optionally RMS-normalises q and k per head, applies RoPE, and hands
+the packed-layout tensors (:mod:`exl3_core.attention.spec`) to whichever backend the dispatcher
+picks for the call's *static* :class:`AttnSpec`. With a cache, the new keys/values are written
+through the cache layer first (one scatter by ``slot_mapping``) and the backend reads the pages.
+Nothing here reads a tensor back to the host.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from exl3_core.attention.dispatch import get_dispatcher
+from exl3_core.attention.spec import AttnArgs, AttnSpec, device_cc
+from exl3_core.nn.module import ForwardState, LoadContext, Module
+from exl3_core.nn.norm import RMSNorm
+from exl3_core.nn.rope import RotaryEmbedding
+
+
+class Attention(Module):
+    """GQA/MQA self-attention.
+
+    :param prefix: checkpoint prefix of the projections, e.g. ``"model.layers.3.self_attn"``.
+    :param layer_idx: index of the decoder layer (for messages and per-layer quirks).
+    :param hidden_size: model width (input of q/k/v, output of o).
+    :param num_heads: query heads.
+    :param num_kv_heads: key/value heads (divides ``num_heads``; 1 = MQA).
+    :param head_dim: per-head size of q and k (and v unless ``head_dim_v``).
+    :param rope: the rotary embedding (shared between layers), or None for no positional rotation.
+    :param proj_keys: sub-keys of the q, k, v, o projections under ``prefix``.
+    :param qkv_bias: biases on q/k/v (None: use them if present).
+    :param o_bias: bias on o.
+    :param qk_norm_keys: sub-keys of per-head RMSNorms on q and k (applied before RoPE), or None.
+    :param norm_eps: epsilon of those norms.
+    :param norm_offset: weight offset of those norms (see :class:`RMSNorm`).
+    :param window: sliding window (a key is visible if it is less than ``window`` tokens behind).
+    :param softcap: tanh soft-capping of the scores (0 = off).
+    :param scale: score scale, default ``head_dim ** -0.5``.
+    """
+
+    #: what this module stores in a cache layer (``CacheLayerSpec.kind``)
+    cache_kind: ClassVar[str] = "kv"
+
+    def __init__(self, *, prefix: str, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, rope: RotaryEmbedding | None,
+                 proj_keys: tuple[str, str, str, str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+                 qkv_bias: bool | None = False, o_bias: bool | None = False,
+                 qk_norm_keys: tuple[str, str] | None = None, norm_eps: float = 1e-6, norm_offset: float = 0.0,
+                 window: int | None = None, softcap: float = 0.0, scale: float | None = None,
+                 head_dim_v: int | None = None) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"layer {layer_idx}: num_attention_heads={num_heads} is not a multiple of "
+                             f"num_key_value_heads={num_kv_heads} (config.json)")
+        self.prefix = prefix
+        self.layer_idx = layer_idx
+        self.hidden_size = hidden_size
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        self.rope = rope
+        self.proj_keys = tuple(f"{prefix}.{k}" for k in proj_keys)
+        self.qkv_bias = qkv_bias
+        self.o_bias = o_bias
+        self.window = window
+        self.softcap = softcap
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        #: index into ``cache.layers``; assigned by the model in attention-layer order
+        self.cache_index: int | None = None
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if qk_norm_keys is not None:
+            self.q_norm = RMSNorm(f"{prefix}.{qk_norm_keys[0]}", head_dim, norm_eps, offset=norm_offset)
+            self.k_norm = RMSNorm(f"{prefix}.{qk_norm_keys[1]}", head_dim, norm_eps, offset=norm_offset)
+        self.declare_slots("q_proj", "k_proj", "v_proj", "o_proj")
+        self._specs: dict[tuple[Any, ...], AttnSpec] = {}
+
+    # -- loading --------------------------------------------------------------------------------
+    def load_weights(self, ctx: LoadContext) -> None:
+        qk, kk, vk, ok = self.proj_keys
+        h, nq, nkv = self.hidden_size, self.num_heads, self.num_kv_heads
+        self.attach_loaded("q_proj", ctx.linear(qk, h, nq * self.head_dim, bias=self.qkv_bias))  # type: ignore[arg-type]
+        self.attach_loaded("k_proj", ctx.linear(kk, h, nkv * self.head_dim, bias=self.qkv_bias))  # type: ignore[arg-type]
+        self.attach_loaded("v_proj", ctx.linear(vk, h, nkv * self.head_dim_v, bias=self.qkv_bias))  # type: ignore[arg-type]
+        self.attach_loaded("o_proj", ctx.linear(ok, nq * self.head_dim_v, h, bias=self.o_bias))  # type: ignore[arg-type]
+        self._specs.clear()
+
+    # -- static dispatch ------------------------------------------------------------------------
+    def attn_spec(self, dtype: torch.dtype, device: torch.device, cache_view: str | None, phase: str) -> AttnSpec:
+        """The static spec for a call: built from Python values only, memoised (no host sync)."""
+        key = (dtype, device, cache_view, phase)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._specs[key] = AttnSpec(
+                head_dim=self.head_dim, num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads, dtype=dtype,
+                cache=cache_view, phase=phase,  # type: ignore[arg-type]
+                causal=True, window=self.window, softcap=self.softcap, varlen=True, device_type=device.type,
+                device_cc=device_cc(device), head_dim_v=None if self.head_dim_v == self.head_dim else self.head_dim_v,
+            )
+        return spec
+
+    # -- forward --------------------------------------------------------------------------------
+    def project_qkv(self, x: torch.Tensor, state: ForwardState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` -> q ``[T, Hq, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, Dv]`` (normed, rotated)."""
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # type: ignore[misc]
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # type: ignore[misc]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim_v)  # type: ignore[misc]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            rope = self.rope
+            cos, sin = state.memoize(("rope", id(rope)), lambda: rope.cos_sin(state.meta.positions))
+            q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        meta = state.meta
+        T = x.shape[0]
+        q, k, v = self.project_qkv(x, state)
+        layer = state.cache_layer(self.cache_index)
+        if layer is None:
+            spec = self.attn_spec(q.dtype, q.device, None, meta.phase)
+            args = AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
+                            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=self.scale,
+                            k=k, v=v)
+        else:
+            if meta.slot_mapping is None or meta.page_table is None:
+                raise ValueError("forward with a cache needs BatchMeta.slot_mapping and page_table")
+            layer.write(k, v, meta.slot_mapping)
+            k_cache, v_cache = layer.attn_tensors()
+            spec = self.attn_spec(q.dtype, q.device, layer.views()[0], meta.phase)
+            args = AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
+                            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=self.scale,
+                            k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table)
+        backend = get_dispatcher(state.plugins).select(spec, state.allowed_backends)
+        o = backend.forward(args)
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim_v))  # type: ignore[misc]
+
+    def extra_repr(self) -> str:
+        return f"{self.prefix}: heads={self.num_heads}/{self.num_kv_heads}, head_dim={self.head_dim}, " \
+               f"window={self.window}, softcap={self.softcap}"

@@ -1,0 +1,91 @@
+"""Feed-forward blocks: gated (``down(act(gate(x)) * up(x))``) and plain (``down(act(up(x)))``)."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from exl3_core.nn.module import LoadContext, Module
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# HF ``hidden_act`` names -> function. gelu_new/gelu_fast/gelu_pytorch_tanh are all the tanh
+# approximation 0.5x(1+tanh(sqrt(2/pi)(x+0.044715x^3))), written differently.
+ACTIVATIONS: dict[str, Activation] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "gelu_new": _gelu_tanh,
+    "gelu_fast": _gelu_tanh,
+    "gelu_tanh": _gelu_tanh,
+    "relu": F.relu,
+}
+
+
+def activation(name: str) -> Activation:
+    try:
+        return ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"hidden_act={name!r} in config.json is not supported; supported: "
+                         f"{', '.join(sorted(ACTIVATIONS))}") from None
+
+
+class GatedMLP(Module):
+    """``down(act(gate(x)) * up(x))``.
+
+    :param keys: checkpoint keys of the ``gate``, ``up`` and ``down`` linears.
+    :param bias: whether the linears carry biases (None: use them if present).
+    """
+
+    def __init__(self, *, hidden_size: int, intermediate_size: int, act: str, gate_key: str, up_key: str,
+                 down_key: str, bias: bool | None = False) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.act_name = act
+        self.act = activation(act)
+        self.keys = (gate_key, up_key, down_key)
+        self.bias = bias
+        self.declare_slots("gate", "up", "down")
+
+    def load_weights(self, ctx: LoadContext) -> None:
+        g, u, d = self.keys
+        h, i = self.hidden_size, self.intermediate_size
+        self.attach_loaded("gate", ctx.linear(g, h, i, bias=self.bias))  # type: ignore[arg-type]
+        self.attach_loaded("up", ctx.linear(u, h, i, bias=self.bias))  # type: ignore[arg-type]
+        self.attach_loaded("down", ctx.linear(d, i, h, bias=self.bias))  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.gate is not None and self.up is not None and self.down is not None, "MLP is not loaded"
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+class MLP(Module):
+    """``down(act(up(x)))`` (no gate)."""
+
+    def __init__(self, *, hidden_size: int, intermediate_size: int, act: str, up_key: str, down_key: str,
+                 bias: bool | None = False) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.act_name = act
+        self.act = activation(act)
+        self.keys = (up_key, down_key)
+        self.bias = bias
+        self.declare_slots("up", "down")
+
+    def load_weights(self, ctx: LoadContext) -> None:
+        u, d = self.keys
+        self.attach_loaded("up", ctx.linear(u, self.hidden_size, self.intermediate_size, bias=self.bias))  # type: ignore[arg-type]
+        self.attach_loaded("down", ctx.linear(d, self.intermediate_size, self.hidden_size, bias=self.bias))  # type: ignore[arg-type]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.up is not None and self.down is not None, "MLP is not loaded"
+        return self.down(self.act(self.up(x)))

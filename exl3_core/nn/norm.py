@@ -1,0 +1,49 @@
+"""RMSNorm, computed in fp32 whatever the activation dtype."""
+from __future__ import annotations
+
+import torch
+
+from exl3_core.nn.module import LoadContext, Module
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """``x / rms(x) * (weight + offset)`` over the last dim, in fp32, returned in ``x.dtype``."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (weight.float() + offset) if offset else y * weight.float()
+    return y.to(x.dtype)
+
+
+class RMSNorm(Module):
+    """RMSNorm over the last dimension (works per head on ``[T, H, D]`` too).
+
+    :param key: checkpoint key; the weight is ``{key}.weight``.
+    :param dim: normalised size.
+    :param eps: variance epsilon.
+    :param offset: added to the stored weight before scaling. Some families store ``w - 1`` and
+        scale by ``(1 + w)`` ("offset 1"); standard checkpoints use 0.
+    :param has_weight: False for a parameter-free norm.
+    """
+
+    weight: torch.Tensor | None
+
+    def __init__(self, key: str, dim: int, eps: float, *, offset: float = 0.0, has_weight: bool = True) -> None:
+        super().__init__()
+        self.key = key
+        self.dim = dim
+        self.eps = eps
+        self.offset = offset
+        self.has_weight = has_weight
+        self.register_buffer("weight", None, persistent=False)
+
+    def load_weights(self, ctx: LoadContext) -> None:
+        if self.has_weight:
+            # fp32: tiny, and the norm computes in fp32 anyway
+            self.weight = ctx.tensor(f"{self.key}.weight", shape=(self.dim,), dtype=torch.float32, what="norm weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.offset)
+
+    def extra_repr(self) -> str:
+        return f"{self.key}: dim={self.dim}, eps={self.eps}, offset={self.offset}"
