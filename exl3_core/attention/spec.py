@@ -40,6 +40,7 @@ class AttnSpec(NamedTuple):
     device_type: str = "cpu"
     device_cc: tuple[int, int] = (0, 0)
     head_dim_v: int | None = None  # None: same as head_dim
+    page_size: int | None = None  # tokens per cache page (None without a cache)
 
     @property
     def v_dim(self) -> int:

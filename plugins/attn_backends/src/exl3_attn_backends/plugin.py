@@ -9,4 +9,11 @@ EXL3_PLUGIN_API = (1, 0)
 
 @hookimpl
 def exl3_attention_backends() -> list[AttentionBackendSpec]:
-    return []
+    return [
+        AttentionBackendSpec(name="triton_paged", impl="exl3_attn_backends.triton_paged:TritonPagedAttention",
+                             requires=("triton",)),
+        AttentionBackendSpec(name="flash_attn", impl="exl3_attn_backends.flash:FlashAttnBackend",
+                             requires=("flash_attn",)),
+        AttentionBackendSpec(name="xformers", impl="exl3_attn_backends.xformers_adapter:XFormersBackend",
+                             requires=("xformers",)),
+    ]

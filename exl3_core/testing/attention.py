@@ -1,0 +1,125 @@
+"""Attention backend conformance suite (shipped so third-party backends can run it too).
+
+For every registered backend and every :class:`AttnSpec` in a grid, a backend that accepts the
+spec (``unsupported_reasons(spec) == []``) must match :func:`exl3_core.reference.attention` on
+fresh random inputs: varlen batches, paged caches with shuffled page tables, GQA/MQA, odd head
+dims, windows, soft-capping and the latent (MLA) layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from exl3_core.attention.spec import AttnArgs, AttnSpec, device_cc
+from exl3_core.reference.attention import attention as reference_attention
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One conformance case: a spec plus the batch shape it is exercised with."""
+
+    spec: AttnSpec
+    q_lens: tuple[int, ...]
+    past_lens: tuple[int, ...] = ()  # cached tokens before the new ones (paged cases)
+
+    @property
+    def page_size(self) -> int:
+        return self.spec.page_size or 16
+
+    @property
+    def id(self) -> str:
+        s = self.spec
+        return (f"{s.cache or 'nocache'}-{s.phase}-d{s.head_dim}"
+                f"{'' if s.head_dim_v is None else f'v{s.head_dim_v}'}-h{s.num_q_heads}x{s.num_kv_heads}"
+                f"-q{'.'.join(map(str, self.q_lens))}-p{'.'.join(map(str, self.past_lens)) or 0}"
+                f"{f'-w{s.window}' if s.window else ''}{f'-cap{s.softcap:g}' if s.softcap else ''}"
+                f"-{str(s.dtype).split('.')[-1]}")
+
+
+def default_cases(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                  small: bool = True) -> list[Case]:
+    """The grid: small sizes for CPU/interpreter runs, larger ones when ``small`` is False."""
+    dev = torch.device(device)
+    base = dict(dtype=dtype, device_type=dev.type, device_cc=device_cc(dev))
+    paged = dict(page_size=16)
+    mul = 1 if small else 8
+    cases = []
+    for hd, hq, hkv in ((64, 4, 4), (80, 4, 2), (96, 6, 1), (128, 8, 2)):
+        cases.append(Case(AttnSpec(head_dim=hd, num_q_heads=hq, num_kv_heads=hkv, **base), (5 * mul, 1, 17 * mul)))
+        cases.append(Case(AttnSpec(head_dim=hd, num_q_heads=hq, num_kv_heads=hkv, cache="kv/fp16", **paged, **base),
+                          (7 * mul, 3, 1), (0, 21 * mul, 40 * mul)))
+        cases.append(Case(AttnSpec(head_dim=hd, num_q_heads=hq, num_kv_heads=hkv, cache="kv/fp16", phase="decode",
+                                   **paged, **base), (1, 1, 1), (1, 33 * mul, 16 * mul)))
+    cases.append(Case(AttnSpec(head_dim=64, num_q_heads=4, num_kv_heads=2, window=8, **base), (29 * mul, 3)))
+    cases.append(Case(AttnSpec(head_dim=64, num_q_heads=4, num_kv_heads=2, cache="kv/fp16", window=8, **paged, **base),
+                      (9, 1), (30 * mul, 12)))
+    cases.append(Case(AttnSpec(head_dim=64, num_q_heads=2, num_kv_heads=1, softcap=20.0, **base), (13 * mul,)))
+    # latent cache: keys = [latent | rope], values = the latent (leading channels), one KV head
+    cases.append(Case(AttnSpec(head_dim=96, head_dim_v=64, num_q_heads=4, num_kv_heads=1, cache="mla/fp16", **paged, **base),
+                      (6, 1), (10 * mul, 31 * mul)))
+    cases.append(Case(AttnSpec(head_dim=96, head_dim_v=64, num_q_heads=4, num_kv_heads=1, cache="mla/fp16",
+                               phase="decode", **paged, **base), (1, 1), (5, 50 * mul)))
+    return cases
+
+
+def make_args(case: Case, device: torch.device | str = "cpu", seed: int = 0) -> AttnArgs:
+    """Random inputs for ``case``; paged caches get a shuffled page table and poisoned free pages."""
+    g = torch.Generator().manual_seed(seed)
+    s = case.spec
+    dev = torch.device(device)
+
+    def rnd(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype=s.dtype, device=dev)
+
+    q_lens = list(case.q_lens)
+    T = sum(q_lens)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+    q = rnd(T, s.num_q_heads, s.head_dim)
+    common: dict[str, Any] = dict(spec=s, q=q, cu_seqlens_q=cu, scale=s.head_dim ** -0.5, max_seqlen_q=max(q_lens))
+    if s.cache is None:
+        k, v = rnd(T, s.num_kv_heads, s.head_dim), rnd(T, s.num_kv_heads, s.v_dim)
+        return AttnArgs(seq_lens_k=cu[1:] - cu[:-1], max_seqlen_k=max(q_lens), k=k, v=v, **common)
+    past = list(case.past_lens) or [0] * len(q_lens)
+    lens = [p + n for p, n in zip(past, q_lens)]
+    ps = case.page_size
+    need = [(n + ps - 1) // ps for n in lens]
+    width = max(need)
+    num_pages = sum(need) + 3
+    perm = torch.randperm(num_pages, generator=g)
+    table = torch.zeros((len(lens), width), dtype=torch.int32)
+    i = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[i:i + n].to(torch.int32)
+        i += n
+    latent = s.cache.startswith("mla/")
+    k_cache = torch.full((num_pages, ps, s.num_kv_heads, s.head_dim), float("nan"), dtype=s.dtype, device=dev)
+    v_cache = None if latent else torch.full((num_pages, ps, s.num_kv_heads, s.v_dim), float("nan"),
+                                             dtype=s.dtype, device=dev)
+    for b, n in enumerate(lens):  # fill exactly the slots each sequence owns; the rest stay NaN
+        for t in range(n):
+            page, off = int(table[b, t // ps]), t % ps
+            k_cache[page, off] = rnd(s.num_kv_heads, s.head_dim)
+            if v_cache is not None:
+                v_cache[page, off] = rnd(s.num_kv_heads, s.v_dim)
+    return AttnArgs(seq_lens_k=torch.tensor(lens, dtype=torch.int32, device=dev), max_seqlen_k=max(lens),
+                    k_cache=k_cache, v_cache=v_cache, page_table=table.to(dev), **common)
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}.get(dtype, 1e-2)
+
+
+def check_backend(backend: Any, case: Case, device: torch.device | str = "cpu", seed: int = 0) -> float:
+    """Run one case; returns the max abs error vs the reference (asserts it is within tolerance)."""
+    args = make_args(case, device, seed)
+    out = backend.forward(args)
+    assert out is not None, f"{backend.name}.forward returned None"
+    ref = reference_attention(args)
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (out.shape, ref.shape, out.dtype, ref.dtype)
+    assert torch.isfinite(out).all(), f"{backend.name}: non-finite output for {case.id} (read a poisoned slot?)"
+    err = (out.float() - ref.float()).abs().max().item()
+    scale = ref.float().abs().max().item()
+    assert err <= tolerance(case.spec.dtype) * max(1.0, scale), f"{backend.name} {case.id}: max err {err:.3g}"
+    return err

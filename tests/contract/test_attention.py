@@ -1,0 +1,36 @@
+"""Every registered attention backend vs the torch reference, on every spec it accepts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl3_core.attention import get_dispatcher
+from exl3_core.plugins import load_plugins
+from exl3_core.testing.attention import Case, check_backend, default_cases
+
+PLUGINS = load_plugins()
+BACKENDS = get_dispatcher(PLUGINS).backends()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CASES = default_cases(DEVICE, torch.float32) + default_cases(DEVICE, torch.float16)[:4]
+
+
+def test_some_backend_beyond_reference_is_checked() -> None:
+    accepted = [n for n, b in BACKENDS.items() if n != "torch" and not b.unsupported_reasons(CASES[0].spec)]
+    if not accepted:
+        pytest.skip("only the torch reference accepts these specs here (no Triton/CUDA)")
+    assert accepted
+
+
+@pytest.mark.parametrize("name", sorted(n for n in BACKENDS if n != "torch"))  # torch IS the reference
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_backend_matches_reference(name: str, case: Case) -> None:
+    backend = BACKENDS[name]
+    reasons = backend.unsupported_reasons(case.spec)
+    if reasons:
+        pytest.skip(f"{name} declines: {'; '.join(reasons)}")
+    check_backend(backend, case, DEVICE, seed=hash(case.id) % 1000)
+
+
+def test_reference_rejects_nothing_it_needs() -> None:
+    # the reference must accept the whole grid: it is the fallback for every configuration
+    assert all(not BACKENDS["torch"].unsupported_reasons(c.spec) for c in CASES)
