@@ -3,6 +3,6 @@ from __future__ import annotations
 
 from exl3_core.cache.cache import Cache
 from exl3_core.cache.layer import CacheLayer
-from exl3_core.cache.pages import CacheExhausted, PageAllocator, page_hashes
+from exl3_core.cache.pages import ROOT_HASH, CacheExhausted, PageAllocator, chain_hash, page_hashes
 
-__all__ = ["Cache", "CacheExhausted", "CacheLayer", "PageAllocator", "page_hashes"]
+__all__ = ["Cache", "CacheExhausted", "CacheLayer", "PageAllocator", "ROOT_HASH", "chain_hash", "page_hashes"]

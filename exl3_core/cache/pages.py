@@ -19,15 +19,24 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 
+import numpy as np
+
 
 class CacheExhausted(RuntimeError):
     """Not enough free cache pages for a request (the job needing them fails, others continue)."""
 
 
-def _digest(prev: bytes, tokens: Sequence[int]) -> bytes:
-    # blake2b over the previous hash and the page's ids: collision-safe, stable across runs.
+#: hash the chain starts from (page 0's "previous page")
+ROOT_HASH = b"exl3-page-chain"
+
+
+def chain_hash(prev: bytes, tokens: Sequence[int]) -> bytes:
+    """Hash of one full page given the previous page's hash.
+
+    Blake2b over the previous hash and the page's ids: collision-safe and stable across runs.
+    """
     h = hashlib.blake2b(prev, digest_size=16)
-    h.update(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens))
+    h.update(np.asarray(tokens, dtype="<i8").tobytes())
     return h.digest()
 
 
@@ -37,9 +46,9 @@ def page_hashes(tokens: Sequence[int], page_size: int, max_pages: int | None = N
     if max_pages is not None:
         n = min(n, max_pages)
     out: list[bytes] = []
-    prev = b"exl3-page-chain"
+    prev = ROOT_HASH
     for i in range(n):
-        prev = _digest(prev, tokens[i * page_size:(i + 1) * page_size])
+        prev = chain_hash(prev, tokens[i * page_size:(i + 1) * page_size])
         out.append(prev)
     return out
 

@@ -1,0 +1,8 @@
+"""Generation: jobs, continuous-batching generator, async wrapper."""
+from __future__ import annotations
+
+from exl3_core.generator.async_generator import AsyncGenerator, AsyncJob
+from exl3_core.generator.generator import Generator, JobError
+from exl3_core.generator.job import Job
+
+__all__ = ["AsyncGenerator", "AsyncJob", "Generator", "Job", "JobError"]

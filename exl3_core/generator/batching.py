@@ -1,0 +1,103 @@
+"""Build :class:`~exl3_core.archkit.batch.BatchMeta` for one generator step.
+
+Two shapes:
+
+* *mixed* steps (any prefill chunk present): packed varlen batch of every scheduled job's new
+  tokens, logits only for rows that end a job's scheduled input and need a sample;
+* *decode* steps (one token per job): the batch is padded to a size bucket and the page table
+  to a fixed width, padded rows write into the cache's scratch page and read nothing else, and
+  every row yields logits. Shapes depend only on the bucket, so a CUDA graph per bucket can
+  replay the step.
+
+Everything is built on the host with numpy and copied to the device once per tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from exl3_core.archkit.batch import BatchMeta
+
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+def bucket_size(n: int) -> int:
+    """Smallest decode bucket holding ``n`` rows (multiples of 128 past the table)."""
+    for b in DECODE_BUCKETS:
+        if n <= b:
+            return b
+    return -(-n // 128) * 128
+
+
+@dataclass
+class Chunk:
+    """New tokens of one job in this step.
+
+    :param tokens: the ids to run.
+    :param past: tokens of this job already in the cache (the chunk starts at this position).
+    :param pages: the job's page list, covering at least ``past + len(tokens)`` tokens.
+    :param want_logits: whether the chunk's last token needs logits (sampling).
+    """
+
+    tokens: list[int]
+    past: int
+    pages: list[int]
+    want_logits: bool
+
+
+def build_batch(chunks: list[Chunk], *, page_size: int, table_width: int, scratch_page: int,
+                device: torch.device, decode: bool) -> tuple[BatchMeta, list[int]]:
+    """Metadata for ``chunks`` plus, per chunk wanting logits, its row in the returned logits."""
+    B_real = len(chunks)
+    B = bucket_size(B_real) if decode else B_real
+    table = np.full((B, table_width), scratch_page, dtype=np.int32)
+    lens_q = np.ones(B, dtype=np.int64)
+    lens_k = np.ones(B, dtype=np.int32)
+    ids_parts, pos_parts, slot_parts = [], [], []
+    for b, c in enumerate(chunks):
+        n = len(c.tokens)
+        if len(c.pages) > table_width:
+            raise ValueError(f"sequence needs {len(c.pages)} pages but the page table holds {table_width}; "
+                             f"raise the generator's max_seq_len")
+        table[b, :len(c.pages)] = c.pages
+        lens_q[b] = n
+        lens_k[b] = c.past + n
+        pos = np.arange(c.past, c.past + n, dtype=np.int64)
+        pages = np.asarray(c.pages, dtype=np.int64)
+        ids_parts.append(np.asarray(c.tokens, dtype=np.int64))
+        pos_parts.append(pos)
+        slot_parts.append(pages[pos // page_size] * page_size + pos % page_size)
+    pad = B - B_real
+    if pad:
+        ids_parts.append(np.zeros(pad, dtype=np.int64))
+        pos_parts.append(np.zeros(pad, dtype=np.int64))
+        slot_parts.append(np.full(pad, scratch_page * page_size, dtype=np.int64))
+    cu = np.zeros(B + 1, dtype=np.int32)
+    np.cumsum(lens_q, out=cu[1:])
+    logit_rows: list[int] = []
+    if decode:
+        logits_indices = None  # one token per row: every row's logits, fixed shape
+        logit_rows = [b for b, c in enumerate(chunks) if c.want_logits]
+    else:
+        want = [b for b, c in enumerate(chunks) if c.want_logits]
+        logits_indices = torch.tensor([int(cu[b + 1]) - 1 for b in want], dtype=torch.int64, device=device)
+        logit_rows = list(range(len(want)))
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+    meta = BatchMeta(
+        input_ids=t(np.concatenate(ids_parts)),
+        positions=t(np.concatenate(pos_parts)),
+        cu_seqlens_q=t(cu),
+        seq_lens_k=t(lens_k),
+        max_seqlen_q=1 if decode else int(lens_q.max(initial=1)),
+        max_seqlen_k=table_width * page_size if decode else int(lens_k.max(initial=1)),
+        phase="decode" if decode else "prefill",
+        page_table=t(table),
+        slot_mapping=t(np.concatenate(slot_parts)),
+        logits_indices=logits_indices,
+    )
+    return meta, logit_rows

@@ -1,0 +1,460 @@
+"""``Generator``: continuous batching over a paged cache with prefix reuse.
+
+Each :meth:`Generator.iterate` call is one model forward:
+
+1. admit queued jobs (FIFO) while the batch has room and the cache can hold their prompts;
+   a prompt's leading full pages are taken from the prefix cache when their hash chain matches;
+2. schedule: every decoding job contributes its one pending token, then prefilling jobs take
+   chunks of their prompts from what is left of the per-iteration token budget;
+3. run one forward (a fixed-shape padded decode step when every job decodes, else a packed
+   mixed step) while filter masks are computed on a worker thread where filters ask for it;
+4. sample all jobs that need a token in one vectorised call; the ids (and, only when asked,
+   probabilities and logits) are the single device-to-host read of the step;
+5. per job: stop tokens, held-back text for stop strings/banned strings (with rollback),
+   filters, length limits; finished jobs release their pages, whose full pages stay in the
+   prefix cache.
+
+A failure that concerns one job (cache exhausted while it grows, every token excluded, a filter
+raising) ends that job with ``eos_reason="error"`` and leaves the others running.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from exl3_core.cache.cache import Cache
+from exl3_core.cache.pages import ROOT_HASH, CacheExhausted, chain_hash, page_hashes
+from exl3_core.generator.batching import Chunk, build_batch
+from exl3_core.generator.job import Job
+from exl3_core.generator.stop import HeldText, TextStream
+from exl3_core.sampling.sampler import sample
+
+Result = dict[str, Any]
+
+
+class JobError(RuntimeError):
+    """A job ended with an error (raised by :meth:`Generator.generate`)."""
+
+
+class Generator:
+    """Runs many :class:`Job` s concurrently on one model and cache.
+
+    :param model: object with ``forward_batch(meta, cache)``, ``device`` and ``config``.
+    :param cache: the model's :class:`~exl3_core.cache.Cache`.
+    :param tokenizer: needed for text output, stop/banned strings and string prompts
+        (default ``model.tokenizer`` when present).
+    :param max_batch_size: most jobs decoding at once.
+    :param max_chunk_tokens: token budget of one forward (decode tokens plus prefill chunks).
+    :param max_seq_len: longest sequence (prompt + output); sets the page-table width.
+    """
+
+    def __init__(self, model: Any, cache: Cache, tokenizer: Any = None, *, max_batch_size: int = 64,
+                 max_chunk_tokens: int = 2048, max_seq_len: int | None = None, plugins: Any = None) -> None:
+        if max_batch_size < 1 or max_chunk_tokens < 1:
+            raise ValueError(f"Generator: max_batch_size={max_batch_size} and max_chunk_tokens={max_chunk_tokens} "
+                             f"must be positive")
+        self.model = model
+        self.cache = cache
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        self.plugins = plugins
+        self.max_batch_size = max_batch_size
+        self.max_chunk_tokens = max_chunk_tokens
+        self.page_size = cache.page_size
+        self.table_width = cache.max_pages_per_seq(max_seq_len)
+        self.max_seq_len = self.table_width * self.page_size
+        self.device = torch.device(model.device)
+        self.vocab_size = self._vocab_size()
+        eos = model.config.eos_token_ids() if hasattr(model, "config") else []
+        tok_eos = getattr(self.tokenizer, "eos_token_ids", None) or []
+        self.eos_ids = set(eos) | set(tok_eos)
+        self.queue: deque[Job] = deque()
+        self.active: list[Job] = []
+        self.lock = threading.RLock()
+        self._pool: ThreadPoolExecutor | None = None
+        self.tokens_computed = 0  # tokens run through the model (prefix-cache hits are not)
+        self.forward_calls = 0
+
+    def _vocab_size(self) -> int | None:
+        v = getattr(self.model, "vocab_size", None)
+        if v is None and hasattr(self.model, "config"):
+            hf = getattr(self.model.config, "hf", None)
+            v = getattr(hf, "vocab_size", None)
+        return v
+
+    # -- public API -------------------------------------------------------------------------------
+    def enqueue(self, job: Job | Sequence[Job]) -> None:
+        """Queue a job (or several). Raises ``ValueError`` for a job that can never run."""
+        jobs = [job] if isinstance(job, Job) else list(job)
+        for j in jobs:
+            if j.status != "new":
+                raise ValueError(f"{j!r} was already enqueued; create a new Job")
+            n = len(j.prompt)
+            if n >= self.max_seq_len or n >= self.cache.max_num_tokens:
+                raise ValueError(
+                    f"prompt of {n} tokens does not fit: the generator holds at most {self.max_seq_len - 1} prompt tokens "
+                    f"(cache of {self.cache.max_num_tokens} tokens, max_seq_len={self.max_seq_len}); "
+                    f"shorten the prompt or create the Cache/Generator with a larger max_num_tokens/max_seq_len")
+            if self.vocab_size is not None:
+                j.sampler.check_vocab(self.vocab_size)
+                bad = [t for t in j.prompt if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise ValueError(f"prompt token id(s) {bad[:8]} outside the model vocabulary [0, {self.vocab_size})")
+            if (j.stop_strings or j.banned_strings) and self.tokenizer is None:
+                raise ValueError("stop strings and banned strings need a tokenizer; pass tokenizer= to Generator")
+        with self.lock:
+            for j in jobs:
+                j.status = "queued"
+                j.t_enqueue = time.perf_counter()
+                self.queue.append(j)
+
+    def cancel(self, job: Job) -> None:
+        """Stop a queued or running job now and free its pages (no further results)."""
+        with self.lock:
+            if job in self.queue:
+                self.queue.remove(job)
+            elif job in self.active:
+                self._release(job)
+            if job.status not in ("done",):
+                job.status = "cancelled"
+
+    def num_remaining(self) -> int:
+        with self.lock:
+            return len(self.queue) + len(self.active)
+
+    def clear_queue(self) -> None:
+        with self.lock:
+            for j in list(self.queue) + list(self.active):
+                self.cancel(j)
+
+    def iterate(self) -> list[Result]:
+        """Run one step; returns this step's results (one dict per job that produced output)."""
+        with self.lock:
+            results: list[Result] = []
+            self._admit(results)
+            if not self.active:
+                return results
+            self._step(results)
+            return results
+
+    def generate(self, prompt: str | Sequence[str] | torch.Tensor, *, max_new_tokens: int = 256, sampler: Any = None,
+                 seed: int | None = None, stop_conditions: Sequence[int | str] = (), add_bos: bool | None = None,
+                 completion_only: bool = True, **job_kwargs: Any) -> str | list[str]:
+        """Generate for one prompt or a list of prompts (greedy when ``sampler`` is None)."""
+        single = isinstance(prompt, (str, torch.Tensor))
+        prompts: list[Any] = [prompt] if single else list(prompt)  # type: ignore[list-item]
+        jobs = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("generate(prompt=str) needs a tokenizer; pass tokenizer= to Generator")
+                ids = self.tokenizer.encode(p, add_bos=add_bos)
+            else:
+                ids = p
+            jobs.append(Job(ids, max_new_tokens=max_new_tokens, sampler=sampler,
+                            seed=None if seed is None else seed + i, stop_conditions=stop_conditions,
+                            identifier=i, plugins=self.plugins, **job_kwargs))
+        self.enqueue(jobs)
+        done: dict[int, str] = {}
+        try:
+            while len(done) < len(jobs):
+                for r in self.iterate():
+                    if r["eos"]:
+                        if r.get("error") is not None:
+                            raise JobError(f"job {r['identifier']} failed: {r['error']}") from r["error"]
+                        done[r["identifier"]] = r["full_completion"]
+                if not self.num_remaining() and len(done) < len(jobs):
+                    raise RuntimeError("generator ran out of work before every job finished")
+        except BaseException:
+            for j in jobs:
+                self.cancel(j)
+            raise
+        outs = [done[i] if completion_only or not isinstance(prompts[i], str) else prompts[i] + done[i]
+                for i in range(len(jobs))]
+        return outs[0] if single else outs
+
+    # -- admission and pages -------------------------------------------------------------------
+    def _admit(self, results: list[Result]) -> None:
+        alloc = self.cache.allocator
+        ps = self.page_size
+        while self.queue and len(self.active) < self.max_batch_size:
+            job = self.queue[0]
+            n = len(job.seq)
+            # never share the page holding the last prompt token: it must be run for logits
+            hashes = page_hashes(job.seq, ps, max_pages=(n - 1) // ps)
+            matched = alloc.match_prefix(hashes)
+            try:
+                fresh = alloc.allocate(math.ceil(n / ps) - len(matched))
+            except CacheExhausted as e:
+                alloc.release(matched)
+                if self.active:
+                    return  # wait for running jobs to free pages
+                self.queue.popleft()
+                self._fail(job, e, results)
+                continue
+            self.queue.popleft()
+            job.pages = matched + fresh
+            job.hashes = hashes[:len(matched)]
+            job.cached = job.cached_tokens = len(matched) * ps
+            job.rng = torch.Generator(device=self.device).manual_seed(job.seed)
+            if self.tokenizer is not None:
+                job.stream = TextStream(self.tokenizer)
+            job.held = HeldText(job.stop_strings, job.banned_strings)
+            for f in job.filters:
+                f.attach()
+            job.status = "active"
+            job.t_admit = time.perf_counter()
+            self.active.append(job)
+
+    def _ensure_pages(self, job: Job, upto: int) -> None:
+        need = math.ceil(upto / self.page_size) - len(job.pages)
+        if need > 0:
+            job.pages += self.cache.allocator.allocate(need)
+
+    def _register_pages(self, job: Job) -> None:
+        """Hash the job's newly completed full pages into the prefix cache."""
+        ps = self.page_size
+        alloc = self.cache.allocator
+        for i in range(len(job.hashes), job.cached // ps):
+            prev = job.hashes[-1] if job.hashes else ROOT_HASH
+            h = chain_hash(prev, job.seq[i * ps:(i + 1) * ps])
+            job.pages[i] = alloc.register(job.pages[i], h)
+            job.hashes.append(h)
+
+    def _truncate_cache(self, job: Job) -> None:
+        """After a rollback: make the pages that will be overwritten private, drop the rest."""
+        ps = self.page_size
+        alloc = self.cache.allocator
+        keep = math.ceil(job.cached / ps)
+        alloc.release(job.pages[keep:])
+        del job.pages[keep:]
+        del job.hashes[job.cached // ps:]
+        if job.cached % ps:
+            i = job.cached // ps
+            page, copy = alloc.make_private(job.pages[i])
+            if copy:
+                self.cache.copy_page(job.pages[i], page)
+            job.pages[i] = page
+
+    def _release(self, job: Job) -> None:
+        if job in self.active:
+            self.active.remove(job)
+        self.cache.allocator.release(job.pages)
+        job.pages = []
+
+    # -- one step -----------------------------------------------------------------------------
+    def _schedule(self, results: list[Result]) -> list[tuple[Job, Chunk]]:
+        budget = self.max_chunk_tokens
+        out: list[tuple[Job, Chunk]] = []
+        for job in list(self.active):
+            if not job.prefill_done:
+                continue
+            try:
+                self._ensure_pages(job, job.cached + 1)
+            except CacheExhausted as e:
+                self._fail(job, e, results)
+                continue
+            out.append((job, Chunk([job.seq[-1]], job.cached, job.pages, True)))
+            budget -= 1
+        for job in self.active:
+            if job.prefill_done or budget <= 0:
+                continue
+            n = min(budget, len(job.seq) - job.cached)
+            want = job.cached + n == len(job.seq)
+            out.append((job, Chunk(job.seq[job.cached:job.cached + n], job.cached, job.pages, want)))
+            budget -= n
+        return out
+
+    def _step(self, results: list[Result]) -> None:
+        work = self._schedule(results)
+        if not work:
+            return
+        decode = all(len(c.tokens) == 1 for _, c in work)
+        meta, rows = build_batch([c for _, c in work], page_size=self.page_size, table_width=self.table_width,
+                                 scratch_page=self.cache.scratch_page, device=self.device, decode=decode)
+        sampling = [j for j, c in work if c.want_logits]
+        masks = self._start_masks(sampling)
+        logits = self.model.forward_batch(meta, self.cache)
+        self.forward_calls += 1
+        self.tokens_computed += sum(len(c.tokens) for _, c in work)
+        for job, c in work:
+            job.cached += len(c.tokens)
+            self._register_pages(job)
+        if sampling:
+            self._sample_and_process(sampling, logits[torch.tensor(rows, device=logits.device)], masks, results)
+
+    def _start_masks(self, jobs: list[Job]) -> dict[int, Future | None]:
+        """Filter masks for ``jobs``; slow filters run on a worker thread during the forward."""
+        out: dict[int, Future | None] = {}
+        for i, job in enumerate(jobs):
+            if not job.filters:
+                continue
+            if any(f.use_background_worker() for f in job.filters):
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exl3-filters")
+                out[i] = self._pool.submit(self._filter_mask, job)
+            else:
+                out[i] = None
+        return out
+
+    def _filter_mask(self, job: Job) -> torch.Tensor | None:
+        V = self.vocab_size or 0
+        mask = None
+        for f in job.filters:
+            m = f.mask(V, "cpu")
+            if m is not None:
+                mask = m if mask is None else mask & m
+        return mask
+
+    def _sample_and_process(self, jobs: list[Job], logits: torch.Tensor, masks: dict[int, Future | None],
+                            results: list[Result]) -> None:
+        B, V = logits.shape
+        if self.vocab_size is None:
+            self.vocab_size = V
+        raw = logits
+        allowed: torch.Tensor | None = None
+        failed: dict[int, BaseException] = {}
+        for i, job in enumerate(jobs):
+            m: torch.Tensor | None = None
+            if i in masks:
+                try:
+                    fut = masks[i]
+                    m = fut.result() if fut is not None else self._filter_mask(job)
+                except Exception as e:  # noqa: BLE001 - a broken filter fails its own job only
+                    failed[i] = e
+            bans = job.ban_at.get(len(job.seq))
+            if m is None and not bans:
+                continue
+            if allowed is None:
+                allowed = torch.ones((B, V), dtype=torch.bool)
+            if m is not None:
+                allowed[i] &= m
+            if bans:
+                allowed[i, list(bans)] = False
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed.to(logits.device, non_blocking=True), float("-inf"))
+        W = max(j.sampler.history_window() for j in jobs)
+        history = None
+        if W > 0:
+            h = torch.full((B, W), -1, dtype=torch.int64)
+            for i, job in enumerate(jobs):
+                tail = job.seq[-W:]
+                if tail:
+                    h[i, W - len(tail):] = torch.tensor(tail)
+            history = h.to(self.device, non_blocking=True)
+        uniforms = torch.stack([
+            torch.zeros((), device=self.device) if j.sampler.is_greedy or j.rng is None
+            else torch.rand((), generator=j.rng, device=self.device) for j in jobs])
+        want_probs = any(j.return_probs for j in jobs)
+        out = sample(logits, [j.sampler for j in jobs], uniforms, history=history, want_probs=want_probs)
+        # the step's one device->host read
+        packed = torch.stack([out.ids.double(), out.ok.double()] + ([out.probs.double()] if out.probs is not None else []))
+        host = packed.cpu().tolist()
+        raw_rows = raw.cpu() if any(j.return_logits for j in jobs) else None
+        for i, job in enumerate(jobs):
+            if job.status != "active":
+                continue
+            if i in failed:
+                self._fail(job, failed[i], results)
+            elif not host[1][i]:
+                self._fail(job, RuntimeError(
+                    "every token was excluded at this position (sampler truncation, token bans, banned strings and "
+                    "filters together allow nothing); relax the constraints"), results)
+            else:
+                extra = (host[2][i] if job.return_probs else None, raw_rows[i] if job.return_logits else None)
+                try:
+                    self._accept(job, int(host[0][i]), extra, results)
+                except Exception as e:  # noqa: BLE001 - e.g. a filter raising in accept_token
+                    self._fail(job, e, results)
+
+    # -- per-job token handling -----------------------------------------------------------------
+    def _accept(self, job: Job, tok: int, extra: tuple[Any, Any], results: list[Result]) -> None:
+        now = time.perf_counter()
+        if not job.t_first:
+            job.t_first = now
+        job.new_tokens += 1
+        if tok in job.stop_tokens or (job.stop_at_eos and tok in self.eos_ids):
+            self._finish(job, "stop_token", results, stop_token=tok)
+            return
+        job.seq.append(tok)
+        for f in job.filters:
+            f.feed(tok)
+        delta = job.stream.push(tok) if job.stream is not None else ""
+        job.held.add(tok, delta, extra)
+        k = job.held.find_banned()
+        if k is not None:
+            self._rollback(job, k)
+            return
+        s = job.held.find_stop()
+        if s is not None:
+            text, toks, extras = job.held.take(s)
+            self._emit(job, text, toks, extras, results, eos=False)
+            self._finish(job, "stop_string", results, stop_string=True)
+        elif any(f.is_completed() for f in job.filters):
+            self._finish(job, "filter", results)
+        elif job.new_tokens >= job.max_new_tokens:
+            self._finish(job, "max_new_tokens", results)
+        elif len(job.seq) >= self.max_seq_len:
+            self._finish(job, "max_seq_len", results)
+        else:
+            text, toks, extras = job.held.take(job.held.safe_len())
+            self._emit(job, text, toks, extras, results, eos=False)
+
+    def _rollback(self, job: Job, k: int) -> None:
+        """Undo held tokens ``k..`` (a banned string began at token k) and ban that token there."""
+        first = job.held.tokens[k][0]
+        n = job.held.drop_tokens(k)
+        pos = len(job.seq) - n
+        job.ban_at.setdefault(pos, set()).add(first)
+        del job.seq[pos:]
+        job.new_tokens -= n
+        if job.stream is not None:
+            job.stream.rollback(n)
+        for f in job.filters:
+            f.rewind(n)
+        job.cached = min(job.cached, len(job.seq) - 1)
+        self._truncate_cache(job)
+
+    def _emit(self, job: Job, text: str, toks: list[int], extras: list[Any], results: list[Result], *,
+              eos: bool, **more: Any) -> Result | None:
+        if not text and not toks and not eos:
+            return None
+        job.completion += text
+        r: Result = {"job": job, "identifier": job.identifier, "stage": "streaming", "eos": eos, "text": text,
+                     "token_ids": toks}
+        if job.return_probs:
+            r["token_probs"] = [e[0] for e in extras if e is not None]
+        if job.return_logits:
+            lg = [e[1] for e in extras if e is not None]
+            r["logits"] = torch.stack(lg) if lg else torch.empty(0, self.vocab_size or 0)
+        r.update(more)
+        results.append(r)
+        return r
+
+    def _finish(self, job: Job, reason: str, results: list[Result], *, stop_token: int | None = None,
+                stop_string: bool = False) -> None:
+        """End ``job``; a stop token/string is reported in ``stop_token``/``eos_reason``, not in the text."""
+        text, toks, extras = ("", [], []) if stop_string else job.held.take_all()
+        if not stop_string and job.stream is not None:
+            text += job.stream.flush()
+        job.t_end = time.perf_counter()
+        self._release(job)
+        job.status = "done"
+        self._emit(job, text, toks, extras, results, eos=True, eos_reason=reason, stop_token=stop_token,
+                   full_completion=job.completion + text, **job.stats())
+
+    def _fail(self, job: Job, err: BaseException, results: list[Result]) -> None:
+        job.error = err
+        job.t_end = time.perf_counter()
+        if job in self.active:
+            self._release(job)
+        job.status = "done"
+        results.append({"job": job, "identifier": job.identifier, "stage": "streaming", "eos": True, "text": "",
+                        "token_ids": [], "eos_reason": "error", "error": err, "full_completion": job.completion,
+                        **job.stats()})
