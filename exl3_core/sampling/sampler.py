@@ -132,7 +132,7 @@ def sample(logits: torch.Tensor, samplers: Sequence[Sampler], uniforms: torch.Te
         groups.setdefault(s.signature, []).append(b)
     for sig, rows_list in groups.items():
         whole = len(rows_list) == B
-        rows = torch.tensor(rows_list, dtype=torch.int64, device=dev)
+        rows = torch.arange(B, device=dev) if whole else torch.tensor(rows_list, dtype=torch.int64, device=dev)
         x = (logits if whole else logits.index_select(0, rows)).float()
         if sig:
             x = x.clone()

@@ -91,7 +91,7 @@ class SamplingStep:
     @classmethod
     def batch_params(cls, steps: list[SamplingStep], device: torch.device) -> dict[str, torch.Tensor]:
         """Per-row parameter tensors ``[B, 1]`` (float32) for ``steps`` (one per row)."""
-        return {k: torch.tensor([[float(s.params[k])] for s in steps], dtype=torch.float32, device=device)
+        return {k: torch.tensor([float(s.params[k]) for s in steps], dtype=torch.float32).view(-1, 1).to(device)
                 for k in cls.defaults}
 
     @classmethod
