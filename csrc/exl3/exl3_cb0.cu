@@ -1,0 +1,10 @@
+// Instantiations of the EXL3 kernels for codebook 0 (one codebook per file: parallel builds).
+#include "exl3_kernels.cuh"
+#include "exl3_launch.h"
+
+namespace exl3 {
+int launch_gemm_cb0(int K, int mb, const GemmArgs& a, cudaStream_t st) { return dispatch_gemm<0>(K, mb, a, st); }
+void launch_reconstruct_cb0(int K, const uint32_t* t, __half* out, int kt, int nt, cudaStream_t st) {
+    dispatch_reconstruct<0>(K, t, out, kt, nt, st);
+}
+}  // namespace exl3

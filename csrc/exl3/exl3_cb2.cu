@@ -1,0 +1,10 @@
+// Instantiations of the EXL3 kernels for codebook 2 (one codebook per file: parallel builds).
+#include "exl3_kernels.cuh"
+#include "exl3_launch.h"
+
+namespace exl3 {
+int launch_gemm_cb2(int K, int mb, const GemmArgs& a, cudaStream_t st) { return dispatch_gemm<2>(K, mb, a, st); }
+void launch_reconstruct_cb2(int K, const uint32_t* t, __half* out, int kt, int nt, cudaStream_t st) {
+    dispatch_reconstruct<2>(K, t, out, kt, nt, st);
+}
+}  // namespace exl3
