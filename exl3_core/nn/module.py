@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
@@ -111,6 +111,9 @@ class Module(torch.nn.Module):
     :meth:`attach_loaded` and dropped on unload.
     """
 
+    #: buffers computed from the config (not the checkpoint) that survive :meth:`unload_weights`
+    static_buffers: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self) -> None:
         super().__init__()
         self._loaded_children: list[str] = []
@@ -120,7 +123,8 @@ class Module(torch.nn.Module):
 
     def unload_weights(self) -> None:
         for name in list(self._buffers):
-            self._buffers[name] = None
+            if name not in self.static_buffers:
+                self._buffers[name] = None
         for name in self._loaded_children:
             self._modules[name] = None
         self._loaded_children = []

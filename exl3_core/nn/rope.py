@@ -100,6 +100,7 @@ class RotaryEmbedding(Module):
     """
 
     inv_freq: torch.Tensor
+    static_buffers = ("inv_freq",)
 
     def __init__(self, settings: RopeSettings, head_dim: int) -> None:
         super().__init__()
