@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 
 import torch
 
@@ -21,8 +22,17 @@ def load() -> bool:
     try:
         importlib.import_module("exl3_core._C")
     except ImportError as e:
-        load_error.append(str(e))
-        return False
+        # The sources only register torch ops (no PyInit__C), so Python's import refuses the .so;
+        # load it as a plain torch op library instead.
+        spec = importlib.util.find_spec("exl3_core._C")
+        if spec is None or spec.origin is None:
+            load_error.append(str(e))
+            return False
+        try:
+            torch.ops.load_library(spec.origin)
+        except (OSError, RuntimeError) as e2:
+            load_error.append(f"{e}; torch.ops.load_library: {e2}")
+            return False
     return True
 
 
