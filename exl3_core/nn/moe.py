@@ -10,6 +10,8 @@ experts be skipped, which is what matters at decode where T*k << E.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -67,17 +69,31 @@ class RoutingConfig:
         return self.num_groups > 1 and self.topk_groups < self.num_groups
 
 
-def route(logits: torch.Tensor, cfg: RoutingConfig,
-          correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Select experts for each token.
+def route(logits: torch.Tensor, cfg: RoutingConfig, correction_bias: torch.Tensor | None = None,
+          ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select experts for each token and weigh them.
 
     :param logits: ``[T, E]`` router logits (any float dtype; math runs in fp32).
     :param correction_bias: ``[E]`` added to the scores for *selection only* (load-balancing
         bias); the returned weights are always the unbiased scores.
+    :param ids: ``[T, k]`` experts to use instead of selecting them (weights are still computed
+        from ``logits``); lets a test pin the routing of a reference implementation.
     :return: ``(weights fp32 [T, k], ids int64 [T, k])``.
     """
     logits = logits.float()
     scores = torch.softmax(logits, dim=-1) if cfg.scoring == "softmax" else torch.sigmoid(logits)
+    if ids is None:
+        ids = _choose(scores, cfg, correction_bias)
+    weights = scores.gather(1, ids)
+    if cfg.renormalize:
+        # the epsilon only matters when every selected sigmoid score underflows to 0
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    if cfg.scaling_factor != 1.0:
+        weights = weights * cfg.scaling_factor
+    return weights, ids
+
+
+def _choose(scores: torch.Tensor, cfg: RoutingConfig, correction_bias: torch.Tensor | None) -> torch.Tensor:
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if cfg.grouped:
         T, E, G = choice.shape[0], cfg.num_experts, cfg.num_groups
@@ -89,14 +105,7 @@ def route(logits: torch.Tensor, cfg: RoutingConfig,
         keep = torch.topk(group_rank, cfg.topk_groups, dim=-1, sorted=False).indices
         group_mask = torch.zeros_like(group_rank, dtype=torch.bool).scatter_(1, keep, True)
         choice = choice.masked_fill(~group_mask.repeat_interleave(E // G, dim=1), float("-inf"))
-    ids = torch.topk(choice, cfg.top_k, dim=-1, sorted=False).indices
-    weights = scores.gather(1, ids)
-    if cfg.renormalize:
-        # the epsilon only matters when every selected sigmoid score underflows to 0
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    if cfg.scaling_factor != 1.0:
-        weights = weights * cfg.scaling_factor
-    return weights, ids
+    return torch.topk(choice, cfg.top_k, dim=-1, sorted=False).indices
 
 
 class GatedExpert(torch.nn.Module):
@@ -160,6 +169,8 @@ class MoE(Module):
         self.correction_bias: torch.Tensor | None
         self.register_buffer("correction_bias", None, persistent=False)
         self.declare_slots("router", "experts", "shared_gate")
+        #: ``[T, k]`` expert ids to use instead of the router's choice (see :func:`pin_routing`)
+        self.pinned_ids: torch.Tensor | None = None
 
     # -- loading --------------------------------------------------------------------------------
     def load_weights(self, ctx: LoadContext) -> None:
@@ -203,7 +214,7 @@ class MoE(Module):
         """``(weights fp32 [T, k], ids int64 [T, k])`` for hidden states ``x [T, H]``."""
         assert self.router is not None, f"{self.prefix}: MoE is not loaded"
         logits = self.router(x if self.router_dtype is None else x.to(self.router_dtype))
-        return route(logits, self.routing, self.correction_bias)
+        return route(logits, self.routing, self.correction_bias, self.pinned_ids)
 
     def forward(self, x: torch.Tensor, state: Any = None) -> torch.Tensor:
         shape = x.shape
@@ -242,3 +253,20 @@ class MoE(Module):
         r = self.routing
         return f"{self.prefix}: experts={r.num_experts}, top_k={r.top_k}, scoring={r.scoring}, " \
                f"groups={r.topk_groups}/{r.num_groups}, shared={self.shared is not None}"
+
+
+@contextmanager
+def pin_routing(pins: dict[MoE, torch.Tensor]) -> Iterator[None]:
+    """Force the expert choice of some MoE blocks (weights still come from their own router).
+
+    Testing aid: near-tied router scores flip under bf16 rounding in *any* implementation, and
+    one flipped token changes its output by a whole expert. Pinning both sides to the same
+    choice makes a bf16 comparison measure numerics rather than tie-breaking luck.
+    """
+    try:
+        for moe, ids in pins.items():
+            moe.pinned_ids = ids
+        yield
+    finally:
+        for moe in pins:
+            moe.pinned_ids = None

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import exl3_core.archkit  # noqa: F401  (TEMP: import order)
 from exl3_core.nn.module import LoadContext
 from exl3_core.nn.moe import MoE, RoutingConfig, route
 
