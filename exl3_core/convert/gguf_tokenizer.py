@@ -178,10 +178,29 @@ def build_tokenizer(md: Mapping[str, Any], pretokenizers: Mapping[str, str] | No
         tk.add_special_tokens(specials)
     if plain:
         tk.add_tokens(plain)
+    _set_template_processor(tk, md, tokens)
     if tk.get_vocab_size(with_added_tokens=True) != len(tokens):
         log.warning("rebuilt tokenizer has %d tokens, the GGUF lists %d (duplicate pieces in the vocabulary)",
                     tk.get_vocab_size(with_added_tokens=True), len(tokens))
     return tk
+
+
+def _set_template_processor(tk: Tokenizer, md: Mapping[str, Any], tokens: list[str]) -> None:
+    """Make tokenizer.json itself add BOS/EOS when the GGUF says so: transformers' generic fast
+    tokenizer ignores ``add_bos_token`` and does only what the post-processor does."""
+    ids = _special_ids(md)
+    default_bos = md.get("tokenizer.ggml.model") == "llama"  # llama.cpp's default for SentencePiece vocabs
+    bos = ids["bos"] if md.get("tokenizer.ggml.add_bos_token", default_bos) else None
+    eos = ids["eos"] if md.get("tokenizer.ggml.add_eos_token", False) else None
+    if bos is None and eos is None:
+        return
+    pre = [f"{tokens[bos]}:0"] if bos is not None else []
+    post = [f"{tokens[eos]}:0"] if eos is not None else []
+    single = " ".join([*pre, "$A:0", *post])
+    pair = " ".join([*pre, "$A:0", *post, *(p.replace(":0", ":1") for p in pre), "$B:1", *(p.replace(":0", ":1") for p in post)])
+    specials = [(tokens[i], i) for i in dict.fromkeys(x for x in (bos, eos) if x is not None)]
+    template = processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+    tk.post_processor = template if tk.post_processor is None else processors.Sequence([tk.post_processor, template])
 
 
 def tokenizer_files(md: Mapping[str, Any], tk: Tokenizer, context_length: int | None) -> dict[str, dict[str, Any]]:

