@@ -24,7 +24,6 @@ ACTIVATIONS: dict[str, Activation] = {
     "gelu_pytorch_tanh": _gelu_tanh,
     "gelu_new": _gelu_tanh,
     "gelu_fast": _gelu_tanh,
-    "gelu_tanh": _gelu_tanh,
     "relu": F.relu,
 }
 

@@ -23,11 +23,14 @@ adjacent pairs ``(2i, 2i+1)`` ("interleaved", GPT-J style) or as halves ``(i, i 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from exl3_core.archkit.config import RopeSettings
 from exl3_core.nn.module import LoadContext, Module
+
+if TYPE_CHECKING:  # archkit imports nn; at runtime only the settings' attributes are read
+    from exl3_core.archkit.config import RopeSettings
 
 
 def _base_inv_freq(theta: float | torch.Tensor, dim: int, device: torch.device | None = None) -> torch.Tensor:
