@@ -5,4 +5,4 @@ from exl3_core.cache.cache import Cache
 from exl3_core.cache.layer import CacheLayer
 from exl3_core.cache.pages import ROOT_HASH, CacheExhausted, PageAllocator, chain_hash, page_hashes
 
-__all__ = ["Cache", "CacheExhausted", "CacheLayer", "PageAllocator", "ROOT_HASH", "chain_hash", "page_hashes"]
+__all__ = ["ROOT_HASH", "Cache", "CacheExhausted", "CacheLayer", "PageAllocator", "chain_hash", "page_hashes"]

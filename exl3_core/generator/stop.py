@@ -40,7 +40,7 @@ class TextStream:
         full = self.tokenizer.decode(self.ids)
         if full.endswith("\ufffd"):
             return ""
-        delta = full[len(self._text):] if full.startswith(self._text) else full
+        delta = full.removeprefix(self._text)
         self._text = full
         return delta
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -61,9 +61,9 @@ class ToyModel:
             return (torch.randn(*shape, generator=g) * s / math.sqrt(shape[0])).to(device, dtype)
 
         self.emb = w(vocab_size, hidden, s=math.sqrt(vocab_size))
-        self.layers = [dict(wq=w(hidden, num_heads * head_dim), wk=w(hidden, num_kv_heads * head_dim),
-                            wv=w(hidden, num_kv_heads * head_dim), wo=w(num_heads * head_dim, hidden),
-                            w1=w(hidden, 4 * hidden), w2=w(4 * hidden, hidden)) for _ in range(num_layers)]
+        self.layers = [{"wq": w(hidden, num_heads * head_dim), "wk": w(hidden, num_kv_heads * head_dim),
+                            "wv": w(hidden, num_kv_heads * head_dim), "wo": w(num_heads * head_dim, hidden),
+                            "w1": w(hidden, 4 * hidden), "w2": w(4 * hidden, hidden)} for _ in range(num_layers)]
         self.head = w(hidden, vocab_size, s=scale * 4.0)
         self.forward_calls = 0
         self.tokens_computed = 0
@@ -85,9 +85,9 @@ class ToyModel:
             q = _rope((h @ p["wq"]).view(T, a.num_heads, a.head_dim), meta.positions)
             k = _rope((h @ p["wk"]).view(T, a.num_kv_heads, a.head_dim), meta.positions)
             v = (h @ p["wv"]).view(T, a.num_kv_heads, a.head_dim)
-            common = dict(q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
-                          max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                          scale=1.0 / math.sqrt(a.head_dim))
+            common = {"q": q, "cu_seqlens_q": meta.cu_seqlens_q, "seq_lens_k": meta.seq_lens_k,
+                          "max_seqlen_q": meta.max_seqlen_q, "max_seqlen_k": meta.max_seqlen_k,
+                          "scale": 1.0 / math.sqrt(a.head_dim)}
             if cache is None:
                 spec = AttnSpec(a.head_dim, a.num_heads, a.num_kv_heads, self.dtype)
                 o = attention(AttnArgs(spec=spec, k=k, v=v, **common))
@@ -109,10 +109,10 @@ class ByteTokenizer:
     """Ids 0..255 are bytes; a few multi-byte ids follow (so tokens can split UTF-8 characters and
     stop strings can span tokens); the last id is EOS."""
 
-    EXTRA = [b"hello", b" world", b"\xc3", b"\xa9t\xc3\xa9", b"\xe2\x82\xac", b"ab", b"ba"]
+    EXTRA: ClassVar[tuple[bytes, ...]] = (b"hello", b" world", b"\xc3", b"\xa9t\xc3\xa9", b"\xe2\x82\xac", b"ab", b"ba")
 
     def __init__(self, vocab_size: int = 256 + 8) -> None:
-        self.pieces = [bytes([i]) for i in range(256)] + self.EXTRA
+        self.pieces = [bytes([i]) for i in range(256)] + list(self.EXTRA)
         self.pieces = (self.pieces + [b""] * vocab_size)[:vocab_size]
         self.eos_token_id = vocab_size - 1
         self.pieces[self.eos_token_id] = b""

@@ -1,6 +1,7 @@
 """The stock sampling steps. Each is a pure function of the logits and per-row parameters."""
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -228,7 +229,7 @@ class LogitBias(SamplingStep):
         if not isinstance(b, dict):
             raise self._err("bias", "it must be a dict {token_id: bias}")
         for t, v in b.items():
-            if isinstance(t, bool) or not isinstance(t, int) or not isinstance(v, (int, float)) or v != v:
+            if isinstance(t, bool) or not isinstance(t, int) or not isinstance(v, (int, float)) or math.isnan(v):
                 raise SamplerValueError(f"sampler step 'logit_bias': entry {t!r}: {v!r} must map an int token id "
                                         f"to a number")
         self.params["bias"] = dict(b)

@@ -13,7 +13,7 @@ from exl3_core.plugins import RegistryError, load_plugins
 
 
 @pytest.fixture(scope="module")
-def plugins():  # noqa: ANN201
+def plugins():
     return load_plugins(autoload=False)
 
 
@@ -138,7 +138,7 @@ def test_kv_layer_write_read_copy() -> None:
         layer.write(k, None, slots)
 
 
-def test_cache_builds_layers_and_plans_memory(plugins) -> None:  # noqa: ANN001
+def test_cache_builds_layers_and_plans_memory(plugins) -> None:
     m = ToyModel(num_layers=3, num_kv_heads=2, head_dim=8)
     c = Cache(m, max_num_tokens=100, page_size=16, plugins=plugins)
     assert c.num_pages == 7 and c.max_num_tokens == 112 and len(c.layers) == 3
@@ -148,7 +148,7 @@ def test_cache_builds_layers_and_plans_memory(plugins) -> None:  # noqa: ANN001
         Cache(m, 100, variant="nope", page_size=16, plugins=plugins)
 
 
-def test_default_page_size_comes_from_settings(plugins, clean_settings) -> None:  # noqa: ANN001
+def test_default_page_size_comes_from_settings(plugins, clean_settings) -> None:
     from exl3_core import settings
 
     clean_settings.setenv("EXL3_PAGE_SIZE", "32")

@@ -16,7 +16,7 @@ from exl3_core.sampling import SamplerValueError
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():  # noqa: ANN202
+def _one_thread():
     # tiny tensors: thread hand-offs cost far more than the math on a busy 2-core machine
     n = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -25,7 +25,7 @@ def _one_thread():  # noqa: ANN202
 
 
 @pytest.fixture(scope="module")
-def plugins():  # noqa: ANN201
+def plugins():
     return load_plugins(autoload=False)
 
 
@@ -34,7 +34,7 @@ def model() -> ToyModel:
     return ToyModel(vocab_size=264, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, seed=1)
 
 
-def make_gen(model, plugins, *, tokens: int = 4096, page_size: int = 16, **kw) -> Generator:  # noqa: ANN001
+def make_gen(model, plugins, *, tokens: int = 4096, page_size: int = 16, **kw) -> Generator:
     cache = Cache(model, max_num_tokens=tokens, page_size=page_size, plugins=plugins)
     return Generator(model, cache, ByteTokenizer(model.vocab_size), plugins=plugins, **kw)
 
@@ -60,7 +60,7 @@ def rand_prompt(n: int, seed: int, vocab: int = 256) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=g).tolist()
 
 
-def test_paged_incremental_decode_equals_full_forward(model, plugins) -> None:  # noqa: ANN001
+def test_paged_incremental_decode_equals_full_forward(model, plugins) -> None:
     """Uneven chunked prefill of two ragged sequences, then padded decode steps, through the
     generator's batch builder: every logit row matches one cache-less forward."""
     cache = Cache(model, max_num_tokens=512, page_size=16, plugins=plugins)
@@ -83,7 +83,7 @@ def test_paged_incremental_decode_equals_full_forward(model, plugins) -> None:  
     assert worst < 1e-4
 
 
-def test_decode_padding_uses_scratch_only(model, plugins) -> None:  # noqa: ANN001
+def test_decode_padding_uses_scratch_only(model, plugins) -> None:
     cache = Cache(model, max_num_tokens=256, page_size=16, plugins=plugins)
     chunks = [Chunk([5], 3, [2], True) for _ in range(3)]
     meta, rows = build_batch(chunks, page_size=16, table_width=4, scratch_page=cache.scratch_page,
@@ -93,7 +93,7 @@ def test_decode_padding_uses_scratch_only(model, plugins) -> None:  # noqa: ANN0
     assert meta.page_table[3].tolist() == [cache.scratch_page] * 4
 
 
-def test_continuous_batching_matches_jobs_run_alone(model, plugins) -> None:  # noqa: ANN001
+def test_continuous_batching_matches_jobs_run_alone(model, plugins) -> None:
     lens = [1, 7, 700, 50, 255, 256, 257, 300, 511, 512, 513, 600, 3, 99, 420, 650]
     max_new = [1 + (i * 7) % 23 for i in range(16)]
     jobs = [Job(rand_prompt(n, 100 + i), max_new_tokens=m, identifier=i) for i, (n, m) in enumerate(zip(lens, max_new))]
@@ -109,7 +109,7 @@ def test_continuous_batching_matches_jobs_run_alone(model, plugins) -> None:  # 
         assert together[i]["eos_reason"] == alone["eos_reason"]
 
 
-def test_prefix_cache_computes_only_new_tokens(model, plugins) -> None:  # noqa: ANN001
+def test_prefix_cache_computes_only_new_tokens(model, plugins) -> None:
     prefix = rand_prompt(600, 7)  # 75 full pages of 8
     gen = make_gen(model, plugins, tokens=4096, page_size=8)
     a = Job(prefix + [1, 2, 3], max_new_tokens=20, identifier="a")
@@ -141,7 +141,7 @@ def test_prefix_cache_computes_only_new_tokens(model, plugins) -> None:  # noqa:
     assert gen.cache.allocator.num_live() == 0
 
 
-def test_random_jobs_and_cancels_free_every_page(plugins) -> None:  # noqa: ANN001
+def test_random_jobs_and_cancels_free_every_page(plugins) -> None:
     tiny = ToyModel(vocab_size=64, hidden=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, seed=3)
     cache = Cache(tiny, max_num_tokens=64 * 16, page_size=16, plugins=plugins)
     gen = Generator(tiny, cache, None, max_batch_size=32, max_chunk_tokens=256)
@@ -176,7 +176,7 @@ def test_random_jobs_and_cancels_free_every_page(plugins) -> None:  # noqa: ANN0
     assert cache.allocator.hits > 0  # shared prefixes were reused
 
 
-def test_prompt_longer_than_cache_fails_alone(model, plugins) -> None:  # noqa: ANN001
+def test_prompt_longer_than_cache_fails_alone(model, plugins) -> None:
     gen = make_gen(model, plugins, tokens=256)
     ok = Job(rand_prompt(20, 1), max_new_tokens=5, identifier="ok")
     gen.enqueue(ok)
@@ -186,7 +186,7 @@ def test_prompt_longer_than_cache_fails_alone(model, plugins) -> None:  # noqa: 
     assert res["ok"]["eos_reason"] == "max_new_tokens" and len(res["ok"]["all_tokens"]) == 5
 
 
-def test_cache_exhausted_by_concurrent_jobs_fails_one_job(model, plugins) -> None:  # noqa: ANN001
+def test_cache_exhausted_by_concurrent_jobs_fails_one_job(model, plugins) -> None:
     gen = make_gen(model, plugins, tokens=8 * 16)
     gen.eos_ids = set()
     jobs = [Job(rand_prompt(40, i), max_new_tokens=40, identifier=i) for i in range(2)]
@@ -204,11 +204,11 @@ def test_cache_exhausted_by_concurrent_jobs_fails_one_job(model, plugins) -> Non
     assert gen.cache.allocator.num_live() == 0
 
 
-def test_invalid_sampler_values_fail_at_job_creation(model, plugins) -> None:  # noqa: ANN001
+def test_invalid_sampler_values_fail_at_job_creation(model, plugins) -> None:
     gen = make_gen(model, plugins)
     gen.enqueue(Job([1, 2, 3], max_new_tokens=3, identifier="ok"))
     for bad in ({"temperature": -1.0}, {"top_p": 1.5}, {"min_p": -0.5}):
-        with pytest.raises(SamplerValueError, match=list(bad)[0]):
+        with pytest.raises(SamplerValueError, match=next(iter(bad))):
             Job([1, 2], sampler=bad)
     with pytest.raises(SamplerValueError, match="outside the vocabulary"):
         gen.enqueue(Job([1, 2], sampler={"banned_tokens": [100000]}))
@@ -217,7 +217,7 @@ def test_invalid_sampler_values_fail_at_job_creation(model, plugins) -> None:  #
     assert run_all(gen)["ok"]["eos_reason"] == "max_new_tokens"
 
 
-def test_cancel_frees_pages_and_stops_results(model, plugins) -> None:  # noqa: ANN001
+def test_cancel_frees_pages_and_stops_results(model, plugins) -> None:
     gen = make_gen(model, plugins)
     a, b = Job(rand_prompt(100, 1), max_new_tokens=50, identifier="a"), Job(rand_prompt(30, 2), max_new_tokens=5,
                                                                             identifier="b")
@@ -231,7 +231,7 @@ def test_cancel_frees_pages_and_stops_results(model, plugins) -> None:  # noqa: 
     assert gen.cache.allocator.num_live() == 0
 
 
-def test_seeded_sampling_is_independent_of_batch(model, plugins) -> None:  # noqa: ANN001
+def test_seeded_sampling_is_independent_of_batch(model, plugins) -> None:
     def run(with_others: bool) -> list[int]:
         gen = make_gen(model, plugins)
         jobs = [Job(rand_prompt(30, 5), max_new_tokens=12, sampler="creative", seed=42, identifier="x")]
@@ -244,7 +244,7 @@ def test_seeded_sampling_is_independent_of_batch(model, plugins) -> None:  # noq
     assert run(False) == run(True)
 
 
-def test_generate_convenience(model, plugins) -> None:  # noqa: ANN001
+def test_generate_convenience(model, plugins) -> None:
     gen = make_gen(model, plugins)
     one = gen.generate(prompt="hello", max_new_tokens=8)
     many = gen.generate(prompt=["hello", "abc"], max_new_tokens=8)
@@ -258,7 +258,7 @@ def test_generate_convenience(model, plugins) -> None:  # noqa: ANN001
         tiny.generate(prompt=["a" * 30, "b" * 30], max_new_tokens=45)
 
 
-def test_return_probs_and_logits(model, plugins) -> None:  # noqa: ANN001
+def test_return_probs_and_logits(model, plugins) -> None:
     gen = make_gen(model, plugins)
     prompt = rand_prompt(20, 3)
     gen.enqueue(Job(prompt, max_new_tokens=6, return_probs=True, return_logits=True, identifier=0))
@@ -276,7 +276,7 @@ def test_return_probs_and_logits(model, plugins) -> None:  # noqa: ANN001
     assert torch.allclose(torch.tensor(probs), sm, atol=1e-5)
 
 
-def test_stats_are_reported(model, plugins) -> None:  # noqa: ANN001
+def test_stats_are_reported(model, plugins) -> None:
     gen = make_gen(model, plugins)
     gen.enqueue(Job(rand_prompt(40, 1), max_new_tokens=4, identifier=0))
     r = run_all(gen)[0]

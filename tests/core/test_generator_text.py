@@ -18,7 +18,7 @@ TOK = ByteTokenizer(264)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():  # noqa: ANN202
+def _one_thread():
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -26,7 +26,7 @@ def _one_thread():  # noqa: ANN202
 
 
 @pytest.fixture(scope="module")
-def plugins():  # noqa: ANN201
+def plugins():
     return load_plugins(autoload=False)
 
 
@@ -42,7 +42,7 @@ class ScriptedModel:
     def attention_layers(self) -> list:
         return self._attn
 
-    def forward_batch(self, meta: BatchMeta, cache=None) -> torch.Tensor:  # noqa: ANN001
+    def forward_batch(self, meta: BatchMeta, cache=None) -> torch.Tensor:
         pos = meta.positions if meta.logits_indices is None else meta.positions[meta.logits_indices]
         out = torch.zeros(pos.numel(), self.vocab_size)
         out[:, self.fallback] = 5.0
@@ -55,7 +55,7 @@ def ids_of(pieces: list[bytes]) -> list[int]:
     return [TOK.pieces.index(p) for p in pieces]
 
 
-def scripted_run(plugins, script: list[int], n_prompt: int, **job_kw) -> tuple[list[dict], Job]:  # noqa: ANN001
+def scripted_run(plugins, script: list[int], n_prompt: int, **job_kw) -> tuple[list[dict], Job]:
     m = ScriptedModel(script)
     gen = Generator(m, Cache(m, 1024, page_size=16, plugins=plugins), TOK)
     job = Job(script[:n_prompt], identifier=0, **job_kw)
@@ -67,7 +67,7 @@ def scripted_run(plugins, script: list[int], n_prompt: int, **job_kw) -> tuple[l
     return results, job
 
 
-def test_stop_string_spanning_tokens_is_never_leaked(plugins) -> None:  # noqa: ANN001
+def test_stop_string_spanning_tokens_is_never_leaked(plugins) -> None:
     script = ids_of([b"Q", b":"]) + ids_of([b"hello", b" world", b",", b" ", b"S", b"T", b"O", b"P", b" ", b"x"])
     results, _ = scripted_run(plugins, script, 2, max_new_tokens=50, stop_conditions=["STOP", 999])
     deltas = [r["text"] for r in results]
@@ -80,14 +80,14 @@ def test_stop_string_spanning_tokens_is_never_leaked(plugins) -> None:  # noqa: 
     assert results[-1]["eos_reason"] == "max_new_tokens"
 
 
-def test_stop_token_ends_without_text(plugins) -> None:  # noqa: ANN001
+def test_stop_token_ends_without_text(plugins) -> None:
     script = ids_of([b"a", b"b", b"c", b"d"])
-    results, job = scripted_run(plugins, script, 1, max_new_tokens=10, stop_conditions=[ord("d")])
+    results, _job = scripted_run(plugins, script, 1, max_new_tokens=10, stop_conditions=[ord("d")])
     assert "".join(r["text"] for r in results) == "bc" and results[-1]["stop_token"] == ord("d")
     assert results[-1]["eos_reason"] == "stop_token"
 
 
-def test_utf8_deltas_never_split_characters(plugins) -> None:  # noqa: ANN001
+def test_utf8_deltas_never_split_characters(plugins) -> None:
     # "é" split over two tokens, then a token holding "\xa9t\xc3\xa9" (tail of one char, a head+tail)
     script = ids_of([b">", b"\xc3", b"\xa9", b"\xc3", b"\xa9t\xc3\xa9", b"\xe2\x82\xac", b"\xe2", b"\x82", b"\xac"])
     results, _ = scripted_run(plugins, script, 1, max_new_tokens=8)
@@ -96,7 +96,7 @@ def test_utf8_deltas_never_split_characters(plugins) -> None:  # noqa: ANN001
     assert "" in deltas or len(deltas) < 8  # some tokens produced no complete character yet
 
 
-def test_banned_string_rolls_back_and_bans_its_first_token(plugins) -> None:  # noqa: ANN001
+def test_banned_string_rolls_back_and_bans_its_first_token(plugins) -> None:
     text = b"say a bad word now"
     script = list(text)
     results, job = scripted_run(plugins, script, 4, max_new_tokens=len(text) - 4, banned_strings=["bad"])
@@ -106,14 +106,14 @@ def test_banned_string_rolls_back_and_bans_its_first_token(plugins) -> None:  # 
     assert job.ban_at == {6: {ord("b")}}
 
 
-def test_banned_string_rollback_keeps_cache_consistent(plugins) -> None:  # noqa: ANN001
+def test_banned_string_rollback_keeps_cache_consistent(plugins) -> None:
     """With real attention: after rollbacks every kept token is still the argmax (among allowed
     tokens) of a fresh full forward over the final sequence, so the cache was rewound right."""
     model = ToyModel(vocab_size=128, hidden=32, num_layers=2, seed=5)
     tok = ByteTokenizer(128)
     prompt = list(b"The quick brown fox")
 
-    def run(**kw) -> tuple[str, Job]:  # noqa: ANN003
+    def run(**kw) -> tuple[str, Job]:
         gen = Generator(model, Cache(model, 2048, page_size=4, plugins=plugins), tok)
         gen.eos_ids = set()
         job = Job(prompt, max_new_tokens=30, identifier=0, **kw)
@@ -172,7 +172,7 @@ def test_unpack_bitmask() -> None:
 
 
 @pytest.mark.parametrize("background", [False, True])
-def test_filters_constrain_and_complete(plugins, background: bool) -> None:  # noqa: ANN001
+def test_filters_constrain_and_complete(plugins, background: bool) -> None:
     model = ToyModel(vocab_size=128, seed=2)
     gen = Generator(model, Cache(model, 1024, page_size=16, plugins=plugins), ByteTokenizer(128))
     allowed = {ord(c) for c in "xyz"}
@@ -190,7 +190,7 @@ def test_filters_constrain_and_complete(plugins, background: bool) -> None:  # n
     assert f.count == 4 and f.journal == tuple(ord(c) for c in text[:4])
 
 
-def test_async_generator_streams_and_cancels(plugins) -> None:  # noqa: ANN001
+def test_async_generator_streams_and_cancels(plugins) -> None:
     model = ToyModel(vocab_size=264, seed=4)
     gen = Generator(model, Cache(model, 2048, page_size=16, plugins=plugins), TOK)
     gen.eos_ids = set()

@@ -183,14 +183,14 @@ def test_everything_banned_is_reported_not_sampled() -> None:
     assert out.ok.tolist() == [False, True]
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(top_p=1.5), dict(top_p=0.0), dict(min_p=-0.1),
-                                    dict(min_p=2.0), dict(top_k=-1), dict(top_k=2.5), dict(typical=0.0),
-                                    dict(repetition_penalty=0.0), dict(temperature=float("nan")),
-                                    dict(penalty_window=-5, repetition_penalty=1.2)])
+@pytest.mark.parametrize("kwargs", [{"temperature": -0.1}, {"top_p": 1.5}, {"top_p": 0.0}, {"min_p": -0.1},
+                                    {"min_p": 2.0}, {"top_k": -1}, {"top_k": 2.5}, {"typical": 0.0},
+                                    {"repetition_penalty": 0.0}, {"temperature": float("nan")},
+                                    {"penalty_window": -5, "repetition_penalty": 1.2}])
 def test_invalid_values_raise_clearly(kwargs: dict) -> None:
     with pytest.raises(SamplerValueError) as e:
         Sampler.build(**kwargs)
-    assert list(kwargs)[0].split("_")[-1] in str(e.value)
+    assert next(iter(kwargs)).split("_")[-1] in str(e.value)
 
 
 def test_registry_exposes_every_step_and_preset() -> None:

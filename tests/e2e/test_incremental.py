@@ -42,7 +42,7 @@ def _cases() -> list[Any]:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():  # noqa: ANN202
+def _one_thread():
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
