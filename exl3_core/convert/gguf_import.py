@@ -337,8 +337,11 @@ def import_gguf(
     config = dict(adapter.hf_config(md))
     if "architectures" not in config:
         raise ValueError(f"GGUF adapter {adapter!r} for {arch!r} returned a config without 'architectures'")
-    tokens = md.get("tokenizer.ggml.tokens")
-    config.setdefault("vocab_size", len(tokens) if tokens else None)
+    if "vocab_size" not in config:
+        # The embedding's row count is the model's vocabulary (the tokenizer may list fewer tokens).
+        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+        tokens = md.get("tokenizer.ggml.tokens")
+        config["vocab_size"] = int(embd.shape[-1]) if embd is not None else (len(tokens) if tokens else None)
     # llama.cpp writes output.weight only when the head is not the embedding matrix.
     config["tie_word_embeddings"] = "output.weight" not in names
     for k, mk in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("pad_token_id", "padding_token_id")):
@@ -378,7 +381,10 @@ def import_gguf(
         writer.finish()
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", gen)
-        write_tokenizer(md, tmp, getattr(adapter, "pretokenizers", None), config.get("max_position_embeddings"))
+        if "tokenizer.ggml.tokens" in md:
+            write_tokenizer(md, tmp, getattr(adapter, "pretokenizers", None), config.get("max_position_embeddings"))
+        else:
+            log.warning("%s has no tokenizer metadata; %s gets weights and config only", gguf_path, out_dir)
         st = gguf_path.stat()
         _write_json(tmp / IMPORT_MARKER, {"importer_version": IMPORTER_VERSION, "source": str(gguf_path.resolve()),
                                           "source_size": st.st_size, "source_mtime_ns": st.st_mtime_ns,

@@ -235,6 +235,52 @@ def test_tokenizer_files_from_tiny_gguf(tmp_path: Path) -> None:
     assert tok.encode("the theater")[0].tolist() == ref("the theater")["input_ids"]
 
 
+def test_sentencepiece_gguf_tokenizer(tmp_path: Path) -> None:
+    """A SentencePiece ('llama' tokenizer model) vocabulary with byte fallback and scores only.
+
+    Same ids as transformers' GGUF tokenizer on ordinary text. Where they differ, ours follows
+    SentencePiece and llama.cpp: the dummy space prefix is added even when the text already starts
+    with a space (transformers' Metaspace skips it), and after a special token.
+    """
+    transformers = pytest.importorskip("transformers")
+    from exl3_core.convert.gguf_import import read_gguf
+    from exl3_core.convert.gguf_tokenizer import build_tokenizer
+
+    pieces = ["\u2581", "t", "h", "e", "a", "r", "o", "n", "d", "s", "\u2581t", "he", "\u2581the", "\u2581a", "an",
+              "\u2581an", "nd", "\u2581and", "er", "\u00e9", "\u65e5"]
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    path = tmp_path / "spm.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = build_tokenizer(read_gguf(path)[1])
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for text in ["the and then", "th\u00e9\u00e2tre \u65e5\u672c xyz", "hello\nworld", "and  the   end"]:
+        ids = ours.encode(text, add_special_tokens=False).ids
+        assert ids == ref(text, add_special_tokens=False)["input_ids"], text
+        assert ours.decode(ids) == text
+        space = ours.token_to_id("\u2581")
+        assert ours.encode(" " + text, add_special_tokens=False).ids == [space, *ids]
+    assert ours.encode("<s>the", add_special_tokens=False).ids == [1, ours.token_to_id("\u2581the")]
+    # bytes without a piece of their own fall back to <0xNN> tokens
+    assert ours.encode("\u00fc", add_special_tokens=False).ids[1:] == [3 + 0xC3, 3 + 0xBC]
+    # Raw bytes per token: U+2581 is a space, <0xNN> one byte (the dummy prefix space included).
+    vb = Tokenizer(ours).get_vocab_bytes()
+    for text in ["the and \u00fc\u65e5", "x\ny"]:
+        assert b"".join(vb[i] for i in ours.encode(text, add_special_tokens=False).ids) == (" " + text).encode()
+
+
 def test_interrupted_import_leaves_nothing(tmp_path: Path) -> None:
     src = tmp_path / "t.gguf"
     write_tiny_gguf(src)
