@@ -187,7 +187,9 @@ class Generator:
             job = self.queue[0]
             n = len(job.seq)
             # never share the page holding the last prompt token: it must be run for logits
-            hashes = page_hashes(job.seq, ps, max_pages=(n - 1) // ps)
+            if job.prompt_hashes is None:  # computed once, even if the job waits several steps
+                job.prompt_hashes = page_hashes(job.seq, ps, max_pages=(n - 1) // ps)
+            hashes = job.prompt_hashes
             matched = alloc.match_prefix(hashes)
             try:
                 fresh = alloc.allocate(math.ceil(n / ps) - len(matched))

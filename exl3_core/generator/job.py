@@ -71,6 +71,7 @@ class Job:
         self.cached = 0  # tokens of seq whose keys/values are in the cache
         self.pages: list[int] = []
         self.hashes: list[bytes] = []  # hash chain of the full pages registered so far
+        self.prompt_hashes: list[bytes] | None = None  # prefix-cache keys of the prompt's full pages
         self.new_tokens = 0
         self.cached_tokens = 0  # prompt tokens served by the prefix cache
         self.ban_at: dict[int, set[int]] = {}  # position -> tokens banned there (banned strings)
