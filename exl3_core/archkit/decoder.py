@@ -125,6 +125,8 @@ class Head(Module):
     1.6), so the checkpoint, not ``tie_word_embeddings``, decides.
     """
 
+    linear: torch.nn.Module
+
     def __init__(self, key: str, hidden_size: int, vocab_size: int, embedding: Embedding, tied: bool) -> None:
         super().__init__()
         self.key = key
@@ -147,7 +149,7 @@ class Head(Module):
         self.attach_loaded("linear", DenseLinear(emb, None, self.hidden_size, self.vocab_size, key=self.key))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x)  # type: ignore[misc]
+        return self.linear(x)
 
 
 class StandardDecoder(Model):

@@ -177,7 +177,7 @@ class Model(torch.nn.Module):
         ``Cache`` allocates ``cache.layers[i]`` for ``attention_layers()[i]``; each module's
         ``cache_index`` is set to its position here.
         """
-        found = [m for m in self.modules() if getattr(type(m), "cache_kind", None) is not None]
+        found: list[Any] = [m for m in self.modules() if getattr(type(m), "cache_kind", None) is not None]
         for i, m in enumerate(found):
             m.cache_index = i
         return found

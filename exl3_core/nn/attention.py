@@ -42,6 +42,11 @@ class Attention(Module):
 
     #: what this module stores in a cache layer (``CacheLayerSpec.kind``)
     cache_kind: ClassVar[str] = "kv"
+    # filled by load_weights (EXL3 or dense, decided by the checkpoint)
+    q_proj: torch.nn.Module
+    k_proj: torch.nn.Module
+    v_proj: torch.nn.Module
+    o_proj: torch.nn.Module
 
     def __init__(self, *, prefix: str, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, rope: RotaryEmbedding | None,
@@ -106,9 +111,9 @@ class Attention(Module):
     def project_qkv(self, x: torch.Tensor, state: ForwardState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [T, hidden]`` -> q ``[T, Hq, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, Dv]`` (normed, rotated)."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # type: ignore[misc]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # type: ignore[misc]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim_v)  # type: ignore[misc]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim_v)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
@@ -138,7 +143,7 @@ class Attention(Module):
                             k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table)
         backend = get_dispatcher(state.plugins).select(spec, state.allowed_backends)
         o = backend.forward(args)
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim_v))  # type: ignore[misc]
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim_v))
 
     def extra_repr(self) -> str:
         return f"{self.prefix}: heads={self.num_heads}/{self.num_kv_heads}, head_dim={self.head_dim}, " \

@@ -43,6 +43,10 @@ class GatedMLP(Module):
     :param bias: whether the linears carry biases (None: use them if present).
     """
 
+    gate: torch.nn.Module
+    up: torch.nn.Module
+    down: torch.nn.Module
+
     def __init__(self, *, hidden_size: int, intermediate_size: int, act: str, gate_key: str, up_key: str,
                  down_key: str, bias: bool | None = False) -> None:
         super().__init__()
@@ -68,6 +72,9 @@ class GatedMLP(Module):
 
 class MLP(Module):
     """``down(act(up(x)))`` (no gate)."""
+
+    up: torch.nn.Module
+    down: torch.nn.Module
 
     def __init__(self, *, hidden_size: int, intermediate_size: int, act: str, up_key: str, down_key: str,
                  bias: bool | None = False) -> None:

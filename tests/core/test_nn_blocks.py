@@ -36,7 +36,7 @@ def test_bias_policy(tmp_path: Path) -> None:
     w, b = torch.randn(8, 16), torch.randn(8)
     src = source(tmp_path, {"with.weight": w, "with.bias": b, "without.weight": w.clone()})
     x = torch.randn(3, 16)
-    kw = dict(source=src, device="cpu", dtype=torch.float32)
+    kw = {"source": src, "device": "cpu", "dtype": torch.float32}
     torch.testing.assert_close(make_linear("with", 16, 8, bias=None, **kw)(x), F.linear(x, w, b))
     torch.testing.assert_close(make_linear("with", 16, 8, bias=False, **kw)(x), F.linear(x, w))
     with pytest.raises(WeightError, match=r"without\.bias"):
@@ -45,7 +45,7 @@ def test_bias_policy(tmp_path: Path) -> None:
 
 def test_errors_name_tensor_and_file(tmp_path: Path) -> None:
     src = source(tmp_path, {"a.weight": torch.randn(8, 17), "half.trellis": torch.zeros(1, 1, 32, dtype=torch.int16)})
-    kw = dict(bias=None, source=src, device="cpu", dtype=torch.float32)
+    kw = {"bias": None, "source": src, "device": "cpu", "dtype": torch.float32}
     with pytest.raises(WeightError, match=r"'a\.weight'.*model\.safetensors.*\[8, 17\].*\[8, 16\]"):
         make_linear("a", 16, 8, **kw)
     with pytest.raises(WeightError, match=r"'missing\.weight'.*" + str(tmp_path).replace("/", ".")):

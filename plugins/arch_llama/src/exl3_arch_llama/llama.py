@@ -34,9 +34,9 @@ def tiny_configs() -> dict[str, PretrainedConfig]:
     """Tiny random variants for ``exl3_core.testing.arch`` (2 layers, hidden 64-320)."""
     from transformers import LlamaConfig as HFLlamaConfig
 
-    base: dict[str, Any] = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                rms_norm_eps=1e-5, tie_word_embeddings=False)
+    base: dict[str, Any] = {"vocab_size": 160, "hidden_size": 64, "intermediate_size": 112, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+                                "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 
     def cfg(**kw: Any) -> PretrainedConfig:
         return HFLlamaConfig(**{**base, **kw})

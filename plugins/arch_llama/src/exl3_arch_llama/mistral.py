@@ -33,9 +33,9 @@ def tiny_configs() -> dict[str, PretrainedConfig]:
     """Tiny random variants for ``exl3_core.testing.arch``."""
     from transformers import MistralConfig as HFMistralConfig
 
-    base: dict[str, Any] = dict(vocab_size=144, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
-                                num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                                max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    base: dict[str, Any] = {"vocab_size": 144, "hidden_size": 96, "intermediate_size": 160, "num_hidden_layers": 2,
+                                "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16,
+                                "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 
     def cfg(**kw: Any) -> PretrainedConfig:
         return HFMistralConfig(**{**base, **kw})

@@ -35,9 +35,9 @@ def tiny_configs() -> dict[str, PretrainedConfig]:
     """Tiny random variants for ``exl3_core.testing.arch``."""
     from transformers import Qwen2Config as HFQwen2Config
 
-    base: dict[str, Any] = dict(vocab_size=152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                rms_norm_eps=1e-6, tie_word_embeddings=False)
+    base: dict[str, Any] = {"vocab_size": 152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                                "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 
     def cfg(**kw: Any) -> PretrainedConfig:
         return HFQwen2Config(**{**base, **kw})

@@ -30,9 +30,9 @@ def tiny_configs() -> dict[str, PretrainedConfig]:
     """Tiny random variants for ``exl3_core.testing.arch``."""
     from transformers import Qwen3Config as HFQwen3Config
 
-    base: dict[str, Any] = dict(vocab_size=136, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    base: dict[str, Any] = {"vocab_size": 136, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+                                "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}
 
     def cfg(**kw: Any) -> PretrainedConfig:
         return HFQwen3Config(**{**base, **kw})
