@@ -9,4 +9,8 @@ EXL3_PLUGIN_API = (1, 0)
 
 @hookimpl
 def exl3_filters() -> list[FilterSpec]:
-    return []
+    # impl strings are resolved lazily: neither engine is imported until a filter is created
+    return [
+        FilterSpec(name="llguidance", impl="exl3_filters.llg:LLGuidanceFilter", requires=("llguidance",)),
+        FilterSpec(name="formatron", impl="exl3_filters.formatron_filter:FormatronFilter", requires=("formatron",)),
+    ]
