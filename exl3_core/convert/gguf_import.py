@@ -103,7 +103,7 @@ def read_gguf(path: str | Path) -> tuple[Any, dict[str, Any]]:
         raise FileNotFoundError(f"GGUF file {path} does not exist")
     try:
         reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - the reader raises bare ValueErrors on bad magic/versions
+    except Exception as e:
         raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
     md = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     return reader, md
@@ -124,11 +124,12 @@ def decoder_config(metadata: Mapping[str, Any]) -> dict[str, Any]:
     Adapters start from this and add ``architectures``, ``model_type`` and their own keys.
     """
     arch = str(metadata["general.architecture"])
-    g = lambda name, default=None, required=False: _key(metadata, arch, name, default, required=required)  # noqa: E731
+    g = lambda name, default=None, required=False: _key(metadata, arch, name, default, required=required)
     heads = int(g("attention.head_count", required=True))
     kv = g("attention.head_count_kv", heads)
     if isinstance(kv, list):
-        raise ValueError(f"GGUF {arch}.attention.head_count_kv is per-layer ({kv[:4]}...); only a single value is supported")
+        raise ValueError(  # noqa: TRY004 - a metadata value, not an argument of the wrong type
+            f"GGUF {arch}.attention.head_count_kv is per-layer ({kv[:4]}...); only a single value is supported")
     cfg: dict[str, Any] = {
         "hidden_size": int(g("embedding_length", required=True)),
         "intermediate_size": int(g("feed_forward_length", required=True)),
@@ -330,7 +331,7 @@ def import_gguf(
     reader, md = read_gguf(gguf_path)
     arch = md.get("general.architecture")
     if not isinstance(arch, str):
-        raise ValueError(f"{gguf_path} has no general.architecture metadata")
+        raise ValueError(f"{gguf_path} has no general.architecture metadata")  # noqa: TRY004 - file content
     adapter = _select_adapter(arch, adapters)
 
     names = [t.name for t in reader.tensors]

@@ -75,7 +75,7 @@ def compile_template(source: str) -> Any:
     class GenerationBlock(jinja2.ext.Extension):
         """``{% generation %}...{% endgeneration %}`` marks assistant text; rendering keeps the body."""
 
-        tags = {"generation"}
+        tags = {"generation"}  # noqa: RUF012 - jinja2 declares it as a plain class attribute
 
         def parse(self, parser: Any) -> Any:
             lineno = next(parser.stream).lineno
@@ -106,7 +106,7 @@ def compile_template(source: str) -> Any:
 
     class TemplateNamespace(jinja2.utils.Namespace):
         # Underscore attributes could reach interpreter internals; refuse to store them.
-        def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - mirrors Namespace's signature trick
+        def __init__(*args: Any, **kwargs: Any) -> None:
             self, rest = args[0], args[1:]
             attrs = dict(*rest, **kwargs)
             for name in attrs:

@@ -29,7 +29,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
     if not isinstance(data, dict):
-        raise ValueError(f"{path} must contain a JSON object")
+        raise ValueError(f"{path} must contain a JSON object")  # noqa: TRY004 - file content
     return data
 
 
