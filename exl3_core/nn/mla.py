@@ -110,6 +110,13 @@ class LatentAttention(Module):
             self.q_a_norm = RMSNorm(self.keys["q_a_norm"], q_lora_rank, latent_norm_eps)
         self.kv_a_norm = RMSNorm(self.keys["kv_a_norm"], kv_lora_rank, latent_norm_eps)
         self.declare_slots("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj", "o_proj")
+        # slots filled by load_weights (declared for type checkers; None until loaded)
+        self.q_proj: torch.nn.Module | None
+        self.q_a_proj: torch.nn.Module | None
+        self.q_b_proj: torch.nn.Module | None
+        self.kv_a_proj: torch.nn.Module | None
+        self.kv_b_proj: torch.nn.Module | None
+        self.o_proj: torch.nn.Module | None
         # W_uk/W_uv are derived from kv_b_proj at load (and rebuilt if the activation dtype or
         # device changes); non-persistent buffers so unload_weights() drops them
         self.w_uk: torch.Tensor | None  # [H, nope, L]: q_latent = q_nope @ w_uk

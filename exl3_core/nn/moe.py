@@ -148,6 +148,10 @@ class MoE(Module):
                  shared_intermediate_size: int | None = None, shared_key: str = "shared_experts",
                  shared_gate_key: str | None = None, bias: bool | None = False) -> None:
         super().__init__()
+        # slots filled by load_weights (declared for type checkers; None until loaded)
+        self.router: torch.nn.Module | None
+        self.experts: torch.nn.ModuleList | None
+        self.shared_gate: torch.nn.Module | None
         self.prefix = prefix
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size

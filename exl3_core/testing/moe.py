@@ -25,7 +25,14 @@ from typing import Any
 import torch
 
 from exl3_core.testing.arch import (
-    BF16_RTOL, FP32_RTOL, SEQ_LEN, _cache_roundtrip, build_checkpoint, check_load_errors, rel_err, tiny_variants,
+    BF16_RTOL,
+    FP32_RTOL,
+    SEQ_LEN,
+    _cache_roundtrip,
+    build_checkpoint,
+    check_load_errors,
+    rel_err,
+    tiny_variants,
 )
 
 #: a token whose two competing experts' fp32 scores are closer than this may flip in bf16
@@ -76,6 +83,7 @@ def exl3_routing(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str,
     patched = []
     for key, moe in _moe_blocks(model).items():
         def select(x: torch.Tensor, moe: MoE = moe, key: str = key) -> tuple[torch.Tensor, torch.Tensor]:
+            assert moe.router is not None
             logits = moe.router(x if moe.router_dtype is None else x.to(moe.router_dtype)).float()
             s = torch.softmax(logits, -1) if moe.routing.scoring == "softmax" else torch.sigmoid(logits)
             scores[key] = s if moe.correction_bias is None else s + moe.correction_bias
@@ -132,7 +140,7 @@ def check_moe_variant(hf_arch: str, cfg: Any, workdir: Path, *, plugins: Any = N
     directory = workdir / "ckpt"
     hf_model = build_checkpoint(hf_arch, cfg, directory, seed=seed)
     _randomize_buffers(hf_model, seed)
-    hf_model.save_pretrained(directory)
+    hf_model.save_pretrained(directory)  # type: ignore[operator]
     ids = torch.randint(0, cfg.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(seed + 1))
     ref, hf_choice = hf_routing(hf_model, ids)
     assert hf_choice, f"{hf_arch}: no '*.mlp.gate' router modules found in the transformers model"

@@ -94,7 +94,7 @@ def test_correction_bias_changes_selection_not_weights() -> None:
     logits = torch.randn(128, cfg.num_experts)
     bias = torch.zeros(cfg.num_experts)
     bias[3] = 10.0  # forces expert 3 (and its group) into every token's choice
-    w0, i0 = route(logits, cfg, None)
+    _w0, i0 = route(logits, cfg, None)
     w1, i1 = route(logits, cfg, bias)
     assert bool((i1 == 3).any(dim=-1).all())
     assert not bool((i0 == 3).any(dim=-1).all())

@@ -59,13 +59,14 @@ class DeepseekV2Config(StandardDecoderConfig):
         top_k = int(self.require(hf.get("num_experts_per_tok"), "num_experts_per_tok"))
         method = hf.get("topk_method") or "greedy"
         renorm = bool(hf.get("norm_topk_prob")) and top_k > 1
-        common = dict(num_experts=self.num_experts, top_k=top_k, scoring="softmax", renormalize=renorm,
-                      scaling_factor=1.0 if renorm else float(hf.get("routed_scaling_factor") or 1.0))
+        common: dict[str, Any] = {
+            "num_experts": self.num_experts, "top_k": top_k, "scoring": "softmax", "renormalize": renorm,
+            "scaling_factor": 1.0 if renorm else float(hf.get("routed_scaling_factor") or 1.0)}
         try:
             if method == "greedy":
-                return RoutingConfig(**common)  # type: ignore[arg-type]
+                return RoutingConfig(**common)
             if method == "group_limited_greedy":
-                return RoutingConfig(**common, num_groups=int(self.require(hf.get("n_group"), "n_group")),  # type: ignore[arg-type]
+                return RoutingConfig(**common, num_groups=int(self.require(hf.get("n_group"), "n_group")),
                                      topk_groups=int(self.require(hf.get("topk_group"), "topk_group")),
                                      group_score="max")
         except ValueError as e:
@@ -119,12 +120,12 @@ def tiny_configs() -> dict[str, Any]:
     """Tiny random transformers configs covering the V2 variants (for the conformance suite)."""
     from transformers import DeepseekV2Config as HFConfig
 
-    base: dict[str, Any] = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-        max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6,
-    )
+    base: dict[str, Any] = {
+        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "max_position_embeddings": 256, "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
+    }
     return {
         "greedy_q_full": HFConfig(**base, q_lora_rank=None, topk_method="greedy", routed_scaling_factor=1.0),
         "group_limited_q_lora_yarn": HFConfig(

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from exl3_arch_deepseek.deepseek_v2 import DeepseekV2Config, DeepseekV2Model
 from exl3_core.archkit.config import Config, ConfigError
 from exl3_core.archkit.decoder import StandardDecoderConfig
 from exl3_core.nn.moe import RoutingConfig
-
-from exl3_arch_deepseek.deepseek_v2 import DeepseekV2Config, DeepseekV2Model
 
 
 class DeepseekV3Config(DeepseekV2Config):
@@ -60,13 +59,13 @@ def tiny_configs() -> dict[str, Any]:
     """Tiny random transformers configs covering the V3 variants (for the conformance suite)."""
     from transformers import DeepseekV3Config as HFConfig
 
-    base: dict[str, Any] = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1,
-        n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, max_position_embeddings=256,
-        tie_word_embeddings=False, num_mtp_layers=0,
-    )
+    base: dict[str, Any] = {
+        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "n_routed_experts": 16, "num_experts_per_tok": 4, "n_shared_experts": 1, "first_k_dense_replace": 1,
+        "n_group": 4, "topk_group": 2, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "max_position_embeddings": 256,
+        "tie_word_embeddings": False, "num_mtp_layers": 0,
+    }
     return {
         "q_lora_yarn_interleave": HFConfig(
             **base, q_lora_rank=24, rope_interleave=True,

@@ -10,11 +10,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from exl3_arch_qwen.qwen3 import Qwen3Config, Qwen3Model
 from exl3_core.archkit.config import Config, ConfigError
 from exl3_core.archkit.decoder import StandardDecoderConfig
 from exl3_core.nn.moe import MoE, RoutingConfig
-
-from exl3_arch_qwen.qwen3 import Qwen3Config, Qwen3Model
 
 
 class Qwen3MoeConfig(Qwen3Config):
@@ -63,11 +62,11 @@ def tiny_configs() -> dict[str, Any]:
     """Tiny random transformers configs: a dense layer (mlp_only_layers) plus sparse layers."""
     from transformers import Qwen3MoeConfig as HFConfig
 
-    base: dict[str, Any] = dict(
-        vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-        max_position_embeddings=256, tie_word_embeddings=False, rms_norm_eps=1e-6,
-    )
+    base: dict[str, Any] = {
+        "vocab_size": 128, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+        "max_position_embeddings": 256, "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
+    }
     return {
         "norm_topk_dense_first": HFConfig(**base, norm_topk_prob=True, mlp_only_layers=[0]),
         "no_norm_sparse_step2": HFConfig(**base, norm_topk_prob=False, decoder_sparse_step=2),
