@@ -85,7 +85,7 @@ def decode_ceiling(quick: bool, rows: list) -> dict:
     ops = torch.ops.exl3
     k = n = 16384
     out = {}
-    ks = [2, 4, 8] if quick else range(1, 9)
+    ks = [4] if quick else range(1, 9)
     for K in ks:
         t = rand_trellis(k, n, K)
         for cb in (0, 1, 2):
@@ -100,7 +100,7 @@ def decode_ceiling(quick: bool, rows: list) -> dict:
         del t
     # occupancy / split sensitivity at the headline point
     t = rand_trellis(k, n, 4)
-    for kt in (8, 32, 128, 1024):
+    for kt in (4, 8, 16, 32, 128):
         sec = time_events(lambda: ops.decode_bench(t, 4, 2, kt))
         rows.append(dict(kind="decode_only_kt", K=4, cb="mul1", kt_per_warp=kt, tw_s=k * n / sec / 1e12))
         print(f"decode-only K=4 mul1 kt_per_warp={kt}: {k * n / sec / 1e12:6.3f} Tweights/s", flush=True)
@@ -110,7 +110,7 @@ def decode_ceiling(quick: bool, rows: list) -> dict:
 def gemm_bench(ceil: dict, quick: bool, rows: list) -> None:
     ops = torch.ops.exl3
     shapes = [(4096, 14336), (14336, 4096)]
-    cbs = (2,) if quick else (2, 0, 1)
+    cbs = (2, 0) if quick else (2, 0, 1)
     for (k, n) in shapes:
         for cb in cbs:
             K = 4
@@ -133,6 +133,12 @@ def gemm_bench(ceil: dict, quick: bool, rows: list) -> None:
                       f"{sec_full * 1e6:7.2f} us | memory floor {mem * 1e6:6.2f} us, decode-only floor "
                       f"{dec * 1e6:6.2f} us -> {100 * dec / sec_in:5.1f}% of decode ceiling, "
                       f"{k * n * m * 2 / sec_in / 1e12:6.2f} TFLOP/s", flush=True)
+            if cb == 2:  # split-k sensitivity at the headline point
+                x = torch.randn(1, k, device="cuda").half()
+                for kt in (4, 8, 16, 24, 32):
+                    sec = time_graph(lambda i: ops.exl3_gemm_xh(x, ts[i % copies], K, cb, kt), copies)
+                    rows.append(dict(kind="gemm_kt", k=k, n=n, m=1, kt_per_warp=kt, us_inner=sec * 1e6))
+                    print(f"  gemm {k}x{n} m=1 kt_per_warp={kt}: {sec * 1e6:7.2f} us", flush=True)
             # dense fp16 reference (cuBLAS) for the same shape, m=1
             wd = [torch.randn(k, n, device="cuda").half() for _ in range(max(2, -(-3 * l2_bytes() // (k * n * 2))))]
             x = torch.randn(1, k, device="cuda").half()
@@ -161,8 +167,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="comma list of: decode,gemm,reconstruct")
+    ap.add_argument("--lib", default=None, help="load this op library (a kernel variant) instead of exl3_core._C")
     args = ap.parse_args()
-    if not ext.has_op("decode_bench"):
+    if args.lib:
+        torch.ops.load_library(args.lib)
+    elif not ext.has_op("decode_bench"):
         raise SystemExit(f"exl3 CUDA ops not built: {ext.load_error}")
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs, L2 {l2_bytes() >> 20} MiB, torch {torch.__version__}")

@@ -12,14 +12,15 @@ import os
 from torch.utils.cpp_extension import load
 
 
-def build(verbose: bool = True) -> object:
+def build(name: str = "exl3_cuda_dev", defines: tuple[str, ...] = (), verbose: bool = True) -> str:
+    """Compile csrc/exl3/*.cu (with extra ``-D`` defines, for kernel variants); returns the .so path."""
     here = os.path.dirname(os.path.abspath(__file__))
     srcs = sorted(glob.glob(os.path.join(here, "*.cu")))
     return load(
-        name="exl3_cuda_dev",
+        name=name,
         sources=srcs,
         extra_cuda_cflags=["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "--expt-relaxed-constexpr",
-                           "-gencode=arch=compute_90,code=sm_90"],
+                           "-gencode=arch=compute_90,code=sm_90", *(f"-D{d}" for d in defines)],
         extra_include_paths=[os.path.dirname(here)],
         verbose=verbose,
         is_python_module=False,
@@ -27,8 +28,14 @@ def build(verbose: bool = True) -> object:
 
 
 if __name__ == "__main__":
-    build()
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--name", default="exl3_cuda_dev")
+    ap.add_argument("--define", action="append", default=[], help="NAME=VALUE, e.g. EXL3_GEMM_STAGES=2")
+    a = ap.parse_args()
+    build(a.name, tuple(a.define), verbose=False)
     import torch
 
-    print("ops:", [n for n in ("reconstruct", "exl3_gemm", "exl3_gemm_xh", "had128", "decode_bench")
-                   if hasattr(torch.ops.exl3, n)])
+    print("built", a.name, "ops:", [n for n in ("reconstruct", "exl3_gemm", "exl3_gemm_xh", "had128", "decode_bench")
+                                    if hasattr(torch.ops.exl3, n)])

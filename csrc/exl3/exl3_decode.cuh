@@ -76,6 +76,18 @@ struct LaneWindow {
         }
     }
 
+    // Per-lane word pointers into a tile (loop-invariant; the GEMM advances them tile by tile)
+    __device__ __forceinline__ static void pointers(const uint32_t* tile, int lane, const uint32_t* (&ptr)[NW]) {
+        constexpr int NWORDS = 8 * K;
+        const int i0 = lane_start_bit(K, lane) >> 5;
+#pragma unroll
+        for (int i = 0; i < NW; ++i) {
+            int idx = i0 + i;
+            idx = idx >= NWORDS ? idx - NWORDS : idx;
+            ptr[i] = tile + idx;
+        }
+    }
+
     // unaligned K: shift the window to offset 0 (one funnel shift per word, runtime amount)
     __device__ __forceinline__ static void align(int lane, uint32_t (&w)[NW]) {
         if constexpr (!window_aligned(K)) {

@@ -74,6 +74,11 @@ struct GemmArgs {
 
 constexpr int GEMM_WARPS = 4;
 constexpr int GEMM_NT = 2;  // n tiles (16 cols each) per warp: the A fragments are reused across them
+#ifndef EXL3_GEMM_STAGES
+#define EXL3_GEMM_STAGES 4
+#endif
+constexpr int GEMM_KT_MAX = 32;  // k tiles per warp at most: bounds the x staging buffer
+constexpr int GEMM_STAGES = EXL3_GEMM_STAGES;  // k tiles of words in flight per warp
 
 // Each warp owns NT adjacent n tiles and a run of kt_per_warp k tiles; MB m16 blocks of rows.
 // DECODE_ONLY: same loads and decode, consumed by HFMA2 into a dummy sum instead of mma (the
@@ -103,50 +108,62 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(GemmArgs p) {
                 for (int i = 0; i < 4; ++i) acc[mb][nt][nb][i] = 0.f;
     __half2 dsum = __float2half2_rn(0.f);
 
-    // A rows this lane feeds: g and g+8 of each m16 block; rows past m read as zero
-    const __half* xr[MB][2];
-    bool xv[MB][2];
-#pragma unroll
-    for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = p.m0 + mb * 16 + g + 8 * h;
-            xv[mb][h] = row < p.m;
-            xr[mb][h] = p.x + (xv[mb][h] ? (long)row * kdim : 0) + 2 * q;
+    // The block's warps share one k chunk (n_groups is a multiple of GEMM_WARPS): stage the x rows
+    // of this launch's row chunk for that k range in shared memory once (rows past m as zeros), so
+    // the loop reads its A fragments with ldmatrix instead of global loads.
+    constexpr int XS = GEMM_KT_MAX * 16 + 8;  // row stride in halves; +8 staggers banks for ldmatrix
+    __shared__ __align__(16) __half xs[DECODE_ONLY ? 1 : MB * 16 * XS];
+    if constexpr (!DECODE_ONLY) {
+        const int cols = (kt1 - kt0) * 16;
+        for (int i = threadIdx.x; i < MB * 16 * (cols / 8); i += GEMM_WARPS * 32) {
+            const int r = i / (cols / 8), c = (i % (cols / 8)) * 8;
+            const int row = p.m0 + r;
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (row < p.m) v = __ldg(reinterpret_cast<const uint4*>(p.x + (long)row * kdim + (long)kt0 * 16 + c));
+            *reinterpret_cast<uint4*>(&xs[r * XS + c]) = v;
         }
+        __syncthreads();
+    }
+    // ldmatrix.x4 row addresses: lane l -> row l%16 of the m16 block, 8-col half l/16
+    const uint32_t xs_lane = (uint32_t)__cvta_generic_to_shared(&xs[(lane & 15) * XS + (lane >> 4) * 8]);
 
     const long tile_words = 8 * K;
     const uint32_t* tbase = p.trellis + ((long)kt0 * p.n_tiles + (long)ng * NT) * tile_words;
     const long row_words = (long)p.n_tiles * tile_words;
 
-    uint32_t w0[NT][W::NW], w1[NT][W::NW];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) W::load(tbase + nt * tile_words, lane, w0[nt]);
+    // S-stage register ring: the words (and A fragments) of k tile i+S-1 are requested while tile i
+    // is decoded, so each warp keeps S-1 tiles of DRAM latency in flight.
+    constexpr int S = GEMM_STAGES;
+    uint32_t wr[S][NT][W::NW];
+    // lane's word addresses in the current k tile, advanced by one tile row per load (the wrap and
+    // lane arithmetic stay out of the loop)
+    const uint32_t* lp[W::NW];
+    W::pointers(tbase, lane, lp);
 
-    // one k tile: prefetch the next tile's words into `nxt`, then decode `cur` and consume it
-    auto step = [&](int kt, uint32_t (&cur)[NT][W::NW], uint32_t (&nxt)[NT][W::NW]) {
-        if (kt + 1 < kt1) {
+    auto load_stage = [&](uint32_t (&w)[NT][W::NW]) {
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) W::load(tbase + row_words + nt * tile_words, lane, nxt[nt]);
+        for (int i = 0; i < W::NW; ++i) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) w[nt][i] = __ldg(lp[i] + nt * tile_words);
+            lp[i] += row_words;
         }
-        tbase += row_words;
-
+    };
+    auto compute_stage = [&](int kt, uint32_t (&w)[NT][W::NW]) {
         uint32_t a[MB][4];
         if constexpr (!DECODE_ONLY) {
-            const long kc = (long)kt * 16;
 #pragma unroll
             for (int mb = 0; mb < MB; ++mb) {
-                a[mb][0] = xv[mb][0] ? __ldg(reinterpret_cast<const unsigned*>(xr[mb][0] + kc)) : 0u;
-                a[mb][1] = xv[mb][1] ? __ldg(reinterpret_cast<const unsigned*>(xr[mb][1] + kc)) : 0u;
-                a[mb][2] = xv[mb][0] ? __ldg(reinterpret_cast<const unsigned*>(xr[mb][0] + kc + 8)) : 0u;
-                a[mb][3] = xv[mb][1] ? __ldg(reinterpret_cast<const unsigned*>(xr[mb][1] + kc + 8)) : 0u;
+                const uint32_t addr = xs_lane + (uint32_t)((mb * 16 * XS + (kt - kt0) * 16) * 2);
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(a[mb][0]), "=r"(a[mb][1]), "=r"(a[mb][2]), "=r"(a[mb][3])
+                             : "r"(addr));
             }
         }
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-            W::align(lane, cur[nt]);
+            W::align(lane, w[nt]);
             __half2 f[4];
-            decode_lane<K, CB>(cur[nt], f);
+            decode_lane<K, CB>(w[nt], f);
             if constexpr (DECODE_ONLY) {
                 const __half2 one = __float2half2_rn(1.f);
 #pragma unroll
@@ -160,10 +177,17 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(GemmArgs p) {
             }
         }
     };
-    // unrolled by two so both word buffers stay in registers with compile-time indices
-    for (int kt = kt0; kt < kt1; kt += 2) {
-        step(kt, w0, w1);
-        if (kt + 1 < kt1) step(kt + 1, w1, w0);
+
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s)
+        if (kt0 + s < kt1) load_stage(wr[s]);
+    for (int kt = kt0; kt < kt1; kt += S) {
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            const int kl = kt + s + S - 1;  // tile to request now, into the slot freed last step
+            if (kl < kt1) load_stage(wr[(s + S - 1) % S]);
+            if (kt + s < kt1) compute_stage(kt + s, wr[s]);
+        }
     }
 
     if constexpr (DECODE_ONLY) {
@@ -176,8 +200,8 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(GemmArgs p) {
         for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
-                if (!xv[mb][h]) continue;
                 const int row = p.m0 + mb * 16 + g + 8 * h;
+                if (row >= p.m) continue;
 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -205,6 +229,7 @@ inline int pick_kt_per_warp(int k_tiles, int n_tiles, long resident_warps) {
     if (chunks < 1) chunks = 1;
     long kt = (k_tiles + chunks - 1) / chunks;
     if (kt < 2) kt = 2;
+    if (kt > GEMM_KT_MAX) kt = GEMM_KT_MAX;
     return (int)(kt > k_tiles ? (k_tiles > 0 ? k_tiles : 1) : kt);
 }
 
@@ -229,6 +254,7 @@ int launch_gemm_t(GemmArgs a, cudaStream_t st) {
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
         a.kt_per_warp = pick_kt_per_warp(a.k_tiles, a.n_tiles, (long)sms * occ * GEMM_WARPS);
     }
+    if (!DEC && a.kt_per_warp > GEMM_KT_MAX) a.kt_per_warp = GEMM_KT_MAX;  // x staging buffer size
     const long n_groups = a.n_tiles / GEMM_NT;
     const long chunks = (a.k_tiles + a.kt_per_warp - 1) / a.kt_per_warp;
     const long warps = n_groups * chunks;

@@ -49,7 +49,8 @@ Tensor gemm_xh(const Tensor& xh, const Tensor& trellis, int64_t K, int64_t codeb
                 xh.sizes());
     const int kt = (int)trellis.size(0), nt = (int)trellis.size(1);
     TORCH_CHECK(xh.size(1) == kt * 16L, "exl3::exl3_gemm_xh: xh has ", xh.size(1), " columns, trellis needs ", kt * 16L);
-    TORCH_CHECK(nt % exl3::GEMM_NT == 0, "exl3::exl3_gemm_xh: n/16 = ", nt, " must be a multiple of ", exl3::GEMM_NT);
+    TORCH_CHECK(nt % (exl3::GEMM_NT * exl3::GEMM_WARPS) == 0, "exl3::exl3_gemm_xh: n = ", nt * 16,
+                " must be a multiple of 128 (EXL3 pads to 128)");
     c10::cuda::CUDAGuard guard(xh.device());
     const int64_t m = xh.size(0);
     Tensor z = at::zeros({m, nt * 16L}, xh.options().dtype(at::kFloat));
@@ -125,7 +126,7 @@ Tensor gemm(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Ten
 Tensor decode_bench(const Tensor& trellis, int64_t K, int64_t codebook, int64_t kt_per_warp) {
     const int k = check_trellis(trellis, K, codebook, "exl3::decode_bench");
     const int kt = (int)trellis.size(0), nt = (int)trellis.size(1);
-    TORCH_CHECK(nt % exl3::GEMM_NT == 0, "exl3::decode_bench: n/16 must be a multiple of ", exl3::GEMM_NT);
+    TORCH_CHECK(nt % (exl3::GEMM_NT * exl3::GEMM_WARPS) == 0, "exl3::decode_bench: n must be a multiple of 128");
     c10::cuda::CUDAGuard guard(trellis.device());
     exl3::GemmArgs a{};
     a.trellis = reinterpret_cast<const uint32_t*>(trellis.data_ptr());
