@@ -118,6 +118,11 @@ def _key(md: Mapping[str, Any], arch: str, name: str, default: Any = None, *, re
     return default
 
 
+def _f32(v: Any) -> float:
+    """A float32 metadata value as the shortest decimal that rounds to it (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(v)))
+
+
 def decoder_config(metadata: Mapping[str, Any]) -> dict[str, Any]:
     """The HF config keys every standard decoder GGUF states (``{arch}.*`` metadata).
 
@@ -136,8 +141,8 @@ def decoder_config(metadata: Mapping[str, Any]) -> dict[str, Any]:
         "num_hidden_layers": int(g("block_count", required=True)),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv),
-        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(g("rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": _f32(g("rope.freq_base", 10000.0)),
         "max_position_embeddings": int(g("context_length", 2048)),
     }
     key_len = g("attention.key_length")
@@ -159,7 +164,7 @@ def rope_scaling(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
         kind, factor = "linear", lin
     if kind in (None, "none") or not factor or float(factor) == 1.0:
         return None
-    out: dict[str, Any] = {"rope_type": str(kind), "factor": float(factor)}
+    out: dict[str, Any] = {"rope_type": str(kind), "factor": _f32(factor)}
     orig = _key(metadata, arch, "rope.scaling.original_context_length")
     if orig is not None:
         out["original_max_position_embeddings"] = int(orig)
@@ -167,7 +172,7 @@ def rope_scaling(metadata: Mapping[str, Any]) -> dict[str, Any] | None:
         for gk, hk in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow"),
                        ("rope.scaling.attn_factor", "attention_factor")):
             if (v := _key(metadata, arch, gk)) is not None:
-                out[hk] = float(v)
+                out[hk] = _f32(v)
     elif kind != "linear":
         log.warning("GGUF %s.rope.scaling.type=%r is passed through unchecked", arch, kind)
     return out
