@@ -9,7 +9,7 @@ PIP="$PY -m pip install --disable-pip-version-check -q"
 
 $PIP "torch==2.13.0" || $PIP "torch>=2.6"
 $PIP setuptools wheel hatchling pluggy "pydantic>=2.5" safetensors tokenizers jinja2 numpy gguf \
-     pytest "transformers>=4.45" "triton; platform_system == 'Linux'"
+     pytest "transformers>=4.45" accelerate jsonschema "triton; platform_system == 'Linux'"
 # core (editable) then its compiled CPU/CUDA ops in place; the build is optional at run time
 $PIP --no-build-isolation -e .
 $PY setup.py -q build_ext --inplace 2>&1 | tail -n 3 || echo "note: compiled extension not built; pure torch fallback"
