@@ -12,7 +12,8 @@ Notation: ``NN = 2^(16-K)`` nodes, ``L = 2^K`` candidates per node. All arithmet
 with round-to-nearest-even; ``fma(x, y, z)`` is the fused multiply-add ``x*y + z`` rounded once
 (C ``fmaf``, CUDA ``__fmaf_rn``), never a separate multiply and add.
 
-* Inputs: ``w`` is used as given (fp32, not rounded to fp16). It must be finite with
+* Inputs: ``w`` is used as fp32 (other float dtypes are converted to fp32 first; no rounding to
+  fp16, unlike ExLlamaV3, which also accumulates in fp16). It must be finite with
   ``|w| <= 65504``; then every path cost is finite and +inf only marks unreachable nodes.
   ``lut[s]`` = the fp16 codebook value of state ``s`` (``codebook.lut``) converted to fp32 (exact).
 * Node ``n`` (0..NN-1) = the low 16-K bits of a state. Candidate ``a`` (0..L-1) of node ``n`` is
@@ -24,13 +25,18 @@ with round-to-nearest-even; ``fma(x, y, z)`` is the fused multiply-add ``x*y + z
       D'[n] = min_a c_a;  surv[n] = lowest a with c_a == D'[n]
 
   i.e. scanning a = 0, 1, ... and replacing only on strict ``<``.
-* Pass 1 (unconstrained): ``D = 0`` for every node, steps over the sequence rotated by 128
-  (``w[128..255], w[0..127]``). End node = lowest index of ``min D``. Trace back
-  (``n <- (surv[n]*NN + n) >> K``) to rotated index 127; that node is the overlap ``O`` (the low
-  16-K bits of ``s_255``).
+* Pass 1 (unconstrained): ``D = 0`` for every node, steps i = 0..255 over the sequence rotated by
+  128 (``w[128..255], w[0..127]``). ``n`` = lowest index of ``min D`` after step 255; then for
+  i = 255 down to 128: ``n <- (surv_i[n]*NN + n) >> K``. The final ``n`` (the node at rotated
+  index 127 = natural position 255) is the overlap ``O``, the low 16-K bits of ``s_255``.
 * Pass 2 (forced): ``D = +inf`` except ``D[O] = 0``; steps over ``w[0..255]`` in natural order.
   Trace back from end node ``O``: ``s_p = surv_p[n]*NN + n``, ``n <- s_p >> K``. Then
   ``s_0 >> K == O == s_255 & (NN-1)``: the tail-biting condition holds for every tile.
+
+Costs are never NaN and never -0, so ``min`` is order-independent: an implementation may reduce
+the 2^K candidates in any order (e.g. a tree) as long as the survivor is the lowest ``a`` among
+equal minima, and may recover survivors later by recomputing the candidates of the traced node
+from stored costs (the C++ op does this for K >= 3).
 
 torch has no exact fp32 FMA on the CPU, so the reference emulates it (:func:`fma32`): the
 product of two fp32 numbers is exact in fp64, the fp64 sum is corrected to round-to-odd with the
@@ -180,9 +186,17 @@ def encode_tiles(tiles: torch.Tensor, K: int, codebook: int, *, impl: Impl = "au
                 f"({'; '.join(ext.load_error) or 'extension disabled or built without it'}); build it with "
                 "`python setup.py build_ext --inplace` or use impl='torch'"
             )
-        from exl3_core import ext
+        from exl3_core import ext, settings
 
-        return ext.op("viterbi_encode")(t, _lut32(codebook), K)
+        # EXL3_NUM_THREADS sizes the op's at::parallel_for pool (0 = torch's current setting)
+        want, before = settings.get().num_threads, torch.get_num_threads()
+        if want > 0 and want != before:
+            torch.set_num_threads(want)
+        try:
+            return ext.op("viterbi_encode")(t, _lut32(codebook), K)
+        finally:
+            if torch.get_num_threads() != before:
+                torch.set_num_threads(before)
     return _encode_torch(t, K, codebook)
 
 
