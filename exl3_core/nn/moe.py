@@ -4,18 +4,22 @@ selection-only correction bias), routed experts, optional shared experts with op
 Routing is pure tensor math on the device (no host reads). Expert execution sorts the T*k
 (token, expert) assignments by expert so every expert sees one contiguous slice, runs that
 expert's own module on the slice (experts may be quantized linears, so they are called through
-their ``forward``), and scatter-adds the weighted rows back. The one host read is the per-expert
-row counts (``E`` ints, one transfer per layer) that turn into slice bounds; it also lets empty
-experts be skipped, which is what matters at decode where T*k << E.
+their ``forward``), and scatter-adds the weighted rows back. Dense experts are stacked at load
+and run as two grouped GEMMs over device-side offsets: fixed shapes, no host read. Other experts
+(quantized) take the sliced path, whose one host read per layer is the per-expert row counts
+(``E`` ints) that become slice bounds; it also skips empty experts, which is what matters at
+decode where T*k << E.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 
 from exl3_core.nn.linear import make_linear
 from exl3_core.nn.mlp import Activation, GatedMLP, activation
@@ -108,6 +112,23 @@ def _choose(scores: torch.Tensor, cfg: RoutingConfig, correction_bias: torch.Ten
     return torch.topk(choice, cfg.top_k, dim=-1, sorted=False).indices
 
 
+@functools.cache
+def grouped_gemm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``F.grouped_mm`` runs (and is right) for ``dtype`` on ``device``; probed once."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    try:
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(12, 16, generator=g).to(device, dtype)
+        b = torch.randn(3, 24, 16, generator=g).to(device, dtype)  # stored [E, out, in] like the experts
+        offs = torch.tensor([5, 5, 12], dtype=torch.int32, device=device)
+        out = F.grouped_mm(a, b.transpose(1, 2), offs=offs).float()
+        ref = torch.cat([a[:5].float() @ b[0].float().T, a[5:].float() @ b[2].float().T])
+        return bool(((out - ref).abs().max() <= 0.05 * ref.abs().max()).item())
+    except (RuntimeError, TypeError, ValueError, NotImplementedError):
+        return False
+
+
 class GatedExpert(torch.nn.Module):
     """``down(act(gate(x)) * up(x))`` over three already-built linear modules (any implementation)."""
 
@@ -175,6 +196,12 @@ class MoE(Module):
         self.declare_slots("router", "experts", "shared_gate")
         #: ``[T, k]`` expert ids to use instead of the router's choice (see :func:`pin_routing`)
         self.pinned_ids: torch.Tensor | None = None
+        #: stack dense experts at load for the grouped-GEMM path (False: always the sliced path)
+        self.grouped_gemm = True
+        self.gate_up_t: torch.Tensor | None
+        self.down_t: torch.Tensor | None
+        self.register_buffer("gate_up_t", None, persistent=False)
+        self.register_buffer("down_t", None, persistent=False)
 
     # -- loading --------------------------------------------------------------------------------
     def load_weights(self, ctx: LoadContext) -> None:
@@ -188,6 +215,31 @@ class MoE(Module):
         if self.shared_gate_key is not None:
             self.attach_loaded("shared_gate", ctx.linear(self.shared_gate_key, H, 1, bias=False))  # type: ignore[arg-type]
         self.attach_loaded("experts", torch.nn.ModuleList(self._load_experts(ctx, H, I, E)))
+        self._stack_dense_experts()
+
+    def _stack_dense_experts(self) -> None:
+        """Dense experts: stack their weights for the sync-free grouped-GEMM path.
+
+        The per-expert linears are re-pointed at views of the stacked tensors, so memory is not
+        doubled. Quantized experts (or a device/dtype without grouped GEMM) keep the sliced path.
+        """
+        from exl3_core.nn.linear import DenseLinear
+
+        self.gate_up_t = self.down_t = None
+        assert self.experts is not None
+        lins = [(ex.gate, ex.up, ex.down) for ex in self.experts]  # type: ignore[union-attr]
+        if not self.grouped_gemm or not all(type(m) is DenseLinear and m.bias is None for t in lins for m in t):
+            return
+        w = lins[0][0].weight
+        if not grouped_gemm_works(w.device, w.dtype):
+            return
+        I = self.intermediate_size
+        gate_up = torch.stack([torch.cat([g.weight, u.weight]) for g, u, _ in lins])  # [E, 2I, H]
+        down = torch.stack([d.weight for _, _, d in lins])  # [E, H, I]
+        for e, (g, u, d) in enumerate(lins):
+            g.weight, u.weight, d.weight = gate_up[e, :I], gate_up[e, I:], down[e]
+        self.gate_up_t = gate_up.transpose(1, 2)  # [E, H, 2I]: rows @ gate_up_t[e]
+        self.down_t = down.transpose(1, 2)  # [E, I, H]
 
     def _load_experts(self, ctx: LoadContext, H: int, I: int, E: int) -> list[GatedExpert]:
         g, u, d = self.expert_proj_keys
@@ -242,13 +294,20 @@ class MoE(Module):
         token = order // k
         rows = x.index_select(0, token)
         counts = torch.bincount(flat, minlength=self.routing.num_experts)
-        bounds = counts.cumsum(0).cpu().tolist()  # the one host read: slice bounds per expert
-        out = torch.empty((T * k, x.shape[-1]), dtype=x.dtype, device=x.device)
-        start = 0
-        for e, end in enumerate(bounds):
-            if end > start:
-                out[start:end] = self.experts[e](rows[start:end])
-            start = end
+        if self.gate_up_t is not None and self.down_t is not None and rows.dtype == self.gate_up_t.dtype:
+            # grouped GEMM over device-side offsets: fixed shapes, no host read (graph-capturable)
+            offs = counts.cumsum(0).to(torch.int32)
+            gu = F.grouped_mm(rows, self.gate_up_t, offs=offs)
+            gate, up = gu.split(self.intermediate_size, dim=-1)
+            out = F.grouped_mm(self.act(gate) * up, self.down_t, offs=offs)
+        else:
+            bounds = counts.cumsum(0).cpu().tolist()  # the one host read: slice bounds per expert
+            out = torch.empty((T * k, x.shape[-1]), dtype=x.dtype, device=x.device)
+            start = 0
+            for e, end in enumerate(bounds):
+                if end > start:
+                    out[start:end] = self.experts[e](rows[start:end])
+                start = end
         w = weights.reshape(-1).index_select(0, order)
         y = torch.zeros((T, x.shape[-1]), dtype=torch.float32, device=x.device)
         return y.index_add_(0, token, out.float() * w[:, None])

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from exl3_core.nn.module import LoadContext
-from exl3_core.nn.moe import MoE, RoutingConfig, route
+from exl3_core.nn.moe import MoE, RoutingConfig, grouped_gemm_works, pin_routing, route
 
 
 class DictSource:
@@ -141,10 +141,11 @@ def _moe_tensors(prefix: str, E: int, H: int, I: int, shared: int | None, fused:
 
 
 def _build(t: dict[str, torch.Tensor], cfg: RoutingConfig, H: int, I: int, shared: int | None, bias: bool,
-           shared_gate: bool, dtype: torch.dtype = torch.float32) -> MoE:
+           shared_gate: bool, dtype: torch.dtype = torch.float32, grouped: bool = True) -> MoE:
     moe = MoE(prefix="m", hidden_size=H, intermediate_size=I, routing=cfg, router_dtype=torch.float32,
               correction_bias_key="gate.e_score_correction_bias" if bias else None,
               shared_intermediate_size=shared, shared_gate_key="shared_expert_gate" if shared_gate else None)
+    moe.grouped_gemm = grouped
     ctx = LoadContext(DictSource(t), torch.device("cpu"), dtype)
     for m in moe.exl3_modules():
         m.load_weights(ctx)
@@ -182,6 +183,7 @@ def _moe_oracle(t: dict[str, torch.Tensor], x: torch.Tensor, cfg: RoutingConfig,
     return out, routes
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_gemm", "sliced"])
 @pytest.mark.parametrize("name,shared,fused,bias,shared_gate", [
     ("softmax_renorm", None, False, False, False),
     ("softmax_greedy", 24, True, False, True),
@@ -190,11 +192,12 @@ def _moe_oracle(t: dict[str, torch.Tensor], x: torch.Tensor, cfg: RoutingConfig,
     ("sigmoid_grouped_top2", 32, True, True, False),
 ])
 def test_moe_matches_per_token_loop(name: str, shared: int | None, fused: bool, bias: bool,
-                                    shared_gate: bool) -> None:
+                                    shared_gate: bool, grouped: bool) -> None:
     cfg = CONFIGS[name]
     H, I = 32, 16
     t = _moe_tensors("m", cfg.num_experts, H, I, shared, fused, bias, shared_gate)
-    moe = _build(t, cfg, H, I, shared, bias, shared_gate)
+    moe = _build(t, cfg, H, I, shared, bias, shared_gate, grouped=grouped)
+    assert (moe.gate_up_t is not None) == (grouped and grouped_gemm_works(torch.device("cpu"), torch.float32))
     x = torch.randn(40, H)
     ref, routes = _moe_oracle(t, x, cfg, shared is not None, bias, shared_gate)
     got = moe(x)
@@ -205,15 +208,29 @@ def test_moe_matches_per_token_loop(name: str, shared: int | None, fused: bool, 
     torch.testing.assert_close(moe(x.view(4, 10, H)).view(40, H), got)
 
 
-def test_moe_bf16_close_to_fp32() -> None:
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped_gemm", "sliced"])
+def test_moe_bf16_close_to_fp32(grouped: bool) -> None:
     cfg = CONFIGS["sigmoid_grouped_top2"]
     H, I = 32, 16
     t = _moe_tensors("m", cfg.num_experts, H, I, 32, False, True, False)
     x = torch.randn(40, H)
     ref = _build(t, cfg, H, I, 32, True, False)(x)
-    got = _build(t, cfg, H, I, 32, True, False, dtype=torch.bfloat16)(x.bfloat16())
+    m16 = _build(t, cfg, H, I, 32, True, False, dtype=torch.bfloat16, grouped=grouped)
+    with pin_routing({m16: _build(t, cfg, H, I, 32, True, False).select(x)[1]}):  # same experts as fp32
+        got = m16(x.bfloat16())
     assert got.dtype == torch.bfloat16
     assert (got.float() - ref).abs().max() / ref.abs().max() < 2e-2
+
+
+def test_grouped_path_shares_expert_memory() -> None:
+    cfg = CONFIGS["softmax_greedy"]
+    t = _moe_tensors("m", cfg.num_experts, 32, 16, None, False, False, False)
+    moe = _build(t, cfg, 32, 16, None, False, False)
+    if moe.gate_up_t is None:
+        pytest.skip("grouped GEMM unavailable on this torch build")
+    assert moe.experts is not None
+    # the per-expert linears are views of the stacked tensors, not copies
+    assert moe.experts[3].up.weight.data_ptr() == moe.gate_up_t[3].T[16:].data_ptr()
 
 
 def test_moe_unload_and_missing_experts() -> None:
