@@ -227,9 +227,10 @@ class MoE(Module):
 
         self.gate_up_t = self.down_t = None
         assert self.experts is not None
-        lins = [(ex.gate, ex.up, ex.down) for ex in self.experts]  # type: ignore[union-attr]
-        if not self.grouped_gemm or not all(type(m) is DenseLinear and m.bias is None for t in lins for m in t):
+        mods = [(ex.gate, ex.up, ex.down) for ex in self.experts]
+        if not self.grouped_gemm or not all(type(m) is DenseLinear and m.bias is None for t in mods for m in t):
             return
+        lins: list[tuple[DenseLinear, DenseLinear, DenseLinear]] = mods  # type: ignore[assignment]
         w = lins[0][0].weight
         if not grouped_gemm_works(w.device, w.dtype):
             return
