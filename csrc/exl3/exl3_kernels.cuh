@@ -13,43 +13,56 @@ namespace exl3 {
 
 // ------------------------------------------------------------------ reconstruct
 
-// One warp per tile; the tile goes through shared memory so the global stores are 16-byte rows.
+// One warp per RT consecutive tiles (all loads issued first, for memory-level parallelism); each
+// tile goes through shared memory so the global stores are 16-byte row pieces.
+constexpr int RECON_RT = 4;
+
 template <int K, int CB>
 __global__ void __launch_bounds__(256) reconstruct_kernel(const uint32_t* __restrict__ trellis, __half* __restrict__ out,
                                                           int k_tiles, int n_tiles) {
-    __shared__ __half2 stage[8][16][9];  // [warp][row][col pair], padded by one word per row
+    __shared__ __align__(16) __half2 stage[8][16][9];  // [warp][row][col pair], padded by one word per row
+    using W = LaneWindow<K>;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const long tile = (long)blockIdx.x * 8 + warp;
-    if (tile >= (long)k_tiles * n_tiles) return;
-    const int tk = (int)(tile / n_tiles), tn = (int)(tile % n_tiles);
+    const long total = (long)k_tiles * n_tiles;
+    const long first = ((long)blockIdx.x * 8 + warp) * RECON_RT;
+    if (first >= total) return;
 
-    uint32_t w[LaneWindow<K>::NW];
-    LaneWindow<K>::load(trellis + tile * 8 * K, lane, w);
-    LaneWindow<K>::align(lane, w);
-    __half2 f[4];
-    decode_lane<K, CB>(w, f);
+    uint32_t w[RECON_RT][W::NW];
+#pragma unroll
+    for (int i = 0; i < RECON_RT; ++i)
+        if (first + i < total) W::load(trellis + (first + i) * 8 * K, lane, w[i]);
 
     const int q = lane & 3, g = lane >> 2;
     __half* st = reinterpret_cast<__half*>(&stage[warp][0][0]);
     constexpr int RS = 18;  // row stride of the staging tile in halves
-    // f[nb*2 + hi8] = rows (2q + 8*hi8, +1), col g + 8*nb
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = 2 * q + 8 * h, c = g + 8 * nb;
-            st[r * RS + c] = __low2half(f[nb * 2 + h]);
-            st[(r + 1) * RS + c] = __high2half(f[nb * 2 + h]);
-        }
-    }
-    __syncwarp();
-    // lane -> row lane/2, 8 columns starting at (lane&1)*8
-    const int r = lane >> 1, c0 = (lane & 1) * 8;
-    const uint32_t* src = reinterpret_cast<const uint32_t*>(st + r * RS + c0);
-    uint4 v = make_uint4(src[0], src[1], src[2], src[3]);
     const long ld = (long)n_tiles * 16;
-    *reinterpret_cast<uint4*>(out + ((long)tk * 16 + r) * ld + (long)tn * 16 + c0) = v;
+#pragma unroll
+    for (int i = 0; i < RECON_RT; ++i) {
+        const long tile = first + i;
+        if (tile >= total) break;
+        W::align(lane, w[i]);
+        __half2 f[4];
+        decode_lane<K, CB>(w[i], f);
+        // f[nb*2 + h] = rows (2q + 8h, +1), col g + 8nb
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = 2 * q + 8 * h, c = g + 8 * nb;
+                st[r * RS + c] = __low2half(f[nb * 2 + h]);
+                st[(r + 1) * RS + c] = __high2half(f[nb * 2 + h]);
+            }
+        }
+        __syncwarp();
+        // lane -> row lane/2, 8 columns starting at (lane&1)*8
+        const int r = lane >> 1, c0 = (lane & 1) * 8;
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(st + r * RS + c0);
+        uint4 v = make_uint4(src[0], src[1], src[2], src[3]);
+        __syncwarp();  // the next tile overwrites the staging buffer
+        const int tk = (int)(tile / n_tiles), tn = (int)(tile % n_tiles);
+        *reinterpret_cast<uint4*>(out + ((long)tk * 16 + r) * ld + (long)tn * 16 + c0) = v;
+    }
 }
 
 // ------------------------------------------------------------------ GEMM / GEMV with on-the-fly decode
@@ -73,7 +86,10 @@ struct GemmArgs {
 };
 
 constexpr int GEMM_WARPS = 4;
-constexpr int GEMM_NT = 2;  // n tiles (16 cols each) per warp: the A fragments are reused across them
+#ifndef EXL3_GEMM_NT
+#define EXL3_GEMM_NT 2
+#endif
+constexpr int GEMM_NT = EXL3_GEMM_NT;  // n tiles (16 cols each) per warp: the A fragments are reused across them
 #ifndef EXL3_GEMM_STAGES
 #define EXL3_GEMM_STAGES 4
 #endif
@@ -236,7 +252,8 @@ inline int pick_kt_per_warp(int k_tiles, int n_tiles, long resident_warps) {
 template <int K, int CB>
 void launch_reconstruct_t(const uint32_t* trellis, __half* out, int k_tiles, int n_tiles, cudaStream_t st) {
     const long tiles = (long)k_tiles * n_tiles;
-    reconstruct_kernel<K, CB><<<(unsigned)((tiles + 7) / 8), 256, 0, st>>>(trellis, out, k_tiles, n_tiles);
+    const long warps = (tiles + RECON_RT - 1) / RECON_RT;
+    reconstruct_kernel<K, CB><<<(unsigned)((warps + 7) / 8), 256, 0, st>>>(trellis, out, k_tiles, n_tiles);
 }
 
 template <int K, int CB, int MB, bool DEC>

@@ -24,9 +24,22 @@ def _compiled(name: str, *tensors: torch.Tensor) -> bool:
     return all(t.is_cuda for t in tensors) and ext.has_op(name)
 
 
+def _check(trellis: torch.Tensor, K: int | None, codebook: int, what: str) -> int:
+    """Validate in Python before calling the op: its C++ checks work, but on the device image an
+    exception thrown from the extension currently crashes the process (see docs/performance.md)."""
+    found = k_from_trellis(trellis, what)
+    if trellis.dtype != torch.int16 or trellis.dim() != 3:
+        raise ValueError(f"{what}: trellis must be int16 [k/16, n/16, 16K], got {trellis.dtype} {tuple(trellis.shape)}")
+    if K is not None and K != found:
+        raise ValueError(f"{what}: K={K} but the trellis last dim {trellis.shape[-1]} means K={found}")
+    if codebook not in (0, 1, 2):
+        raise ValueError(f"{what}: codebook {codebook!r} unknown; expected 0 (3inst), 1 (mcg) or 2 (mul1)")
+    return found
+
+
 def reconstruct_cuda(trellis: torch.Tensor, K: int | None, codebook: int) -> torch.Tensor:
     """fp16 Ŵ ``[k, n]`` from a trellis ``[k/16, n/16, 16K]``; bit-exact on either path."""
-    K = k_from_trellis(trellis) if K is None else K
+    K = _check(trellis, K, codebook, "reconstruct_cuda")
     if _compiled("reconstruct", trellis):
         return ext.op("reconstruct")(trellis.contiguous(), K, codebook)
     return decode_inner(trellis, K, codebook)
@@ -43,6 +56,8 @@ def had128_cuda(
     Rounding follows spec 4.3: fp16 input times ``pre_scale`` is rounded to fp16 before the fp32
     butterfly; with fp16 output the result is rounded, then multiplied by ``post_scale`` in fp16.
     """
+    if x.shape[-1] % 128:
+        raise ValueError(f"had128_cuda: last dim {x.shape[-1]} is not a multiple of 128; zero-pad it first")
     if _compiled("had128", x):
         pre = pre_scale.to(torch.float16).contiguous() if pre_scale is not None else None
         post = post_scale.to(torch.float16).contiguous() if post_scale is not None else None
@@ -59,7 +74,12 @@ def had128_cuda(
 
 def exl3_gemm_xh_cuda(xh: torch.Tensor, trellis: torch.Tensor, codebook: int, kt_per_warp: int = 0) -> torch.Tensor:
     """fp32 ``z = xh @ Ŵ`` for fp16 ``xh [m, k]`` (already rotated), decoding Ŵ on the fly."""
-    K = k_from_trellis(trellis)
+    K = _check(trellis, None, codebook, "exl3_gemm_xh_cuda")
+    if xh.shape[-1] != trellis.shape[0] * 16 or trellis.shape[1] % 8:
+        raise ValueError(
+            f"exl3_gemm_xh_cuda: xh [.., {xh.shape[-1]}] and trellis {tuple(trellis.shape)} disagree (need k = 16*"
+            f"trellis.shape[0] and n a multiple of 128)"
+        )
     if _compiled("exl3_gemm_xh", xh, trellis):
         return ext.op("exl3_gemm_xh")(xh.to(torch.float16).contiguous(), trellis.contiguous(), K, codebook, kt_per_warp)
     return xh.to(torch.float32) @ decode_inner(trellis, K, codebook).to(torch.float32)
@@ -69,7 +89,10 @@ def exl3_gemm_cuda(
     x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: int
 ) -> torch.Tensor:
     """``x[..., k] @ W -> [..., n]`` (padded widths, no bias), fp16 out on CUDA, fp32 on the fallback."""
+    _check(trellis, None, codebook, "exl3_gemm_cuda")
     x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[-1] != trellis.shape[0] * 16:
+        raise ValueError(f"exl3_gemm_cuda: x has {x2.shape[-1]} features, the trellis {trellis.shape[0] * 16}")
     if _compiled("exl3_gemm", x2, trellis):
         y = ext.op("exl3_gemm")(x2.to(torch.float16).contiguous(), trellis.contiguous(), suh, svh, codebook)
     else:
