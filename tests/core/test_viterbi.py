@@ -19,7 +19,9 @@ from exl3_core.quant.exl3 import codebook as cb
 from exl3_core.quant.exl3 import viterbi as V
 
 needs_cpp = pytest.mark.skipif(
-    not V.has_cpp(), reason="compiled op exl3::viterbi_encode not built (python setup.py build_ext --inplace)"
+    not V.has_cpp(),
+    reason="compiled op exl3::viterbi_encode unavailable (not built: python setup.py build_ext --inplace; "
+    "or EXL3_DISABLE_EXT=1)",
 )
 CODEBOOKS = (cb.CB_3INST, cb.CB_MCG, cb.CB_MUL1)
 

@@ -171,7 +171,9 @@ def encode_tiles(tiles: torch.Tensor, K: int, codebook: int, *, impl: Impl = "au
     """
     K = _check_k(K)
     if codebook not in (_cb.CB_3INST, _cb.CB_MCG, _cb.CB_MUL1):
-        raise ValueError(f"viterbi: unknown codebook id {codebook!r}; expected 0 (3inst), 1 (mcg) or 2 (mul1)")
+        raise ValueError(
+            f"viterbi: unknown codebook id {codebook!r}; expected 0 (3inst), 1 (mcg) or 2 (mul1)"
+        )
     if impl not in ("auto", "torch", "cpp"):
         raise ValueError(f"viterbi: impl={impl!r} is invalid; use 'auto', 'torch' or 'cpp'")
     t = _check_tiles(tiles)
@@ -215,7 +217,9 @@ def decode_states(states: torch.Tensor, codebook: int) -> torch.Tensor:
 def tile_mse(tiles: torch.Tensor, states: torch.Tensor, codebook: int) -> torch.Tensor:
     """Per-tile mean squared error ``[N]`` (fp64) between tiles and the decoded states."""
     if tiles.shape != states.shape:
-        raise ValueError(f"tile_mse: tiles {tuple(tiles.shape)} and states {tuple(states.shape)} differ in shape")
+        raise ValueError(
+            f"tile_mse: tiles {tuple(tiles.shape)} and states {tuple(states.shape)} differ in shape"
+        )
     q = decode_states(states, codebook).to(torch.float64)
     return ((q - tiles.to(torch.float64)) ** 2).mean(dim=-1)
 
