@@ -13,7 +13,7 @@ from exl3_core import __version__, settings
 
 #: modules providing sub-commands through ``add_cli(subparsers)``, in help order
 SUBCOMMAND_MODULES = (
-    "exl3_core.generator.cli",
+    "exl3_core.generate_cli",
     "exl3_core.convert.gguf_import",
     "exl3_core.convert.cli",
     "exl3_core.eval.cli",

@@ -97,9 +97,20 @@ def default_model_dir(progress: bool = True, adapters: Mapping[str, GGUFAdapter]
     if show:
         print(f"exl3: importing the default model {gguf.name} into {target} (once)", file=sys.stderr)
 
-    def bar(done: int, total: int, name: str) -> None:
-        print(f"\r  [{done}/{total}] {name:<40}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+    from exl3_core.progress import Progress
+
+    bar: Progress | None = None
+
+    def report(done: int, total: int, name: str) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = Progress(total, "import")
+        bar.update(done, name)
 
     info = default_model_info()
-    return import_gguf(gguf, target, dtype=info.get("dtype", "bf16"), adapters=adapters,
-                       progress=bar if show else None, overwrite=True)
+    try:
+        return import_gguf(gguf, target, dtype=info.get("dtype", "bf16"), adapters=adapters,
+                           progress=report if show else None, overwrite=True)
+    finally:
+        if bar is not None:
+            bar.close()
