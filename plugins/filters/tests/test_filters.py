@@ -7,6 +7,7 @@
   packed bitmask decodes (``unpack_bitmask``) to the engine's own allowed set;
 * invalid grammars / schemas fail at construction with the engine's message.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,9 +24,10 @@ pytest.importorskip("llguidance")
 pytest.importorskip("formatron")
 jsonschema = pytest.importorskip("jsonschema")
 
-from exl3_core.filters.base import Filter, unpack_bitmask  # noqa: E402
-from exl3_filters.formatron_filter import FormatronFilter  # noqa: E402
-from exl3_filters.llg import LLGuidanceFilter  # noqa: E402
+from exl3_filters.formatron_filter import FormatronFilter
+from exl3_filters.llg import LLGuidanceFilter
+
+from exl3_core.filters.base import Filter, unpack_bitmask
 
 _CORE_TESTS = Path(__file__).resolve().parents[3] / "tests" / "core"
 
@@ -40,6 +42,9 @@ SCHEMA: dict[str, Any] = {
 }
 VALID_JSON = '{"name": "Ada", "age": 36}'
 PROMPT = "Describe a fictional person as JSON with a name and an age."
+# the cache-less loop re-runs the whole sequence every step: a short plain-text prompt keeps it cheap
+RAW_PROMPT = "Alice is 30 years old. As JSON: "
+MAX_NEW = 40
 
 
 def _smol_dir() -> Path:
@@ -96,7 +101,10 @@ def _formatron(tok: Any, **kw: Any) -> Filter:
 
 FACTORIES: dict[str, Callable[..., Filter]] = {"llguidance": _llg, "formatron": _formatron}
 ROLLBACK_FACTORIES: dict[str, Callable[..., Filter]] = {
-    "llguidance-native": _llg, "llguidance-replay": _llg_replay, "formatron-replay": _formatron}
+    "llguidance-native": _llg,
+    "llguidance-replay": _llg_replay,
+    "formatron-replay": _formatron,
+}
 
 
 def _prompt_ids(tok: Any) -> list[int]:
@@ -115,11 +123,11 @@ def _check_json(text: str) -> Any:
 def test_greedy_forward_loop_yields_schema_valid_json(engine: str, tok: Any, model: Any) -> None:
     flt = FACTORIES[engine](tok, json_schema=SCHEMA)
     flt.attach()
-    seq = _prompt_ids(tok)
+    seq = tok.encode_ids(RAW_PROMPT, add_bos=None)
     out: list[int] = []
     eos = set(tok.eos_token_ids)
     with torch.inference_mode():
-        for _ in range(60):
+        for _ in range(MAX_NEW):
             logits = model.forward(torch.tensor([seq]))[0, -1].float()
             m = flt.mask(logits.numel())
             assert m is not None and m.any(), f"{engine}: empty mask after {tok.decode(out)!r}"
@@ -132,8 +140,9 @@ def test_greedy_forward_loop_yields_schema_valid_json(engine: str, tok: Any, mod
             if flt.is_completed():
                 break
     text = tok.decode(out)
-    assert flt.is_completed() or isinstance(flt, LLGuidanceFilter) and flt.is_accepting(), \
-        f"{engine}: constraint not finished within 60 tokens: {text!r}"
+    assert flt.is_completed() or isinstance(flt, LLGuidanceFilter) and flt.is_accepting(), (
+        f"{engine}: constraint not finished within {MAX_NEW} tokens: {text!r}"
+    )
     obj = _check_json(text)
     if isinstance(flt, FormatronFilter):  # formatron parses its own capture: must agree with json.loads
         assert flt.captures["json"] == obj
@@ -147,7 +156,7 @@ def test_generator_jobs_with_filters_yield_schema_valid_json(tok: Any, model: An
     gen = Generator(model, Cache(model, max_num_tokens=256), tok, max_seq_len=256)
     prompt = _prompt_ids(tok)
     # both filtered jobs share the generator's batched forward passes
-    jobs = [Job(prompt, max_new_tokens=60, filters=[f], identifier=name) for name, f in filters.items()]
+    jobs = [Job(prompt, max_new_tokens=MAX_NEW, filters=[f], identifier=name) for name, f in filters.items()]
     gen.enqueue(jobs)
     text: dict[str, str] = {}
     reason: dict[str, str] = {}
@@ -159,7 +168,9 @@ def test_generator_jobs_with_filters_yield_schema_valid_json(tok: Any, model: An
                 text[r["identifier"]], reason[r["identifier"]] = r["full_completion"], r["eos_reason"]
     assert set(text) == set(filters)
     for name, f in filters.items():
-        assert f.is_completed(), f"{name}: job ended ({reason[name]}) before the schema was complete: {text[name]!r}"
+        assert f.is_completed(), (
+            f"{name}: job ended ({reason[name]}) before the schema was complete: {text[name]!r}"
+        )
         assert reason[name] in ("filter", "stop_token")
         obj = _check_json(text[name])
         assert _check_json(tok.decode(list(f.journal))) == obj  # the filter saw exactly the emitted tokens
@@ -180,7 +191,7 @@ def test_rewind_restores_state_exactly(kind: str, tok: Any, monkeypatch: pytest.
         for t in ids[:n]:
             flt.feed(t)
         snapshot = flt.mask(V)
-        for t in ids[n:n + m]:
+        for t in ids[n : n + m]:
             flt.feed(t)
         flt.rewind(m)
         assert flt.journal == tuple(ids[:n])
@@ -219,7 +230,7 @@ def _engine_allowed(flt: Filter, V: int) -> torch.Tensor:
     """The engine's own allowed set, through an API other than the bitmask the filter returns."""
     if isinstance(flt, LLGuidanceFilter):
         bias = torch.frombuffer(bytearray(flt._matcher.compute_logit_bias()), dtype=torch.uint8)
-        return (bias[:V] > 0)
+        return bias[:V] > 0
     allowed = torch.zeros(V, dtype=torch.bool)
     allowed[list(flt.formatter.get_allowed_tokens_since_last_computation())] = True
     return allowed
@@ -260,7 +271,9 @@ def test_allowed_tokens_are_accepted_and_disallowed_refused(engine: str, tok: An
         for t in rng.sample(banned, min(12, len(banned))):
             with pytest.raises(ValueError, match=type(flt).__name__):
                 flt.feed(t)
-        assert flt.journal == tuple(ids[:k]) and torch.equal(flt.mask(V), mask), "state changed by a refused token"
+        assert flt.journal == tuple(ids[:k]) and torch.equal(flt.mask(V), mask), (
+            "state changed by a refused token"
+        )
         flt.feed(ids[k])
 
 
@@ -296,8 +309,10 @@ def test_regex_constraint_completes(engine: str, tok: Any) -> None:
 
 def test_llguidance_lark_and_raw_grammar(tok: Any) -> None:
     lark = 'start: "yes" | "no"'
-    for flt in (LLGuidanceFilter(tok, lark=lark),
-                LLGuidanceFilter(tok, grammar={"grammars": [{"lark_grammar": lark}]})):
+    for flt in (
+        LLGuidanceFilter(tok, lark=lark),
+        LLGuidanceFilter(tok, grammar={"grammars": [{"lark_grammar": lark}]}),
+    ):
         flt.attach()
         for t in tok.encode_ids("no", add_bos=False):
             flt.feed(t)
@@ -321,22 +336,29 @@ def test_formatron_custom_builder(tok: Any) -> None:
 
 
 # -- errors --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("engine,kwargs,fragment", [
-    ("llguidance", {"json_schema": {"type": "objekt"}}, "objekt"),
-    ("llguidance", {"json_schema": '{"type": "object",'}, "json_schema"),
-    ("llguidance", {"regex": "a(b"}, "unclosed group"),
-    ("llguidance", {"lark": "start: undefined_rule"}, "undefined_rule"),
-    ("llguidance", {"grammar": {"grammars": [{"lark_grammar": "start: ("}]}}, "grammar"),
-    ("formatron", {"json_schema": {"type": "string"}}, "Root schema type"),
-    ("formatron", {"json_schema": {"type": "object", "properties": {"a": {"type": 5}}}}, "json_schema"),
-    ("formatron", {"json_schema": "{not json"}, "not valid JSON"),
-    ("formatron", {"json_schema": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}}},
-     "#/properties/n"),
-    ("formatron", {"regex": "a(b"}, "regex"),
-    ("formatron", {"formatter_builder": "nope"}, "FormatterBuilder"),
-])
-def test_invalid_constraint_fails_at_construction(engine: str, kwargs: dict[str, Any], fragment: str,
-                                                  tok: Any) -> None:
+@pytest.mark.parametrize(
+    "engine,kwargs,fragment",
+    [
+        ("llguidance", {"json_schema": {"type": "objekt"}}, "objekt"),
+        ("llguidance", {"json_schema": '{"type": "object",'}, "json_schema"),
+        ("llguidance", {"regex": "a(b"}, "unclosed group"),
+        ("llguidance", {"lark": "start: undefined_rule"}, "undefined_rule"),
+        ("llguidance", {"grammar": {"grammars": [{"lark_grammar": "start: ("}]}}, "grammar"),
+        ("formatron", {"json_schema": {"type": "string"}}, "Root schema type"),
+        ("formatron", {"json_schema": {"type": "object", "properties": {"a": {"type": 5}}}}, "json_schema"),
+        ("formatron", {"json_schema": "{not json"}, "not valid JSON"),
+        (
+            "formatron",
+            {"json_schema": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}}},
+            "#/properties/n",
+        ),
+        ("formatron", {"regex": "a(b"}, "regex"),
+        ("formatron", {"formatter_builder": "nope"}, "FormatterBuilder"),
+    ],
+)
+def test_invalid_constraint_fails_at_construction(
+    engine: str, kwargs: dict[str, Any], fragment: str, tok: Any
+) -> None:
     cls = {"llguidance": LLGuidanceFilter, "formatron": FormatronFilter}[engine]
     with pytest.raises(ValueError) as err:
         cls(tok, **kwargs)
@@ -355,7 +377,8 @@ def test_exactly_one_constraint(cls: type, tok: Any) -> None:
 
 # -- plugin registration -------------------------------------------------------------------------
 def test_plugin_registers_both_filters() -> None:
-    import exl3_filters.plugin as plugin
+    from exl3_filters import plugin
+
     from exl3_core.plugins import load_plugins
 
     plugins = load_plugins(autoload=False, extra=[plugin])

@@ -3,6 +3,7 @@
 ``LLGuidanceFilter`` and ``FormatronFilter`` are imported on first access, so importing this
 package (as the plugin loader does) never imports either engine.
 """
+
 from __future__ import annotations
 
 from typing import Any

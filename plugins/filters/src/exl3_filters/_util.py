@@ -1,4 +1,5 @@
 """Helpers shared by the filters: per-tokenizer caches and argument checks."""
+
 from __future__ import annotations
 
 import threading

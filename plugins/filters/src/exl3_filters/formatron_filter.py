@@ -9,6 +9,7 @@ Formatron finishes a generation when its grammar admits no further byte (a JSON 
 brace, the end of a bounded regex); an open-ended pattern such as ``[0-9]+`` never completes by
 itself, so prefer ``LLGuidanceFilter`` for those (it allows EOS once the pattern is satisfied).
 """
+
 from __future__ import annotations
 
 import sys
@@ -41,10 +42,12 @@ def _import_formatron() -> tuple[Any, Any, Any]:
             saved = pydantic.__dict__.get("typing", missing)
             pydantic.typing = _std_typing  # type: ignore[attr-defined]
             try:
-                import formatron.formatter  # noqa: F401
+                import formatron.formatter
                 import formatron.schemas.json_schema  # noqa: F401
             except ImportError as e:
-                raise ImportError("FormatronFilter needs formatron: pip install formatron==0.5.0 kbnf==0.4.2") from e
+                raise ImportError(
+                    "FormatronFilter needs formatron: pip install formatron==0.5.0 kbnf==0.4.2"
+                ) from e
             finally:
                 if saved is missing:
                     del pydantic.typing  # type: ignore[attr-defined]
@@ -71,8 +74,10 @@ def engine_vocabulary(tokenizer: Any) -> Any:
         piece = getattr(tokenizer, "id_to_piece", None)
         tokens = {i: kbnf.Token(b) for i, b in enumerate(vocab_bytes) if b and i not in special}
         # the id -> string table is only used for kbnf's debug output
-        strings = {i: (piece(i) if piece is not None else None) or b.decode("utf-8", "replace")
-                   for i, b in enumerate(vocab_bytes)}
+        strings = {
+            i: (piece(i) if piece is not None else None) or b.decode("utf-8", "replace")
+            for i, b in enumerate(vocab_bytes)
+        }
         return kbnf.Vocabulary(tokens, strings)
 
     return cached_per_tokenizer(tokenizer, ("kbnf",), build)
@@ -92,8 +97,10 @@ def _reject_numeric_bounds(node: Any, where: str) -> None:
     if isinstance(node, Mapping):
         bad = [k for k in _BOUNDS if k in node]
         if bad:
-            raise ValueError(f"numeric bound(s) {', '.join(bad)} at {where} are not enforced correctly by formatron "
-                             f"0.5.0; remove them or use LLGuidanceFilter, which supports them")
+            raise ValueError(
+                f"numeric bound(s) {', '.join(bad)} at {where} are not enforced correctly by formatron "
+                f"0.5.0; remove them or use LLGuidanceFilter, which supports them"
+            )
         for k, v in node.items():
             if k not in ("enum", "const", "default", "examples"):  # literal values, not subschemas
                 _reject_numeric_bounds(v, f"{where}/{k}")
@@ -111,7 +118,7 @@ def _schema_dict(value: Any) -> dict[str, Any]:
         except json.JSONDecodeError as e:
             raise ValueError(f"json_schema is not valid JSON: {e}") from e
     if not isinstance(value, Mapping):
-        raise ValueError(f"json_schema must be a JSON object (dict), not {type(value).__name__}")
+        raise TypeError(f"json_schema must be a JSON object (dict), not {type(value).__name__}")
     schema = dict(value)
     _reject_numeric_bounds(schema, "#")
     # formatron resolves $ref against $id and insists on both keys; give anonymous schemas some
@@ -135,17 +142,26 @@ class FormatronFilter(Filter):
     Exactly one of the three. An invalid one raises ``ValueError`` here with Formatron's message.
     """
 
-    def __init__(self, tokenizer: Any, *, json_schema: Mapping[str, Any] | str | None = None,
-                 regex: str | None = None, formatter_builder: Any = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        json_schema: Mapping[str, Any] | str | None = None,
+        regex: str | None = None,
+        formatter_builder: Any = None,
+    ) -> None:
         super().__init__(tokenizer)
         FormatterBuilder, create_schema, _ = _import_formatron()
-        kind, value = one_constraint("FormatronFilter", json_schema=json_schema, regex=regex,
-                                     formatter_builder=formatter_builder)
+        kind, value = one_constraint(
+            "FormatronFilter", json_schema=json_schema, regex=regex, formatter_builder=formatter_builder
+        )
         self.kind = kind
         try:
             if kind == "formatter_builder":
                 if not isinstance(value, FormatterBuilder):
-                    raise TypeError(f"formatter_builder must be a formatron FormatterBuilder, not {type(value).__name__}")
+                    raise TypeError(
+                        f"formatter_builder must be a formatron FormatterBuilder, not {type(value).__name__}"
+                    )
                 builder = value
             else:
                 builder = FormatterBuilder()
@@ -156,7 +172,7 @@ class FormatronFilter(Filter):
                 builder.append_str(f"{extractor}")
             # building compiles the grammar: kbnf rejects bad regexes / grammars here
             self._formatter = builder.build(engine_vocabulary(tokenizer), self._decode)
-        except Exception as e:  # noqa: BLE001 - formatron/kbnf/jsonschema raise many types; re-raise uniformly
+        except Exception as e:
             raise ValueError(f"FormatronFilter: invalid {kind}: {type(e).__name__}: {e}") from e
         self.vocab_size = tokenizer_vocab_size(tokenizer)
         self._words = (self.vocab_size + 31) // 32
@@ -181,17 +197,21 @@ class FormatronFilter(Filter):
 
     def accept_token(self, token: int) -> None:
         if self._formatter.is_completed():
-            raise ValueError(f"FormatronFilter: token {int(token)} fed after the {self.kind} completed; stop generating "
-                             f"when is_completed() is True")
+            raise ValueError(
+                f"FormatronFilter: token {int(token)} fed after the {self.kind} completed; stop generating "
+                f"when is_completed() is True"
+            )
         kbnf = sys.modules["kbnf"]
         try:
             result = self._formatter.accept_token(int(token))
-        except Exception as e:  # noqa: BLE001 - kbnf raises AcceptTokenError for a refused token
+        except Exception as e:
             # kbnf claims a refused token leaves the engine untouched, but a multi-byte token refused
             # part-way (e.g. a string outgrowing maxLength) does advance it: rebuild the state
             self._rebuild(list(self.journal))
-            raise ValueError(f"FormatronFilter: token {int(token)} is not allowed here by the {self.kind} ({e}); "
-                             f"sample from the filter's mask") from e
+            raise ValueError(
+                f"FormatronFilter: token {int(token)} is not allowed here by the {self.kind} ({e}); "
+                f"sample from the filter's mask"
+            ) from e
         if result not in (kbnf.AcceptTokenResult.Ongoing, kbnf.AcceptTokenResult.Finished):
             raise ValueError(f"FormatronFilter: token {int(token)} refused by the {self.kind}: {result}")
 
@@ -205,7 +225,9 @@ class FormatronFilter(Filter):
         engine = self._formatter._engine  # Formatter exposes no public handle to its kbnf Engine
         if not hasattr(engine, "fill_torch_bitmask"):  # older kbnf: build the mask from the id list
             allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
-            ids = [t for t in self._formatter.get_allowed_tokens_since_last_computation() if t < self.vocab_size]
+            ids = [
+                t for t in self._formatter.get_allowed_tokens_since_last_computation() if t < self.vocab_size
+            ]
             allowed[ids] = True
             return allowed
         # kbnf writes the packed u32 layout of unpack_bitmask; its docs ask for a buffer of

@@ -4,6 +4,7 @@ llguidance's matcher is an incremental Earley parser over the token trie. It rol
 (so stop-string holds and banned strings cost no replay) and writes the packed ``int32`` bitmask
 layout that :func:`exl3_core.filters.base.unpack_bitmask` reads.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,13 +14,19 @@ from typing import Any
 import torch
 
 from exl3_core.filters.base import Filter
-from exl3_filters._util import cached_per_tokenizer, eos_ids, hf_tokenizer, one_constraint, tokenizer_vocab_size
+from exl3_filters._util import (
+    cached_per_tokenizer,
+    eos_ids,
+    hf_tokenizer,
+    one_constraint,
+    tokenizer_vocab_size,
+)
 
 
 def _import_llguidance() -> Any:
     try:
         import llguidance
-        import llguidance.numpy  # noqa: F401 - the bitmask helpers live in a submodule
+        import llguidance.numpy
     except ImportError as e:
         raise ImportError("LLGuidanceFilter needs llguidance: pip install 'llguidance>=1.9,<2'") from e
     return llguidance
@@ -62,8 +69,10 @@ def ll_tokenizer(tokenizer: Any, n_vocab: int | None = None) -> Any:
             # ``tokenizers`` library, so byte-level / SentencePiece spellings resolve exactly
             return llg.LLTokenizer(hf.to_str(), n_vocab=n_vocab, eos_token=eos)
         if not hasattr(tokenizer, "get_vocab_bytes"):
-            raise TypeError(f"LLGuidanceFilter: tokenizer {type(tokenizer).__name__} has neither a tokenizers object "
-                            f"(.tk) nor get_vocab_bytes(); pass an exl3_core Tokenizer")
+            raise TypeError(
+                f"LLGuidanceFilter: tokenizer {type(tokenizer).__name__} has neither a tokenizers object "
+                f"(.tk) nor get_vocab_bytes(); pass an exl3_core Tokenizer"
+            )
         return llg.LLTokenizer(llg.TokenizerWrapper(_BytesVocab(tokenizer)), n_vocab=n_vocab, eos_token=eos)
 
     return cached_per_tokenizer(tokenizer, ("llguidance", n_vocab), build)
@@ -103,23 +112,36 @@ class LLGuidanceFilter(Filter):
     ``ValueError`` here, with llguidance's message.
     """
 
-    def __init__(self, tokenizer: Any, *, json_schema: Mapping[str, Any] | str | None = None,
-                 regex: str | None = None, lark: str | None = None, grammar: Mapping[str, Any] | str | None = None,
-                 n_vocab: int | None = None, log_level: int = 0) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        json_schema: Mapping[str, Any] | str | None = None,
+        regex: str | None = None,
+        lark: str | None = None,
+        grammar: Mapping[str, Any] | str | None = None,
+        n_vocab: int | None = None,
+        log_level: int = 0,
+    ) -> None:
         super().__init__(tokenizer)
         llg = _import_llguidance()
         self._np = llg.numpy
-        kind, value = one_constraint("LLGuidanceFilter", json_schema=json_schema, regex=regex, lark=lark,
-                                     grammar=grammar)
+        kind, value = one_constraint(
+            "LLGuidanceFilter", json_schema=json_schema, regex=regex, lark=lark, grammar=grammar
+        )
         if n_vocab is not None and n_vocab < tokenizer_vocab_size(tokenizer):
-            raise ValueError(f"LLGuidanceFilter: n_vocab={n_vocab} is smaller than the tokenizer's "
-                             f"{tokenizer_vocab_size(tokenizer)} tokens; pass the model's vocabulary size or None")
+            raise ValueError(
+                f"LLGuidanceFilter: n_vocab={n_vocab} is smaller than the tokenizer's "
+                f"{tokenizer_vocab_size(tokenizer)} tokens; pass the model's vocabulary size or None"
+            )
         self.kind = kind
         self.ll_tokenizer = ll_tokenizer(tokenizer, n_vocab)
         self.grammar = _grammar(llg, kind, value)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(self.grammar, self.ll_tokenizer)
         if is_error:
-            raise ValueError(f"LLGuidanceFilter: invalid {kind}: {messages[0] if messages else 'rejected by llguidance'}")
+            raise ValueError(
+                f"LLGuidanceFilter: invalid {kind}: {messages[0] if messages else 'rejected by llguidance'}"
+            )
         self._matcher = llg.LLMatcher(self.ll_tokenizer, self.grammar, log_level=log_level)
         if self._matcher.is_error():  # validation passed but construction did not (resource limits, ...)
             raise ValueError(f"LLGuidanceFilter: invalid {kind}: {self._matcher.get_error()}")
@@ -132,16 +154,22 @@ class LLGuidanceFilter(Filter):
     def accept_token(self, token: int) -> None:
         # check first: a refused consume_token leaves the matcher in a permanent error state
         if self._matcher.validate_tokens([int(token)]) != 1:
-            raise ValueError(f"LLGuidanceFilter: token {int(token)} is not allowed here by the {self.kind} "
-                             f"({self._matcher.get_error() or 'outside the mask'}); sample from the filter's mask")
+            raise ValueError(
+                f"LLGuidanceFilter: token {int(token)} is not allowed here by the {self.kind} "
+                f"({self._matcher.get_error() or 'outside the mask'}); sample from the filter's mask"
+            )
         if not self._matcher.consume_token(int(token)):
-            raise RuntimeError(f"LLGuidanceFilter: llguidance failed on token {int(token)}: {self._matcher.get_error()}")
+            raise RuntimeError(
+                f"LLGuidanceFilter: llguidance failed on token {int(token)}: {self._matcher.get_error()}"
+            )
 
     def get_next_logit_mask(self) -> torch.Tensor:
         bits = self._np.allocate_token_bitmask(1, self.vocab_size)
         self._np.fill_next_token_bitmask(self._matcher, bits)
         if self._matcher.is_error():
-            raise RuntimeError(f"LLGuidanceFilter: llguidance error while computing the mask: {self._matcher.get_error()}")
+            raise RuntimeError(
+                f"LLGuidanceFilter: llguidance error while computing the mask: {self._matcher.get_error()}"
+            )
         return torch.from_numpy(bits[0])
 
     def is_completed(self) -> bool:

@@ -1,4 +1,5 @@
 """exl3 plugin: constrained-generation filters (llguidance, formatron)."""
+
 from __future__ import annotations
 
 from exl3_core.plugins import hookimpl
@@ -12,5 +13,7 @@ def exl3_filters() -> list[FilterSpec]:
     # impl strings are resolved lazily: neither engine is imported until a filter is created
     return [
         FilterSpec(name="llguidance", impl="exl3_filters.llg:LLGuidanceFilter", requires=("llguidance",)),
-        FilterSpec(name="formatron", impl="exl3_filters.formatron_filter:FormatronFilter", requires=("formatron",)),
+        FilterSpec(
+            name="formatron", impl="exl3_filters.formatron_filter:FormatronFilter", requires=("formatron",)
+        ),
     ]
