@@ -277,9 +277,10 @@ def test_allowed_tokens_are_accepted_and_disallowed_refused(engine: str, tok: An
         flt.feed(ids[k])
 
 
-def test_llguidance_mask_covers_padded_model_vocab(tok: Any) -> None:
+@pytest.mark.parametrize("engine", list(FACTORIES))
+def test_mask_covers_padded_model_vocab(engine: str, tok: Any) -> None:
     V = tok.vocab_size
-    flt = LLGuidanceFilter(tok, regex=r"[0-9]{2}", n_vocab=V + 40)
+    flt = FACTORIES[engine](tok, regex=r"[0-9]{2}", n_vocab=V + 40)
     flt.attach()
     raw = flt.get_next_logit_mask()
     assert raw.numel() == (V + 40 + 31) // 32
@@ -287,8 +288,9 @@ def test_llguidance_mask_covers_padded_model_vocab(tok: Any) -> None:
     assert not m[V:].any(), "ids past the tokenizer's vocabulary must never be allowed"
     digits = [i for i, b in enumerate(tok.get_vocab_bytes()) if b and b.isdigit() and len(b) <= 2]
     assert digits and bool(m[digits].all())
+    assert torch.equal(m[:V], FACTORIES[engine](tok, regex=r"[0-9]{2}").mask(V))
     with pytest.raises(ValueError, match="n_vocab"):
-        LLGuidanceFilter(tok, regex="a", n_vocab=V - 1)
+        FACTORIES[engine](tok, regex="a", n_vocab=V - 1)
 
 
 # -- other constraint kinds ----------------------------------------------------------------------

@@ -138,6 +138,8 @@ class FormatronFilter(Filter):
     :param regex: a regular expression the output must match.
     :param formatter_builder: a ``formatron.formatter.FormatterBuilder`` describing the format
         (text, captures, several extractors); it is built against this tokenizer.
+    :param n_vocab: model vocabulary size when it exceeds the tokenizer's (padded embedding); the
+        extra ids are never allowed.
 
     Exactly one of the three. An invalid one raises ``ValueError`` here with Formatron's message.
     """
@@ -149,6 +151,7 @@ class FormatronFilter(Filter):
         json_schema: Mapping[str, Any] | str | None = None,
         regex: str | None = None,
         formatter_builder: Any = None,
+        n_vocab: int | None = None,
     ) -> None:
         super().__init__(tokenizer)
         FormatterBuilder, create_schema, _ = _import_formatron()
@@ -175,6 +178,13 @@ class FormatronFilter(Filter):
         except Exception as e:
             raise ValueError(f"FormatronFilter: invalid {kind}: {type(e).__name__}: {e}") from e
         self.vocab_size = tokenizer_vocab_size(tokenizer)
+        if n_vocab is not None:
+            if n_vocab < self.vocab_size:
+                raise ValueError(
+                    f"FormatronFilter: n_vocab={n_vocab} is smaller than the tokenizer's {self.vocab_size} tokens; "
+                    f"pass the model's vocabulary size or None"
+                )
+            self.vocab_size = n_vocab
         self._words = (self.vocab_size + 31) // 32
         self._eos = [t for t in eos_ids(tokenizer) if 0 <= t < self.vocab_size]
 
