@@ -141,7 +141,13 @@ class Model(torch.nn.Module):
                 if bar is not None:
                     bar.advance(1)
             self.after_load()
+            self._device, self._dtype = dev, dtype
+            for c in self.attached_caches():
+                c.allocate()
         except BaseException as e:
+            self._device = self._dtype = None
+            for c in self.attached_caches():
+                c.free()
             for m in modules:
                 m.unload_weights()
             # Frames of the failing call still reference tensors; clear them so memory is freed now.
@@ -161,9 +167,20 @@ class Model(torch.nn.Module):
     def after_load(self) -> None:
         """Hook run once every module is loaded (tie weights, fuse projections ...)."""
 
+    def attach_cache(self, cache: Any) -> None:
+        """Called by :class:`~exl3_core.cache.Cache`: allocate it on load, free it on unload."""
+        caches = self.__dict__.setdefault("_caches", [])
+        if not any(c is cache for c in caches):
+            caches.append(cache)
+
+    def attached_caches(self) -> list[Any]:
+        return list(self.__dict__.get("_caches", []))
+
     def unload(self) -> None:
         """Drop every weight; the module tree stays so :meth:`load` can run again."""
         dev = self._device
+        for c in self.attached_caches():
+            c.free()
         for m in self.exl3_modules():
             m.unload_weights()
         self._device = self._dtype = None

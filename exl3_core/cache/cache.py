@@ -63,16 +63,38 @@ class Cache:
         self.scratch_page = self.num_pages
         self.variant = variant
         self.model = model
-        plugins = _plugins(plugins if plugins is not None else getattr(model, "plugins", None))
-        self.device = torch.device(model.device)
-        self.dtype = model.dtype
+        self._plugins = _plugins(plugins if plugins is not None else getattr(model, "plugins", None))
+        self._layer_kwargs = layer_kwargs
         self.layers: list[CacheLayer] = []
-        for i, attn in enumerate(model.attention_layers()):
+        self.device: torch.device | None = None
+        self.dtype: torch.dtype | None = None
+        # Created before model.load() (the usual order), the cache is allocated by load() on the
+        # model's device and dtype, and freed again by unload().
+        attach = getattr(model, "attach_cache", None)
+        if attach is not None:
+            attach(self)
+        if getattr(model, "loaded", True):
+            self.allocate()
+        self.allocator = PageAllocator(self.num_pages, self.page_size)
+
+    def allocate(self) -> None:
+        """Allocate every layer's storage on the model's device (no-op when already allocated)."""
+        if self.layers:
+            return
+        self.device = torch.device(self.model.device)
+        self.dtype = self.model.dtype
+        layers = []
+        for i, attn in enumerate(self.model.attention_layers()):
             kind, heads, dim, dim_v = _layer_geometry(attn, i)
-            cls = plugins.cache_layer(kind, variant)
-            self.layers.append(cls(num_pages=self.num_pages + 1, page_size=self.page_size, num_kv_heads=heads,
-                                   head_dim=dim, head_dim_v=dim_v, dtype=self.dtype, device=self.device,
-                                   **layer_kwargs))
+            cls = self._plugins.cache_layer(kind, self.variant)
+            layers.append(cls(num_pages=self.num_pages + 1, page_size=self.page_size, num_kv_heads=heads,
+                              head_dim=dim, head_dim_v=dim_v, dtype=self.dtype, device=self.device,
+                              **self._layer_kwargs))
+        self.layers = layers
+
+    def free(self) -> None:
+        """Release the storage (the model was unloaded); :meth:`allocate` brings it back empty."""
+        self.layers = []
         self.allocator = PageAllocator(self.num_pages, self.page_size)
 
     @property

@@ -42,8 +42,8 @@ def default_cases(device: torch.device | str = "cpu", dtype: torch.dtype = torch
                   small: bool = True) -> list[Case]:
     """The grid: small sizes for CPU/interpreter runs, larger ones when ``small`` is False."""
     dev = torch.device(device)
-    base = dict(dtype=dtype, device_type=dev.type, device_cc=device_cc(dev))
-    paged = dict(page_size=16)
+    base = {"dtype": dtype, "device_type": dev.type, "device_cc": device_cc(dev)}
+    paged = {"page_size": 16}
     mul = 1 if small else 8
     cases = []
     for hd, hq, hkv in ((64, 4, 4), (80, 4, 2), (96, 6, 1), (128, 8, 2)):
@@ -77,7 +77,7 @@ def make_args(case: Case, device: torch.device | str = "cpu", seed: int = 0) -> 
     T = sum(q_lens)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     q = rnd(T, s.num_q_heads, s.head_dim)
-    common: dict[str, Any] = dict(spec=s, q=q, cu_seqlens_q=cu, scale=s.head_dim ** -0.5, max_seqlen_q=max(q_lens))
+    common: dict[str, Any] = {"spec": s, "q": q, "cu_seqlens_q": cu, "scale": s.head_dim ** -0.5, "max_seqlen_q": max(q_lens)}
     if s.cache is None:
         k, v = rnd(T, s.num_kv_heads, s.head_dim), rnd(T, s.num_kv_heads, s.v_dim)
         return AttnArgs(seq_lens_k=cu[1:] - cu[:-1], max_seqlen_k=max(q_lens), k=k, v=v, **common)

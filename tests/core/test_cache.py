@@ -154,3 +154,24 @@ def test_default_page_size_comes_from_settings(plugins, clean_settings) -> None:
     clean_settings.setenv("EXL3_PAGE_SIZE", "32")
     settings.reload()
     assert Cache(ToyModel(num_layers=1), 100, plugins=plugins).page_size == 32
+
+
+def test_cache_made_before_load_is_allocated_by_load_and_freed_by_unload(tmp_path) -> None:
+    """The documented order: Cache(model) first, then model.load() allocates it on the device."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from exl3_core import Cache, Config, Model
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    model = Model.from_config(Config.from_directory(tmp_path))
+    cache = Cache(model, max_num_tokens=512, page_size=256)
+    assert cache.layers == [] and cache.storage_size() == 0
+    model.load("cpu")
+    assert len(cache.layers) == 2 and cache.dtype == torch.float32
+    assert cache.storage_size() == 2 * 2 * (2 + 1) * 256 * 2 * 16 * 4  # k+v, pages+scratch, heads, dim, fp32
+    model.unload()
+    assert cache.layers == [] and cache.storage_size() == 0

@@ -24,7 +24,7 @@ class FlashAttnBackend:
             r.append(f"head_dim {spec.head_dim} not supported (multiple of 8, <= 256)")
         if spec.v_dim != spec.head_dim:
             r.append("different key and value head dims (latent cache) not supported")
-        if spec.cache is not None and spec.cache != "kv/fp16":
+        if spec.cache is not None and spec.cache not in ("kv/fp16", "kv/bf16"):
             r.append(f"cache view {spec.cache!r} not supported")
         if spec.cache is not None and (spec.page_size or 0) % 256:
             r.append(f"paged KV needs a page size multiple of 256 (got {spec.page_size})")

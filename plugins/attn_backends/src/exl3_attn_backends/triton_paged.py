@@ -104,6 +104,9 @@ def _attn_fwd(
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
 
 
+_CACHE_VIEWS = frozenset(f"{k}/{d}" for k in ("kv", "mla") for d in ("fp16", "bf16", "fp32"))
+
+
 def _interpreting() -> bool:
     # Triton's own switch (not an exl3 setting): kernels run in the CPU interpreter
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -132,8 +135,8 @@ class TritonPagedAttention:
             r.append("attention sinks not implemented")
         if spec.non_causal_spans:
             r.append("non-causal spans not implemented")
-        if spec.cache is not None and spec.cache not in ("kv/fp16", "mla/fp16"):
-            r.append(f"cache view {spec.cache!r} not supported (kv/fp16, mla/fp16)")
+        if spec.cache is not None and spec.cache not in _CACHE_VIEWS:
+            r.append(f"cache view {spec.cache!r} not supported ({', '.join(sorted(_CACHE_VIEWS))})")
         if max(spec.head_dim, spec.v_dim) > 1024:
             r.append("head dim > 1024")
         return r
