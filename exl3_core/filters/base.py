@@ -104,7 +104,9 @@ class Filter(ABC):
             if m.numel() < vocab_size:  # tokenizer vocab smaller than the model's padded vocab
                 m = torch.cat([m, m.new_zeros(vocab_size - m.numel())])
             m = m[:vocab_size]
-        elif m.dtype in (torch.int32, torch.int64, torch.uint32) and m.numel() * 32 >= vocab_size:
+        elif m.dtype in (torch.int32, torch.int64, torch.uint32):
+            # a bitmask over the tokenizer's vocab may be shorter than the model's padded vocab:
+            # unpack_bitmask disallows the missing tail, as for bool masks
             m = unpack_bitmask(m, vocab_size)
         else:
             raise TypeError(f"{type(self).__name__}.get_next_logit_mask returned {m.dtype} [{m.numel()}]; expected bool "
