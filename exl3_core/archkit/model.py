@@ -135,6 +135,9 @@ class Model(torch.nn.Module):
 
             bar = Progress(len(modules), f"loading {self.config.directory.name}", unit=" modules")
         try:
+            from exl3_core.archkit.memory import checked_plan
+
+            plan = checked_plan(self, src, dev, dtype)  # refuses before any allocation when it won't fit
             ctx = LoadContext(src, dev, dtype)
             for m in modules:
                 m.load_weights(ctx)
@@ -162,7 +165,17 @@ class Model(torch.nn.Module):
                 if close is not None:
                     close()
         self._device, self._dtype, self.allowed_backends = dev, dtype, allowed
+        from exl3_core.archkit.memory import load_report
+
+        self.__dict__["_memory_report"] = load_report(self, plan, dev)
         return self
+
+    def memory_report(self) -> dict[str, Any]:
+        """What the last :meth:`load` planned and allocated (bytes); see :mod:`exl3_core.archkit.memory`."""
+        report = self.__dict__.get("_memory_report")
+        if report is None or not self.loaded:
+            raise RuntimeError(f"{type(self).__name__} is not loaded; call .load() first")
+        return dict(report)
 
     def after_load(self) -> None:
         """Hook run once every module is loaded (tie weights, fuse projections ...)."""
@@ -184,6 +197,7 @@ class Model(torch.nn.Module):
         for m in self.exl3_modules():
             m.unload_weights()
         self._device = self._dtype = None
+        self.__dict__.pop("_memory_report", None)
         if dev is not None:
             _release(dev)
 

@@ -10,7 +10,15 @@ from exl3_core.attention.spec import AttnArgs, AttnSpec
 
 @runtime_checkable
 class AttentionBackend(Protocol):
-    """An attention implementation, instantiated once per plugin set by the dispatcher."""
+    """An attention implementation, instantiated once per plugin set by the dispatcher.
+
+    Optional class attribute ``graph_safe: ClassVar[bool]`` (default False when absent): True
+    promises that :meth:`forward` never synchronises with the host (no ``.item()``, ``.tolist()``,
+    ``.cpu()`` or data-dependent Python shapes), allocates only through torch's caching allocator
+    and launches on the current stream, so a decode step through it can be captured in a CUDA
+    graph and replayed (:mod:`exl3_core.generator.graphs`). It is not a protocol member, so
+    backends written before it still satisfy ``isinstance(b, AttentionBackend)``.
+    """
 
     name: ClassVar[str]
 

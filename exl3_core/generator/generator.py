@@ -80,6 +80,11 @@ class Generator:
         self._pool: ThreadPoolExecutor | None = None
         self.tokens_computed = 0  # tokens run through the model (prefix-cache hits are not)
         self.forward_calls = 0
+        from exl3_core.generator.graphs import DecodeGraphs
+
+        #: CUDA-graph decode runner (None: eager; see exl3_core.generator.graphs for when)
+        self.graphs: DecodeGraphs | None = DecodeGraphs.create(model, cache, self.table_width) \
+            if hasattr(model, "attention_layers") else None
 
     def _vocab_size(self) -> int | None:
         v = getattr(self.model, "vocab_size", None)
@@ -282,14 +287,26 @@ class Generator:
                                  scratch_page=self.cache.scratch_page, device=self.device, decode=decode)
         sampling = [j for j, c in work if c.want_logits]
         masks = self._start_masks(sampling)
-        logits = self.model.forward_batch(meta, self.cache)
+        packed = None
+        if decode and self.graphs is not None and self.graphs.accepts(meta):
+            logits, packed = self.graphs.run(meta)
+        else:
+            logits = self.model.forward_batch(meta, self.cache)
         self.forward_calls += 1
         self.tokens_computed += sum(len(c.tokens) for _, c in work)
         for job, c in work:
             job.cached += len(c.tokens)
             self._register_pages(job)
-        if sampling:
-            self._sample_and_process(sampling, logits[torch.tensor(rows, device=logits.device)], masks, results)
+        if not sampling:
+            return
+        if packed is not None and not masks and all(
+                j.sampler.is_greedy and not j.return_probs and not j.return_logits and not j.ban_at.get(len(j.seq))
+                for j in sampling):
+            # greedy ids and ok flags were computed inside the graph: one small read, no sampler
+            host = packed[:, :len(rows)] if rows == list(range(len(rows))) else packed[:, rows]
+            self._process_sampled(sampling, host.cpu().tolist(), None, {}, results)
+            return
+        self._sample_and_process(sampling, logits[torch.tensor(rows, device=logits.device)], masks, results)
 
     def _start_masks(self, jobs: list[Job]) -> dict[int, Future | None]:
         """Filter masks for ``jobs``; slow filters run on a worker thread during the forward."""
@@ -359,6 +376,11 @@ class Generator:
         packed = torch.stack([out.ids.double(), out.ok.double()] + ([out.probs.double()] if out.probs is not None else []))
         host = packed.cpu().tolist()
         raw_rows = raw.cpu() if any(j.return_logits for j in jobs) else None
+        self._process_sampled(jobs, host, raw_rows, failed, results)
+
+    def _process_sampled(self, jobs: list[Job], host: list[list[float]], raw_rows: torch.Tensor | None,
+                         failed: dict[int, BaseException], results: list[Result]) -> None:
+        """Per job: ``host[0][i]`` the sampled id, ``host[1][i]`` whether any token was allowed."""
         for i, job in enumerate(jobs):
             if job.status != "active":
                 continue

@@ -116,6 +116,8 @@ class TritonPagedAttention:
     """Paged/varlen attention in Triton; outranks the torch reference on CUDA."""
 
     name: ClassVar[str] = "triton_paged"
+    #: no host syncs, caching-allocator outputs, current stream: decode steps may be CUDA-graphed
+    graph_safe: ClassVar[bool] = True
 
     def priority(self, spec: AttnSpec) -> int:
         # Under the CPU interpreter the kernel is correct but slow: available, never preferred.

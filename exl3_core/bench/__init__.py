@@ -1,0 +1,7 @@
+"""``exl3 bench``: random-weight EXL3 models of a given shape and the engine benchmark over them."""
+from __future__ import annotations
+
+from exl3_core.bench.models import BenchShape, RandomSource, build_model, named_shapes, parse_shape
+from exl3_core.bench.run import run_bench
+
+__all__ = ["BenchShape", "RandomSource", "build_model", "named_shapes", "parse_shape", "run_bench"]

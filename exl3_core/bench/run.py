@@ -1,0 +1,294 @@
+"""Engine benchmark: decode/prefill speed of a random-weight EXL3 model beside its bounds.
+
+Figures (each from the same process, so the bounds are measured on the same card):
+
+* ``decode``: generator tokens/s for b=1 at context 256 and 4096 and for b=8, b=32 at 256
+  (greedy, CUDA-graph decode where available, the whole engine loop including host work), and
+  ``graph_step_ms``: the replayed decode step alone (GPU time per step, events);
+* ``prefill``: tokens/s of one 2048-token forward over the paged cache;
+* bounds: ``roofline`` = bytes read per decode token (weights + KV at that context) / measured
+  device-to-device copy bandwidth (read + written bytes), and ``decode_ceiling`` = time to decode
+  every quantized weight once at the ``exl3::decode_bench`` rate of its own shape, K and codebook
+  (the integer-pipeline ceiling of on-the-fly decoding; no activations, no attention).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from exl3_core.bench.models import BenchShape, build_model, shape_dict
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_median(fn: Callable[[], Any], device: torch.device, *, warmup: int = 2, iters: int = 10) -> float:
+    """Median seconds of ``fn()`` (CUDA events on GPU, perf_counter on CPU) after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    n = nbytes or (2 << 30 if device.type == "cuda" else 64 << 20)
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t = time_median(lambda: dst.copy_(src), device, warmup=3, iters=10)
+    del src, dst
+    return 2 * n / t
+
+
+def _exl3_layers(model: torch.nn.Module) -> list[Any]:
+    from exl3_core.quant.exl3.linear import EXL3Linear
+
+    return [m for m in model.modules() if isinstance(m, EXL3Linear)]
+
+
+def weight_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes one decode token must read: every weight once (embedding: one row)."""
+    total = 0
+    emb = getattr(model, "embed", None)
+    skip = {id(emb.weight)} if emb is not None and emb.weight is not None else set()
+    seen: set[int] = set()
+    for m in model.modules():
+        for t in list(m._buffers.values()) + list(m._parameters.values()):
+            if t is None or id(t) in seen or id(t) in skip:
+                continue
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    if skip:
+        total += emb.weight.shape[1] * emb.weight.element_size()  # type: ignore[union-attr]
+    return total
+
+
+def kv_bytes_per_token(shape: BenchShape, ctx: int, elem: int = 2) -> int:
+    """KV-cache bytes one decode token reads at context ``ctx`` (keys and values of every layer)."""
+    return shape.layers * 2 * shape.kv_heads * shape.dim_head * elem * ctx
+
+
+def decode_ceiling(model: torch.nn.Module) -> dict[str, Any] | None:
+    """Seconds to decode every quantized weight once at ``exl3::decode_bench`` rates (None without the op)."""
+    from exl3_core import ext
+    from exl3_core.quant.exl3.cuda_ops import decode_bench_cuda
+
+    layers = _exl3_layers(model)
+    if not layers or not layers[0].trellis.is_cuda or not ext.has_op("decode_bench"):
+        return None
+    groups: dict[tuple[Any, ...], list[Any]] = {}
+    for m in layers:
+        groups.setdefault((tuple(m.trellis.shape), m.codebook), []).append(m)
+    total = 0.0
+    rows = []
+    dev = layers[0].trellis.device
+    for (shape, cb), ms in groups.items():
+        t = time_median(lambda: decode_bench_cuda(ms[0].trellis, cb), dev, warmup=2, iters=5)
+        weights = shape[0] * shape[1] * 256
+        total += t * len(ms)
+        rows.append({"trellis": list(shape), "codebook": cb, "count": len(ms), "us": t * 1e6,
+                     "tweights_per_s": weights / t / 1e12})
+    return {"seconds_per_token": total, "tok_s": 1.0 / total, "per_shape": rows}
+
+
+def _run_generator(gen: Any, prompts: list[list[int]], new_tokens: int) -> float:
+    """Tokens/s of the decode phase: from every job's first token to the last one."""
+    from exl3_core.generator import Job
+
+    jobs = [Job(p, max_new_tokens=new_tokens + 1, stop_at_eos=False, identifier=i) for i, p in enumerate(prompts)]
+    gen.enqueue(jobs)
+    counted = 0
+    t0 = None
+    while gen.num_remaining():
+        results = gen.iterate()
+        if t0 is None:
+            if all(j.new_tokens >= 1 for j in jobs):
+                _sync(gen.device)
+                t0 = time.perf_counter()
+            continue
+        counted += sum(len(r["token_ids"]) for r in results)
+    _sync(gen.device)
+    if t0 is None or counted == 0:
+        raise RuntimeError("bench: the generator produced no decode tokens")
+    return counted / (time.perf_counter() - t0)
+
+
+def bench_decode(model: Any, cache: Any, *, batch: int, ctx: int, new_tokens: int, seed: int = 0) -> dict[str, Any]:
+    """Generator decode throughput for ``batch`` jobs with ``ctx``-token prompts."""
+    from exl3_core.generator import Generator
+
+    vocab = model.config.hf.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (ctx,), generator=g).tolist() for _ in range(batch)]
+    gen = Generator(model, cache, None, max_batch_size=max(batch, 1), max_chunk_tokens=2048,
+                    max_seq_len=ctx + new_tokens + 2)
+    _run_generator(gen, [p[: min(ctx, 64)] for p in prompts], 4)  # warm-up: compile, capture this bucket
+    tok_s = _run_generator(gen, prompts, new_tokens)
+    out: dict[str, Any] = {"batch": batch, "ctx": ctx, "new_tokens": new_tokens, "tok_s": tok_s,
+                           "graphs": gen.graphs is not None}
+    if gen.graphs is not None:
+        out["graph_replays"] = gen.graphs.replays
+    return out
+
+
+def graph_step_time(model: Any, cache: Any, *, batch: int, ctx: int) -> float | None:
+    """Seconds of one replayed decode step (GPU time, events) at context ``ctx``; None when not graphed."""
+    from exl3_core.generator.batching import Chunk, build_batch
+    from exl3_core.generator.graphs import DecodeGraphs
+
+    width = cache.max_pages_per_seq(ctx + 1)
+    graphs = DecodeGraphs.create(model, cache, width)
+    if graphs is None:
+        return None
+    ps = cache.page_size
+    pages_each = -(-(ctx + 1) // ps)
+    pages = cache.allocator.allocate(pages_each * batch)
+    try:
+        chunks = [Chunk([1], ctx, pages[b * pages_each:(b + 1) * pages_each], True) for b in range(batch)]
+        meta, _ = build_batch(chunks, page_size=ps, table_width=width, scratch_page=cache.scratch_page,
+                              device=model.device, decode=True)
+        return time_median(lambda: graphs.run(meta), model.device, warmup=3, iters=20)
+    finally:
+        cache.allocator.release(pages)
+        graphs.reset()
+
+
+def bench_prefill(model: Any, cache: Any, *, tokens: int, seed: int = 0) -> dict[str, Any]:
+    """Tokens/s of one ``tokens``-long prefill forward over the paged cache (logits of the last row only)."""
+    from exl3_core.archkit.batch import BatchMeta
+
+    ps = cache.page_size
+    n_pages = -(-tokens // ps)
+    pages = cache.allocator.allocate(n_pages)
+    try:
+        vocab = model.config.hf.vocab_size
+        ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+        table = torch.tensor([pages], dtype=torch.int32)
+        meta = BatchMeta.from_lists([ids], [0], device=model.device, page_table=table, page_size=ps,
+                                    logits_indices=torch.tensor([tokens - 1], device=model.device))
+        t = time_median(lambda: model.forward_batch(meta, cache), model.device, warmup=2, iters=5)
+    finally:
+        cache.allocator.release(pages)
+    return {"tokens": tokens, "seconds": t, "tok_s": tokens / t}
+
+
+def profile_decode(model: Any, cache: Any, *, ctx: int = 256, steps: int = 5, rows: int = 18) -> str:
+    """``torch.profiler`` table of eager b=1 decode steps at context ``ctx`` (kernels by total time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from exl3_core.generator.batching import Chunk, build_batch
+
+    ps = cache.page_size
+    width = cache.max_pages_per_seq(ctx + 1)
+    pages = cache.allocator.allocate(-(-(ctx + 1) // ps))
+    try:
+        meta, _ = build_batch([Chunk([1], ctx, pages, True)], page_size=ps, table_width=width,
+                              scratch_page=cache.scratch_page, device=model.device, decode=True)
+        model.forward_batch(meta, cache)
+        _sync(model.device)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                model.forward_batch(meta, cache)
+            _sync(model.device)
+    finally:
+        cache.allocator.release(pages)
+    avg = prof.key_averages()
+    for key in (("device_time_total", "cuda_time_total") if model.device.type == "cuda" else ("cpu_time_total",)):
+        try:
+            return str(avg.table(sort_by=key, row_limit=rows))
+        except (KeyError, AttributeError, ValueError):
+            continue
+    return str(avg.table(row_limit=rows))
+
+
+def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6, codebook: str = "mcg",
+              device: str | torch.device | None = None, contexts: tuple[int, ...] = (256, 4096),
+              batches: tuple[int, ...] = (8, 32), prefill_tokens: int = 2048, new_tokens: int = 128,
+              profile: bool = False, vs_transformers: bool = False,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every figure of the module docstring as one dict (see ``exl3 bench --help``)."""
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    out: dict[str, Any] = {"shape": shape_dict(shape), "bpw": bpw, "head_bits": head_bits, "codebook": codebook,
+                           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+                           "torch": torch.__version__}
+    bw = copy_bandwidth(dev)
+    out["copy_bandwidth_Bps"] = bw
+    log(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
+    cache_tokens = max(max(contexts) + new_tokens + 64, max(batches, default=1) * (min(contexts) + new_tokens + 64),
+                       prefill_tokens) + 1024
+    t0 = time.perf_counter()
+    model, cache = build_model(shape, bpw=bpw, head_bits=head_bits, codebook=codebook, device=dev,
+                               cache_tokens=cache_tokens)
+    out["build_seconds"] = time.perf_counter() - t0
+    out["memory"] = model.memory_report()
+    wbytes = weight_bytes_per_token(model)
+    out["weight_bytes_per_token"] = wbytes
+    ceiling = decode_ceiling(model)
+    out["decode_ceiling"] = ceiling
+    if ceiling:
+        log(f"decode-only ceiling of the weights: {ceiling['tok_s']:.0f} tok/s ({ceiling['seconds_per_token'] * 1e3:.3f} ms)")
+    elem = torch.empty((), dtype=model.dtype).element_size()
+    decode: list[dict[str, Any]] = []
+    for ctx in contexts:
+        r = bench_decode(model, cache, batch=1, ctx=ctx, new_tokens=new_tokens)
+        step = graph_step_time(model, cache, batch=1, ctx=ctx)
+        r["graph_step_ms"] = None if step is None else step * 1e3
+        decode.append(r)
+    for b in batches:
+        r = bench_decode(model, cache, batch=b, ctx=min(contexts), new_tokens=new_tokens)
+        step = graph_step_time(model, cache, batch=b, ctx=min(contexts)) if b <= 32 else None
+        r["graph_step_ms"] = None if step is None else step * 1e3
+        decode.append(r)
+    for r in decode:
+        nbytes = wbytes + r["batch"] * kv_bytes_per_token(shape, r["ctx"], elem)
+        r["bytes_per_step"] = nbytes
+        r["roofline_tok_s"] = r["batch"] * bw / nbytes
+        r["fraction_of_roofline"] = r["tok_s"] / r["roofline_tok_s"]
+        if ceiling:
+            r["decode_ceiling_tok_s"] = r["batch"] * ceiling["tok_s"]
+            r["fraction_of_decode_ceiling"] = r["tok_s"] / r["decode_ceiling_tok_s"]
+        step_s = f", graph step {r['graph_step_ms']:.3f} ms" if r.get("graph_step_ms") else ""
+        log(f"decode b={r['batch']} ctx={r['ctx']}: {r['tok_s']:.1f} tok/s{step_s} | roofline "
+            f"{r['roofline_tok_s']:.0f} ({100 * r['fraction_of_roofline']:.1f}%)"
+            + (f" | decode-only ceiling {r['decode_ceiling_tok_s']:.0f} "
+               f"({100 * r['fraction_of_decode_ceiling']:.1f}%)" if ceiling else ""))
+    out["decode"] = decode
+    b1 = [r for r in decode if r["batch"] == 1 and r["ctx"] == min(contexts)]
+    if b1:
+        out["batch_scaling"] = {str(r["batch"]): r["tok_s"] / b1[0]["tok_s"] for r in decode if r["ctx"] == min(contexts)}
+    if prefill_tokens:
+        p = bench_prefill(model, cache, tokens=prefill_tokens)
+        out["prefill"] = p
+        log(f"prefill {prefill_tokens} tokens: {p['tok_s']:.0f} tok/s ({p['seconds'] * 1e3:.1f} ms)")
+    if profile:
+        out["profile_b1"] = profile_decode(model, cache, ctx=min(contexts))
+        log(out["profile_b1"])
+    model.unload()
+    del model, cache
+    if vs_transformers:
+        from exl3_core.bench.hf import transformers_decode
+
+        out["transformers"] = transformers_decode(shape, dev, ctx=min(contexts), new_tokens=min(new_tokens, 64),
+                                                  prefill_tokens=prefill_tokens)
+        log(f"transformers bf16: {out['transformers']}")
+    return out

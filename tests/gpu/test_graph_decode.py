@@ -1,0 +1,108 @@
+"""CUDA-graph decode equals eager decode; device memory is planned, refused and released."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from exl3_core.archkit.memory import InsufficientDeviceMemory
+from exl3_core.bench.models import bench_plugins, build_model, parse_shape
+from exl3_core.generator import Generator, Job
+from exl3_core.generator.graphs import DecodeGraphs, decline_reason
+
+SHAPE = "custom(512,1024,3,8,2,2000)"
+
+
+@pytest.fixture(scope="module")
+def plugins():
+    return bench_plugins()
+
+
+@pytest.fixture(scope="module")
+def model_cache(plugins):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model, cache = build_model(parse_shape(SHAPE), bpw=4.0, head_bits=6, device="cuda", cache_tokens=4096,
+                               page_size=64, plugins=plugins)
+    yield model, cache
+    model.unload()
+
+
+def _run(gen: Generator, prompts: list[list[int]], n: int, logits: bool) -> list[Job]:
+    jobs = [Job(p, max_new_tokens=n, stop_at_eos=False, identifier=i, return_logits=logits)
+            for i, p in enumerate(prompts)]
+    gen.enqueue(jobs)
+    out: dict[int, list] = {i: [] for i in range(len(jobs))}
+    lg: dict[int, list] = {i: [] for i in range(len(jobs))}
+    while gen.num_remaining():
+        for r in gen.iterate():
+            out[r["identifier"]] += r["token_ids"]
+            if logits and len(r.get("logits", [])):
+                lg[r["identifier"]].append(r["logits"])
+    return [(out[i], torch.cat(lg[i]) if logits else None) for i in range(len(jobs))]  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_graph_decode_equals_eager(model_cache, batch: int) -> None:
+    model, cache = model_cache
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(0, 2000, (int(n),), generator=g).tolist() for n in torch.randint(20, 150, (batch,), generator=g)]
+    for logits in (False, True):  # greedy fast path (ids from the graph), then the sampler on graph logits
+        eager = Generator(model, cache, None, max_batch_size=8, max_seq_len=512)
+        eager.graphs = None
+        graphed = Generator(model, cache, None, max_batch_size=8, max_seq_len=512)
+        assert graphed.graphs is not None, decline_reason(model, cache)
+        a = _run(eager, prompts, 64, logits)
+        b = _run(graphed, prompts, 64, logits)
+        assert graphed.graphs.replays >= 63
+        for (ta, la), (tb, lb) in zip(a, b):
+            assert len(ta) == 64 and ta == tb
+            if logits:
+                err = ((la - lb).abs().max() / la.abs().max()).item()
+                assert err < 1e-3, err
+
+
+def test_graph_declined_for_unsafe_backend(model_cache) -> None:
+    model, cache = model_cache
+    saved = model.allowed_backends
+    try:
+        model.allowed_backends = ("torch",)
+        assert "not graph-safe" in (decline_reason(model, cache) or "")
+        assert DecodeGraphs.create(model, cache, 4) is None
+    finally:
+        model.allowed_backends = saved
+
+
+def test_no_leak_after_unload(plugins) -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    model, cache = build_model(parse_shape(SHAPE), device="cuda", cache_tokens=2048, page_size=64, plugins=plugins)
+    rep = model.memory_report()
+    assert rep["planned"]["total"] == rep["allocated"]["total"] > 0
+    assert torch.cuda.memory_allocated() - base >= rep["allocated"]["total"]
+    gen = Generator(model, cache, None, max_batch_size=4, max_seq_len=512)
+    _run(gen, [[1, 2, 3]] * 2, 8, False)
+    del gen
+    model.unload()
+    gc.collect()
+    assert torch.cuda.memory_allocated() == base
+
+
+def test_refuses_cache_larger_than_free_memory(plugins) -> None:
+    from exl3_core.archkit import Config, Model
+    from exl3_core.bench.models import RandomSource
+    from exl3_core.cache import Cache
+
+    shape = parse_shape(SHAPE)
+    src = RandomSource(shape)
+    model = Model.from_config(Config(src.directory, shape.hf_config(), plugins=plugins))
+    free, _ = torch.cuda.mem_get_info()
+    tokens = 2 * free // (shape.layers * 2 * shape.kv_heads * shape.dim_head * 2)
+    Cache(model, tokens, page_size=64, plugins=plugins)
+    base = torch.cuda.memory_allocated()
+    with pytest.raises(InsufficientDeviceMemory, match="free") as e:
+        model.load(device="cuda", source=src)
+    assert "GiB" in str(e.value) and not model.loaded
+    assert torch.cuda.memory_allocated() == base
