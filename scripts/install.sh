@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 PIP="$PY -m pip install --disable-pip-version-check -q"
 
 $PIP "torch==2.13.0" || $PIP "torch>=2.6"
-$PIP setuptools wheel hatchling pluggy "pydantic>=2.5" safetensors tokenizers jinja2 numpy gguf \
+$PIP setuptools wheel hatchling editables pluggy "pydantic>=2.5" safetensors tokenizers jinja2 numpy gguf \
      pytest "transformers>=4.45" accelerate jsonschema "triton; platform_system == 'Linux'"
 # core (editable) then its compiled CPU/CUDA ops in place; the build is optional at run time
 $PIP --no-build-isolation -e .
