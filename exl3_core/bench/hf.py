@@ -59,7 +59,4 @@ def transformers_decode(shape: BenchShape, dev: torch.device, *, ctx: int = 256,
             model(input_ids=pids, logits_to_keep=1)
             _sync(dev)
             out["prefill_tok_s"] = prefill_tokens / (time.perf_counter() - t)
-    del model
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
     return out

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import re
-import zlib
 import sys
+import zlib
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path

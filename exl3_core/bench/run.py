@@ -55,7 +55,6 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     t = time_median(lambda: dst.copy_(src), device, warmup=3, iters=10)
-    del src, dst
     return 2 * n / t
 
 
@@ -87,6 +86,18 @@ def kv_bytes_per_token(shape: BenchShape, ctx: int, elem: int = 2) -> int:
     return shape.layers * 2 * shape.kv_heads * shape.dim_head * elem * ctx
 
 
+def _graphed_time(fn: Callable[[], Any], device: torch.device, calls: int = 10) -> float:
+    """Seconds per call of ``fn`` replayed ``calls`` times in one CUDA graph (no launch gaps:
+    small kernels would otherwise time the host)."""
+    fn()
+    torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return time_median(g.replay, device, warmup=2, iters=7) / calls
+
+
 def decode_ceiling(model: torch.nn.Module) -> dict[str, Any] | None:
     """Seconds to decode every quantized weight once at ``exl3::decode_bench`` rates (None without the op)."""
     from exl3_core import ext
@@ -102,7 +113,7 @@ def decode_ceiling(model: torch.nn.Module) -> dict[str, Any] | None:
     rows = []
     dev = layers[0].trellis.device
     for (shape, cb), ms in groups.items():
-        t = time_median(lambda: decode_bench_cuda(ms[0].trellis, cb), dev, warmup=2, iters=5)
+        t = _graphed_time(lambda m=ms[0], c=cb: decode_bench_cuda(m.trellis, c), dev)
         weights = shape[0] * shape[1] * 256
         total += t * len(ms)
         rows.append({"trellis": list(shape), "codebook": cb, "count": len(ms), "us": t * 1e6,
@@ -234,8 +245,16 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
     bw = copy_bandwidth(dev)
     out["copy_bandwidth_Bps"] = bw
     log(f"copy bandwidth {bw / 1e12:.2f} TB/s (read + written)")
-    cache_tokens = max(max(contexts) + new_tokens + 64, max(batches, default=1) * (min(contexts) + new_tokens + 64),
-                       prefill_tokens) + 1024
+    from exl3_core import settings
+
+    ps = settings.get().page_size
+
+    def pages(n: int) -> int:
+        return -(-n // ps) + 1
+
+    # every bench run at once, in whole pages, twice over (prefix-cached pages stay resident)
+    need = pages(max(contexts) + new_tokens + 8) + max(batches, default=1) * pages(min(contexts) + new_tokens + 8)
+    cache_tokens = 2 * ps * (need + pages(prefill_tokens))
     t0 = time.perf_counter()
     model, cache = build_model(shape, bpw=bpw, head_bits=head_bits, codebook=codebook, device=dev,
                                cache_tokens=cache_tokens)
@@ -284,11 +303,13 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
         out["profile_b1"] = profile_decode(model, cache, ctx=min(contexts))
         log(out["profile_b1"])
     model.unload()
-    del model, cache
     if vs_transformers:
         from exl3_core.bench.hf import transformers_decode
 
-        out["transformers"] = transformers_decode(shape, dev, ctx=min(contexts), new_tokens=min(new_tokens, 64),
-                                                  prefill_tokens=prefill_tokens)
+        try:
+            out["transformers"] = transformers_decode(shape, dev, ctx=min(contexts), new_tokens=min(new_tokens, 64),
+                                                      prefill_tokens=prefill_tokens)
+        except Exception as e:  # noqa: BLE001 - the comparison is optional; keep the exl3 figures
+            out["transformers"] = {"error": f"{type(e).__name__}: {e}"}
         log(f"transformers bf16: {out['transformers']}")
     return out

@@ -109,7 +109,7 @@ class DecodeGraphs:
     def accepts(self, meta: BatchMeta) -> bool:
         return (meta.phase == "decode" and meta.logits_indices is None and meta.page_table is not None
                 and meta.batch_size <= self.max_bucket and meta.input_ids.shape[0] == meta.batch_size
-                and meta.page_table.shape[1] == self.table_width and meta.input_ids.device == self.device)
+                and meta.page_table.shape[1] == self.table_width and meta.input_ids.is_cuda)
 
     def run(self, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph of ``meta``'s bucket: ``(logits [B, V], packed [2, B])`` (static buffers,
