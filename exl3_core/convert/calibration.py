@@ -1,0 +1,100 @@
+"""Calibration rows for the quantizer and the built-in evaluation text.
+
+The reference quantizer calibrates on ``rows x cols`` token ids: mostly text windows and about
+one row in seven of uniformly random token ids (format spec 5.1: text weights 115, random 20).
+Our text is the CPython documentation topics vendored in ``exl3_core/data/calibration`` (PSF
+licence, see its README): every fifth topic is held out as *evaluation* text, so perplexity is
+not measured on what the model was calibrated on. Everything here is seeded: the same arguments
+give the same rows on every run, which resumable conversion relies on.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import lzma
+import warnings
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "calibration"
+CORPUS_FILE = DATA_DIR / "pydoc_topics.json.xz"
+#: fraction of rows that are uniform-random token ids (the reference mix: 20 of 135 weight units)
+RANDOM_FRACTION = 20 / 135
+EVAL_EVERY = 5  # topic i is evaluation text iff i % EVAL_EVERY == EVAL_EVERY - 1
+
+Split = Literal["calibration", "eval", "all"]
+
+
+@functools.cache
+def _topics() -> tuple[tuple[str, str], ...]:
+    if not CORPUS_FILE.is_file():
+        raise FileNotFoundError(f"built-in text {CORPUS_FILE} is missing; reinstall exl3 (the package data "
+                                f"exl3_core/data/calibration/* was not installed) or pass a text file")
+    data = json.loads(lzma.decompress(CORPUS_FILE.read_bytes()).decode("utf-8"))
+    return tuple(sorted(data["topics"].items()))
+
+
+def builtin_text(split: Split = "calibration") -> str:
+    """The vendored documentation text: the calibration part, the held-out eval part, or all."""
+    parts = [text for i, (_, text) in enumerate(_topics())
+             if split == "all" or (i % EVAL_EVERY == EVAL_EVERY - 1) == (split == "eval")]
+    return "\n\n".join(parts)
+
+
+def load_tokenizer(model_dir: str | Path) -> object | None:
+    """The model's tokenizer, or None when the directory has no ``tokenizer.json``."""
+    d = Path(model_dir)
+    if not (d / "tokenizer.json").is_file():
+        return None
+    from exl3_core.tokenizer import Tokenizer
+
+    return Tokenizer.from_directory(d)
+
+
+def tokenize_text(tokenizer: object, text: str, vocab_size: int | None = None, what: str = "text") -> torch.Tensor:
+    """int64 token ids of ``text`` (no BOS), checked against the model's vocabulary size."""
+    ids = torch.tensor(tokenizer.encode_ids(text, add_bos=False), dtype=torch.int64)  # type: ignore[attr-defined]
+    if vocab_size is not None and ids.numel() and int(ids.max()) >= vocab_size:
+        raise ValueError(f"{what}: the tokenizer produced id {int(ids.max())} but the model's vocab_size is "
+                         f"{vocab_size}; the tokenizer does not belong to this model")
+    return ids
+
+
+def text_windows(ids: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``rows`` windows of ``cols`` tokens spread evenly over ``ids`` (repeated when it is too short)."""
+    if rows == 0:
+        return torch.empty(0, cols, dtype=torch.int64)
+    if ids.numel() == 0:
+        raise ValueError("calibration text tokenized to nothing")
+    if ids.numel() < cols + 1:
+        ids = ids.repeat(-(-(cols + 1) // ids.numel()))
+    span = ids.numel() - cols
+    starts = [(i * span) // max(rows - 1, 1) for i in range(rows)]
+    return torch.stack([ids[s: s + cols] for s in starts])
+
+
+def random_rows(rows: int, cols: int, vocab_size: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (rows, cols), generator=g, dtype=torch.int64)
+
+
+def calibration_ids(model_dir: str | Path, vocab_size: int, rows: int, cols: int, *, seed: int = 0,
+                    text: str | None = None) -> torch.Tensor:
+    """int64 ``[rows, cols]`` calibration token ids: text windows first, then random rows.
+
+    :param model_dir: where the tokenizer lives; without a ``tokenizer.json`` every row is random
+        (with a warning): a quantizer calibrated on noise only is still valid, just worse.
+    :param text: calibration text (default: the built-in documentation text).
+    """
+    if rows <= 0 or cols <= 1:
+        raise ValueError(f"calibration size {rows} rows x {cols} cols: need rows >= 1 and cols >= 2")
+    tok = load_tokenizer(model_dir)
+    if tok is None:
+        warnings.warn(f"{model_dir} has no tokenizer.json: calibrating on random token ids only", stacklevel=2)
+        return random_rows(rows, cols, vocab_size, seed)
+    n_random = round(rows * RANDOM_FRACTION) if rows > 1 else 0
+    ids = tokenize_text(tok, text if text is not None else builtin_text("calibration"), vocab_size,
+                        "calibration text")
+    return torch.cat([text_windows(ids, rows - n_random, cols), random_rows(n_random, cols, vocab_size, seed)])

@@ -1,0 +1,41 @@
+"""``exl3 convert``: command-line front end of :func:`exl3_core.convert.pipeline.convert`."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def _run(args: argparse.Namespace) -> int:
+    from exl3_core.convert.pipeline import convert
+
+    res = convert(args.input, args.output, args.bits, head_bits=args.head_bits, codebook=args.codebook,
+                  out_scales=args.out_scales, cal_rows=args.cal_rows, cal_cols=args.cal_cols, device=args.device,
+                  shard_mib=args.shard_size, work_dir=args.work_dir, resume=args.resume, seed=args.seed,
+                  text=args.cal_text, progress=not args.no_progress)
+    return 0 if res.completed else 1
+
+
+def add_cli(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "convert", help="quantize a Hugging Face model directory to EXL3",
+        description="Quantize an HF safetensors model to EXL3, module by module. Checkpoints to the work "
+                    "directory after every module; rerun with --resume after an interruption.")
+    p.add_argument("-i", "--input", required=True, help="source model directory (HF safetensors)")
+    p.add_argument("-o", "--output", required=True, help="output directory")
+    p.add_argument("-b", "--bits", type=float, required=True, help="target bits per weight (1..8, fractional ok)")
+    p.add_argument("--head-bits", type=int, default=6, help="bits of the output head (1..8, 16 = unquantized; "
+                                                            "default 6)")
+    p.add_argument("--codebook", choices=("mul1", "mcg", "3inst"), default="mul1", help="trellis codebook")
+    p.add_argument("--out-scales", choices=("always", "never", "auto"), default="always",
+                   help="output-channel scales (default always)")
+    p.add_argument("-w", "--work-dir", default=None, help="checkpoint directory (default OUTPUT.work, removed "
+                                                          "after success)")
+    p.add_argument("-r", "--resume", action="store_true", help="continue the interrupted job in the work directory")
+    p.add_argument("--cal-rows", type=int, default=250, help="calibration rows (default 250)")
+    p.add_argument("--cal-cols", type=int, default=2048, help="tokens per calibration row (default 2048)")
+    p.add_argument("--cal-text", default=None, help="calibration text file (default: built-in Python docs text)")
+    p.add_argument("--device", default="cpu", help="device for the forward passes, e.g. cpu or cuda:0")
+    p.add_argument("--shard-size", type=int, default=8192, help="maximum shard size in MiB (default 8192)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random calibration rows")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run)

@@ -1,0 +1,454 @@
+"""``exl3 convert``: quantize an HF model to EXL3, stage by stage, resumably (format spec 5.1).
+
+For each stage (embedding, every block, final norm, head), in order:
+
+1. run the calibration rows through the *unquantized* stage, its inputs being the states that
+   the already-quantized earlier stages produced, and capture ``H += XᵀX`` once per group of
+   linears reading the same input (:mod:`exl3_core.convert.capture`);
+2. finalise each H once (seeded by the stage index) and quantize every linear with its bit width
+   from the allocation (:mod:`exl3_core.quant.exl3.allocation`), the head with ``head_bits``;
+3. swap the stage's linears for :class:`~exl3_core.quant.exl3.EXL3Linear` built from exactly the
+   tensors that will be stored, advance the states through it and report rfn/cos/sqnr against
+   the unquantized outputs on the first rows;
+4. checkpoint the stage's tensors and the new states in the work directory.
+
+All randomness is seeded per stage and no step depends on wall-clock or on how the job was
+split, so a run killed at any point and resumed writes byte-identical output.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from exl3_core.convert.calibration import calibration_ids
+from exl3_core.convert.capture import HessianCapture, LinearSlot, find_linears
+from exl3_core.convert.compile import quantization_config, write_output
+from exl3_core.convert.stages import (
+    Stage,
+    conversion_stages,
+    forward_stage,
+    load_recording,
+    refresh_derived,
+    replace_linear,
+    source_fingerprint,
+)
+from exl3_core.convert.workdir import Job, ResumeError, WorkDir
+from exl3_core.quant.exl3.allocation import AllocItem, allocate_bits, average_bits
+from exl3_core.quant.exl3.hessian import HessianAccumulator, HessianInfo, padded_size
+from exl3_core.quant.exl3.linear import EXL3Linear
+from exl3_core.quant.exl3.quantize import QuantizedLinear, quantize_linear
+
+CODEBOOKS = ("mul1", "mcg", "3inst")
+METRIC_ROWS = 5  # rows the per-stage error is measured on (as the reference quantizer does)
+CHUNK_TOKENS = 4096  # calibration tokens per forward call
+ATTENTION_PRIORITY, FEEDFORWARD_PRIORITY = 2, 1  # bit allocation order (spec 5.7)
+
+Report = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class ConvertArgs:
+    """Everything that defines a conversion (see ``exl3 convert --help``)."""
+
+    in_dir: str
+    out_dir: str
+    bpw: float
+    head_bits: int = 6
+    codebook: str = "mul1"
+    out_scales: str = "always"
+    cal_rows: int = 250
+    cal_cols: int = 2048
+    device: str = "cpu"
+    shard_mib: int = 8192
+    work_dir: str | None = None
+    seed: int = 0
+    text: str | None = None  # calibration text file (None: the built-in text)
+
+    def validate(self) -> None:
+        if not 1.0 <= self.bpw <= 8.0:
+            raise ValueError(f"--bits {self.bpw}: EXL3 bitrates are 1..8 bits per weight")
+        if not (1 <= self.head_bits <= 8 or self.head_bits == 16):
+            raise ValueError(f"--head-bits {self.head_bits}: use 1..8, or 16 to keep the head unquantized")
+        if self.codebook not in CODEBOOKS:
+            raise ValueError(f"--codebook {self.codebook!r}: use one of {', '.join(CODEBOOKS)}")
+        if self.out_scales not in ("always", "never", "auto"):
+            raise ValueError(f"--out-scales {self.out_scales!r}: use always, never or auto")
+        if self.cal_rows < 1 or self.cal_cols < 2:
+            raise ValueError(f"--cal-rows {self.cal_rows} --cal-cols {self.cal_cols}: need at least 1 row of 2 tokens")
+        if self.shard_mib < 1:
+            raise ValueError(f"--shard-size {self.shard_mib}: must be at least 1 MiB")
+
+    def job_args(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["in_dir"] = str(Path(self.in_dir).expanduser().resolve())
+        d["text"] = None if self.text is None else str(Path(self.text).expanduser().resolve())
+        return d
+
+
+@dataclass
+class ConvertResult:
+    out_dir: Path
+    completed: bool
+    bits: float = 0.0
+    stages: list[dict[str, Any]] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class StopAfterModule(Exception):  # noqa: N818 - a control-flow signal, not an error
+    """Raised internally by the ``_stop_after_module`` test hook."""
+
+
+# -- metrics --------------------------------------------------------------------------------------
+def error_metrics(y: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
+    """rfn = ‖y−ref‖/‖ref‖, cos = 1 − cosine similarity, sqnr in dB (spec 5.1)."""
+    y, ref = y.double().reshape(-1), ref.double().reshape(-1)
+    err = float((y - ref).norm())
+    rn = float(ref.norm())
+    cos = float(torch.dot(y, ref) / (y.norm() * ref.norm()).clamp_min(1e-300))
+    return {"rfn": err / rn if rn else 0.0, "cos": 1.0 - cos,
+            "sqnr": 10 * math.log10(rn * rn / (err * err)) if err > 0 else float("inf")}
+
+
+# -- grouping and allocation ----------------------------------------------------------------------
+def _chunks(rows: int, cols: int) -> list[slice]:
+    step = max(1, CHUNK_TOKENS // cols)
+    return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
+def probe_groups(model: Any, stages: list[Stage], slots: dict[int, list[LinearSlot]], vocab: int) -> None:
+    """Fill every slot's ``group`` by running a short sequence through the stages with capture hooks."""
+    ids = torch.arange(8, dtype=torch.int64).remainder(vocab).view(1, 8).to(model.device)
+    x: torch.Tensor = ids
+    with torch.no_grad():
+        for st in stages:
+            if st.kind == "head":
+                head = [s for s in slots[st.index] if s.quantize]
+                for s in head:
+                    s.group = head[0].key
+                continue
+            with HessianCapture(st.module, slots[st.index]) as cap:
+                cap.next_batch()
+                x = forward_stage(model, st, x, ids)
+
+
+def _priority(slot: LinearSlot) -> int:
+    return ATTENTION_PRIORITY if getattr(type(slot.parent), "cache_kind", None) is not None else FEEDFORWARD_PRIORITY
+
+
+def allocation_items(stages: list[Stage], slots: dict[int, list[LinearSlot]]) -> tuple[list[AllocItem], list[str]]:
+    """Budgeted items (one allocation group per shared input) and the head keys."""
+    items: list[AllocItem] = []
+    head: list[str] = []
+    for st in stages:
+        qs = [s for s in slots[st.index] if s.quantize]
+        if st.kind == "head":
+            head += [s.key for s in qs]
+            continue
+        prio: dict[str, int] = {}
+        for s in qs:
+            g = s.group or s.key
+            prio[g] = max(prio.get(g, 0), _priority(s) if st.kind == "block" else 0)
+        for s in qs:
+            g = s.group or s.key
+            items.append(AllocItem(s.key, padded_size(s.in_features) * padded_size(s.out_features), g, prio[g],
+                                   st.layer))
+    return items, head
+
+
+# -- per-stage work -------------------------------------------------------------------------------
+def _stage_tensors(st: Stage, slots: list[LinearSlot], quantized: dict[str, QuantizedLinear],
+                   source: Any) -> tuple[dict[str, torch.Tensor], list[tuple[str, list[str]]]]:
+    """The stage's output tensors and its ``tensor_storage`` entries, in load (module) order."""
+    consumed: dict[str, LinearSlot] = {}
+    dense_linear: set[str] = set()
+    for s in slots:
+        src_key = str(getattr(s.module, "key", s.key)).split("[", 1)[0]  # fused expert tensors: the base name
+        names = [f"{src_key}.weight", f"{src_key}.bias", src_key]
+        for n in names:
+            if s.quantize:
+                consumed.setdefault(n, s)
+            else:
+                dense_linear.add(n)
+    tensors: dict[str, torch.Tensor] = {}
+    storage: list[tuple[str, list[str]]] = []
+    emitted: set[str] = set()
+
+    def emit_slot(s: LinearSlot) -> None:
+        if s.key in emitted:
+            return
+        emitted.add(s.key)
+        ts = quantized[s.key].tensors(s.key)
+        tensors.update(ts)
+        storage.append((s.key, list(ts)))
+
+    for name in st.reads:
+        if name in consumed:
+            for s in slots:  # every quantized linear built from this source tensor, in module order
+                src_key = str(getattr(s.module, "key", s.key)).split("[", 1)[0]
+                if s.quantize and name in (f"{src_key}.weight", f"{src_key}.bias", src_key):
+                    emit_slot(s)
+            continue
+        t = source.get_tensor(name)
+        if name in dense_linear or (name.endswith(".weight") and t.dtype == torch.float32):
+            t = t.to(torch.float16)  # spec 1.6: fp32 -> fp16, bf16 embeddings/norms stay bf16
+        tensors[name] = t.contiguous()
+        leaf = name.rsplit(".", 1)[0]
+        if storage and storage[-1][0] == leaf:
+            storage[-1][1].append(name)
+        else:
+            storage.append((leaf, [name]))
+    for s in slots:
+        if s.quantize:
+            emit_slot(s)  # linears that read no tensor of their own (a head tied to the embedding)
+    return tensors, storage
+
+
+class Converter:
+    """One conversion job; :func:`convert` is the entry point."""
+
+    def __init__(self, args: ConvertArgs, *, report: Report | None = None, progress: bool = True) -> None:
+        args.validate()
+        self.args = args
+        self.report = report or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.progress = progress
+        self.in_dir = Path(args.in_dir).expanduser()
+        self.out_dir = Path(args.out_dir).expanduser()
+        default_work = args.work_dir is None
+        self.work = WorkDir(Path(args.work_dir).expanduser() if args.work_dir else
+                            self.out_dir.with_name(self.out_dir.name + ".work"))
+        self.remove_work_when_done = default_work
+        self.device = torch.device(args.device)
+
+    # -- setup ------------------------------------------------------------------------------------
+    def _load_model(self) -> None:
+        from exl3_core.archkit import Config, Model
+        from exl3_core.loader import SafetensorsCollection
+        from exl3_core.quant.exl3.linear import is_exl3_storage
+
+        self.config = Config.from_directory(self.in_dir)
+        if self.config.quantization is not None and self.config.quantization.quant_method == "exl3":
+            raise ValueError(f"{self.in_dir} is already an EXL3 model; convert the original (unquantized) model")
+        self.model = Model.from_config(self.config)
+        self.stages = conversion_stages(self.model)
+        self.source = SafetensorsCollection(self.in_dir)
+        names = set(self.source.keys())
+        if any(n.endswith(".trellis") and is_exl3_storage(n[: -len(".trellis")], names) for n in names):
+            raise ValueError(f"{self.in_dir} holds EXL3 tensors; convert the original (unquantized) model")
+        rec = load_recording(self.model, self.stages, self.source, self.device)
+        if rec.unowned:
+            self.stages[0].reads[:0] = rec.unowned  # read by no stage's modules: keep them with the first
+        self.slots = {st.index: find_linears(st.module) for st in self.stages}
+        self.vocab = int(self.config.hf.vocab_size or 0)
+
+    def _start_or_resume(self, resume: bool) -> Job:
+        a = self.args
+        job_args = a.job_args()
+        source = source_fingerprint(self.in_dir)
+        if self.work.exists():
+            if not resume:
+                raise ResumeError(f"the work directory {self.work.path} holds an unfinished conversion; pass --resume "
+                                  f"to continue it, or delete it (or choose another with -w) to start over")
+            job = self.work.load_job()
+            self.work.check_resume(job, job_args, source)
+            self.report(f"resuming {self.work.path}: {job.done} of {len(self.stages)} modules done")
+            return job
+        probe_groups(self.model, self.stages, self.slots, self.vocab)
+        items, head_keys = allocation_items(self.stages, self.slots)
+        fixed_head = a.head_bits
+        bits = allocate_bits(items, a.bpw, head_keys=head_keys, head_bits=fixed_head,
+                             num_layers=sum(st.kind == "block" for st in self.stages))
+        for s in (s for ss in self.slots.values() for s in ss):
+            s.group = None  # the real capture observes the groups again
+        text = None if a.text is None else Path(a.text).expanduser().read_text(encoding="utf-8")
+        ids = calibration_ids(self.in_dir, self.vocab, a.cal_rows, a.cal_cols, seed=a.seed, text=text)
+        job = Job(args=job_args, source=source, bits=bits)
+        self.work.path.mkdir(parents=True, exist_ok=True)
+        self.work.save_calibration(ids)
+        self.work.save_job(job)
+        return job
+
+    # -- the stage loop ---------------------------------------------------------------------------
+    def _quantize_slots(self, st: Stage, slots: list[LinearSlot], hinfos: dict[str, HessianInfo | None],
+                        bits: dict[str, int], bar: Any) -> dict[str, QuantizedLinear]:
+        out: dict[str, QuantizedLinear] = {}
+        ordinal = 0
+        for s in slots:
+            if not s.quantize:
+                continue
+            K = bits[s.key]
+            if K == 16:
+                s.quantize = False  # --head-bits 16: stored dense (spec 1.6)
+                continue
+            w = s.module.weight.detach()
+            b = getattr(s.module, "bias", None)
+            t0 = time.monotonic()
+            q = quantize_linear(w, hinfos.get(s.group or s.key), K=K, codebook=self.args.codebook,
+                                out_scales=self.args.out_scales, seed=st.index * 4096 + ordinal,
+                                bias=None if b is None else b.detach(), in_features=s.in_features,
+                                out_features=s.out_features, name=s.key)
+            ordinal += 1
+            out[s.key] = q
+            self.report(f"    {s.key:<52} {q.summary()}  {time.monotonic() - t0:5.1f} s")
+            if bar is not None:
+                bar.advance(1, s.key)
+        return out
+
+    def _install(self, st: Stage, slots: list[LinearSlot], quantized: dict[str, QuantizedLinear]) -> None:
+        for s in slots:
+            if s.key not in quantized:
+                continue
+            ts = quantized[s.key].tensors(s.key)
+            lin = EXL3Linear.from_tensors(s.key, ts.get, s.in_features, s.out_features).to(self.device)
+            replace_linear(s.parent, s.attr, lin)
+        refresh_derived(st, torch.float32, self.device)
+
+    def _run_stage(self, st: Stage, x: torch.Tensor, ids: torch.Tensor, job: Job, bar: Any) -> torch.Tensor:
+        slots = self.slots[st.index]
+        qslots = [s for s in slots if s.quantize]
+        chunks = _chunks(*ids.shape)
+        n_metric = min(METRIC_ROWS, ids.shape[0])
+        dev = self.device
+        ref_rows: list[torch.Tensor] = []
+        hinfos: dict[str, HessianInfo | None] = {}
+        if qslots and st.kind == "head":
+            acc = HessianAccumulator(qslots[0].in_features, name=f"{st.name} input")
+            for c in chunks:
+                acc.add(x[c].to(dev))
+            for s in qslots:
+                s.group = qslots[0].key
+            hinfos[qslots[0].key] = acc.finalize(seed=st.index)
+            with torch.no_grad():
+                ref = forward_stage(self.model, st, x[:n_metric].to(dev), ids[:n_metric]).cpu()
+        elif qslots:
+            with torch.no_grad(), HessianCapture(st.module, slots) as cap:
+                for c in chunks:
+                    cap.next_batch()
+                    y = forward_stage(self.model, st, x[c].to(dev), ids[c].to(dev))
+                    if c.start < n_metric:
+                        ref_rows.append(y[: n_metric - c.start].cpu())
+            ref = torch.cat(ref_rows)
+            for key in cap.unseen():
+                self.report(f"    warning: {key} received no input during capture; quantized without a Hessian")
+            for leader, acc in cap.accumulators.items():
+                hinfos[leader] = acc.finalize(seed=st.index)
+        quantized = self._quantize_slots(st, slots, hinfos, job.bits, bar) if qslots else {}
+        self._install(st, slots, quantized)
+
+        metrics: dict[str, float] = {}
+        if st.kind == "head":
+            new_x = x
+            if quantized:
+                with torch.no_grad():
+                    y = forward_stage(self.model, st, x[:n_metric].to(dev), ids[:n_metric]).cpu()
+                metrics = error_metrics(y, ref)
+        else:
+            outs = []
+            with torch.no_grad():
+                for c in chunks:
+                    outs.append(forward_stage(self.model, st, x[c].to(dev), ids[c].to(dev)).float().cpu())
+            new_x = torch.cat(outs)
+            if quantized:
+                metrics = error_metrics(new_x[:n_metric], ref)
+        tensors, storage = _stage_tensors(st, slots, quantized, self.source)
+        self.work.save_stage(st.index, tensors)
+        job.stages.append({"name": st.name, "storage": storage, "metrics": metrics,
+                           "bits": {k: q.K for k, q in quantized.items()}})
+        return new_x
+
+    def run(self, *, resume: bool = False, _stop_after_module: int | None = None) -> ConvertResult:
+        t_start = time.monotonic()
+        self._load_model()
+        job = self._start_or_resume(resume)
+        ids = self.work.load_calibration()
+        if ids is None:
+            raise ResumeError(f"{self.work.path}/calibration.safetensors is missing; delete the work directory and "
+                              f"start over")
+        x: torch.Tensor = ids if job.done == 0 or job.states is None else self.work.load_states(job.states)
+        todo = [st for st in self.stages if st.index >= job.done]
+        n_lin = sum(1 for st in todo for s in self.slots[st.index] if s.quantize)
+        bar = None
+        if self.progress:
+            from exl3_core.progress import Progress
+
+            bar = Progress(n_lin, f"quantizing {self.in_dir.name}", unit=" tensors")
+        try:
+            for st in todo:
+                t0 = time.monotonic()
+                x = self._run_stage(st, x, ids, job, bar)
+                m = job.stages[-1]["metrics"]
+                err = (f"rfn {m['rfn']:.6f}  cos {m['cos']:.3e}  sqnr {m['sqnr']:6.2f} dB" if m else "no linears")
+                self.report(f"[{st.index + 1}/{len(self.stages)}] {st.name:<40} {err}  "
+                            f"({time.monotonic() - t0:.1f} s)")
+                last = st.index == len(self.stages) - 1
+                states = None if last else self.work.save_states(st.index, x)
+                job.done, job.states = st.index + 1, states
+                self.work.save_job(job)  # the commit point of this stage
+                self.work.drop_old_states(states)
+                if _stop_after_module is not None and st.index >= _stop_after_module and not last:
+                    return ConvertResult(self.out_dir, False, stages=job.stages,
+                                         seconds=time.monotonic() - t_start)
+        finally:
+            if bar is not None:
+                bar.close()
+        return self._finish(job, t_start)
+
+    def _finish(self, job: Job, t_start: float) -> ConvertResult:
+        a = self.args
+        items, head_keys = [], set()
+        for st_info, st in zip(job.stages, self.stages, strict=True):
+            for key, K in st_info["bits"].items():
+                slot = next(s for s in self.slots[st.index] if s.key == key)
+                if st.kind == "head":
+                    head_keys.add(key)
+                else:
+                    items.append(AllocItem(key, padded_size(slot.in_features) * padded_size(slot.out_features),
+                                           key))
+        bits = average_bits(job.bits, items) if items else 0.0
+        from exl3_core import __version__
+
+        qc = quantization_config(self.config.raw, version=__version__, bits=bits, head_bits=a.head_bits,
+                                 cal_rows=a.cal_rows, cal_cols=a.cal_cols, out_scales=a.out_scales,
+                                 codebook=a.codebook)
+        files = [self.work.stage_file(st.index) for st in self.stages]
+        storage = [[(leaf, names) for leaf, names in st_info["storage"]] for st_info in job.stages]
+        write_output(self.out_dir, self.in_dir, files, storage, qc, a.shard_mib)
+        self.source.close()
+        self.work.drop_old_states(None)
+        if self.remove_work_when_done:
+            shutil.rmtree(self.work.path, ignore_errors=True)
+        secs = time.monotonic() - t_start
+        self.report(f"wrote {self.out_dir} ({bits:.2f} bits per weight, head {a.head_bits}) in {secs:.1f} s")
+        return ConvertResult(self.out_dir, True, bits=bits, stages=job.stages, seconds=secs)
+
+
+def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: int = 6, codebook: str = "mul1",
+            out_scales: str = "always", cal_rows: int = 250, cal_cols: int = 2048, device: str = "cpu",
+            shard_mib: int = 8192, work_dir: str | Path | None = None, resume: bool = False, seed: int = 0,
+            text: str | Path | None = None, report: Report | None = None, progress: bool = True,
+            _stop_after_module: int | None = None) -> ConvertResult:
+    """Quantize the HF model in ``in_dir`` to EXL3 at ``bpw`` bits per weight into ``out_dir``.
+
+    :param head_bits: K of the output head (16 keeps it unquantized).
+    :param codebook: ``mul1`` (default), ``mcg`` or ``3inst``.
+    :param out_scales: output-channel scale policy ``always``/``never``/``auto`` (spec 5.3).
+    :param cal_rows: calibration rows; ``cal_cols`` tokens each.
+    :param work_dir: checkpoint directory (default ``<out_dir>.work``, removed when done).
+    :param resume: continue the unfinished job in ``work_dir``; its quantization arguments must match.
+    :param text: calibration text file instead of the built-in documentation text.
+    :param report: receives the per-tensor and per-module report lines (default: stderr).
+    :param _stop_after_module: testing hook, return (unfinished) after checkpointing that stage index.
+    :raises ResumeError: the work directory cannot be resumed with these arguments.
+    """
+    args = ConvertArgs(in_dir=str(in_dir), out_dir=str(out_dir), bpw=float(bpw), head_bits=head_bits,
+                       codebook=codebook, out_scales=out_scales, cal_rows=cal_rows, cal_cols=cal_cols, device=device,
+                       shard_mib=shard_mib, work_dir=None if work_dir is None else str(work_dir), seed=seed,
+                       text=None if text is None else str(text))
+    return Converter(args, report=report, progress=progress).run(resume=resume, _stop_after_module=_stop_after_module)
