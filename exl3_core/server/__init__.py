@@ -20,7 +20,8 @@ _LAZY = {
     "BatchingGenerator": "exl3_core.server.openai", "serve": "exl3_core.server.cli",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = ["BackgroundServer", "BatchingGenerator", "EventStream", "HTTPError", "HTTPServer", "OpenAIApp",
+           "Request", "Response", "serve"]
 
 
 def __getattr__(name: str) -> Any:

@@ -200,6 +200,8 @@ class HTTPServer:
             pass
         except asyncio.CancelledError:
             pass  # server shutting down
+        except Exception:  # a bug here must end this connection, not go unreported
+            log.exception("connection from %s failed", peer)
         finally:
             self._conns.discard(task)
             with contextlib.suppress(Exception):
@@ -320,7 +322,7 @@ class HTTPServer:
                 status = e.status
                 await self._write_error(writer, e, req.version, keep_alive and not e.close)
                 return keep_alive and not e.close
-            except Exception as e:  # noqa: BLE001 - one failing request must not take the server down
+            except Exception as e:  # one failing request must not take the server down
                 log.exception("%s %s failed", req.method, req.path)
                 await self._write_error(writer, HTTPError(500, f"internal error: {type(e).__name__}: {e}"),
                                         req.version, keep_alive)
@@ -465,8 +467,8 @@ class BackgroundServer:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout)
 
-    def __enter__(self) -> BackgroundServer:
+    def __enter__(self) -> BackgroundServer:  # noqa: PYI034 - typing.Self needs 3.11+ typing_extensions here
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

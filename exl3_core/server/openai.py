@@ -73,12 +73,12 @@ class BatchingGenerator(AsyncGenerator):
                                          "full_completion": aj.job.completion})
                 return
             for r in results:
-                aj = self.jobs.get(id(r["job"]))
-                if aj is None:
+                owner = self.jobs.get(id(r["job"]))
+                if owner is None:
                     continue
                 if r["eos"]:
                     del self.jobs[id(r["job"])]
-                aj.queue.put_nowait(r)
+                owner.queue.put_nowait(r)
             if not results:
                 await asyncio.sleep(0)
 
@@ -106,7 +106,7 @@ def _bad(param: str, message: str) -> HTTPError:
     return HTTPError(400, message, param=param)
 
 
-def _number(body: dict[str, Any], name: str, default: float, *, lo: float | None = None, hi: float | None = None,
+def _number(body: dict[str, Any], name: str, default: float | None, *, lo: float | None = None, hi: float | None = None,
             lo_open: bool = False, integer: bool = False) -> Any:
     v = body.get(name)
     if v is None:
@@ -244,9 +244,10 @@ class OpenAIApp:
     def __init__(self, generator: Generator, tokenizer: Any = None, *, model_id: str = "exl3",
                  max_context: int | None = None, plugins: Any = None) -> None:
         self.generator = generator
-        self.tokenizer = tokenizer if tokenizer is not None else generator.tokenizer
-        if self.tokenizer is None:
+        tok = tokenizer if tokenizer is not None else generator.tokenizer
+        if tok is None:
             raise ValueError("OpenAIApp needs a tokenizer: pass tokenizer= or build the Generator with one")
+        self.tokenizer: Any = tok
         self.model_id = model_id
         self.max_context = min(generator.max_seq_len, max_context or generator.max_seq_len)
         self._plugins = plugins

@@ -25,7 +25,7 @@ from exl3_core.server.http import BackgroundServer
 from exl3_core.server.openai import OpenAIApp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
-from smol_gguf import imported_model  # noqa: E402  (shared once-per-session import)
+from smol_gguf import imported_model  # shared once-per-session import
 
 HOST = "127.0.0.1"  # loopback only
 MAX_BODY = 64 * 1024
@@ -268,6 +268,14 @@ def test_streaming_completion_matches_and_reports_usage(toy: tuple[int, OpenAIAp
     assert text == full["choices"][0]["text"]
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+    # HTTP/1.0 has no chunked coding: the same events, delimited by the connection closing
+    body = json.dumps({**req, "stream": True}).encode()
+    out = raw_exchange(port, b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    head, payload = out.split(b"\r\n\r\n", 1)
+    assert status_of(head) == 200 and b"transfer-encoding" not in head.lower()
+    assert payload.endswith(b"data: [DONE]\n\n")
+    events10 = [e.removeprefix(b"data: ") for e in payload.split(b"\n\n") if e]
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events10[:-1]) == text
 
 
 def test_concurrent_requests_batch_together(toy: tuple[int, OpenAIApp]) -> None:
