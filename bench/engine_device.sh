@@ -21,6 +21,7 @@ if ! python3 -c "from exl3_core import ext; assert ext.has_op('exl3_gemm') and e
 fi
 echo "build $(( $(date +%s) - t )) s"
 timeout 240 python3 -m pytest -q -x tests/gpu/test_graph_decode.py tests/core/test_memory.py tests/core/test_bench.py 2>&1 | tee "$OUT/tests.log" | tail -25
+[ "${1:-}" = "--no-bench" ] && exit 0
 for s in "${@:-1b 8b}"; do
   for shape in $s; do
     echo "== bench $shape"
