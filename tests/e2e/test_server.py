@@ -285,7 +285,7 @@ def test_concurrent_requests_batch_together(toy: tuple[int, OpenAIApp]) -> None:
 
     def one(i: int) -> None:
         results[i] = request(port, "POST", "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": f"request number {i}"}], "max_tokens": 150,
+            "messages": [{"role": "user", "content": f"request number {i}"}], "max_tokens": 300,
             "temperature": 0, "ignore_eos": True})[:2]
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
@@ -296,7 +296,7 @@ def test_concurrent_requests_batch_together(toy: tuple[int, OpenAIApp]) -> None:
     assert sorted(results) == [0, 1, 2, 3]
     for status, body in results.values():
         assert status == 200, body
-        assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 150
+        assert body["choices"][0]["finish_reason"] == "length" and body["usage"]["completion_tokens"] == 300
         assert body["choices"][0]["message"]["role"] == "assistant"
     h = wait_idle(port)
     assert h["max_batch_seen"] > 1 and app.agen.batched_steps > before, h
