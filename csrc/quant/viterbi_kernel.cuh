@@ -100,12 +100,14 @@ VT_FN int lut_index(int s) {
 template <int N, class Cx>
 VT_FN void merge_lanes(Cx& cx, uint32_t (&best)[N], uint32_t (&arg)[N], int m) {
     uint32_t ob[N], oa[N];
+#pragma unroll
     for (int i = 0; i < N; ++i) {
         ob[i] = best[i];
         oa[i] = arg[i];
     }
     cx.template shfl_xor_n<N>(ob, m);
     cx.template shfl_xor_n<N>(oa, m);
+#pragma unroll
     for (int i = 0; i < N; ++i) {
         const bool take = ob[i] < best[i] || (ob[i] == best[i] && oa[i] < arg[i]);
         best[i] = take ? ob[i] : best[i];
@@ -164,8 +166,10 @@ VT_FN void step(Cx& cx, const uint16_t* lut_s, const float* Dp, float* Dn, uint8
                     merge_lanes<T * kCh>(cx, best, arg, m);
                 } else {
                     uint32_t ob[T * kCh];
+#pragma unroll
                     for (int i = 0; i < T * kCh; ++i) ob[i] = best[i];
                     cx.template shfl_xor_n<T * kCh>(ob, m);
+#pragma unroll
                     for (int i = 0; i < T * kCh; ++i) best[i] = ob[i] < best[i] ? ob[i] : best[i];
                 }
             }
