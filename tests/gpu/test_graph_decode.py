@@ -43,26 +43,44 @@ def _run(gen: Generator, prompts: list[list[int]], n: int, logits: bool) -> list
     return [(out[i], torch.cat(lg[i]) if logits else None) for i in range(len(jobs))]  # type: ignore[misc]
 
 
+def _near_tie(logits_row: torch.Tensor, tol: float) -> bool:
+    top = logits_row.float().topk(2).values
+    return bool(top[0] - top[1] <= tol * logits_row.abs().max())
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_graph_decode_equals_eager(model_cache, batch: int) -> None:
+    """Same greedy tokens over 64 steps and logits within tolerance.
+
+    The EXL3 GEMM's split-k sums in fp32 atomics, whose order varies from run to run (eager runs
+    differ from each other too), and activations are fp16: a relative logit difference of 1.9e-3
+    was seen on an H200. So two runs may part at a near-tie (top-2 gap within that tolerance); the
+    comparison of a sequence stops there, and a parting at a clear margin fails.
+    """
     model, cache = model_cache
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, 2000, (int(n),), generator=g).tolist() for n in torch.randint(20, 150, (batch,), generator=g)]
-    for logits in (False, True):  # greedy fast path (ids from the graph), then the sampler on graph logits
-        eager = Generator(model, cache, None, max_batch_size=8, max_seq_len=512)
-        eager.graphs = None
-        graphed = Generator(model, cache, None, max_batch_size=8, max_seq_len=512)
-        assert graphed.graphs is not None, decline_reason(model, cache)
-        a = _run(eager, prompts, 64, logits)
-        b = _run(graphed, prompts, 64, logits)
-        assert graphed.graphs.replays >= 63
+    tol = 1e-2
+    eager = Generator(model, cache, None, max_batch_size=8, max_seq_len=512)
+    eager.graphs = None
+    graphed = Generator(model, cache, None, max_batch_size=8, max_seq_len=512)
+    assert graphed.graphs is not None, decline_reason(model, cache)
+    # with logits: the sampler runs on the graph's logits; without: ids come from the graph itself
+    for want_logits in (True, False):
+        a = _run(eager, prompts, 64, True)
+        b = _run(graphed, prompts, 64, want_logits)
+        compared = 0
         for (ta, la), (tb, lb) in zip(a, b):
-            assert len(ta) == 64 and ta == tb
-            if logits:
-                # identical kernels and shapes, but the EXL3 GEMM's split-k sums in fp32 atomics (order
-                # varies run to run) and activations are fp16: 1.9e-3 was seen on an H200 (3 layers)
-                err = ((la - lb).abs().max() / la.abs().max()).item()
-                assert err < 1e-2, err
+            assert len(ta) == len(tb) == 64
+            n = next((i for i in range(64) if ta[i] != tb[i]), 64)
+            if n < 64:
+                assert _near_tie(la[n], tol), f"graph and eager part at step {n} with a clear margin"
+            compared += n
+            if lb is not None and n:
+                err = ((la[:n] - lb[:n]).abs().max() / la[:n].abs().max()).item()
+                assert err < tol, err
+        assert compared >= 32 * batch  # the comparison covered most steps
+    assert graphed.graphs.replays >= 2 * 63
 
 
 def test_graph_declined_for_unsafe_backend(model_cache) -> None:
