@@ -4,7 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3_core.archkit.memory import InsufficientDeviceMemory, check_fits, measure_loaded, weight_bytes_required
+from exl3_core.archkit.memory import (
+    InsufficientDeviceMemory,
+    check_fits,
+    measure_loaded,
+    weight_bytes_required,
+)
 from exl3_core.bench.models import RandomSource, bench_plugins, parse_shape
 from exl3_core.cache import Cache
 
