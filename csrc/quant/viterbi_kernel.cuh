@@ -99,19 +99,18 @@ VT_FN int lut_index(int s) {
 // Lexicographic (cost, a) merge with lane tid ^ m (the lanes hold disjoint candidate sets).
 template <int N, class Cx>
 VT_FN void merge_lanes(Cx& cx, uint32_t (&best)[N], uint32_t (&arg)[N], int m) {
-    uint32_t ob[N], oa[N];
+    uint32_t o[2 * N];  // one exchange for costs and args (one barrier pair in the emulator)
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-        ob[i] = best[i];
-        oa[i] = arg[i];
+        o[i] = best[i];
+        o[N + i] = arg[i];
     }
-    cx.template shfl_xor_n<N>(ob, m);
-    cx.template shfl_xor_n<N>(oa, m);
+    cx.template shfl_xor_n<2 * N>(o, m);
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-        const bool take = ob[i] < best[i] || (ob[i] == best[i] && oa[i] < arg[i]);
-        best[i] = take ? ob[i] : best[i];
-        arg[i] = take ? oa[i] : arg[i];
+        const bool take = o[i] < best[i] || (o[i] == best[i] && o[N + i] < arg[i]);
+        best[i] = take ? o[i] : best[i];
+        arg[i] = take ? o[N + i] : arg[i];
     }
 }
 
