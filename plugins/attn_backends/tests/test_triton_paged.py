@@ -8,7 +8,8 @@ pytest.importorskip("triton")
 
 from exl3_attn_backends.triton_paged import TritonPagedAttention  # noqa: E402
 from exl3_core.attention import AttnSpec  # noqa: E402
-from exl3_core.testing.attention import Case, check_backend, default_cases  # noqa: E402
+from exl3_core.attention.spec import device_cc  # noqa: E402
+from exl3_core.testing.attention import Case, check_backend, default_cases, make_args  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -32,3 +33,85 @@ def test_declines_with_reasons() -> None:
 def test_never_preferred_on_cpu() -> None:
     spec = AttnSpec(head_dim=64, num_q_heads=4, num_kv_heads=4, dtype=torch.float32)
     assert TritonPagedAttention().priority(spec) < 0
+
+
+# -- split-KV decode ------------------------------------------------------------------------------
+# Long paged contexts (page_size 16, shuffled pages, NaN-poisoned free slots from make_args),
+# lengths that are not multiples of a split's share, and a sequence of length 1.
+
+def _decode_case(hd: int, hq: int, hkv: int, past: tuple[int, ...], dtype: torch.dtype = torch.float32,
+                 **kw: object) -> Case:
+    dev = torch.device(DEVICE)
+    spec = AttnSpec(head_dim=hd, num_q_heads=hq, num_kv_heads=hkv, dtype=dtype, cache=kw.pop("cache", "kv/fp16"),
+                    phase="decode", page_size=16, device_type=dev.type, device_cc=device_cc(dev), **kw)  # type: ignore[arg-type]
+    return Case(spec, (1,) * len(past), past)
+
+
+DECODE_CASES = [
+    _decode_case(128, 8, 2, (0, 300, 517)),  # lengths 1, 301, 518
+    _decode_case(64, 4, 4, (410, 0)),
+    _decode_case(80, 6, 1, (257, 33, 0)),  # MQA, head dim not a power of two
+    _decode_case(128, 32, 8, (700,), torch.float16),  # the 8B-shape head layout
+    _decode_case(64, 4, 2, (389, 0, 150), window=100),
+    _decode_case(64, 2, 1, (333, 0), softcap=20.0),
+    _decode_case(96, 4, 1, (0, 450), head_dim_v=64, cache="mla/fp16"),  # latent: values lead the keys
+    _decode_case(96, 20, 1, (345,), torch.float16, head_dim_v=64, cache="mla/fp16"),  # > 16 heads: 2 head blocks
+]
+
+
+@pytest.mark.parametrize("case,splits", [(c, s) for c in DECODE_CASES for s in (None, 7)]  # None = heuristic
+                         + [(DECODE_CASES[0], 3), (DECODE_CASES[4], 3), (DECODE_CASES[6], 40)],  # 40: many empty
+                         ids=lambda x: x.id if isinstance(x, Case) else f"splits{x}")
+def test_split_kv_decode_matches_reference(case: Case, splits: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    import exl3_attn_backends.triton_paged as tp
+
+    used: list[int] = []
+    real = tp.decode_split_kv
+    monkeypatch.setattr(tp, "decode_split_kv", lambda a, n: used.append(n) or real(a, n))
+    b = TritonPagedAttention()
+    b.decode_num_splits = splits
+    assert b.unsupported_reasons(case.spec) == []
+    check_backend(b, case, DEVICE, seed=11)
+    assert used and used[0] > 1, "decode over a long paged context did not take the split-KV path"
+    if splits is not None:
+        assert used[0] == splits
+
+
+def test_split_kv_graph_bound_reads_nothing_past_lengths() -> None:
+    """As in a CUDA-graph replay: max_seqlen_k is the cache capacity and the page table is wider
+    than the sequences need, its extra columns pointing at a NaN page; the split count comes from
+    the bound, the key ranges from the real lengths."""
+    import exl3_attn_backends.triton_paged as tp
+    from exl3_core.reference.attention import attention as reference_attention
+
+    case = _decode_case(64, 8, 2, (0, 200, 95))
+    args = make_args(case, DEVICE, seed=3)
+    num_pages = args.k_cache.shape[0]
+    nan_page = torch.full_like(args.k_cache[:1], float("nan"))
+    k_cache = torch.cat([args.k_cache, nan_page])
+    v_cache = torch.cat([args.v_cache, nan_page])
+    width = 64  # 1024 tokens of capacity
+    table = torch.full((3, width), num_pages, dtype=torch.int32, device=args.page_table.device)
+    table[:, :args.page_table.shape[1]] = args.page_table
+    # make_args fills unused table entries with page 0: point them at the NaN page too
+    for i, n in enumerate(int(x) for x in args.seq_lens_k):
+        table[i, -(-n // 16):] = num_pages
+    g = args._replace(k_cache=k_cache, v_cache=v_cache, page_table=table, max_seqlen_k=width * 16)
+    splits = tp.choose_num_splits(g)
+    assert splits > 1
+    out = tp.decode_split_kv(g, splits)
+    ref = reference_attention(args)
+    assert torch.isfinite(out).all(), "a split read a slot past its sequence's length"
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+def test_num_splits_from_static_values_only() -> None:
+    import exl3_attn_backends.triton_paged as tp
+
+    case = _decode_case(128, 32, 8, (700,), torch.float16)
+    args = make_args(case, DEVICE, seed=0)
+    # same bound, different real lengths: same split count (a graph captured once stays valid)
+    short = args._replace(seq_lens_k=torch.ones_like(args.seq_lens_k))
+    assert tp.choose_num_splits(args) == tp.choose_num_splits(short)
+    assert tp.choose_num_splits(args._replace(max_seqlen_k=16)) == 1  # one chunk: nothing to split
+    assert tp.choose_num_splits(args._replace(max_seqlen_k=1 << 20)) <= tp.MAX_SPLITS

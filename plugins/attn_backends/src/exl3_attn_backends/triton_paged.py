@@ -1,11 +1,21 @@
 """Triton attention over the packed/paged layout of ``exl3_core.attention.spec``.
 
-One kernel serves prefill and decode, with or without a paged cache, GQA/MQA and the latent
-(MLA) cache. A program owns one sequence, one KV head and a block of BLOCK_M *rows*, where a row
-is a (query token, head-within-group) pair: for GQA decode the whole head group shares every
+``_attn_fwd`` serves prefill, mixed steps and cache-less calls, GQA/MQA and the latent (MLA)
+cache. A program owns one sequence, one KV head and a block of BLOCK_M *rows*, where a row is a
+(query token, head-within-group) pair: for GQA decode the whole head group shares every
 key/value load, and for prefill rows are consecutive tokens. Keys are streamed in BLOCK_N
-chunks through the page table with an online softmax (fp32 accumulators). Nothing reads
-sequence lengths back to the host, so a decode step can be captured in a CUDA graph.
+chunks through the page table with an online softmax (fp32 accumulators).
+
+Decode steps over a paged cache (``spec.phase == "decode"``: one query per sequence) take the
+split-KV ("flash-decoding") path instead: with only batch x kv_heads programs the single-pass
+kernel leaves most of a large GPU idle at b=1 and long contexts. ``_decode_split`` adds a grid
+axis over ``num_splits`` key ranges; each program computes the partial softmax state
+(max, sum, unnormalised acc) of its head block over its range in fp32, and ``_decode_combine``
+merges the splits. ``num_splits`` comes from host-side static values only (batch size, heads,
+the ``max_seqlen_k`` bound, SM count); each sequence's key range per split is derived on the
+device from its own length, so a CUDA graph captured at the cache capacity replays correctly
+at any length, and splits past a sequence's end write neutral partials without touching the
+cache. Nothing reads sequence lengths back to the host.
 """
 from __future__ import annotations
 
@@ -32,6 +42,7 @@ def _attn_fwd(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -79,7 +90,7 @@ def _attn_fwd(
             v_off = (q_start + n).to(tl.int64) * stride_vs
         k = tl.load(K + k_off[None, :] + kvh * stride_kh + d[:, None],
                     mask=n_ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
-        s = tl.dot(q, k) * scale
+        s = tl.dot(q, k, input_precision=DOT_PREC) * scale
         if SOFTCAP:
             s = s / softcap
             s = softcap * (2.0 * tl.sigmoid(2.0 * s) - 1.0)  # tanh via sigmoid
@@ -96,12 +107,115 @@ def _attn_fwd(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + v_off[:, None] + kvh * stride_vh + dv[None, :],
                     mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptr = Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
+
+
+
+@triton.jit
+def _decode_split(
+    Q, K, V, PageTable, CuQ, SeqLensK, PartM, PartL, PartAcc,
+    scale, softcap,
+    stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_vp, stride_vs, stride_vh,
+    stride_pt,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
+    HEAD_BLOCKS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    # grid (batch, kv_heads * HEAD_BLOCKS, NUM_SPLITS); rows = BLOCK_H heads of one GQA group
+    b = tl.program_id(0)
+    kvh = tl.program_id(1) // HEAD_BLOCKS
+    hblk = tl.program_id(1) % HEAD_BLOCKS
+    split = tl.program_id(2)
+    q_start = tl.load(CuQ + b)
+    q_len = tl.load(CuQ + b + 1) - q_start
+    seq_k = tl.load(SeqLensK + b)
+
+    hrow = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = hrow < GROUP
+    head = kvh * GROUP + hrow
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+
+    # This split's key range, from this sequence's own length: equal shares rounded up to whole
+    # BLOCK_N chunks, so short sequences leave trailing splits empty (no cache reads below).
+    per = tl.cdiv(tl.cdiv(seq_k, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per
+    hi = tl.minimum(lo + per, seq_k)
+    if WINDOW > 0:  # the one query sits at seq_k - 1 and sees keys n > seq_k - 1 - WINDOW
+        lo = tl.maximum(lo, seq_k - WINDOW)
+    hi = tl.where(q_len > 0, hi, lo)  # padded/empty rows read nothing
+
+    q_ptr = Q + q_start * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q_ok = h_ok & (hrow * 0 + q_len > 0)
+    q = tl.load(q_ptr, mask=q_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        page = tl.load(PageTable + b * stride_pt + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = n % PAGE_SIZE
+        k = tl.load(K + (page * stride_kp + slot * stride_ks)[None, :] + kvh * stride_kh + d[:, None],
+                    mask=n_ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PREC) * scale
+        if SOFTCAP:
+            s = s / softcap
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s) - 1.0)  # tanh via sigmoid
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every chunk holds >= 1 visible key
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(V + (page * stride_vp + slot * stride_vs)[:, None] + kvh * stride_vh + dv[None, :],
+                    mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+
+    # partials [B, Hq, NUM_SPLITS] and [B, Hq, NUM_SPLITS, HEAD_DIM_V]; empty splits: (-inf, 0, 0)
+    part = (b * NUM_HEADS + head) * NUM_SPLITS + split
+    tl.store(PartM + part, m_i, mask=h_ok)
+    tl.store(PartL + part, l_i, mask=h_ok)
+    tl.store(PartAcc + part.to(tl.int64)[:, None] * HEAD_DIM_V + dv[None, :], acc,
+             mask=h_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
+
+
+@triton.jit
+def _decode_combine(
+    PartM, PartL, PartAcc, Out, CuQ,
+    stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    # grid (batch, q_heads, cdiv(HEAD_DIM_V, BLOCK_DV)): softmax-weighted sum of the split partials
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    q_start = tl.load(CuQ + b)
+    q_len = tl.load(CuQ + b + 1) - q_start
+    if q_len == 0:
+        return
+    sp = tl.arange(0, BLOCK_S)
+    s_ok = sp < NUM_SPLITS
+    part = (b * NUM_HEADS + h) * NUM_SPLITS + sp
+    m = tl.load(PartM + part, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(PartL + part, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh exp(-inf) = 0
+    denom = tl.sum(w * l_s, 0)
+    acc = tl.load(PartAcc + part.to(tl.int64)[:, None] * HEAD_DIM_V + dv[None, :],
+                  mask=s_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(Out + q_start * stride_ot + h * stride_oh + dv, out.to(Out.dtype.element_ty), mask=dv < HEAD_DIM_V)
 
 
 _CACHE_VIEWS = frozenset(f"{k}/{d}" for k in ("kv", "mla") for d in ("fp16", "bf16", "fp32"))
@@ -118,6 +232,11 @@ class TritonPagedAttention:
     name: ClassVar[str] = "triton_paged"
     #: no host syncs, caching-allocator outputs, current stream: decode steps may be CUDA-graphed
     graph_safe: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        #: force the split count of paged decode calls (None: :func:`choose_num_splits`); 1 = the
+        #: single-pass kernel. For tests and benchmarks.
+        self.decode_num_splits: int | None = None
 
     def priority(self, spec: AttnSpec) -> int:
         # Under the CPU interpreter the kernel is correct but slow: available, never preferred.
@@ -145,40 +264,134 @@ class TritonPagedAttention:
 
     def forward(self, args: AttnArgs) -> torch.Tensor:
         spec = args.spec
-        q = args.q
-        T, Hq, _ = q.shape
-        group = Hq // spec.num_kv_heads
-        out = torch.empty((T, Hq, spec.v_dim), dtype=q.dtype, device=q.device)
-        B = args.seq_lens_k.shape[0]
-        paged = spec.cache is not None
-        if paged:
-            k = args.k_cache
-            v = args.v_cache if args.v_cache is not None else args.k_cache  # latent: values = leading channels
-            pt = args.page_table
-            page_size = k.shape[1]
-            skp, sks, skh = k.stride(0), k.stride(1), k.stride(2)
-            svp, svs, svh = v.stride(0), v.stride(1), v.stride(2)
-        else:
-            k, v = args.k, args.v
-            pt = args.cu_seqlens_q  # unused placeholder pointer
-            page_size = 16
-            skp, sks, skh = 0, k.stride(0), k.stride(1)
-            svp, svs, svh = 0, v.stride(0), v.stride(1)
-        block_d = max(16, triton.next_power_of_2(spec.head_dim))
-        block_dv = max(16, triton.next_power_of_2(spec.v_dim))
-        block_m = 16 if args.max_seqlen_q * group <= 16 else (32 if block_d > 128 else 64)
-        block_n = 32 if max(block_d, block_dv) > 128 else 64
-        grid = (B, spec.num_kv_heads, triton.cdiv(max(args.max_seqlen_q, 1) * group, block_m))
-        _attn_fwd[grid](
-            q, k, v, out, pt, args.cu_seqlens_q, args.seq_lens_k,
-            float(args.scale), float(spec.softcap or 1.0),
-            q.stride(0), q.stride(1),
-            skp, sks, skh, svp, svs, svh,
-            out.stride(0), out.stride(1),
-            pt.stride(0) if paged else 0,
-            PAGE_SIZE=page_size, GROUP=group,
-            HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.v_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
-            BLOCK_M=block_m, BLOCK_N=block_n,
-            PAGED=paged, CAUSAL=spec.causal, WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0,
-        )
-        return out
+        if spec.phase == "decode" and spec.cache is not None and args.max_seqlen_q == 1:
+            splits = self.decode_num_splits if self.decode_num_splits is not None else choose_num_splits(args)
+            if splits > 1:
+                return decode_split_kv(args, splits)
+        return attention_single_pass(args)
+
+
+#: split-KV heuristic: aim for this many programs per SM in the split kernel, at most
+#: MAX_SPLITS splits (the combine kernel holds every split's partial row in registers)
+PROGRAMS_PER_SM = 4
+MAX_SPLITS = 64
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 16  # the interpreter: any value that exercises several splits in the tests
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:  # a host-side property read, no sync; cached per device
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _block_sizes(spec: AttnSpec) -> tuple[int, int, int]:
+    block_d = max(16, triton.next_power_of_2(spec.head_dim))
+    block_dv = max(16, triton.next_power_of_2(spec.v_dim))
+    block_n = 32 if max(block_d, block_dv) > 128 else 64
+    return block_d, block_dv, block_n
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs would otherwise run as TF32 on the GPU (10-bit mantissa), far off the fp32 reference
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def choose_num_splits(args: AttnArgs) -> int:
+    """Splits over the key axis for a paged decode call, from static host values only.
+
+    Enough (batch x kv_heads x head_blocks x splits) programs to give every SM a few, but no
+    more splits than ``max_seqlen_k`` (the bound a CUDA graph is captured with) has BLOCK_N
+    chunks: each split's range is rounded up to whole chunks on the device.
+    """
+    spec = args.spec
+    _, _, block_n = _block_sizes(spec)
+    group = spec.num_q_heads // spec.num_kv_heads
+    programs = args.seq_lens_k.shape[0] * spec.num_kv_heads * triton.cdiv(group, 16)
+    want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(args.q.device), programs)
+    return max(1, min(want, triton.cdiv(max(args.max_seqlen_k, 1), block_n), MAX_SPLITS))
+
+
+def decode_split_kv(args: AttnArgs, num_splits: int) -> torch.Tensor:
+    """Split-KV decode over a paged cache (one query per sequence): split kernel + combine."""
+    spec = args.spec
+    q = args.q
+    Hq = q.shape[1]
+    group = Hq // spec.num_kv_heads
+    B = args.seq_lens_k.shape[0]
+    k = args.k_cache
+    v = args.v_cache if args.v_cache is not None else args.k_cache  # latent: values = leading channels
+    pt = args.page_table
+    assert k is not None and pt is not None
+    block_d, block_dv, block_n = _block_sizes(spec)
+    block_h = 16  # tl.dot needs M >= 16: small GQA groups leave rows masked, which costs no memory traffic
+    head_blocks = triton.cdiv(group, block_h)
+    dev = q.device
+    part_m = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=dev)
+    part_l = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=dev)
+    part_acc = torch.empty((B, Hq, num_splits, spec.v_dim), dtype=torch.float32, device=dev)
+    out = torch.empty((q.shape[0], Hq, spec.v_dim), dtype=q.dtype, device=dev)
+    _decode_split[(B, spec.num_kv_heads * head_blocks, num_splits)](
+        q, k, v, pt, args.cu_seqlens_q, args.seq_lens_k, part_m, part_l, part_acc,
+        float(args.scale), float(spec.softcap or 1.0),
+        q.stride(0), q.stride(1),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        pt.stride(0),
+        NUM_HEADS=Hq, NUM_SPLITS=num_splits, PAGE_SIZE=k.shape[1], GROUP=group, HEAD_BLOCKS=head_blocks,
+        HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.v_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        BLOCK_H=block_h, BLOCK_N=block_n,
+        WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0, DOT_PREC=_dot_precision(spec.dtype),
+    )
+    block_s = max(2, triton.next_power_of_2(num_splits))
+    block_dv_c = min(block_dv, 128)
+    _decode_combine[(B, Hq, triton.cdiv(spec.v_dim, block_dv_c))](
+        part_m, part_l, part_acc, out, args.cu_seqlens_q,
+        out.stride(0), out.stride(1),
+        NUM_HEADS=Hq, NUM_SPLITS=num_splits, BLOCK_S=block_s, HEAD_DIM_V=spec.v_dim, BLOCK_DV=block_dv_c,
+    )
+    return out
+
+
+def attention_single_pass(args: AttnArgs) -> torch.Tensor:
+    """The one-kernel path: prefill, mixed steps, cache-less calls (and decode when one split suffices)."""
+    spec = args.spec
+    q = args.q
+    T, Hq, _ = q.shape
+    group = Hq // spec.num_kv_heads
+    out = torch.empty((T, Hq, spec.v_dim), dtype=q.dtype, device=q.device)
+    B = args.seq_lens_k.shape[0]
+    paged = spec.cache is not None
+    if paged:
+        k = args.k_cache
+        v = args.v_cache if args.v_cache is not None else args.k_cache  # latent: values = leading channels
+        pt = args.page_table
+        assert k is not None and v is not None and pt is not None
+        page_size = k.shape[1]
+        skp, sks, skh = k.stride(0), k.stride(1), k.stride(2)
+        svp, svs, svh = v.stride(0), v.stride(1), v.stride(2)
+    else:
+        k, v = args.k, args.v
+        assert k is not None and v is not None
+        pt = args.cu_seqlens_q  # unused placeholder pointer
+        page_size = 16
+        skp, sks, skh = 0, k.stride(0), k.stride(1)
+        svp, svs, svh = 0, v.stride(0), v.stride(1)
+    block_d, block_dv, block_n = _block_sizes(spec)
+    block_m = 16 if args.max_seqlen_q * group <= 16 else (32 if block_d > 128 else 64)
+    grid = (B, spec.num_kv_heads, triton.cdiv(max(args.max_seqlen_q, 1) * group, block_m))
+    _attn_fwd[grid](
+        q, k, v, out, pt, args.cu_seqlens_q, args.seq_lens_k,
+        float(args.scale), float(spec.softcap or 1.0),
+        q.stride(0), q.stride(1),
+        skp, sks, skh, svp, svs, svh,
+        out.stride(0), out.stride(1),
+        pt.stride(0) if paged else 0,
+        PAGE_SIZE=page_size, GROUP=group,
+        HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.v_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        PAGED=paged, CAUSAL=spec.causal, WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0,
+        DOT_PREC=_dot_precision(spec.dtype),
+    )
+    return out
