@@ -6,10 +6,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from exl3_attn_backends.triton_paged import TritonPagedAttention  # noqa: E402
-from exl3_core.attention import AttnSpec  # noqa: E402
-from exl3_core.attention.spec import device_cc  # noqa: E402
-from exl3_core.testing.attention import Case, check_backend, default_cases, make_args  # noqa: E402
+from exl3_attn_backends.triton_paged import TritonPagedAttention
+
+from exl3_core.attention import AttnSpec
+from exl3_core.attention.spec import device_cc
+from exl3_core.testing.attention import Case, check_backend, default_cases, make_args
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -82,6 +83,7 @@ def test_split_kv_graph_bound_reads_nothing_past_lengths() -> None:
     than the sequences need, its extra columns pointing at a NaN page; the split count comes from
     the bound, the key ranges from the real lengths."""
     import exl3_attn_backends.triton_paged as tp
+
     from exl3_core.reference.attention import attention as reference_attention
 
     case = _decode_case(64, 8, 2, (0, 200, 95))
