@@ -36,6 +36,6 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--cal-text", default=None, help="calibration text file (default: built-in Python docs text)")
     p.add_argument("--device", default="cpu", help="device for the forward passes, e.g. cpu or cuda:0")
     p.add_argument("--shard-size", type=int, default=8192, help="maximum shard size in MiB (default 8192)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random calibration rows")
+    p.add_argument("--seed", type=int, default=0, help="RNG seed: random calibration rows and the quantizer sign patterns (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)

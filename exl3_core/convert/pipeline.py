@@ -214,8 +214,10 @@ def _stage_tensors(st: Stage, slots: list[LinearSlot], quantized: dict[str, Quan
 class Converter:
     """One conversion job; :func:`convert` is the entry point."""
 
-    def __init__(self, args: ConvertArgs, *, report: Report | None = None, progress: bool = True) -> None:
+    def __init__(self, args: ConvertArgs, *, report: Report | None = None, progress: bool = True,
+                 on_quantized: Callable[[str, QuantizedLinear], None] | None = None) -> None:
         args.validate()
+        self.on_quantized = on_quantized
         self.args = args
         self.report = report or (lambda s: print(s, file=sys.stderr, flush=True))
         self.progress = progress
@@ -253,10 +255,11 @@ class Converter:
         job_args = a.job_args()
         source = source_fingerprint(self.in_dir)
         if self.work.exists():
-            if not resume:
-                raise ResumeError(f"the work directory {self.work.path} holds an unfinished conversion; pass --resume "
-                                  f"to continue it, or delete it (or choose another with -w) to start over")
             job = self.work.load_job()
+            if not resume:
+                state = "a finished" if job.done >= len(self.stages) else "an unfinished"
+                raise ResumeError(f"the work directory {self.work.path} holds {state} conversion; pass --resume "
+                                  f"to continue (or rewrite) it, or delete it (or choose another with -w) to start over")
             self.work.check_resume(job, job_args, source)
             self.report(f"resuming {self.work.path}: {job.done} of {len(self.stages)} modules done")
             return job
@@ -276,6 +279,10 @@ class Converter:
         return job
 
     # -- the stage loop ---------------------------------------------------------------------------
+    def _seed(self, st: Stage) -> int:
+        """The stage's RNG seed: its index (spec 5.2), shifted by ``--seed`` so reruns can vary it."""
+        return st.index + 1_000_003 * self.args.seed
+
     def _quantize_slots(self, st: Stage, slots: list[LinearSlot], hinfos: dict[str, HessianInfo | None],
                         bits: dict[str, int], bar: Any) -> dict[str, QuantizedLinear]:
         out: dict[str, QuantizedLinear] = {}
@@ -291,11 +298,13 @@ class Converter:
             b = getattr(s.module, "bias", None)
             t0 = time.monotonic()
             q = quantize_linear(w, hinfos.get(s.group or s.key), K=K, codebook=self.args.codebook,
-                                out_scales=self.args.out_scales, seed=st.index * 4096 + ordinal,
+                                out_scales=self.args.out_scales, seed=self._seed(st) * 4096 + ordinal,
                                 bias=None if b is None else b.detach(), in_features=s.in_features,
                                 out_features=s.out_features, name=s.key)
             ordinal += 1
             out[s.key] = q
+            if self.on_quantized is not None:
+                self.on_quantized(s.key, q)
             self.report(f"    {s.key:<52} {q.summary()}  {time.monotonic() - t0:5.1f} s")
             if bar is not None:
                 bar.advance(1, s.key)
@@ -324,7 +333,7 @@ class Converter:
                 acc.add(x[c].to(dev))
             for s in qslots:
                 s.group = qslots[0].key
-            hinfos[qslots[0].key] = acc.finalize(seed=st.index)
+            hinfos[qslots[0].key] = acc.finalize(seed=self._seed(st))
             with torch.no_grad():
                 ref = forward_stage(self.model, st, x[:n_metric].to(dev), ids[:n_metric]).cpu()
         elif qslots:
@@ -338,7 +347,7 @@ class Converter:
             for key in cap.unseen():
                 self.report(f"    warning: {key} received no input during capture; quantized without a Hessian")
             for leader, acc in cap.accumulators.items():
-                hinfos[leader] = acc.finalize(seed=st.index)
+                hinfos[leader] = acc.finalize(seed=self._seed(st))
         quantized = self._quantize_slots(st, slots, hinfos, job.bits, bar) if qslots else {}
         self._install(st, slots, quantized)
 
@@ -433,6 +442,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
             out_scales: str = "always", cal_rows: int = 250, cal_cols: int = 2048, device: str = "cpu",
             shard_mib: int = 8192, work_dir: str | Path | None = None, resume: bool = False, seed: int = 0,
             text: str | Path | None = None, report: Report | None = None, progress: bool = True,
+            on_quantized: Callable[[str, QuantizedLinear], None] | None = None,
             _stop_after_module: int | None = None) -> ConvertResult:
     """Quantize the HF model in ``in_dir`` to EXL3 at ``bpw`` bits per weight into ``out_dir``.
 
@@ -444,6 +454,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
     :param resume: continue the unfinished job in ``work_dir``; its quantization arguments must match.
     :param text: calibration text file instead of the built-in documentation text.
     :param report: receives the per-tensor and per-module report lines (default: stderr).
+    :param on_quantized: called with ``(key, QuantizedLinear)`` for every tensor quantized in this run.
     :param _stop_after_module: testing hook, return (unfinished) after checkpointing that stage index.
     :raises ResumeError: the work directory cannot be resumed with these arguments.
     """
@@ -451,4 +462,5 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
                        codebook=codebook, out_scales=out_scales, cal_rows=cal_rows, cal_cols=cal_cols, device=device,
                        shard_mib=shard_mib, work_dir=None if work_dir is None else str(work_dir), seed=seed,
                        text=None if text is None else str(text))
-    return Converter(args, report=report, progress=progress).run(resume=resume, _stop_after_module=_stop_after_module)
+    conv = Converter(args, report=report, progress=progress, on_quantized=on_quantized)
+    return conv.run(resume=resume, _stop_after_module=_stop_after_module)
