@@ -37,8 +37,14 @@ def _as_item(x: AllocItem | Sequence) -> AllocItem:
 
 
 def _check_fixed(key: str, bits: int) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or not (1 <= bits <= MAX_BITS or bits == UNQUANTIZED_BITS):
-        raise ValueError(f"allocation: fixed bits {bits!r} for {key!r} must be an integer in 1..{MAX_BITS} or 16")
+    if (
+        isinstance(bits, bool)
+        or not isinstance(bits, int)
+        or not (1 <= bits <= MAX_BITS or bits == UNQUANTIZED_BITS)
+    ):
+        raise ValueError(
+            f"allocation: fixed bits {bits!r} for {key!r} must be an integer in 1..{MAX_BITS} or 16"
+        )
     return bits
 
 
@@ -64,7 +70,9 @@ def allocate_bits(
     if not 1 <= max_bits <= MAX_BITS:
         raise ValueError(f"allocation: max_bits={max_bits} must be in 1..{MAX_BITS}")
     if not 1.0 <= bpw <= max_bits:
-        raise ValueError(f"allocation: bpw={bpw} is out of range; EXL3 bitrates are 1..{max_bits} bits per weight")
+        raise ValueError(
+            f"allocation: bpw={bpw} is out of range; EXL3 bitrates are 1..{max_bits} bits per weight"
+        )
     out: dict[str, int] = {}
     for key in head_keys:
         out[key] = _check_fixed(key, head_bits)
@@ -101,7 +109,7 @@ def allocate_bits(
     order = [name for _, name in sorted(enumerate(groups), key=order_key)]
     cost = {name: sum(m.numel for m in groups[name]) for name in order}
     total = sum(cost.values())
-    base = int(math.floor(bpw))
+    base = math.floor(bpw)
     bits = dict.fromkeys(order, base)
     remaining = math.floor(bpw * total) - base * total
     changed = True

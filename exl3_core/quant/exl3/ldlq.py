@@ -28,7 +28,9 @@ def codebook_id(codebook: int | str, what: str = "codebook") -> int:
     if isinstance(codebook, str):
         cb = _cb.CODEBOOK_NAMES.get(codebook.lower())
         if cb is None:
-            raise ValueError(f"{what}: unknown codebook {codebook!r}; use one of {sorted(_cb.CODEBOOK_NAMES)}")
+            raise ValueError(
+                f"{what}: unknown codebook {codebook!r}; use one of {sorted(_cb.CODEBOOK_NAMES)}"
+            )
         return cb
     if codebook not in _cb.CODEBOOK_NAMES.values() or isinstance(codebook, bool):
         raise ValueError(f"{what}: unknown codebook id {codebook!r}; use 0 (3inst), 1 (mcg) or 2 (mul1)")
@@ -124,7 +126,9 @@ def ldlq(
         return plain_quantize(w, K, cb, encoder)
     k, n = w.shape
     if l_u.shape != (k, k):
-        raise ValueError(f"ldlq: L_u has shape {tuple(l_u.shape)}, expected [{k}, {k}] for W {tuple(w.shape)}")
+        raise ValueError(
+            f"ldlq: L_u has shape {tuple(l_u.shape)}, expected [{k}, {k}] for W {tuple(w.shape)}"
+        )
     l_u = l_u.to(torch.float32)
     w_hat = torch.empty_like(w)
     err = torch.zeros_like(w)  # W - Ŵ of finished rows

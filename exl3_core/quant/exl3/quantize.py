@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import torch
 
 from exl3_core.quant.exl3 import codebook as _cb
-from exl3_core.quant.exl3.dequant import MARKER_VALUES, marker_int32, reconstruct
+from exl3_core.quant.exl3.dequant import MARKER_VALUES, marker_int32
 from exl3_core.quant.exl3.hessian import HessianInfo, fallback_hessian, padded_size
 from exl3_core.quant.exl3.ldlq import TileEncoder, codebook_id, ldlq
-from exl3_core.quant.exl3.regularize import regularize, use_out_scales
-from exl3_core.quant.exl3.trellis import check_k, check_states, k_from_trellis, pack_trellis
+from exl3_core.quant.exl3.regularize import regularize, rotate, use_out_scales
+from exl3_core.quant.exl3.trellis import check_k, check_states, decode_inner, k_from_trellis, pack_trellis
 
 FP16_MAX = 65504.0
 CODEBOOK_MARKER = {_cb.CB_MCG: "mcg", _cb.CB_MUL1: "mul1"}  # 3INST has no marker
@@ -61,7 +61,7 @@ class QuantizedLinear:
 
     def dequantize(self) -> torch.Tensor:
         """fp32 weight in HF orientation ``[out_features, in_features]`` (padding trimmed)."""
-        w = reconstruct(self.trellis, self.suh, self.svh, self.K, self.codebook)
+        w = dequantize_padded(self.trellis, self.suh, self.svh, self.K, self.codebook)
         return w[: self.in_features, : self.out_features].T.contiguous()
 
     def summary(self) -> str:
@@ -69,6 +69,18 @@ class QuantizedLinear:
         label = "rel_mse" if self.fallback else "proxy_err"
         flags = ("o" if self.out_scales_applied else "-") + ("f" if self.fallback else "-")
         return f"K={self.K} {label}={self.proxy_err:.6f} [{flags}] g_sc={self.g:.4f} nmse={self.nmse:.6f}"
+
+
+def dequantize_padded(
+    trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, K: int, codebook: int
+) -> torch.Tensor:
+    """fp32 ``diag(suh)·BD_k·Ŵ·BD_n·diag(svh)`` (spec 4.2), padded ``(in, out)``.
+
+    The same algebra as ``dequant.reconstruct``, with the rotations done on contiguous rows
+    (``regularize.rotate``), which is much faster on CPU for tall matrices.
+    """
+    w = rotate(rotate(decode_inner(trellis, K, codebook).to(torch.float32), 0), 1)
+    return w * suh.to(torch.float32)[:, None] * svh.to(torch.float32)[None, :]
 
 
 def _check_fp16(name: str, what: str, t: torch.Tensor) -> torch.Tensor:
@@ -81,9 +93,9 @@ def _check_fp16(name: str, what: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def _trace_quad(e: torch.Tensor, h: torch.Tensor) -> float:
-    """tr(Eᵀ H E) in fp64."""
-    e64 = e.to(torch.float64)
-    return float((e64 * (h.to(torch.float64) @ e64)).sum())
+    """tr(Eᵀ H E): fp32 matmul (a metric; fp64 would double the cost of big layers), fp64 sum."""
+    e = e.to(torch.float32)
+    return float((e * (h.to(torch.float32) @ e)).sum(dtype=torch.float64))
 
 
 def quantize_linear(
@@ -99,7 +111,7 @@ def quantize_linear(
     out_features: int | None = None,
     encoder: TileEncoder | None = None,
     buf_size_k: int = 128,
-    g_sample_cap: int | None = 2048,
+    g_sample_cap: int | None = 256,
     name: str = "linear",
 ) -> QuantizedLinear:
     """Quantize an HF-orientation weight ``[out, in]`` (fp32/bf16/fp16) to EXL3 at K bits/weight.
@@ -139,8 +151,15 @@ def quantize_linear(
     w[:in_features, :out_features] = w32.T
 
     w_rot, su, sv, g = regularize(
-        w, hinfo, out_scales=out_scales, codebook=cb, K=K, seed=seed, encoder=encoder,
-        g_sample_cap=g_sample_cap, name=name,
+        w,
+        hinfo,
+        out_scales=out_scales,
+        codebook=cb,
+        K=K,
+        seed=seed,
+        encoder=encoder,
+        g_sample_cap=g_sample_cap,
+        name=name,
     )
     l_u = None if hinfo.fallback else hinfo.l_u
     states, w_hat = ldlq(w_rot, l_u, K, cb, buf_size_k, encoder=encoder)
@@ -171,13 +190,25 @@ def quantize_linear(
     else:
         denom = _trace_quad(w_rot, hinfo.h_rot)
         proxy = _trace_quad(err, hinfo.h_rot) / denom if denom > 0 else 0.0
-    w_q = reconstruct(trellis, suh, svh, K, cb)
+    w_q = dequantize_padded(trellis, suh, svh, K, cb)
     ref = float(w.double().pow(2).sum())
     nmse = float((w_q.double() - w.double()).pow(2).sum()) / ref if ref > 0 else 0.0
     return QuantizedLinear(
-        trellis=trellis, suh=suh, svh=svh, bias=bias_h, marker=CODEBOOK_MARKER.get(cb), K=K, codebook=cb,
-        in_features=in_features, out_features=out_features, proxy_err=proxy, mse=mse, nmse=nmse, g=g,
-        fallback=hinfo.fallback, out_scales_applied=use_out_scales(out_scales, hinfo),
+        trellis=trellis,
+        suh=suh,
+        svh=svh,
+        bias=bias_h,
+        marker=CODEBOOK_MARKER.get(cb),
+        K=K,
+        codebook=cb,
+        in_features=in_features,
+        out_features=out_features,
+        proxy_err=proxy,
+        mse=mse,
+        nmse=nmse,
+        g=g,
+        fallback=hinfo.fallback,
+        out_scales_applied=use_out_scales(out_scales, hinfo),
     )
 
 
