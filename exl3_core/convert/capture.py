@@ -132,7 +132,8 @@ class HessianCapture:
     _by_id: dict[int, LinearSlot] = field(default_factory=dict)
     _seen: dict[tuple[Any, ...], _Entry] = field(default_factory=dict)
     _suppress: set[int] = field(default_factory=set)
-    _aliased: set[int] = field(default_factory=set)  # linears observed through INPUT_ALIASES only
+    _aliased: set[int] = field(default_factory=set)
+    _alive: list[torch.Tensor] = field(default_factory=list)  # linears observed through INPUT_ALIASES only
     _handles: list[Any] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -175,6 +176,7 @@ class HessianCapture:
 
         def pre(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
             x = args[0].reshape(-1, args[0].shape[-1])
+            self._alive.append(x)  # the view must outlive this hook, or later readers of it look new
             with torch.no_grad():
                 for ex in moe.experts or []:  # every expert sees every token (spec 5.1)
                     ex(x)
@@ -182,6 +184,7 @@ class HessianCapture:
 
         def post(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
             self._suppress -= expert_ids
+            self._alive.clear()
         return pre, post
 
     # -- lifetime ---------------------------------------------------------------------------------
