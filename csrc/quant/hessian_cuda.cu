@@ -9,6 +9,14 @@
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+#include <torch/version.h>
+
+// aten::mm.dtype (fp16/bf16 inputs, fp32 output) is recent; older torch converts x to fp32 first
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 9)
+#define EXL3_HAVE_MM_DTYPE 1
+#else
+#define EXL3_HAVE_MM_DTYPE 0
+#endif
 
 namespace {
 
@@ -27,10 +35,13 @@ void hessian_accumulate_cuda(at::Tensor H, const at::Tensor& x) {
     c10::cuda::CUDAGuard guard(x.device());
     const at::Tensor keep = x.isfinite().all(1, /*keepdim=*/true);
     const at::Tensor xm = at::where(keep, x, at::zeros({}, x.options()));
-    if (x.scalar_type() == at::kFloat) {
-        H.addmm_(xm.t(), xm);
+    if (x.scalar_type() == at::kFloat || !EXL3_HAVE_MM_DTYPE) {
+        const at::Tensor xf = xm.to(at::kFloat);
+        H.addmm_(xf.t(), xf);
     } else {
+#if EXL3_HAVE_MM_DTYPE
         H.add_(at::mm(xm.t(), xm, at::kFloat));
+#endif
     }
 }
 
