@@ -150,12 +150,16 @@ def finalize_hessian(
 
 
 class HessianAccumulator:
-    """Running ``Σ XᵀX`` (fp32) over calibration rows of one input; rows with non-finite values are dropped."""
+    """Running ``Σ XᵀX`` (fp32) over calibration rows of one input; rows with non-finite values are dropped.
+
+    The sum lives on the device of the first batch (so GPU captures never copy activations to the
+    host); ``finalize`` moves it to the CPU for the fp64 factorisation.
+    """
 
     def __init__(self, in_features: int, name: str = "hessian") -> None:
         self.in_features = in_features
         self.name = name
-        self.h_sum = torch.zeros(in_features, in_features, dtype=torch.float32)
+        self.h_sum: torch.Tensor | None = None
         self.count = 0
 
     def add(self, x: torch.Tensor) -> None:
@@ -164,10 +168,13 @@ class HessianAccumulator:
             raise ValueError(
                 f"{self.name}: activations have last dim {x.shape[-1]}, expected {self.in_features}"
             )
-        x = x.detach().reshape(-1, self.in_features).to("cpu", torch.float32)
+        if self.h_sum is None:
+            self.h_sum = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=x.device)
+        x = x.detach().reshape(-1, self.in_features).to(self.h_sum.device, torch.float32)
         x = x[torch.isfinite(x).all(dim=1)]
         self.h_sum.addmm_(x.T, x)
         self.count += x.shape[0]
 
     def finalize(self, *, sigma_reg: float = 0.025, seed: int = 0) -> HessianInfo:
-        return finalize_hessian(self.h_sum, self.count, sigma_reg=sigma_reg, seed=seed, name=self.name)
+        h = self.h_sum if self.h_sum is not None else torch.zeros(self.in_features, self.in_features)
+        return finalize_hessian(h, self.count, sigma_reg=sigma_reg, seed=seed, name=self.name)

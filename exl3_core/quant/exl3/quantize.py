@@ -7,6 +7,7 @@ marker, plus metrics (5.6). The Hessian side lives in ``hessian.py``, feedback i
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from exl3_core.quant.exl3.regularize import regularize, rotate, use_out_scales
 from exl3_core.quant.exl3.trellis import check_k, check_states, decode_inner, k_from_trellis, pack_trellis
 
 FP16_MAX = 65504.0
+FP16_MIN_NORMAL = 2.0**-14
 CODEBOOK_MARKER = {_cb.CB_MCG: "mcg", _cb.CB_MUL1: "mul1"}  # 3INST has no marker
 
 
@@ -88,6 +90,13 @@ def _check_fp16(name: str, what: str, t: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"{name}: {what} overflows fp16 (max |{what}| = {float(t.abs().max()):.4g}); the weights are too "
             f"large for EXL3 storage, rescale the layer"
+        )
+    tiny = (t != 0) & (t.abs() < FP16_MIN_NORMAL)
+    if bool(tiny.any()):
+        warnings.warn(
+            f"{name}: {int(tiny.sum())} entries of {what} fall below fp16's normal range "
+            f"(min |{what}| = {float(t[t != 0].abs().min()):.3g}) and lose precision when stored",
+            stacklevel=3,
         )
     return t.to(torch.float16)
 
