@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from exl3_core import ops
 from exl3_core.archkit.batch import BatchMeta
 from exl3_core.archkit.config import Config, ConfigError, RopeSettings, normalise_rope
 from exl3_core.archkit.model import Model
@@ -101,8 +102,18 @@ class StandardDecoderConfig:
         return self.layer_key.format(i=i)
 
 
+def _fusable_norm(norm: torch.nn.Module) -> bool:
+    # exactly RMSNorm (a subclass may change forward): its residual add can move into its kernel
+    return type(norm) is RMSNorm
+
+
 class DecoderBlock(Module):
-    """Pre-norm residual block: ``x += attn(norm(x)); x += mlp(norm(x))``."""
+    """Pre-norm residual block: ``x += attn(norm(x)); x += mlp(norm(x))``.
+
+    On CUDA each residual add is fused into the norm that follows it: the attention output's
+    into ``mlp_norm`` here, the MLP output's into the next block's ``attn_norm`` (or the final
+    norm) through :meth:`forward_chain`.
+    """
 
     def __init__(self, attn_norm: torch.nn.Module, attn: torch.nn.Module, mlp_norm: torch.nn.Module,
                  mlp: torch.nn.Module) -> None:
@@ -113,9 +124,30 @@ class DecoderBlock(Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        if ops.fused_enabled(x) and self.chainable():
+            x, delta = self.forward_chain(x, None, state)
+            return x + delta
         x = x + self.attn(self.attn_norm(x), state)
         x = x + self.mlp(self.mlp_norm(x))
         return x
+
+    def chainable(self) -> bool:
+        """Whether :meth:`forward_chain` computes this block (plain block, RMSNorm norms)."""
+        return type(self).forward is DecoderBlock.forward and _fusable_norm(self.attn_norm) \
+            and _fusable_norm(self.mlp_norm)
+
+    def forward_chain(self, x: torch.Tensor, pending: torch.Tensor | None,
+                      state: ForwardState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block on the residual stream ``x + pending`` with both residual adds fused into the
+        norms after them; returns ``(stream before the MLP output, MLP output)``, the caller adds
+        (or fuses) the second."""
+        assert isinstance(self.attn_norm, RMSNorm) and isinstance(self.mlp_norm, RMSNorm)
+        if pending is None:
+            normed = self.attn_norm(x)
+        else:
+            normed, x = self.attn_norm.forward_residual(pending, x)
+        normed, x = self.mlp_norm.forward_residual(self.attn(normed, state), x)
+        return x, self.mlp(normed)
 
 
 class Head(Module):
@@ -215,8 +247,30 @@ class StandardDecoder(Model):
     def forward_batch(self, meta: BatchMeta, cache: Any = None) -> torch.Tensor:
         state = ForwardState(meta, cache, self.allowed_backends, self.plugins)
         x = self.embed(meta.input_ids)
+        if ops.fused_enabled(x) and self._chainable():
+            return self._forward_chain(x, meta, state)
         for block in self.layers:
             x = block(x, state)
         if meta.logits_indices is not None:
             x = x.index_select(0, meta.logits_indices)  # norm + head only for the rows that need logits
         return self.head(self.norm(x)).float()
+
+    def _chainable(self) -> bool:
+        return all(isinstance(b, DecoderBlock) and b.chainable() for b in self.layers) and _fusable_norm(self.norm)
+
+    def _forward_chain(self, x: torch.Tensor, meta: BatchMeta, state: ForwardState) -> torch.Tensor:
+        """:meth:`forward_batch` with every residual add fused into the norm after it (CUDA)."""
+        pending: torch.Tensor | None = None
+        for block in self.layers:
+            x, pending = block.forward_chain(x, pending, state)  # type: ignore[operator]
+        norm = self.norm
+        assert isinstance(norm, RMSNorm)
+        if pending is None:  # no layers
+            normed = norm(x if meta.logits_indices is None else x.index_select(0, meta.logits_indices))
+        elif meta.logits_indices is not None:  # norm + head only for the rows that need logits
+            idx = meta.logits_indices
+            normed, _ = norm.forward_residual(pending.index_select(0, idx), x.index_select(0, idx))
+        else:
+            normed, _ = norm.forward_residual(pending, x)
+        return self.head(normed).float()
+

@@ -119,7 +119,7 @@ class Attention(Module):
         if self.rope is not None:
             rope = self.rope
             cos, sin = state.memoize(("rope", id(rope)), lambda: rope.cos_sin(state.meta.positions))
-            q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
+            q, k = rope.rotate_qk(q, k, cos, sin)  # q and k are fresh projection outputs: ours to rotate in place
         return q, k, v
 
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from exl3_core import ops
 from exl3_core.nn.module import LoadContext, Module
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
@@ -26,6 +27,10 @@ ACTIVATIONS: dict[str, Activation] = {
     "gelu_fast": _gelu_tanh,
     "relu": F.relu,
 }
+
+
+# activations with a fused ``act(gate) * up`` kernel (exl3_core.ops)
+_FUSED_ACT_MUL: dict[Activation, Callable[..., torch.Tensor]] = {F.silu: ops.silu_mul, _gelu_tanh: ops.gelu_tanh_mul}
 
 
 def activation(name: str) -> Activation:
@@ -67,6 +72,9 @@ class GatedMLP(Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.gate is not None and self.up is not None and self.down is not None, "MLP is not loaded"
+        fused = _FUSED_ACT_MUL.get(self.act) if ops.fused_enabled(x) else None
+        if fused is not None:  # CUDA: act, cast and mul in one kernel
+            return self.down(fused(self.gate(x), self.up(x)))
         return self.down(self.act(self.gate(x)) * self.up(x))
 
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from exl3_core import ops
 from exl3_core.nn.module import LoadContext, Module
 
 if TYPE_CHECKING:  # archkit imports nn; at runtime only the settings' attributes are read
@@ -148,6 +149,14 @@ class RotaryEmbedding(Module):
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, H, D]`` by the per-token tables from :meth:`cos_sin`."""
         return apply_rotary(x, cos, sin, self.rotary_dim, self.interleaved)
+
+    def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q and k; on CUDA in place, both in one kernel (the caller must own q and k)."""
+        if ops.fused_enabled(q) and q.stride(-1) == 1 and k.stride(-1) == 1:
+            ops.rope_apply(q, k, cos, sin, self.rotary_dim, self.interleaved)
+            return q, k
+        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
     def extra_repr(self) -> str:
         return f"type={self.settings.type}, rotary_dim={self.rotary_dim}/{self.head_dim}, " \

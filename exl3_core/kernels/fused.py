@@ -1,0 +1,174 @@
+"""Fused elementwise kernels: residual add + RMSNorm, gated activations, in-place RoPE on q and k.
+
+Each replaces a chain of 3-7 small torch kernels per call (casts, pow, mean, rsqrt, muls, adds)
+by one launch; at b=1 decode those kernels cost their fixed start/drain time each, not bandwidth.
+Math is fp32, inputs and outputs in the activation dtype. References: ``exl3_core/reference/fused.py``.
+Imported lazily by :mod:`exl3_core.ops` (this module needs Triton).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# -- RMSNorm (+ residual add) -----------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(
+    X, R, W, Out, ResOut,
+    stride_x, stride_r, stride_o, stride_ro,
+    N, eps, offset,
+    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    ok = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        r = tl.load(R + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        s = (x + r).to(ResOut.dtype.element_ty)  # the stream's dtype, as the unfused `x = x + h`
+        tl.store(ResOut + row * stride_ro + cols, s, mask=ok)
+        x = s.to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+    if HAS_W:
+        y = y * (tl.load(W + cols, mask=ok, other=0.0).to(tl.float32) + offset)
+    tl.store(Out + row * stride_o + cols, y.to(Out.dtype.element_ty), mask=ok)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as ``[rows, N]`` with a unit last stride (a view when possible)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _norm_warps(block: int) -> int:
+    return 1 if block <= 512 else (4 if block <= 4096 else 8)
+
+
+def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                      offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rms_norm(residual + x), residual + x)`` in one pass; with ``residual=None`` a plain RMSNorm
+    (second item None)."""
+    N = x.shape[-1]
+    x2 = _rows(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o2 = out.view(-1, N)
+    if residual is not None:
+        if residual.shape != x.shape:
+            raise ValueError(f"rms_norm_residual: residual {tuple(residual.shape)} and x {tuple(x.shape)} differ")
+        r2 = _rows(residual)
+        res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        ro2 = res_out.view(-1, N)
+    else:
+        r2, res_out, ro2 = x2, None, o2
+    w = weight.contiguous() if weight is not None else x2  # placeholder pointer when absent
+    block = triton.next_power_of_2(N)
+    if x2.shape[0]:
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, w, o2, ro2, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
+            N, float(eps), float(offset),
+            HAS_RES=residual is not None, HAS_W=weight is not None, BLOCK_N=block, num_warps=_norm_warps(block),
+        )
+    return out, res_out
+
+
+# -- gated activations ----------------------------------------------------------------------------
+
+ACTS = {"silu": 0, "gelu_tanh": 1}
+
+
+@triton.jit
+def _act_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, N, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < N
+    g = tl.load(G + row * stride_g + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(U + row * stride_u + cols, mask=ok, other=0.0).to(tl.float32)
+    if ACT == 0:
+        a = g * tl.sigmoid(g)
+    else:
+        inner = 0.7978845608028654 * (g + 0.044715 * g * g * g)  # sqrt(2/pi)
+        a = g * tl.sigmoid(2.0 * inner)  # 0.5 (1 + tanh(t)) == sigmoid(2t)
+    tl.store(Out + row * stride_o + cols, (a * u).to(Out.dtype.element_ty), mask=ok)
+
+
+def act_mul(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up`` for ``act`` in :data:`ACTS`; ``gate``/``up`` ``[..., I]`` of one shape."""
+    if gate.shape != up.shape:
+        raise ValueError(f"act_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    N = gate.shape[-1]
+    g2, u2 = _rows(gate), _rows(up)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    o2 = out.view(-1, N)
+    block = min(2048, triton.next_power_of_2(N))
+    if g2.shape[0]:
+        _act_mul_kernel[(g2.shape[0], triton.cdiv(N, block))](
+            g2, u2, o2, g2.stride(0), u2.stride(0), o2.stride(0), N, ACT=ACTS[act], BLOCK=block,
+            num_warps=4 if block >= 1024 else 2,
+        )
+    return out
+
+
+# -- RoPE on q and k, in place ----------------------------------------------------------------------
+
+
+@triton.jit
+def _rope_heads(X, t, stride_t, stride_h, H, c, s, i,
+                HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+    h = tl.arange(0, BLOCK_H)
+    ok = (h[:, None] < H) & (i[None, :] < HALF)
+    if INTERLEAVED:  # pairs (2i, 2i+1)
+        o1 = 2 * i
+        o2 = 2 * i + 1
+    else:  # halves (i, i + r/2)
+        o1 = i
+        o2 = i + HALF
+    base = X + t * stride_t + h[:, None] * stride_h
+    x1 = tl.load(base + o1[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(base + o2[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(base + o1[None, :], (x1 * c - x2 * s).to(X.dtype.element_ty), mask=ok)
+    tl.store(base + o2[None, :], (x2 * c + x1 * s).to(X.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_kernel(
+    Q, K, Cos, Sin,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
+    HQ, HK,
+    HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    # one program per token: the cos/sin row is loaded once for every q and k head
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_R)
+    c = tl.load(Cos + t * stride_ct + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(Sin + t * stride_st + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+    _rope_heads(Q, t, stride_qt, stride_qh, HQ, c, s, i, HALF, INTERLEAVED, BLOCK_HQ, BLOCK_R)
+    _rope_heads(K, t, stride_kt, stride_kh, HK, c, s, i, HALF, INTERLEAVED, BLOCK_HK, BLOCK_R)
+
+
+def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+               interleaved: bool) -> None:
+    """Rotate the first ``rotary_dim`` channels of ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place (one
+    launch); ``cos``/``sin`` ``[T, rotary_dim/2]``. q and k need a unit stride on their last dim."""
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 3 or t.stride(-1) != 1:
+            raise ValueError(f"rope_apply: {name} must be [T, H, D] with a contiguous last dim, got "
+                             f"{tuple(t.shape)} strides {t.stride()}")
+    T = q.shape[0]
+    half = rotary_dim // 2
+    if cos.shape != (T, half) or sin.shape != (T, half) or k.shape[0] != T:
+        raise ValueError(f"rope_apply: cos/sin must be [{T}, {half}] for {T} tokens, got "
+                         f"{tuple(cos.shape)}/{tuple(sin.shape)} (k has {k.shape[0]} tokens)")
+    if T == 0:
+        return
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    _rope_kernel[(T,)](
+        q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        q.shape[1], k.shape[1],
+        HALF=half, INTERLEAVED=interleaved, BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
+        BLOCK_HK=triton.next_power_of_2(k.shape[1]), BLOCK_R=triton.next_power_of_2(max(half, 1)),
+        num_warps=4 if q.shape[1] * half >= 1024 else 2,
+    )

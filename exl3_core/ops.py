@@ -1,0 +1,132 @@
+"""Fused small ops with an implementation switch: Triton kernels on CUDA, pure torch elsewhere.
+
+Public functions take ``impl``:
+
+* ``"auto"`` (default): the Triton kernel when :func:`fused_enabled` says so for the tensor
+  (a CUDA tensor, Triton importable, fused ops not switched off), else the torch reference;
+* ``"triton"``: the kernel, also on CPU under Triton's interpreter (``TRITON_INTERPRET=1``; tests);
+* ``"torch"``: the reference (:mod:`exl3_core.reference.fused`).
+
+Model code calls these only where :func:`fused_enabled` holds and keeps its own torch expressions
+otherwise, so CPU results stay what they were before these kernels existed.
+"""
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+from exl3_core.reference import fused as _ref
+
+Impl = Literal["auto", "triton", "torch"]
+
+_enabled = True
+_kernels: ModuleType | None = None
+_import_error: str | None = None
+
+
+def set_enabled(flag: bool) -> bool:
+    """Switch the fused CUDA path on or off process-wide (benchmarks, A/B checks); returns the old value."""
+    global _enabled
+    old, _enabled = _enabled, bool(flag)
+    return old
+
+
+def kernels() -> ModuleType | None:
+    """:mod:`exl3_core.kernels.fused`, imported on first use; None when Triton is unavailable."""
+    global _kernels, _import_error
+    if _kernels is None and _import_error is None:
+        try:
+            from exl3_core.kernels import fused
+        except ImportError as e:  # Triton is optional for the core
+            _import_error = f"{type(e).__name__}: {e}"
+        else:
+            _kernels = fused
+    return _kernels
+
+
+def _interpreting() -> bool:
+    # Triton's own switch (not an exl3 setting): kernels run on CPU tensors in its interpreter
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def fused_enabled(t: torch.Tensor) -> bool:
+    """Whether model code should take the fused path for activations like ``t`` (CUDA + Triton)."""
+    return _enabled and t.is_cuda and kernels() is not None
+
+
+def _use_triton(impl: Impl, t: torch.Tensor, op: str) -> bool:
+    if impl == "torch":
+        return False
+    if impl == "auto":
+        return fused_enabled(t)
+    if impl != "triton":
+        raise ValueError(f"exl3_core.ops.{op}: impl={impl!r}; expected 'auto', 'triton' or 'torch'")
+    if kernels() is None:
+        raise RuntimeError(f"exl3_core.ops.{op}(impl='triton') needs Triton ({_import_error}); pip install triton "
+                           f"or use impl='auto'")
+    if not t.is_cuda and not _interpreting():
+        raise RuntimeError(f"exl3_core.ops.{op}(impl='triton') got a {t.device.type} tensor: Triton runs on CUDA, "
+                           f"or on CPU only with TRITON_INTERPRET=1 set before Triton is imported")
+    return True
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0, *,
+             impl: Impl = "auto") -> torch.Tensor:
+    """``x / rms(x) * (weight + offset)`` over the last dim (fp32 math, ``x.dtype`` out)."""
+    if _use_triton(impl, x, "rms_norm"):
+        return kernels().rms_norm_residual(x, None, weight, eps, offset)[0]  # type: ignore[union-attr]
+    return _ref.rms_norm(x, weight, eps, offset)
+
+
+def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                      offset: float = 0.0, *, impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(normed, new_residual)`` with ``new_residual = residual + x`` (in ``x.dtype``) and
+    ``normed = rms_norm(new_residual)``: a block's residual add fused into the next norm."""
+    if _use_triton(impl, x, "rms_norm_residual"):
+        normed, new_res = kernels().rms_norm_residual(x, residual, weight, eps, offset)  # type: ignore[union-attr]
+        assert new_res is not None
+        return normed, new_res
+    return _ref.rms_norm_residual(x, residual, weight, eps, offset)
+
+
+def _gate_up(gate_up: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+             up: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(gate_up, tuple):
+        return gate_up
+    if up is not None:
+        return gate_up, up
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up has an odd last dim {gate_up.shape[-1]}; expected [..., 2 * intermediate]")
+    half = gate_up.shape[-1] // 2
+    return gate_up[..., :half], gate_up[..., half:]
+
+
+def silu_mul(gate_up: torch.Tensor | tuple[torch.Tensor, torch.Tensor], up: torch.Tensor | None = None, *,
+             impl: Impl = "auto") -> torch.Tensor:
+    """``silu(gate) * up``; ``gate_up`` is ``[..., 2I]`` (gate first), or pass ``(gate, up)``."""
+    g, u = _gate_up(gate_up, up)
+    if _use_triton(impl, g, "silu_mul"):
+        return kernels().act_mul("silu", g, u)  # type: ignore[union-attr]
+    return _ref.silu_mul(g, u)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor | tuple[torch.Tensor, torch.Tensor], up: torch.Tensor | None = None, *,
+                  impl: Impl = "auto") -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (the tanh approximation), same layouts as :func:`silu_mul`."""
+    g, u = _gate_up(gate_up, up)
+    if _use_triton(impl, g, "gelu_tanh_mul"):
+        return kernels().act_mul("gelu_tanh", g, u)  # type: ignore[union-attr]
+    return _ref.gelu_tanh_mul(g, u)
+
+
+def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+               interleaved: bool, *, impl: Impl = "auto") -> None:
+    """Rotate the first ``rotary_dim`` channels of ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place by the
+    fp32 tables ``cos``/``sin [T, rotary_dim/2]`` (adjacent pairs if ``interleaved``, else halves)."""
+    if _use_triton(impl, q, "rope_apply") and q.stride(-1) == 1 and k.stride(-1) == 1:
+        kernels().rope_apply(q, k, cos, sin, rotary_dim, interleaved)  # type: ignore[union-attr]
+        return
+    _ref.rope_apply(q, k, cos, sin, rotary_dim, interleaved)

@@ -1,0 +1,78 @@
+"""Pure-torch references of the fused elementwise ops in :mod:`exl3_core.ops`.
+
+Each is the oracle of its Triton kernel (``exl3_core/kernels/fused.py``) and the fallback where
+Triton cannot run. Math is fp32 whatever the activation dtype, with one rounding to the output
+dtype at the end, except where the unfused model code rounds in between (the residual sum is
+rounded to the stream's dtype before it is normalised, as ``x = x + h`` does).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """``x / rms(x) * (weight + offset)`` over the last dim, in fp32, returned in ``x.dtype``."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (weight.float() + offset)
+    return y.to(x.dtype)
+
+
+def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                      offset: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(residual + x), residual + x)``: the pre-norm block's residual add and the next norm.
+
+    The new residual is rounded to ``x.dtype`` (the stream's dtype) before it is normalised.
+    """
+    new_residual = (residual.float() + x.float()).to(x.dtype)
+    return rms_norm(new_residual, weight, eps, offset), new_residual
+
+
+def _split(gate_up: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+           up: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(gate_up, tuple):
+        return gate_up
+    if up is not None:
+        return gate_up, up
+    half = gate_up.shape[-1] // 2
+    return gate_up[..., :half], gate_up[..., half:]
+
+
+def silu_mul(gate_up: torch.Tensor | tuple[torch.Tensor, torch.Tensor], up: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up``; ``gate_up`` is ``[..., 2I]`` (gate first) or a ``(gate, up)`` pair."""
+    g, u = _split(gate_up, up)
+    gf = g.float()
+    return (gf * torch.sigmoid(gf) * u.float()).to(g.dtype)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+                  up: torch.Tensor | None = None) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` with ``gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``."""
+    g, u = _split(gate_up, up)
+    gf = g.float()
+    inner = math.sqrt(2.0 / math.pi) * (gf + 0.044715 * gf * gf * gf)
+    return (0.5 * gf * (1.0 + torch.tanh(inner)) * u.float()).to(g.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, interleaved: bool) -> None:
+    c, s = cos.float()[:, None, :], sin.float()[:, None, :]
+    xr = x[..., :rotary_dim].float()
+    if interleaved:  # pairs (2i, 2i+1)
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    else:  # halves (i, i + r/2)
+        half = rotary_dim // 2
+        x1, x2 = xr[..., :half], xr[..., half:]
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    x[..., :rotary_dim] = out.to(x.dtype)
+
+
+def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+               interleaved: bool) -> None:
+    """Rotate the first ``rotary_dim`` channels of ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place;
+    ``cos``/``sin`` are ``[T, rotary_dim/2]`` (fp32)."""
+    _rotate(q, cos, sin, rotary_dim, interleaved)
+    _rotate(k, cos, sin, rotary_dim, interleaved)
