@@ -26,7 +26,7 @@ from exl3_core.quant.exl3.quantize import quantize_linear, tensor_storage_entry
 from exl3_core.quant.exl3.regularize import regularize, sample_scale_tiles, search_global_scale
 from exl3_core.quant.exl3.trellis import check_states, check_wrap, pack_trellis, unpack_states
 
-GOLDEN = Path(__file__).resolve().parents[3] / "shared" / "data" / "exl3-golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "data" / "exl3-golden"  # vendored copy
 HAS_VITERBI = viterbi.has_cpp()
 needs_viterbi = pytest.mark.skipif(
     not HAS_VITERBI, reason="compiled exl3::viterbi_encode not built (python setup.py build_ext --inplace)"
