@@ -125,3 +125,14 @@ def test_throughput_printed(vit) -> None:
         assert V.states_consistent(out[:64].cpu(), K).all()
         lines.append(f"K={K}: {n / dt:,.0f} tiles/s ({n} tiles, {dt * 1e3:.1f} ms)")
     print("\nviterbi_encode CUDA throughput (3INST):\n  " + "\n  ".join(lines))
+
+
+def test_encode_tiles_auto_uses_cuda_and_matches_cpu() -> None:
+    from exl3_core.quant.exl3 import codebook as cb
+    from exl3_core.quant.exl3.viterbi import encode_tiles, has_cuda
+
+    assert has_cuda()
+    tiles = torch.randn(96, 256)
+    gpu = encode_tiles(tiles.cuda(), 4, cb.CB_MUL1)
+    assert gpu.is_cuda
+    assert torch.equal(gpu.cpu(), encode_tiles(tiles, 4, cb.CB_MUL1, impl="cpp"))

@@ -60,7 +60,7 @@ STATES = 65536
 FP16_MAX = 65504.0
 _SURV_BUDGET = 1 << 26  # bytes of survivor table the torch reference holds at once
 
-Impl = Literal["auto", "torch", "cpp"]
+Impl = Literal["auto", "torch", "cpp", "cuda"]
 
 
 def _check_k(K: int) -> int:
@@ -69,7 +69,7 @@ def _check_k(K: int) -> int:
     return K
 
 
-def _check_tiles(tiles: torch.Tensor) -> torch.Tensor:
+def _check_tiles(tiles: torch.Tensor, keep_device: bool = False) -> torch.Tensor:
     if not isinstance(tiles, torch.Tensor):
         raise TypeError(f"viterbi: tiles must be a torch.Tensor [N, 256], got {type(tiles).__name__}")
     if tiles.dim() != 2 or tiles.shape[1] != SEQ:
@@ -79,7 +79,7 @@ def _check_tiles(tiles: torch.Tensor) -> torch.Tensor:
         )
     if not tiles.is_floating_point():
         raise TypeError(f"viterbi: tiles must be floating point (fp32 preferred), got {tiles.dtype}")
-    t = tiles.detach().to(device="cpu", dtype=torch.float32).contiguous()
+    t = tiles.detach().to(device=tiles.device if keep_device else "cpu", dtype=torch.float32).contiguous()
     ok = torch.isfinite(t) & (t.abs() <= FP16_MAX)
     if not bool(ok.all()):
         bad = (~ok).nonzero()[0].tolist()
@@ -167,15 +167,24 @@ def encode_tiles(tiles: torch.Tensor, K: int, codebook: int, *, impl: Impl = "au
     Returns int32 ``[N, 256]``: the full 16-bit state (0..65535) of every position; the symbols to
     pack are the low K bits. ``impl``: ``"cpp"`` the compiled op (error if not built), ``"torch"``
     the reference, ``"auto"`` the compiled op when available. Both give identical states (see the
-    module docstring). Inputs on other devices are copied to the CPU; the result is on the CPU.
+    module docstring). CUDA inputs use the CUDA kernel when it is built (``"cuda"``; result on the GPU); other
+    inputs are copied to the CPU and the result is on the CPU.
     """
     K = _check_k(K)
     if codebook not in (_cb.CB_3INST, _cb.CB_MCG, _cb.CB_MUL1):
         raise ValueError(
             f"viterbi: unknown codebook id {codebook!r}; expected 0 (3inst), 1 (mcg) or 2 (mul1)"
         )
-    if impl not in ("auto", "torch", "cpp"):
-        raise ValueError(f"viterbi: impl={impl!r} is invalid; use 'auto', 'torch' or 'cpp'")
+    if impl not in ("auto", "torch", "cpp", "cuda"):
+        raise ValueError(f"viterbi: impl={impl!r} is invalid; use 'auto', 'torch', 'cpp' or 'cuda'")
+    if impl == "cuda" or (impl == "auto" and tiles.is_cuda and has_cuda()):
+        if not has_cuda():
+            raise RuntimeError("viterbi: impl='cuda' but exl3::viterbi_encode has no CUDA kernel in this build")
+        t = _check_tiles(tiles, keep_device=True)
+        from exl3_core import ext
+
+        # identical states to the CPU op; the result stays on the GPU
+        return ext.op("viterbi_encode")(t, _lut32(codebook).to(t.device), K)
     t = _check_tiles(tiles)
     if impl == "auto":
         impl = "cpp" if has_cpp() else "torch"
@@ -200,6 +209,14 @@ def encode_tiles(tiles: torch.Tensor, K: int, codebook: int, *, impl: Impl = "au
             if torch.get_num_threads() != before:
                 torch.set_num_threads(before)
     return _encode_torch(t, K, codebook)
+
+
+def has_cuda() -> bool:
+    """True when ``exl3::viterbi_encode`` has a CUDA kernel (extension built with nvcc)."""
+    from exl3_core import ext
+
+    return (ext.has_op("viterbi_encode") and torch.cuda.is_available()
+            and torch._C._dispatch_has_kernel_for_dispatch_key("exl3::viterbi_encode", "CUDA"))
 
 
 def has_cpp() -> bool:
