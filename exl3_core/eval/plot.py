@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 
 
+STORED_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "bias", "mul1", "mcg")
+
+
 @dataclass(frozen=True)
 class Point:
     label: str
@@ -26,7 +29,7 @@ class Point:
 
 # -- the bpw of a checkpoint ----------------------------------------------------------------------
 def model_bpw(directory: str | Path) -> float:
-    """Stored bits per weight of the quantized layers (trellis + suh/svh over padded weights).
+    """Stored bits per weight of the quantized layers (all their tensors over the padded weight count).
 
     The output head (the linear whose width is the padded vocabulary) is left out, as the reference
     engine reports it separately. An unquantized model reports the bit width of its weights' dtype.
@@ -47,7 +50,7 @@ def model_bpw(directory: str | Path) -> float:
             if tn * 16 == vocab_padded:
                 continue
             n = tk * 16 * tn * 16
-            stored = c.nbytes(name) + sum(c.nbytes(f"{key}.{s}") for s in ("suh", "svh") if f"{key}.{s}" in names)
+            stored = sum(c.nbytes(f"{key}.{s}") for s in STORED_SUFFIXES if f"{key}.{s}" in names)
             bits += 8 * stored
             numel += n
         if numel == 0:
