@@ -222,7 +222,10 @@ def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="codebook"):
         V.encode_tiles(x, 2, 3)
     with pytest.raises(ValueError, match="impl"):
-        V.encode_tiles(x, 2, cb.CB_MUL1, impl="cuda")  # type: ignore[arg-type]
+        V.encode_tiles(x, 2, cb.CB_MUL1, impl="gpu")  # type: ignore[arg-type]
+    if not V.has_cuda():
+        with pytest.raises(RuntimeError, match="no CUDA kernel"):
+            V.encode_tiles(x, 2, cb.CB_MUL1, impl="cuda")
     with pytest.raises(TypeError, match="floating point"):
         V.encode_tiles(torch.zeros(1, 256, dtype=torch.int32), 2, cb.CB_MUL1)
 
