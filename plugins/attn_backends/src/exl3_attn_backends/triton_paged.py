@@ -290,7 +290,9 @@ def _sm_count(device: torch.device) -> int:
 def _block_sizes(spec: AttnSpec) -> tuple[int, int, int]:
     block_d = max(16, triton.next_power_of_2(spec.head_dim))
     block_dv = max(16, triton.next_power_of_2(spec.v_dim))
-    block_n = 32 if max(block_d, block_dv) > 128 else 64
+    widest = max(block_d, block_dv)
+    # K and V chunks are staged in shared memory (x num_stages): keep them within an SM's share
+    block_n = 16 if widest > 512 else (32 if widest > 128 else 64)
     return block_d, block_dv, block_n
 
 
@@ -350,6 +352,7 @@ def decode_split_kv(args: AttnArgs, num_splits: int) -> torch.Tensor:
         part_m, part_l, part_acc, out, args.cu_seqlens_q,
         out.stride(0), out.stride(1),
         NUM_HEADS=Hq, NUM_SPLITS=num_splits, BLOCK_S=block_s, HEAD_DIM_V=spec.v_dim, BLOCK_DV=block_dv_c,
+        num_warps=8 if block_s * block_dv_c >= 8192 else 4,  # the [splits, dv] partial tile sits in registers
     )
     return out
 
