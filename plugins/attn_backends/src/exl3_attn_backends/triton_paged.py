@@ -123,8 +123,8 @@ def _decode_split(
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
-    stride_pt,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
+    stride_pt, NUM_SPLITS,  # a runtime value: one compiled kernel serves every split count
+    NUM_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -192,8 +192,8 @@ def _decode_split(
 @triton.jit
 def _decode_combine(
     PartM, PartL, PartAcc, Out, CuQ,
-    stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    stride_ot, stride_oh, NUM_SPLITS,
+    NUM_HEADS: tl.constexpr, BLOCK_S: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     # grid (batch, q_heads, cdiv(HEAD_DIM_V, BLOCK_DV)): softmax-weighted sum of the split partials
@@ -340,8 +340,8 @@ def decode_split_kv(args: AttnArgs, num_splits: int) -> torch.Tensor:
         float(args.scale), float(spec.softcap or 1.0),
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        pt.stride(0),
-        NUM_HEADS=Hq, NUM_SPLITS=num_splits, PAGE_SIZE=k.shape[1], GROUP=group, HEAD_BLOCKS=head_blocks,
+        pt.stride(0), num_splits,
+        NUM_HEADS=Hq, PAGE_SIZE=k.shape[1], GROUP=group, HEAD_BLOCKS=head_blocks,
         HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.v_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_H=block_h, BLOCK_N=block_n,
         WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0, DOT_PREC=_dot_precision(spec.dtype),
@@ -350,8 +350,8 @@ def decode_split_kv(args: AttnArgs, num_splits: int) -> torch.Tensor:
     block_dv_c = min(block_dv, 128)
     _decode_combine[(B, Hq, triton.cdiv(spec.v_dim, block_dv_c))](
         part_m, part_l, part_acc, out, args.cu_seqlens_q,
-        out.stride(0), out.stride(1),
-        NUM_HEADS=Hq, NUM_SPLITS=num_splits, BLOCK_S=block_s, HEAD_DIM_V=spec.v_dim, BLOCK_DV=block_dv_c,
+        out.stride(0), out.stride(1), num_splits,
+        NUM_HEADS=Hq, BLOCK_S=block_s, HEAD_DIM_V=spec.v_dim, BLOCK_DV=block_dv_c,
         num_warps=8 if block_s * block_dv_c >= 8192 else 4,  # the [splits, dv] partial tile sits in registers
     )
     return out
