@@ -81,20 +81,26 @@ def random_rows(rows: int, cols: int, vocab_size: int, seed: int) -> torch.Tenso
 
 
 def calibration_ids(model_dir: str | Path, vocab_size: int, rows: int, cols: int, *, seed: int = 0,
-                    text: str | None = None) -> torch.Tensor:
+                    text: str | None = None, random_fraction: float = RANDOM_FRACTION) -> torch.Tensor:
     """int64 ``[rows, cols]`` calibration token ids: text windows first, then random rows.
 
     :param model_dir: where the tokenizer lives; without a ``tokenizer.json`` every row is random
         (with a warning): a quantizer calibrated on noise only is still valid, just worse.
     :param text: calibration text (default: the built-in documentation text).
+    :param random_fraction: share of uniform-random rows (1.0: no text at all, e.g. for random-weight
+        test models, for which no text is more typical than another).
     """
     if rows <= 0 or cols <= 1:
         raise ValueError(f"calibration size {rows} rows x {cols} cols: need rows >= 1 and cols >= 2")
+    if not 0.0 <= random_fraction <= 1.0:
+        raise ValueError(f"random calibration fraction {random_fraction} must be in [0, 1]")
+    if random_fraction == 1.0:
+        return random_rows(rows, cols, vocab_size, seed)
     tok = load_tokenizer(model_dir)
     if tok is None:
         warnings.warn(f"{model_dir} has no tokenizer.json: calibrating on random token ids only", stacklevel=2)
         return random_rows(rows, cols, vocab_size, seed)
-    n_random = round(rows * RANDOM_FRACTION) if rows > 1 else 0
+    n_random = round(rows * random_fraction) if rows > 1 else 0
     ids = tokenize_text(tok, text if text is not None else builtin_text("calibration"), vocab_size,
                         "calibration text")
     return torch.cat([text_windows(ids, rows - n_random, cols), random_rows(n_random, cols, vocab_size, seed)])

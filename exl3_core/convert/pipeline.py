@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from exl3_core.convert.calibration import calibration_ids
+from exl3_core.convert.calibration import RANDOM_FRACTION, calibration_ids
 from exl3_core.convert.capture import HessianCapture, LinearSlot, find_linears
 from exl3_core.convert.compile import quantization_config, write_output
 from exl3_core.convert.stages import (
@@ -71,6 +71,7 @@ class ConvertArgs:
     work_dir: str | None = None
     seed: int = 0
     text: str | None = None  # calibration text file (None: the built-in text)
+    cal_random: float = RANDOM_FRACTION  # share of uniform-random calibration rows
 
     def validate(self) -> None:
         if not 1.0 <= self.bpw <= 8.0:
@@ -83,6 +84,8 @@ class ConvertArgs:
             raise ValueError(f"--out-scales {self.out_scales!r}: use always, never or auto")
         if self.cal_rows < 1 or self.cal_cols < 2:
             raise ValueError(f"--cal-rows {self.cal_rows} --cal-cols {self.cal_cols}: need at least 1 row of 2 tokens")
+        if not 0.0 <= self.cal_random <= 1.0:
+            raise ValueError(f"--cal-random {self.cal_random}: the share of random rows must be in [0, 1]")
         if self.shard_mib < 1:
             raise ValueError(f"--shard-size {self.shard_mib}: must be at least 1 MiB")
 
@@ -271,7 +274,8 @@ class Converter:
         for s in (s for ss in self.slots.values() for s in ss):
             s.group = None  # the real capture observes the groups again
         text = None if a.text is None else Path(a.text).expanduser().read_text(encoding="utf-8")
-        ids = calibration_ids(self.in_dir, self.vocab, a.cal_rows, a.cal_cols, seed=a.seed, text=text)
+        ids = calibration_ids(self.in_dir, self.vocab, a.cal_rows, a.cal_cols, seed=a.seed, text=text,
+                              random_fraction=a.cal_random)
         job = Job(args=job_args, source=source, bits=bits)
         self.work.path.mkdir(parents=True, exist_ok=True)
         self.work.save_calibration(ids)
@@ -441,7 +445,8 @@ class Converter:
 def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: int = 6, codebook: str = "mul1",
             out_scales: str = "always", cal_rows: int = 250, cal_cols: int = 2048, device: str = "cpu",
             shard_mib: int = 8192, work_dir: str | Path | None = None, resume: bool = False, seed: int = 0,
-            text: str | Path | None = None, report: Report | None = None, progress: bool = True,
+            text: str | Path | None = None, cal_random: float = RANDOM_FRACTION, report: Report | None = None,
+            progress: bool = True,
             on_quantized: Callable[[str, QuantizedLinear], None] | None = None,
             _stop_after_module: int | None = None) -> ConvertResult:
     """Quantize the HF model in ``in_dir`` to EXL3 at ``bpw`` bits per weight into ``out_dir``.
@@ -453,6 +458,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
     :param work_dir: checkpoint directory (default ``<out_dir>.work``, removed when done).
     :param resume: continue the unfinished job in ``work_dir``; its quantization arguments must match.
     :param text: calibration text file instead of the built-in documentation text.
+    :param cal_random: share of uniform-random calibration rows (default 20/135, the reference mix).
     :param report: receives the per-tensor and per-module report lines (default: stderr).
     :param on_quantized: called with ``(key, QuantizedLinear)`` for every tensor quantized in this run.
     :param _stop_after_module: testing hook, return (unfinished) after checkpointing that stage index.
@@ -461,6 +467,6 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
     args = ConvertArgs(in_dir=str(in_dir), out_dir=str(out_dir), bpw=float(bpw), head_bits=head_bits,
                        codebook=codebook, out_scales=out_scales, cal_rows=cal_rows, cal_cols=cal_cols, device=device,
                        shard_mib=shard_mib, work_dir=None if work_dir is None else str(work_dir), seed=seed,
-                       text=None if text is None else str(text))
+                       text=None if text is None else str(text), cal_random=cal_random)
     conv = Converter(args, report=report, progress=progress, on_quantized=on_quantized)
     return conv.run(resume=resume, _stop_after_module=_stop_after_module)
