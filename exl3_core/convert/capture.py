@@ -188,7 +188,7 @@ class HessianCapture:
         return pre, post
 
     # -- lifetime ---------------------------------------------------------------------------------
-    def __enter__(self) -> HessianCapture:
+    def __enter__(self) -> HessianCapture:  # noqa: PYI034 - a dataclass, Self adds nothing here
         for slot in self.slots:
             if slot.quantize:
                 self._handles.append(slot.module.register_forward_pre_hook(self._pre_hook))
@@ -202,10 +202,10 @@ class HessianCapture:
                     continue
                 for lin_attr, src_attr in aliases.items():
                     lin, src = m._modules.get(lin_attr), getattr(m, src_attr, None)
-                    slot = self._by_id.get(id(lin)) if lin is not None else None
-                    if slot is not None and isinstance(src, torch.nn.Module):
+                    target = self._by_id.get(id(lin)) if lin is not None else None
+                    if target is not None and isinstance(src, torch.nn.Module):
                         self._aliased.add(id(lin))  # e.g. an identity probe that re-derives folded weights
-                        self._handles.append(src.register_forward_hook(self._alias_hook(slot)))
+                        self._handles.append(src.register_forward_hook(self._alias_hook(target)))
         return self
 
     def next_batch(self) -> None:

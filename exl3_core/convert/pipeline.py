@@ -105,7 +105,7 @@ class ConvertResult:
     seconds: float = 0.0
 
 
-class StopAfterModule(Exception):  # noqa: N818 - a control-flow signal, not an error
+class StopAfterModule(Exception):
     """Raised internally by the ``_stop_after_module`` test hook."""
 
 
@@ -298,7 +298,9 @@ class Converter:
             if K == 16:
                 s.quantize = False  # --head-bits 16: stored dense (spec 1.6)
                 continue
-            w = s.module.weight.detach()
+            w = s.module.weight
+            assert isinstance(w, torch.Tensor), f"{s.key}: a linear without a weight tensor"
+            w = w.detach()
             b = getattr(s.module, "bias", None)
             t0 = time.monotonic()
             q = quantize_linear(w, hinfos.get(s.group or s.key), K=K, codebook=self.args.codebook,
@@ -415,15 +417,13 @@ class Converter:
 
     def _finish(self, job: Job, t_start: float) -> ConvertResult:
         a = self.args
-        items, head_keys = [], set()
+        items = []  # the budgeted ("bits") tensors; the head is reported separately (spec 1.7)
         for st_info, st in zip(job.stages, self.stages, strict=True):
-            for key, K in st_info["bits"].items():
+            if st.kind == "head":
+                continue
+            for key in st_info["bits"]:
                 slot = next(s for s in self.slots[st.index] if s.key == key)
-                if st.kind == "head":
-                    head_keys.add(key)
-                else:
-                    items.append(AllocItem(key, padded_size(slot.in_features) * padded_size(slot.out_features),
-                                           key))
+                items.append(AllocItem(key, padded_size(slot.in_features) * padded_size(slot.out_features), key))
         bits = average_bits(job.bits, items) if items else 0.0
         from exl3_core import __version__
 

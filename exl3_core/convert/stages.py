@@ -117,10 +117,10 @@ def load_recording(model: Any, stages: list[Stage], source: Any, device: torch.d
             owner.setdefault(id(m), st)
     patched: list[Module] = []
     for m in model.exl3_modules():
-        st = owner.get(id(m))
+        owner_st = owner.get(id(m))
         orig = m.load_weights
 
-        def tagged(ctx: Any, _orig: Any = orig, _st: Stage | None = st) -> None:
+        def tagged(ctx: Any, _orig: Any = orig, _st: Stage | None = owner_st) -> None:
             rec.current = _st
             try:
                 _orig(ctx)

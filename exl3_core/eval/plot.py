@@ -6,6 +6,7 @@ the PNG itself (zlib + struct): axes, ticks, one polyline with markers per panel
 """
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 import zlib
@@ -14,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 
 STORED_SUFFIXES = ("trellis", "suh", "svh", "su", "sv", "bias", "mul1", "mcg")
 
@@ -41,12 +41,12 @@ def model_bpw(directory: str | Path) -> float:
     d = Path(directory)
     vocab = json.loads((d / "config.json").read_text(encoding="utf-8")).get("vocab_size") or 0
     vocab_padded = -(-int(vocab) // 128) * 128
-    bits = numel = 0
+    bits, numel = 0.0, 0
     with SafetensorsCollection(d) as c:
         names = set(c.keys())
         for name in sorted(n for n in names if n.endswith(".trellis")):
             key = name[: -len(".trellis")]
-            tk, tn, words = c.shape(name)
+            tk, tn, _ = c.shape(name)
             if tn * 16 == vocab_padded:
                 continue
             n = tk * 16 * tn * 16
@@ -69,16 +69,16 @@ def render(points: Sequence[Point], out: str | Path, *, title: str = "", referen
     out = Path(out)
     if backend in ("auto", "matplotlib"):
         try:
-            import matplotlib
+            import matplotlib  # type: ignore[import-not-found]
 
             matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+            import matplotlib.pyplot as plt  # type: ignore[import-not-found]
         except ImportError:
             if backend == "matplotlib":
                 raise
         else:
-            panels = 2 if any(p.kld is not None for p in pts) else 1
-            fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4), squeeze=False)
+            n_panels = 2 if any(p.kld is not None for p in pts) else 1
+            fig, axes = plt.subplots(1, n_panels, figsize=(5 * n_panels, 4), squeeze=False)
             ax = axes[0][0]
             ax.plot([p.bpw for p in pts], [p.ppl for p in pts], "o-")
             if reference_ppl is not None:
@@ -86,7 +86,7 @@ def render(points: Sequence[Point], out: str | Path, *, title: str = "", referen
                 ax.legend()
             ax.set_xlabel("bits per weight")
             ax.set_ylabel("perplexity")
-            if panels == 2:
+            if n_panels == 2:
                 kp = [p for p in pts if p.kld is not None]
                 axes[0][1].plot([p.bpw for p in kp], [p.kld for p in kp], "o-", color="C1")
                 axes[0][1].set_xlabel("bits per weight")
@@ -97,9 +97,10 @@ def render(points: Sequence[Point], out: str | Path, *, title: str = "", referen
             fig.savefig(out, format="png")
             plt.close(fig)
             return out
-    panels = [("PPL", [(p.bpw, p.ppl) for p in pts], reference_ppl)]
+    panels: list[tuple[str, list[tuple[float, float]], float | None]] = [
+        ("PPL", [(p.bpw, p.ppl) for p in pts], reference_ppl)]
     if any(p.kld is not None for p in pts):
-        panels.append(("KLD", [(p.bpw, p.kld) for p in pts if p.kld is not None], None))
+        panels.append(("KLD", [(p.bpw, float(p.kld)) for p in pts if p.kld is not None], None))
     canvas = Canvas(420 * len(panels), 320)
     for i, (name, xy, ref) in enumerate(panels):
         _panel(canvas, 420 * i, name, xy, ref)
@@ -195,10 +196,10 @@ def _panel(c: Canvas, x_off: int, name: str, xy: list[tuple[float, float]], ref:
     if ref is not None:
         for x in range(left, right, 8):
             c.line(x, Y(ref), x + 4, Y(ref), (128, 128, 128))
-    for (x0, y0), (x1, y1) in zip(xy, xy[1:]):
+    for (x0, y0), (x1, y1) in itertools.pairwise(xy):
         c.line(X(x0), Y(y0), X(x1), Y(y1), blue, width=2)
-    for x, y in xy:
-        c.box(round(X(x)), round(Y(y)), 3, blue)
+    for px, py in xy:
+        c.box(round(X(px)), round(Y(py)), 3, blue)
     c.text(left + (right - left) // 2 - 9, bottom + 22, "bpw")
     c.text(x_off + 8, top - 20, name)
 

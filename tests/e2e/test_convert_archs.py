@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from convert_tiny import build_tiny, load
+
 from exl3_core.convert.pipeline import convert
 from exl3_core.eval.kld import kl_divergence
 from exl3_core.loader import SafetensorsCollection

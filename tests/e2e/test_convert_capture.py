@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from convert_tiny import build_tiny, load
 from safetensors.torch import load_file
 
-from convert_tiny import build_tiny, load
 from exl3_core.convert.capture import HessianCapture, find_linears
 from exl3_core.convert.stages import conversion_stages, forward_stage
 

@@ -100,7 +100,7 @@ def test_structure_matches_reference_checkpoint(model_c_3: tuple[Path, dict[str,
     gold = GOLDEN / "exl3" / "model_c_exl3_3.0bpw_mul1"
     with SafetensorsCollection(out) as ours, SafetensorsCollection(gold) as theirs:
         assert sorted(ours.keys()) == sorted(theirs.keys())
-        for n in theirs.keys():
+        for n in theirs:
             assert (ours.shape(n), ours.dtype(n)) == (theirs.shape(n), theirs.dtype(n)), n
         assert ours.get_tensor("model.layers.0.mlp.down_proj.mul1").item() == \
             theirs.get_tensor("model.layers.0.mlp.down_proj.mul1").item()
