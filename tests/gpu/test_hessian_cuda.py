@@ -49,7 +49,8 @@ def test_cuda_matches_oracle(need_op, dtype: torch.dtype, shape: tuple[int, ...]
     # same result as the CPU op up to fp32 summation order
     Hcpu = H0.clone()
     hops.accumulate_hessian(Hcpu, x, impl="op")
-    torch.testing.assert_close(Hc, Hcpu, rtol=1e-5, atol=1e-3)
+    # fp32 sums of ~2000 rows in another order: differences scale with the largest entry, not 1
+    torch.testing.assert_close(Hc, Hcpu, rtol=1e-5, atol=4e-7 * Hcpu.abs().max().item())
 
 
 def test_cuda_all_rows_bad_leaves_h(need_op) -> None:
