@@ -272,9 +272,12 @@ class TritonPagedAttention:
 
 
 #: split-KV heuristic: aim for this many programs per SM in the split kernel, at most
-#: MAX_SPLITS splits (the combine kernel holds every split's partial row in registers)
+#: MAX_SPLITS splits (the combine kernel holds every split's partial row in registers).
+#: H200, 8B-shape b=1 graph (docs/performance.md): 32 splits was best at ctx 4096 (0.436 ms/step
+#: vs 0.441 at 64) and cost less at ctx 256 (0.260 vs 0.310 ms); the split count is fixed at
+#: capture from the cache capacity, so it must serve short and long contexts alike.
 PROGRAMS_PER_SM = 4
-MAX_SPLITS = 64
+MAX_SPLITS = 32
 _SM_COUNT: dict[int, int] = {}
 
 
