@@ -59,6 +59,15 @@ def clean_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPat
     settings.reload()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models on a shared 2-core machine: thread hand-offs cost far more than the math."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def plugins():
     """A plugin set with only the core built-ins (tests never depend on what is installed)."""

@@ -13,12 +13,7 @@ from exl3_core.quant.exl3.linear import EXL3Linear
 TINY = "custom(256,384,2,4,2,700)"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_named_and_custom_shapes() -> None:

@@ -15,13 +15,7 @@ from exl3_core.plugins import load_plugins
 from exl3_core.sampling import SamplerValueError
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # tiny tensors: thread hand-offs cost far more than the math on a busy 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

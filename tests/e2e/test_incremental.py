@@ -41,12 +41,7 @@ def _cases() -> list[Any]:
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _load(hf_arch: str, cfg: Any, tmp: Path) -> Any:
