@@ -49,6 +49,7 @@ from exl3_core.quant.exl3.quantize import QuantizedLinear, quantize_linear
 CODEBOOKS = ("mul1", "mcg", "3inst")
 METRIC_ROWS = 5  # rows the per-stage error is measured on (as the reference quantizer does)
 CHUNK_TOKENS = 4096  # calibration tokens per forward call
+HEAD_METRIC_COLS = 512  # tokens per row the head's error is measured on
 ATTENTION_PRIORITY, FEEDFORWARD_PRIORITY = 2, 1  # bit allocation order (spec 5.7)
 
 Report = Callable[[str], None]
@@ -340,8 +341,9 @@ class Converter:
             for s in qslots:
                 s.group = qslots[0].key
             hinfos[qslots[0].key] = acc.finalize(seed=self._seed(st))
-            with torch.no_grad():
-                ref = forward_stage(self.model, st, x[:n_metric].to(dev), ids[:n_metric]).cpu()
+            with torch.no_grad():  # logits are vocabulary-wide: measured on a bounded number of tokens
+                ref = forward_stage(self.model, st, x[:n_metric, :HEAD_METRIC_COLS].to(dev),
+                                    ids[:n_metric, :HEAD_METRIC_COLS]).cpu()
         elif qslots:
             with torch.no_grad(), HessianCapture(st.module, slots) as cap:
                 for c in chunks:
@@ -362,7 +364,8 @@ class Converter:
             new_x = x
             if quantized:
                 with torch.no_grad():
-                    y = forward_stage(self.model, st, x[:n_metric].to(dev), ids[:n_metric]).cpu()
+                    y = forward_stage(self.model, st, x[:n_metric, :HEAD_METRIC_COLS].to(dev),
+                                      ids[:n_metric, :HEAD_METRIC_COLS]).cpu()
                 metrics = error_metrics(y, ref)
         else:
             outs = []
