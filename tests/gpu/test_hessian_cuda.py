@@ -49,8 +49,10 @@ def test_cuda_matches_oracle(need_op, dtype: torch.dtype, shape: tuple[int, ...]
     # same result as the CPU op up to fp32 summation order
     Hcpu = H0.clone()
     hops.accumulate_hessian(Hcpu, x, impl="op")
-    # fp32 sums of ~2000 rows in another order: differences scale with the largest entry, not 1
-    torch.testing.assert_close(Hc, Hcpu, rtol=1e-5, atol=4e-7 * Hcpu.abs().max().item())
+    # fp32 sums of ~2000 rows in another order: differences scale with the largest entry, not 1,
+    # and a sum of n positive terms may differ by up to ~n*eps relative (H200: 1.04e-5 seen on a
+    # diagonal entry of 8.9e3); the fp64-oracle check above is the accuracy bound
+    torch.testing.assert_close(Hc, Hcpu, rtol=1e-4, atol=4e-7 * Hcpu.abs().max().item())
 
 
 def test_cuda_all_rows_bad_leaves_h(need_op) -> None:
