@@ -9,7 +9,6 @@ weights, its index and its ``config.json``.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from exl3_core.loader import save_sharded
+from exl3_core.loader.save import write_json_atomic as _write_json
 from exl3_core.quant.exl3.quantize import tensor_storage_entry
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".ckpt", ".pth", ".pt")
@@ -26,17 +26,8 @@ MIB = 1 << 20
 
 
 def write_json_atomic(obj: Any, path: Path, indent: int = 4) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(obj, indent=indent, ensure_ascii=False))
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    """Config files as the reference engine writes them (indent 4, UTF-8 kept), atomically."""
+    _write_json(obj, path, indent=indent, ensure_ascii=False)
 
 
 def quantization_config(source_cfg: Mapping[str, Any], *, version: str, bits: float, head_bits: int,

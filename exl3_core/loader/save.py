@@ -106,11 +106,12 @@ def save_tensors(
     return _write(tensors, Path(path), metadata)
 
 
-def _write_json_atomic(obj: object, path: Path) -> None:
+def write_json_atomic(obj: object, path: Path, indent: int = 2, ensure_ascii: bool = True) -> None:
+    """Write JSON through a temp file + fsync + rename: a crash leaves the old file or the new one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2)
+            json.dump(obj, f, indent=indent, ensure_ascii=ensure_ascii)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
@@ -212,7 +213,7 @@ def save_sharded(
             # total_size counts tensor data bytes only, not headers (as HF writes it).
             total = sum(shard_bytes)
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            _write_json_atomic(index, out / INDEX_FILE)
+            write_json_atomic(index, out / INDEX_FILE)
     except BaseException:
         for tmp in tmp_files:
             tmp.unlink(missing_ok=True)
