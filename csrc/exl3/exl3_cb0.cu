@@ -1,4 +1,5 @@
 // Instantiations of the EXL3 kernels for codebook 0 (one codebook per file: parallel builds).
+#include "exl3_fused.cuh"
 #include "exl3_kernels.cuh"
 #include "exl3_launch.h"
 
@@ -7,4 +8,5 @@ int launch_gemm_cb0(int K, int mb, const GemmArgs& a, cudaStream_t st) { return 
 void launch_reconstruct_cb0(int K, const uint32_t* t, __half* out, int kt, int nt, cudaStream_t st) {
     dispatch_reconstruct<0>(K, t, out, kt, nt, st);
 }
+int launch_fused_cb0(int K, const FusedArgs& a, cudaStream_t st) { return dispatch_fused<0>(K, a, st); }
 }  // namespace exl3

@@ -8,6 +8,7 @@
 namespace exl3 {
 
 struct GemmArgs;
+struct FusedArgs;
 
 // codebook cb in 0..2, K in 1..8; out is fp16 [16*k_tiles, 16*n_tiles]
 void launch_reconstruct(int cb, int K, const uint32_t* trellis, __half* out, int k_tiles, int n_tiles, cudaStream_t st);
@@ -17,5 +18,12 @@ int launch_gemm(int cb, int K, int mb, const GemmArgs& a, cudaStream_t st);
 // blockwise H128/sqrt(128) along the last dim of a row-major [rows, dim] tensor (see exl3_had.cu)
 void launch_had128(const void* x, bool x_fp16, void* y, bool y_fp16, const __half* pre, const __half* post,
                    long rows, long dim, cudaStream_t st);
+
+// one-launch linear for m <= 16 (exl3_fused.cuh): Hadamard in, decode GEMM, Hadamard out, for up to
+// 3 problems sharing x; a.kt_per_chunk <= 0 picks one wave. Returns the k tiles per chunk it used.
+int launch_fused(int cb, int K, const FusedArgs& a, cudaStream_t st);
+int launch_fused_cb0(int K, const FusedArgs& a, cudaStream_t st);
+int launch_fused_cb1(int K, const FusedArgs& a, cudaStream_t st);
+int launch_fused_cb2(int K, const FusedArgs& a, cudaStream_t st);
 
 }  // namespace exl3

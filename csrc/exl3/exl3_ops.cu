@@ -6,8 +6,21 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "exl3_fused.cuh"
 #include "exl3_kernels.cuh"
 #include "exl3_launch.h"
+
+namespace exl3 {
+int launch_fused(int cb, int K, const FusedArgs& a, cudaStream_t st) {
+    if (cb == 0) return launch_fused_cb0(K, a, st);
+    if (cb == 1) return launch_fused_cb1(K, a, st);
+    return launch_fused_cb2(K, a, st);
+}
+}  // namespace exl3
 
 namespace {
 
@@ -101,17 +114,78 @@ Tensor had128(const Tensor& x, const c10::optional<Tensor>& pre, const c10::opti
     return y;
 }
 
-// Spec 4.3: y = fp16(Had(z) ) * svh with z = fp16(Had(fp16(x*suh))) @ Ŵ; the seam of linear.py
-Tensor gemm(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t codebook) {
-    const int k = check_trellis(trellis, 0, codebook, "exl3::exl3_gemm");
+// ------------------------------------------------------------------ fused decode linear (m <= 16)
+
+// Per-device workspace of the fused op: fp32 z [16 * n] and int32 arrival counters [n / 128], all
+// zero between launches (each launch puts its zeros back; exl3_fused.cuh). It grows only when a
+// call needs more columns than any earlier one (n summed over a group), with at::zeros on the
+// current stream followed by a stream sync, so it is valid on every stream afterwards. Growth is
+// never done while the stream is capturing a CUDA graph (the captured memset would not run until
+// replay): that call takes the 4-kernel path instead. The generator's graph code runs each bucket
+// eagerly before capturing it, so the workspace is already large enough at capture time.
+// Replaced buffers are kept alive, since graphs captured earlier still point at them.
+// One workspace per device: concurrent fused calls on two streams of one device are not supported.
+struct FusedWorkspace {
+    Tensor z, counters;
+    int64_t n_cap = 0;
+    std::vector<Tensor> retired;
+};
+std::mutex g_ws_mutex;
+std::unordered_map<int, FusedWorkspace> g_ws;
+
+constexpr int64_t FUSED_MAX_M = 16;
+
+bool stream_capturing(cudaStream_t st) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    return cudaStreamIsCapturing(st, &status) == cudaSuccess && status != cudaStreamCaptureStatusNone;
+}
+
+// z and counters covering n_total columns on x's device, or false when it would have to grow during capture
+bool fused_workspace(const Tensor& like, int64_t n_total, float** z, int** counters) {
+    std::lock_guard<std::mutex> lock(g_ws_mutex);
+    FusedWorkspace& ws = g_ws[like.get_device()];
+    if (ws.n_cap < n_total) {
+        auto st = at::cuda::getCurrentCUDAStream();
+        if (stream_capturing(st)) {
+            TORCH_WARN_ONCE("exl3::exl3_linear: the fused-op workspace must grow to ", n_total,
+                            " columns during CUDA-graph capture; this call uses the 4-kernel path. Run the "
+                            "captured shapes once eagerly before capturing to get the fused op.");
+            return false;
+        }
+        if (ws.z.defined()) {
+            ws.retired.push_back(ws.z);
+            ws.retired.push_back(ws.counters);
+        }
+        ws.z = at::zeros({FUSED_MAX_M * n_total}, like.options().dtype(at::kFloat));
+        ws.counters = at::zeros({n_total / exl3::FUSED_COLS}, like.options().dtype(at::kInt));
+        ws.n_cap = n_total;
+        st.synchronize();  // the zeros are in place before any stream uses the buffers
+    }
+    *z = ws.z.data_ptr<float>();
+    *counters = ws.counters.data_ptr<int>();
+    return true;
+}
+
+// t itself when its data is 16-byte aligned (the kernel's vector loads), else an aligned copy
+Tensor aligned16(const Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+void check_x(const Tensor& x, int64_t kd, int64_t max_m, const char* op) {
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kHalf && x.dim() == 2,
-                "exl3::exl3_gemm: x must be a CUDA fp16 [m, k] tensor, got ", x.scalar_type(), " ", x.sizes());
-    const int64_t kd = trellis.size(0) * 16, nd = trellis.size(1) * 16;
-    TORCH_CHECK(x.size(1) == kd, "exl3::exl3_gemm: x has ", x.size(1), " columns, the trellis ", kd);
-    TORCH_CHECK(suh.numel() == kd && svh.numel() == nd, "exl3::exl3_gemm: suh/svh must have ", kd, "/", nd,
-                " elements, got ", suh.numel(), "/", svh.numel());
-    c10::cuda::CUDAGuard guard(x.device());
-    Tensor su = suh.to(at::kHalf).contiguous(), sv = svh.to(at::kHalf).contiguous();
+                op, ": x must be a CUDA fp16 [m, k] tensor, got ", x.scalar_type(), " ", x.sizes());
+    TORCH_CHECK(x.size(1) == kd, op, ": x has ", x.size(1), " columns, the trellis ", kd);
+    TORCH_CHECK(max_m <= 0 || x.size(0) <= max_m, op, ": x has ", x.size(0), " rows; the fused op takes at most ",
+                max_m, " (use exl3_gemm)");
+}
+
+void check_scales(const Tensor& suh, const Tensor& svh, int64_t kd, int64_t nd, const char* op) {
+    TORCH_CHECK(suh.is_cuda() && svh.is_cuda() && suh.numel() == kd && svh.numel() == nd, op,
+                ": suh/svh must be CUDA vectors of ", kd, "/", nd, " elements, got ", suh.numel(), "/", svh.numel());
+}
+
+// the unfused chain (had128, split-k GEMM or reconstruct + cuBLAS, had128); su/sv fp16 contiguous
+Tensor gemm_4kernel(const Tensor& x, const Tensor& trellis, const Tensor& su, const Tensor& sv, int k, int64_t codebook) {
     Tensor xh = had128(x, su, c10::nullopt, true);
     Tensor z;
     if (x.size(0) <= GEMM_MAX_M) {
@@ -120,6 +194,110 @@ Tensor gemm(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Ten
         z = at::matmul(xh, reconstruct(trellis, k, codebook));  // fp16 cuBLAS, fp32 accumulation
     }
     return had128(z, c10::nullopt, sv, true);
+}
+
+// One launch for up to 3 problems sharing x (same K, codebook); returns false (nothing launched)
+// when the workspace cannot be had during capture.
+bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std::vector<Tensor>& su,
+                  const std::vector<Tensor>& sv, const std::vector<Tensor>& y, int k, int64_t codebook,
+                  int64_t kt_per_chunk) {
+    int64_t n_total = 0;
+    for (const Tensor& t : trellis) n_total += t.size(1) * 16;
+    float* z = nullptr;
+    int* counters = nullptr;
+    if (!fused_workspace(x, n_total, &z, &counters)) return false;
+    exl3::FusedArgs a{};
+    a.x = reinterpret_cast<const __half*>(x.data_ptr());
+    a.m = (int)x.size(0);
+    a.k_tiles = (int)trellis[0].size(0);
+    a.kt_per_chunk = (int)kt_per_chunk;
+    a.n_problems = (int)trellis.size();
+    int64_t n_off = 0;
+    for (size_t i = 0; i < trellis.size(); ++i) {
+        exl3::FusedProblem& p = a.p[i];
+        p.trellis = reinterpret_cast<const uint32_t*>(trellis[i].data_ptr());
+        p.suh = reinterpret_cast<const __half*>(su[i].data_ptr());
+        p.svh = reinterpret_cast<const __half*>(sv[i].data_ptr());
+        p.y = reinterpret_cast<__half*>(y[i].data_ptr());
+        p.z = z + FUSED_MAX_M * n_off;
+        p.counters = counters + n_off / exl3::FUSED_COLS;
+        p.n_tiles = (int)trellis[i].size(1);
+        n_off += trellis[i].size(1) * 16;
+    }
+    exl3::launch_fused((int)codebook, k, a, at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return true;
+}
+
+// Spec 4.3 in one launch for m <= 16 (exl3_fused.cuh): y = fp16(Had(z)) * svh, z = fp16(Had(fp16(x*suh))) @ Ŵ.
+// Problems: trellis/suh/svh triples sharing x, K and codebook; returns one fp16 [m, n_i] per problem.
+std::vector<Tensor> linear_group(const Tensor& x, at::TensorList trellis, at::TensorList suh, at::TensorList svh,
+                                 int64_t codebook, int64_t kt_per_chunk) {
+    const char* op = "exl3::exl3_linear_group";
+    TORCH_CHECK(trellis.size() >= 1 && trellis.size() <= (size_t)exl3::FUSED_MAX_PROBLEMS, op, ": takes 1 to ",
+                exl3::FUSED_MAX_PROBLEMS, " problems, got ", trellis.size());
+    TORCH_CHECK(suh.size() == trellis.size() && svh.size() == trellis.size(), op, ": ", trellis.size(),
+                " trellis tensors but ", suh.size(), " suh and ", svh.size(), " svh");
+    const int k = check_trellis(trellis[0], 0, codebook, op);
+    const int64_t kd = trellis[0].size(0) * 16;
+    check_x(x, kd, FUSED_MAX_M, op);
+    std::vector<Tensor> su, sv, ys;
+    for (size_t i = 0; i < trellis.size(); ++i) {
+        check_trellis(trellis[i], k, codebook, op);
+        TORCH_CHECK(trellis[i].size(0) * 16 == kd, op, ": trellis ", i, " has k = ", trellis[i].size(0) * 16,
+                    ", trellis 0 has ", kd, " (problems share x)");
+        TORCH_CHECK(trellis[i].size(1) % (exl3::FUSED_COLS / 16) == 0, op, ": n = ", trellis[i].size(1) * 16,
+                    " of trellis ", i, " must be a multiple of 128 (EXL3 pads to 128)");
+        check_scales(suh[i], svh[i], kd, trellis[i].size(1) * 16, op);
+        TORCH_CHECK(trellis[i].device() == x.device() && suh[i].device() == x.device() && svh[i].device() == x.device(),
+                    op, ": problem ", i, " is not on x's device ", x.device());
+    }
+    TORCH_CHECK(kd % 128 == 0, op, ": k = ", kd, " must be a multiple of 128 (EXL3 pads to 128)");
+    c10::cuda::CUDAGuard guard(x.device());
+    Tensor xc = aligned16(x.contiguous());
+    for (size_t i = 0; i < trellis.size(); ++i) {
+        su.push_back(aligned16(suh[i].to(at::kHalf).contiguous()));
+        sv.push_back(aligned16(svh[i].to(at::kHalf).contiguous()));
+        ys.push_back(at::empty({x.size(0), trellis[i].size(1) * 16}, x.options()));
+    }
+    if (x.size(0) == 0) return ys;
+    if (kd == 0) {  // empty sum: z = 0, so y = 0
+        for (Tensor& t : ys) t.zero_();
+        return ys;
+    }
+    if (!fused_launch(xc, trellis.vec(), su, sv, ys, k, codebook, kt_per_chunk)) {
+        for (size_t i = 0; i < trellis.size(); ++i) ys[i] = gemm_4kernel(xc, trellis[i], su[i], sv[i], k, codebook);
+    }
+    return ys;
+}
+
+Tensor linear(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t codebook,
+              int64_t kt_per_chunk) {
+    return linear_group(x, {trellis}, {suh}, {svh}, codebook, kt_per_chunk)[0];
+}
+
+// debugging/tests: copies of this device's fused-op workspace (z, counters); empty before first use
+std::tuple<Tensor, Tensor> linear_workspace(const Tensor& like) {
+    TORCH_CHECK(like.is_cuda(), "exl3::exl3_linear_workspace: pass a CUDA tensor of the device to inspect");
+    c10::cuda::CUDAGuard guard(like.device());
+    std::lock_guard<std::mutex> lock(g_ws_mutex);
+    auto it = g_ws.find(like.get_device());
+    if (it == g_ws.end() || !it->second.z.defined())
+        return {at::empty({0}, like.options().dtype(at::kFloat)), at::empty({0}, like.options().dtype(at::kInt))};
+    return {it->second.z.clone(), it->second.counters.clone()};
+}
+
+// Spec 4.3: y = fp16(Had(z) ) * svh with z = fp16(Had(fp16(x*suh))) @ Ŵ; the seam of linear.py.
+// m <= 16: the one-launch fused op; m <= 64: Hadamard, split-k GEMM, Hadamard; beyond: reconstruct + cuBLAS.
+Tensor gemm(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t codebook) {
+    const int k = check_trellis(trellis, 0, codebook, "exl3::exl3_gemm");
+    const int64_t kd = trellis.size(0) * 16, nd = trellis.size(1) * 16;
+    check_x(x, kd, 0, "exl3::exl3_gemm");
+    check_scales(suh, svh, kd, nd, "exl3::exl3_gemm");
+    if (x.size(0) <= FUSED_MAX_M && kd % 128 == 0 && nd % 128 == 0) return linear(x, trellis, suh, svh, codebook, 0);
+    c10::cuda::CUDAGuard guard(x.device());
+    Tensor su = suh.to(at::kHalf).contiguous(), sv = svh.to(at::kHalf).contiguous();
+    return gemm_4kernel(x, trellis, su, sv, k, codebook);
 }
 
 // decode-only ceiling: decode every tile of `trellis` with the GEMM's decoder, no activations
@@ -151,6 +329,10 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
     m.def("exl3_gemm_xh(Tensor xh, Tensor trellis, int K, int codebook, int kt_per_warp=0) -> Tensor");
     m.def("had128(Tensor x, Tensor? pre_scale=None, Tensor? post_scale=None, bool out_fp16=True) -> Tensor");
     m.def("decode_bench(Tensor trellis, int K, int codebook, int kt_per_warp=0) -> Tensor");
+    m.def("exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, int codebook, int kt_per_chunk=0) -> Tensor");
+    m.def("exl3_linear_group(Tensor x, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, "
+          "int kt_per_chunk=0) -> Tensor[]");
+    m.def("exl3_linear_workspace(Tensor like) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(exl3, CUDA, m) {
@@ -159,4 +341,7 @@ TORCH_LIBRARY_IMPL(exl3, CUDA, m) {
     m.impl("exl3_gemm_xh", &gemm_xh);
     m.impl("had128", &had128);
     m.impl("decode_bench", &decode_bench);
+    m.impl("exl3_linear", &linear);
+    m.impl("exl3_linear_group", &linear_group);
+    m.impl("exl3_linear_workspace", &linear_workspace);
 }

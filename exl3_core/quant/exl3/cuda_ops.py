@@ -8,6 +8,13 @@ The compiled ops live under ``torch.ops.exl3`` when ``exl3_core._C`` was built w
 * ``exl3_gemm_xh(xh fp16 [m, k], trellis, K, codebook, kt_per_warp=0) -> fp32 [m, n]`` (z = xh @ Ŵ)
 * ``had128(x, pre_scale=None, post_scale=None, out_fp16=True)`` (blockwise H128/sqrt(128))
 * ``decode_bench(trellis, K, codebook, kt_per_warp=0)`` (decode-only ceiling; benchmarks only)
+* ``exl3_linear(x fp16 [m <= 16, k], trellis, suh, svh, codebook, kt_per_chunk=0) -> fp16 [m, n]``:
+  ``exl3_gemm``'s decode path in one launch (csrc/exl3/exl3_fused.cuh); ``exl3_gemm`` itself
+  routes m <= 16 here
+* ``exl3_linear_group(x, trellis[], suh[], svh[], codebook, kt_per_chunk=0) -> fp16 [m, n_i][]``:
+  up to 3 problems sharing x, K and codebook (q/k/v, gate/up) in one launch
+* ``exl3_linear_workspace(like) -> (z, counters)``: copies of the fused op's per-device workspace,
+  all zeros between calls (tests)
 
 The fallbacks run anywhere (CPU included) and compute the same functions in fp32.
 """
@@ -110,3 +117,77 @@ def decode_bench_cuda(trellis: torch.Tensor, codebook: int, kt_per_warp: int = 0
             "(python setup.py build_ext --inplace) and pass a CUDA trellis"
         )
     return ext.op("decode_bench")(trellis.contiguous(), k_from_trellis(trellis), codebook, kt_per_warp)
+
+
+FUSED_MAX_M = 16  # rows the one-launch op takes (one m16 block)
+FUSED_MAX_PROBLEMS = 3
+
+
+def _fallback_linear(x2: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: int) -> torch.Tensor:
+    xh = had_blockwise(x2.to(torch.float32) * suh.to(torch.float32), dim=-1)
+    z = xh @ decode_inner(trellis, k_from_trellis(trellis), codebook).to(torch.float32)
+    return had_blockwise(z, dim=-1) * svh.to(torch.float32)
+
+
+def _check_problem(x2: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, what: str) -> None:
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    if x2.shape[-1] != k:
+        raise ValueError(f"{what}: x has {x2.shape[-1]} features, the trellis {tuple(trellis.shape)} needs k = {k}")
+    if k % 128 or n % 128:
+        raise ValueError(f"{what}: trellis {tuple(trellis.shape)} gives k={k}, n={n}; both must be multiples of 128")
+    if suh.numel() != k or svh.numel() != n:
+        raise ValueError(f"{what}: suh/svh have {suh.numel()}/{svh.numel()} elements, the trellis needs {k}/{n}")
+
+
+def exl3_linear_cuda(
+    x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: int, kt_per_chunk: int = 0
+) -> torch.Tensor:
+    """``x[..., k] @ W -> [..., n]`` (spec 4.3, padded widths, no bias) in one kernel launch.
+
+    On CUDA with the op built and at most 16 rows: ``exl3::exl3_linear`` (fp16 out). More rows go
+    through :func:`exl3_gemm_cuda`; without the op, the fp32 torch reference. ``kt_per_chunk``
+    (k tiles per block, rounded up to a multiple of 8; 0 = one wave) is for tests and benchmarks.
+    """
+    _check(trellis, None, codebook, "exl3_linear_cuda")
+    x2 = x.reshape(-1, x.shape[-1])
+    _check_problem(x2, trellis, suh, svh, "exl3_linear_cuda")
+    if x2.shape[0] <= FUSED_MAX_M and _compiled("exl3_linear", x2, trellis, suh, svh):
+        y = ext.op("exl3_linear")(x2.to(torch.float16).contiguous(), trellis.contiguous(), suh, svh, codebook, kt_per_chunk)
+    elif _compiled("exl3_gemm", x2, trellis):
+        y = ext.op("exl3_gemm")(x2.to(torch.float16).contiguous(), trellis.contiguous(), suh, svh, codebook)
+    else:
+        y = _fallback_linear(x2, trellis, suh, svh, codebook)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def exl3_linear_group_cuda(
+    x: torch.Tensor,
+    trellis: list[torch.Tensor],
+    suh: list[torch.Tensor],
+    svh: list[torch.Tensor],
+    codebook: int,
+    kt_per_chunk: int = 0,
+) -> list[torch.Tensor]:
+    """Up to 3 linears sharing the input ``x[..., k]`` (same K and codebook; n may differ) in one launch.
+
+    Same contract per problem as :func:`exl3_linear_cuda`; returns ``[..., n_i]`` per problem.
+    """
+    what = "exl3_linear_group_cuda"
+    if not 1 <= len(trellis) <= FUSED_MAX_PROBLEMS or len(suh) != len(trellis) or len(svh) != len(trellis):
+        raise ValueError(
+            f"{what}: takes 1..{FUSED_MAX_PROBLEMS} problems with one suh and one svh each, got "
+            f"{len(trellis)} trellis, {len(suh)} suh, {len(svh)} svh"
+        )
+    x2 = x.reshape(-1, x.shape[-1])
+    K = _check(trellis[0], None, codebook, what)
+    for i, (t, su, sv) in enumerate(zip(trellis, suh, svh)):
+        _check(t, K, codebook, f"{what} (problem {i}: all problems share K={K})")
+        _check_problem(x2, t, su, sv, f"{what} (problem {i})")
+    if x2.shape[0] <= FUSED_MAX_M and _compiled("exl3_linear_group", x2, *trellis, *suh, *svh):
+        ys = ext.op("exl3_linear_group")(
+            x2.to(torch.float16).contiguous(), [t.contiguous() for t in trellis], list(suh), list(svh), codebook,
+            kt_per_chunk,
+        )
+    else:
+        ys = [exl3_linear_cuda(x2, t, su, sv, codebook) for t, su, sv in zip(trellis, suh, svh)]
+    return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]

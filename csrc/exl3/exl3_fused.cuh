@@ -1,0 +1,294 @@
+// One-launch EXL3 linear for decode (m <= 16, one m16 row block): input Hadamard, on-the-fly-decode
+// split-k GEMM and output Hadamard in a single kernel (format spec 4.3, same rounding as the
+// had128 -> gemm_xh -> had128 chain). Included by exl3_cb{0,1,2}.cu (one codebook per file).
+//
+// Grid: each block covers 128 output columns (GEMM_WARPS warps x GEMM_NT n tiles x 16) of one
+// problem and one k chunk of kt_per_chunk k tiles (a multiple of 8, so a chunk is whole 128-column
+// Hadamard blocks of x). Up to FUSED_MAX_PROBLEMS independent problems sharing x, K and codebook
+// (q/k/v, gate/up) run in one launch, each owning a contiguous range of blocks.
+//
+// Workspace protocol (what makes the op CUDA-graph capturable with no memset node): z (fp32) and
+// the per-128-column arrival counters are all zero between launches. Every block adds its partial
+// sums into z with atomics, fences, and bumps its column block's counter; the block that brings it
+// to the number of k chunks reads the finished z tile, writes y, and puts zeros back in z and in
+// the counter. Launches on one stream are serialized, so the next launch sees a clean workspace.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "exl3_decode.cuh"
+#include "exl3_kernels.cuh"
+
+namespace exl3 {
+
+constexpr int FUSED_MAX_PROBLEMS = 3;
+constexpr int FUSED_COLS = GEMM_WARPS * GEMM_NT * 16;  // output columns per block
+static_assert(FUSED_COLS == 128, "the fused epilogue Hadamard needs blocks of exactly 128 columns");
+static_assert(GEMM_KT_MAX % 8 == 0, "k chunks are whole 128-column Hadamard blocks");
+
+struct FusedProblem {
+    const uint32_t* trellis;  // [k/16, n/16, 8K] uint32
+    const __half* suh;        // [k] fp16
+    const __half* svh;        // [n] fp16
+    __half* y;                // [m, n] fp16
+    float* z;                 // workspace slice [16, n] fp32 (rows < m used), zero between launches
+    int* counters;            // workspace slice [n / 128], zero between launches
+    int n_tiles;              // n / 16
+    int block0;               // first blockIdx.x of this problem
+};
+
+struct FusedArgs {
+    const __half* x;  // [m, k] fp16, row-major
+    int m, k_tiles;
+    int kt_per_chunk;  // k tiles per block (multiple of 8); <= 0: the launcher picks one wave
+    int n_problems;
+    FusedProblem p[FUSED_MAX_PROBLEMS];
+};
+
+// In-place H128/sqrt(128) of the 128 values a warp holds (lane l: elements 4l..4l+3), fp32.
+// Exactly the operation order of had128_kernel (exl3_had.cu), so results match it bit for bit.
+__device__ __forceinline__ void had128_warp(float (&v)[4], int lane) {
+    float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
+    v[0] = a0 + a2; v[2] = a0 - a2; v[1] = a1 + a3; v[3] = a1 - a3;
+#pragma unroll
+    for (int s = 1; s < 32; s <<= 1) {
+        const bool upper = lane & s;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float o = __shfl_xor_sync(0xffffffffu, v[j], s);
+            v[j] = upper ? o - v[j] : v[j] + o;
+        }
+    }
+    const float sc = 0.088388347648318440550f;  // 1/sqrt(128)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] *= sc;
+}
+
+__device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
+    uint2 u;
+    u.x = h2_bits(__halves2half2(h[0], h[1]));
+    u.y = h2_bits(__halves2half2(h[2], h[3]));
+    return u;
+}
+
+template <int K, int CB>
+__global__ void __launch_bounds__(GEMM_WARPS * 32) fused_linear_kernel(FusedArgs a) {
+    using W = LaneWindow<K>;
+    constexpr int NT = GEMM_NT;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int q = lane & 3, g = lane >> 2;
+
+    // which problem / column block / k chunk this block owns; constant indices keep the problem
+    // table in the parameter bank (a runtime index would copy it to local memory)
+    static_assert(FUSED_MAX_PROBLEMS == 3, "update the problem selection below");
+    FusedProblem P = a.p[0];
+    if (a.n_problems > 1 && (int)blockIdx.x >= a.p[1].block0) P = a.p[1];
+    if (a.n_problems > 2 && (int)blockIdx.x >= a.p[2].block0) P = a.p[2];
+    const int n_blocks = P.n_tiles / NT / GEMM_WARPS;
+    const int b = (int)blockIdx.x - P.block0;
+    const int cblk = b % n_blocks;
+    const int chunk = b / n_blocks;
+    const int kt0 = chunk * a.kt_per_chunk;
+    const int kt1 = min(kt0 + a.kt_per_chunk, a.k_tiles);
+    const int chunks = (a.k_tiles + a.kt_per_chunk - 1) / a.kt_per_chunk;
+    const long kdim = (long)a.k_tiles * 16;
+    const long ndim = (long)P.n_tiles * 16;
+
+    // ---- prologue: xs = fp16(Had128(fp16(x * suh))) for this k chunk; rows m..15 are zeros (they
+    // only feed mma output rows that are never stored)
+    constexpr int XS = GEMM_KT_MAX * 16 + 8;  // row stride in halves; +8 staggers banks for ldmatrix
+    __shared__ __align__(16) __half xs[16 * XS];
+    __shared__ int s_last;
+    {
+        const int cols = (kt1 - kt0) * 16;  // a multiple of 128
+        const int hb = cols / 128;
+        for (int i = warp; i < a.m * hb; i += GEMM_WARPS) {
+            const int r = i / hb, c = (i % hb) * 128 + 4 * lane;
+            const long gc = (long)kt0 * 16 + c;
+            const uint2 xu = __ldg(reinterpret_cast<const uint2*>(a.x + (long)r * kdim + gc));
+            const uint2 su = __ldg(reinterpret_cast<const uint2*>(P.suh + gc));
+            const __half2 p0 = __hmul2(bits_h2(xu.x), bits_h2(su.x));  // fp16 product, as had128's pre-scale
+            const __half2 p1 = __hmul2(bits_h2(xu.y), bits_h2(su.y));
+            float v[4] = {__low2float(p0), __high2float(p0), __low2float(p1), __high2float(p1)};
+            had128_warp(v, lane);
+            __half h[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) h[j] = __float2half_rn(v[j]);
+            *reinterpret_cast<uint2*>(&xs[r * XS + c]) = pack_half4(h);
+        }
+        for (int i = threadIdx.x; i < (16 - a.m) * (cols / 8); i += GEMM_WARPS * 32) {
+            const int r = a.m + i / (cols / 8), c = (i % (cols / 8)) * 8;
+            *reinterpret_cast<uint4*>(&xs[r * XS + c]) = make_uint4(0u, 0u, 0u, 0u);
+        }
+        __syncthreads();
+    }
+    const uint32_t xs_lane = (uint32_t)__cvta_generic_to_shared(&xs[(lane & 15) * XS + (lane >> 4) * 8]);
+
+    // ---- main loop: the GEMM's decode + mma.sync with an S-stage register ring (see gemm_kernel)
+    const int ng = cblk * GEMM_WARPS + warp;  // this warp's NT-tile group
+    const long tile_words = 8 * K;
+    const uint32_t* tbase = P.trellis + ((long)kt0 * P.n_tiles + (long)ng * NT) * tile_words;
+    const long row_words = (long)P.n_tiles * tile_words;
+
+    float acc[NT][2][4];
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[nt][nb][i] = 0.f;
+
+    constexpr int S = GEMM_STAGES;
+    uint32_t wr[S][NT][W::NW];
+    const uint32_t* lp[W::NW];
+    W::pointers(tbase, lane, lp);
+    auto load_stage = [&](uint32_t (&w)[NT][W::NW]) {
+#pragma unroll
+        for (int i = 0; i < W::NW; ++i) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) w[nt][i] = __ldg(lp[i] + nt * tile_words);
+            lp[i] += row_words;
+        }
+    };
+    auto compute_stage = [&](int kt, uint32_t (&w)[NT][W::NW]) {
+        uint32_t af[4];
+        const uint32_t addr = xs_lane + (uint32_t)((kt - kt0) * 16 * 2);
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(af[0]), "=r"(af[1]), "=r"(af[2]), "=r"(af[3])
+                     : "r"(addr));
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            W::align(lane, w[nt]);
+            __half2 f[4];
+            decode_lane<K, CB>(w[nt], f);
+            mma_16816(acc[nt][0], af, h2_bits(f[0]), h2_bits(f[1]));
+            mma_16816(acc[nt][1], af, h2_bits(f[2]), h2_bits(f[3]));
+        }
+    };
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s)
+        if (kt0 + s < kt1) load_stage(wr[s]);
+    for (int kt = kt0; kt < kt1; kt += S) {
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+            const int kl = kt + s + S - 1;
+            if (kl < kt1) load_stage(wr[(s + S - 1) % S]);
+            if (kt + s < kt1) compute_stage(kt + s, wr[s]);
+        }
+    }
+
+    // ---- split-k partials into z (fp32 atomics at L2)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = g + 8 * h;
+        if (row >= a.m) continue;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int nb = 0; nb < 2; ++nb) {
+                const long col = ((long)ng * NT + nt) * 16 + nb * 8 + 2 * q;
+                float* dst = P.z + (long)row * ndim + col;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+                atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc[nt][nb][2 * h], acc[nt][nb][2 * h + 1]));
+#else
+                atomicAdd(dst, acc[nt][nb][2 * h]);
+                atomicAdd(dst + 1, acc[nt][nb][2 * h + 1]);
+#endif
+            }
+    }
+
+    // ---- last-arriving block of this column block: output Hadamard, then leave the workspace clean.
+    // Each thread fences its own atomics before the block's arrival is published (release side);
+    // the barrier orders every thread's fence before thread 0's counter bump.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int prev = atomicAdd(P.counters + cblk, 1);
+        __threadfence();  // acquire pattern (atomic read, then fence) in the thread that observed the count
+        s_last = prev == chunks - 1;
+    }
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();  // acquire side: the z reads below come after observing every block's arrival
+
+    const long col0 = (long)cblk * FUSED_COLS + 4 * lane;
+    const uint2 sv = __ldg(reinterpret_cast<const uint2*>(P.svh + col0));
+    const __half svh4[4] = {__low2half(bits_h2(sv.x)), __high2half(bits_h2(sv.x)), __low2half(bits_h2(sv.y)),
+                            __high2half(bits_h2(sv.y))};
+    for (int r = warp; r < a.m; r += GEMM_WARPS) {
+        float4* zp = reinterpret_cast<float4*>(P.z + (long)r * ndim + col0);
+        const float4 zv = __ldcg(zp);  // L2, where the atomics landed; never a stale L1 line
+        float v[4] = {zv.x, zv.y, zv.z, zv.w};
+        had128_warp(v, lane);
+        __half h[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) h[j] = __hmul(__float2half_rn(v[j]), svh4[j]);
+        *reinterpret_cast<uint2*>(P.y + (long)r * ndim + col0) = pack_half4(h);
+        __stcg(zp, make_float4(0.f, 0.f, 0.f, 0.f));
+    }
+    if (threadIdx.x == 0) P.counters[cblk] = 0;  // every chunk has arrived: no block of this launch reads it again
+}
+
+// ------------------------------------------------------------------ host side
+
+// k tiles per block: a multiple of 8 (whole Hadamard blocks) and at most GEMM_KT_MAX, splitting k
+// so that the grid is about one wave of resident blocks (as pick_kt_per_warp does for the GEMM).
+inline int pick_kt_per_chunk(int k_tiles, long col_blocks, long resident_blocks) {
+    long chunks = resident_blocks / (col_blocks > 0 ? col_blocks : 1);
+    if (chunks < 1) chunks = 1;
+    long kt = (k_tiles + chunks - 1) / chunks;
+    kt = (kt + 7) / 8 * 8;
+    if (kt < 8) kt = 8;
+    if (kt > GEMM_KT_MAX) kt = GEMM_KT_MAX;
+    return (int)kt;
+}
+
+// Fills a.kt_per_chunk (when <= 0) and the problems' block0, launches; returns the k tiles per chunk.
+template <int K, int CB>
+int launch_fused_t(FusedArgs a, cudaStream_t st) {
+    auto kern = fused_linear_kernel<K, CB>;
+    long col_blocks = 0;
+    for (int i = 0; i < a.n_problems; ++i) col_blocks += a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS);
+    if (a.kt_per_chunk <= 0) {
+        static int occ = -1;  // resident blocks per SM for this instantiation
+        if (occ < 0) {
+            int o = 0;
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, kern, GEMM_WARPS * 32, 0);
+            occ = o > 0 ? o : 1;
+        }
+        int dev = 0, sms = 0;
+        cudaGetDevice(&dev);
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+        a.kt_per_chunk = pick_kt_per_chunk(a.k_tiles, col_blocks, (long)sms * occ);
+    }
+    a.kt_per_chunk = (a.kt_per_chunk + 7) / 8 * 8;
+    if (a.kt_per_chunk > GEMM_KT_MAX) a.kt_per_chunk = GEMM_KT_MAX;
+    const long chunks = (a.k_tiles + a.kt_per_chunk - 1) / a.kt_per_chunk;
+    long blocks = 0;
+    for (int i = 0; i < a.n_problems; ++i) {
+        a.p[i].block0 = (int)blocks;
+        blocks += (long)(a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS)) * chunks;
+    }
+    if (blocks > 0) kern<<<(unsigned)blocks, GEMM_WARPS * 32, 0, st>>>(a);
+    return a.kt_per_chunk;
+}
+
+template <int CB>
+int dispatch_fused(int K, const FusedArgs& a, cudaStream_t st) {
+    switch (K) {
+        case 1: return launch_fused_t<1, CB>(a, st);
+        case 2: return launch_fused_t<2, CB>(a, st);
+        case 3: return launch_fused_t<3, CB>(a, st);
+        case 4: return launch_fused_t<4, CB>(a, st);
+        case 5: return launch_fused_t<5, CB>(a, st);
+        case 6: return launch_fused_t<6, CB>(a, st);
+        case 7: return launch_fused_t<7, CB>(a, st);
+        case 8: return launch_fused_t<8, CB>(a, st);
+        default: return 0;
+    }
+}
+
+}  // namespace exl3
