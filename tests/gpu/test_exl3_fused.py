@@ -1,0 +1,247 @@
+"""One-launch EXL3 linear (``exl3::exl3_linear`` / ``exl3_linear_group``, csrc/exl3/exl3_fused.cuh).
+
+References are pure torch in fp64 on fresh random problems (any int16 bit pattern is a valid trellis;
+Ŵ from ``decode_inner``, the bit-exact oracle). Besides the numbers, the tests pin the workspace
+protocol: the op must leave its fp32 accumulator and arrival counters zeroed, so repeated,
+interleaved and CUDA-graph-replayed calls stay right with no memset in between.
+
+Tolerances. The op rounds to fp16 four times (x*suh, xh, Had(z), *svh); each rounding is a relative
+error below 2^-11 = 4.9e-4 per element (about 2e-4 RMS), and the Hadamards (orthogonal) and the
+random Ŵ carry relative L2 error through unchanged, so against the unrounded fp64 algebra the
+expected relative L2 error is about sqrt(4) * 2e-4 = 4e-4 (a torch emulation of the roundings
+measures 4.1e-4..4.5e-4 on these shapes): REL_FP32 = 2e-3 leaves ~5x margin. Against a reference
+that rounds at the same four places only the fp32 accumulation order differs, flipping an fp16
+rounding in ~0.5% of the elements; the emulation measures <= 1.2e-5, while dropping one of the
+roundings shows up as 3.4e-4: REL_ROUNDED = 1e-4 sits between the two.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from exl3_core.quant.exl3 import CB_3INST, CB_MCG, CB_MUL1, cuda_ops
+from exl3_core.quant.exl3.hadamard import get_hadamard
+from exl3_core.quant.exl3.trellis import decode_inner
+
+pytestmark = pytest.mark.cuda
+CBS = (CB_3INST, CB_MCG, CB_MUL1)
+DEV = "cuda"
+REL_FP32 = 2e-3
+REL_ROUNDED = 1e-4
+SHAPES = [(128, 128), (384, 640), (4096, 1152), (1280, 4096)]  # (k, n): tiny, one chunk, deep k, wide n
+MS = (1, 3, 8, 16)
+
+
+@pytest.fixture(scope="module")
+def fused_ops(exl3_ops):
+    if not hasattr(exl3_ops, "exl3_linear"):
+        pytest.fail("exl3_core._C predates exl3::exl3_linear; rebuild it (python setup.py build_ext --inplace)")
+    return exl3_ops
+
+
+class Problem:
+    """One linear: random trellis, fp16 scales (sign times [0.5, 2]) and its decoded Ŵ in fp64."""
+
+    def __init__(self, k: int, n: int, K: int, cb: int) -> None:
+        self.k, self.n, self.K, self.cb = k, n, K, cb
+        self.trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * K), dtype=torch.int16, device=DEV)
+        self.suh = rand_scales(k)
+        self.svh = rand_scales(n)
+        self.w = decode_inner(self.trellis, K, cb).double()
+
+
+def rand_scales(size: int) -> torch.Tensor:
+    sign = torch.randint(0, 2, (size,), device=DEV) * 2 - 1
+    return (sign * (0.5 + 1.5 * torch.rand(size, device=DEV))).to(torch.float16)
+
+
+def had64(t: torch.Tensor) -> torch.Tensor:
+    """Blockwise H128/sqrt(128) along the last dim in fp64 (natural-order Sylvester, spec 4.1)."""
+    h = get_hadamard(128).to(device=t.device, dtype=torch.float64) / math.sqrt(128)
+    return (t.reshape(-1, 128) @ h).reshape(t.shape)
+
+
+def ref_fp32(x: torch.Tensor, p: Problem) -> torch.Tensor:
+    """Spec 4.3 algebra with no intermediate rounding."""
+    return had64(had64(x.double() * p.suh.double()) @ p.w) * p.svh.double()
+
+
+def ref_rounded(x: torch.Tensor, p: Problem) -> torch.Tensor:
+    """Spec 4.3 with its fp16 roundings: fp16(x*suh), fp16(xh), fp16(Had(z)), then * svh in fp16."""
+    xh = had64((x * p.suh).double()).to(torch.float16)  # fp16 * fp16 on CUDA: exact product, one rounding
+    z = xh.double() @ p.w
+    return (had64(z).to(torch.float16) * p.svh).double()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    return ((a64 - b64).norm() / b64.norm()).item()
+
+
+def poison(shape: tuple[int, ...]) -> None:
+    """Fill and free a block of the output's size: the caching allocator hands it to the op next."""
+    t = torch.full(shape, float("nan"), dtype=torch.float16, device=DEV)
+    del t
+
+
+def check(y: torch.Tensor, x: torch.Tensor, p: Problem, what: str) -> None:
+    assert y.dtype == torch.float16 and tuple(y.shape) == (x.shape[0], p.n), what
+    assert not y.isnan().any(), f"{what}: output elements left unwritten (or a stale workspace)"
+    e32, er = rel_err(y, ref_fp32(x, p)), rel_err(y, ref_rounded(x, p))
+    assert e32 < REL_FP32 and er < REL_ROUNDED, f"{what}: rel L2 {e32:.2e} vs fp64, {er:.2e} vs the rounded reference"
+
+
+def assert_workspace_clean(fused_ops) -> None:
+    z, counters = fused_ops.exl3_linear_workspace(torch.empty(1, device=DEV))
+    assert z.numel() > 0 and counters.numel() > 0, "the fused op allocated no workspace"
+    assert z.count_nonzero().item() == 0, f"{z.count_nonzero().item()} accumulator entries left nonzero"
+    assert counters.count_nonzero().item() == 0, f"{counters.count_nonzero().item()} arrival counters left nonzero"
+
+
+def xin(m: int, k: int) -> torch.Tensor:
+    return torch.randn(m, k, device=DEV).to(torch.float16)
+
+
+@pytest.mark.parametrize("cb", CBS)
+@pytest.mark.parametrize("K", range(1, 9))
+def test_matches_reference(fused_ops, K: int, cb: int) -> None:
+    for k, n in SHAPES:
+        p = Problem(k, n, K, cb)
+        for m in MS:
+            x = xin(m, k)
+            poison((m, n))
+            check(fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, cb), x, p, f"K={K} cb={cb} k={k} n={n} m={m}")
+    assert_workspace_clean(fused_ops)
+
+
+@pytest.mark.parametrize("cb", CBS)
+@pytest.mark.parametrize("K", [1, 4, 7])
+@pytest.mark.parametrize("k", [128, 384, 512])
+def test_bit_exact_vs_unfused_chain(fused_ops, k: int, K: int, cb: int) -> None:
+    """With one k chunk (k <= 512, 32 k tiles per block) the fused op does the unfused chain's exact
+    arithmetic: had128 prologue, the same mma sequence, had128 epilogue; so the bits must agree."""
+    p = Problem(k, 256, K, cb)
+    for m in (1, 16):
+        x = xin(m, k)
+        xh = fused_ops.had128(x, p.suh, None, True)
+        z = fused_ops.exl3_gemm_xh(xh, p.trellis, K, cb, 32)
+        chain = fused_ops.had128(z, None, p.svh, True)
+        y = fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, cb, 32)
+        diff = (y.view(torch.int16) != chain.view(torch.int16)).sum().item()
+        assert diff == 0, f"K={K} cb={cb} k={k} m={m}: {diff} of {y.numel()} fp16 values differ from the 4-kernel chain"
+
+
+@pytest.mark.parametrize("kt", [0, 8, 16, 24, 32])
+def test_split_k_chunks(fused_ops, kt: int) -> None:
+    p = Problem(4096, 1024, 4, CB_MUL1)
+    for m in (1, 16):
+        x = xin(m, 4096)
+        poison((m, 1024))
+        check(fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, CB_MUL1, kt), x, p, f"kt_per_chunk={kt} m={m}")
+    assert_workspace_clean(fused_ops)
+
+
+def test_repeat_calls_leave_workspace_clean(fused_ops) -> None:
+    one = Problem(384, 512, 3, CB_MCG)  # one k chunk: no split-k atomics order, so deterministic
+    deep = Problem(4096, 1152, 5, CB_3INST)  # several chunks: fp32 atomics in any order
+    for p in (one, deep):
+        x = xin(8, p.k)
+        ys = []
+        for i in range(3):
+            poison((8, p.n))
+            ys.append(fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, p.cb))
+            check(ys[-1], x, p, f"k={p.k} call {i}")
+        if p is one:
+            assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), "repeated one-chunk calls differ"
+        else:  # a stale accumulator would double z; atomics order moves only the last bits
+            assert rel_err(ys[1], ys[0]) < 1e-4 and rel_err(ys[2], ys[0]) < 1e-4
+        assert_workspace_clean(fused_ops)
+
+
+def test_interleaved_shapes(fused_ops) -> None:
+    """Growing and shrinking n between calls (the workspace grows on the way) and varying m."""
+    small, mid, wide = Problem(128, 128, 8, CB_MCG), Problem(4096, 1152, 4, CB_MUL1), Problem(1280, 4096, 3, CB_3INST)
+    for i, (p, m) in enumerate([(small, 3), (mid, 1), (wide, 16), (mid, 8), (small, 16), (wide, 1), (mid, 16)]):
+        x = xin(m, p.k)
+        poison((m, p.n))
+        check(fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, p.cb), x, p, f"call {i}: k={p.k} n={p.n} m={m}")
+    assert_workspace_clean(fused_ops)
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_group(fused_ops, count: int, m: int) -> None:
+    k = 2048
+    probs = [Problem(k, n, 6, CB_MUL1) for n in (1024, 256, 640)[:count]]
+    x = xin(m, k)
+    ys = fused_ops.exl3_linear_group(x, [p.trellis for p in probs], [p.suh for p in probs], [p.svh for p in probs], CB_MUL1)
+    assert len(ys) == count
+    for i, (y, p) in enumerate(zip(ys, probs)):
+        check(y, x, p, f"group of {count}, problem {i}, m={m}")
+    assert_workspace_clean(fused_ops)
+
+
+def test_cuda_graph_replay(fused_ops) -> None:
+    a, b = Problem(4096, 1152, 4, CB_MUL1), Problem(1280, 4096, 2, CB_MCG)
+    g1, g2 = Problem(1024, 512, 3, CB_3INST), Problem(1024, 384, 3, CB_3INST)
+    xa, xb, xg = xin(1, a.k), xin(4, b.k), xin(2, g1.k)
+
+    def step() -> list[torch.Tensor]:
+        ya = fused_ops.exl3_linear(xa, a.trellis, a.suh, a.svh, a.cb)
+        yb = fused_ops.exl3_linear(xb, b.trellis, b.suh, b.svh, b.cb)
+        yg = fused_ops.exl3_linear_group(xg, [g1.trellis, g2.trellis], [g1.suh, g2.suh], [g1.svh, g2.svh], g1.cb)
+        return [ya, yb, *yg]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # eager warm-up: grows the workspace before capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    pairs = [(xa, a), (xb, b), (xg, g1), (xg, g2)]
+    for rep in range(2):
+        for x in (xa, xb, xg):
+            x.copy_(torch.randn(x.shape, device=DEV).to(torch.float16))
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed = [t.clone() for t in static]
+        eager = step()
+        for i, (y, e, (x, p)) in enumerate(zip(replayed, eager, pairs)):
+            check(y, x, p, f"replay {rep}, output {i}")
+            assert rel_err(y, e) < 1e-4, f"replay {rep}, output {i}: graph and eager results differ"
+        assert_workspace_clean(fused_ops)
+
+
+def test_exl3_gemm_routes_through_fused(fused_ops) -> None:
+    """``exl3_gemm`` takes the fused op for m <= 16 and the 4-kernel path above; both stay right."""
+    p = Problem(1024, 768, 4, CB_MUL1)
+    for m in (1, 16, 17, 40):
+        x = xin(m, p.k)
+        poison((m, p.n))
+        y = fused_ops.exl3_gemm(x, p.trellis, p.suh, p.svh, p.cb)
+        check(y, x, p, f"exl3_gemm m={m}")
+        if m <= 16:
+            single = fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, p.cb)
+            assert rel_err(y, single) < 1e-4
+
+
+def test_python_wrappers(fused_ops) -> None:
+    p, q = Problem(512, 384, 5, CB_MCG), Problem(512, 256, 5, CB_MCG)
+    x = torch.randn(2, 3, 512, device=DEV).to(torch.float16)
+    y = cuda_ops.exl3_linear_cuda(x, p.trellis, p.suh, p.svh, p.cb)
+    assert tuple(y.shape) == (2, 3, 384)
+    check(y.reshape(6, 384), x.reshape(6, 512), p, "exl3_linear_cuda")
+    yp, yq = cuda_ops.exl3_linear_group_cuda(x, [p.trellis, q.trellis], [p.suh, q.suh], [p.svh, q.svh], p.cb)
+    check(yp.reshape(6, 384), x.reshape(6, 512), p, "group wrapper, problem 0")
+    check(yq.reshape(6, 256), x.reshape(6, 512), q, "group wrapper, problem 1")
+    big = torch.randn(20, 512, device=DEV).to(torch.float16)  # more than 16 rows: exl3_gemm
+    check(cuda_ops.exl3_linear_cuda(big, p.trellis, p.suh, p.svh, p.cb), big, p, "exl3_linear_cuda m=20")
+    with pytest.raises(ValueError, match="share K"):
+        other = Problem(512, 128, 4, CB_MCG)
+        cuda_ops.exl3_linear_group_cuda(x, [p.trellis, other.trellis], [p.suh, other.suh], [p.svh, other.svh], p.cb)
+    with pytest.raises(ValueError, match="suh/svh"):
+        cuda_ops.exl3_linear_cuda(x, p.trellis, p.suh[:128], p.svh, p.cb)
