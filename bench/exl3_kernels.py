@@ -1,4 +1,5 @@
-"""Benchmarks of the EXL3 CUDA kernels: decode-only ceiling, GEMV/GEMM, reconstruct, Hadamard.
+"""Benchmarks of the EXL3 CUDA kernels: decode-only ceiling, GEMV/GEMM (with the one-launch fused
+linear next to the 4-kernel chain at m <= 16), grouped fused linears, reconstruct.
 
 Usage (on a CUDA machine, after building exl3_core._C):
     PYTHONPATH=. python bench/exl3_kernels.py [--quick] [--json out.json]
@@ -126,11 +127,20 @@ def gemm_bench(ceil: dict, quick: bool, rows: list) -> None:
                 sec_full = time_graph(lambda i: ops.exl3_gemm(x, ts[i % copies], su, sv, cb), copies)
                 mem = (wbytes + m * k * 2 + m * n * 4) / BW
                 dec = k * n / ceil[(K, cb)] if (K, cb) in ceil else float("nan")
-                rows.append(dict(kind="gemm", k=k, n=n, m=m, K=K, cb=CB_NAMES[cb], us_inner=sec_in * 1e6,
-                                 us_full=sec_full * 1e6, mem_bound_us=mem * 1e6, decode_bound_us=dec * 1e6,
-                                 frac_of_decode_ceiling=dec / sec_in))
+                row = dict(kind="gemm", k=k, n=n, m=m, K=K, cb=CB_NAMES[cb], us_inner=sec_in * 1e6,
+                           us_full=sec_full * 1e6, mem_bound_us=mem * 1e6, decode_bound_us=dec * 1e6,
+                           frac_of_decode_ceiling=dec / sec_in)
+                fused = ""
+                if m <= 16 and hasattr(ops, "exl3_linear"):  # exl3_gemm is the fused op here; time the old chain too
+                    sec_fused = time_graph(lambda i: ops.exl3_linear(x, ts[i % copies], su, sv, cb), copies)
+                    sec_chain = time_graph(
+                        lambda i: ops.had128(ops.exl3_gemm_xh(ops.had128(x, su, None, True), ts[i % copies], K, cb, 0),
+                                             None, sv, True), copies)
+                    row.update(us_fused=sec_fused * 1e6, us_4kernel=sec_chain * 1e6)
+                    fused = f", fused 1-launch {sec_fused * 1e6:7.2f} us vs 4-kernel chain {sec_chain * 1e6:7.2f} us"
+                rows.append(row)
                 print(f"gemm {k}x{n} K={K} {CB_NAMES[cb]:5s} m={m:2d}: inner {sec_in * 1e6:7.2f} us, full op "
-                      f"{sec_full * 1e6:7.2f} us | memory floor {mem * 1e6:6.2f} us, decode-only floor "
+                      f"{sec_full * 1e6:7.2f} us{fused} | memory floor {mem * 1e6:6.2f} us, decode-only floor "
                       f"{dec * 1e6:6.2f} us -> {100 * dec / sec_in:5.1f}% of decode ceiling, "
                       f"{k * n * m * 2 / sec_in / 1e12:6.2f} TFLOP/s", flush=True)
             if cb == 2:  # split-k sensitivity at the headline point
@@ -147,6 +157,30 @@ def gemm_bench(ceil: dict, quick: bool, rows: list) -> None:
             print(f"fp16 cuBLAS GEMV {k}x{n}: {sec * 1e6:7.2f} us (memory floor {k * n * 2 / BW * 1e6:6.2f} us)",
                   flush=True)
             del ts, wd
+
+
+def fused_group_bench(rows: list) -> None:
+    """Decode-step shapes (m=1): q/k/v-like and gate/up-like groups in one launch vs one launch each."""
+    ops = torch.ops.exl3
+    if not hasattr(ops, "exl3_linear_group"):
+        print("fused group: op not built, skipped", flush=True)
+        return
+    K, cb = 4, 2
+    for k, ns in ((4096, (4096, 1024, 1024)), (4096, (14336, 14336))):
+        wbytes = sum(k * n * K // 8 for n in ns)
+        copies = max(2, -(-3 * l2_bytes() // wbytes))
+        ts = [[rand_trellis(k, n, K) for n in ns] for _ in range(copies)]
+        su = [(torch.randn(k, device="cuda").sign()).half() for _ in ns]
+        sv = [(torch.rand(n, device="cuda") * 0.01).half() for n in ns]
+        x = torch.randn(1, k, device="cuda").half()
+        sec_g = time_graph(lambda i: ops.exl3_linear_group(x, ts[i % copies], su, sv, cb), copies)
+        sec_s = time_graph(lambda i: [ops.exl3_linear(x, t, a, b, cb) for t, a, b in zip(ts[i % copies], su, sv)], copies)
+        mem = wbytes / BW
+        rows.append(dict(kind="fused_group", k=k, ns=list(ns), m=1, K=K, cb=CB_NAMES[cb], us_group=sec_g * 1e6,
+                         us_separate=sec_s * 1e6, mem_bound_us=mem * 1e6))
+        print(f"fused group k={k} n={ns} K={K} m=1: one launch {sec_g * 1e6:7.2f} us, {len(ns)} launches "
+              f"{sec_s * 1e6:7.2f} us (memory floor {mem * 1e6:6.2f} us)", flush=True)
+        del ts
 
 
 def reconstruct_bench(ceil: dict, rows: list) -> None:
@@ -166,7 +200,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--skip", default="", help="comma list of: decode,gemm,reconstruct")
+    ap.add_argument("--skip", default="", help="comma list of: decode,gemm,group,reconstruct")
     ap.add_argument("--lib", default=None, help="load this op library (a kernel variant) instead of exl3_core._C")
     args = ap.parse_args()
     if args.lib:
@@ -182,6 +216,8 @@ def main() -> None:
     ceil = decode_ceiling(args.quick, rows) if "decode" not in skip else {}
     if "gemm" not in skip:
         gemm_bench(ceil, args.quick, rows)
+    if "group" not in skip:
+        fused_group_bench(rows)
     if "reconstruct" not in skip:
         reconstruct_bench(ceil, rows)
     if args.json:
