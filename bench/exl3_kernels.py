@@ -120,7 +120,7 @@ def gemm_bench(ceil: dict, quick: bool, rows: list) -> None:
             ts = [rand_trellis(k, n, K) for _ in range(copies)]
             su = (torch.randn(k, device="cuda").sign()).half()
             sv = (torch.rand(n, device="cuda") * 0.01).half()
-            for m in (1, 8, 32):
+            for m in (1, 2, 4, 8, 32):
                 x = torch.randn(m, k, device="cuda").half()
                 xh = ops.had128(x, su, None, True)
                 sec_in = time_graph(lambda i: ops.exl3_gemm_xh(xh, ts[i % copies], K, cb, 0), copies)

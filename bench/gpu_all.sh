@@ -23,6 +23,7 @@ t=$(date +%s)
 timeout 260 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu tests/contract/test_attention.py \
   plugins/attn_backends/tests 2>&1 | tee "$OUT/tests.log" | grep -v "^SKIPPED" | tail -30
 echo "tests $(( $(date +%s) - t )) s"
+timeout 120 python3 bench/exl3_kernels.py --quick --skip reconstruct --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" | tail -30
 [ -f bench/viterbi_cuda.py ] && timeout 60 python3 bench/viterbi_cuda.py 2>&1 | tee "$OUT/viterbi.log" | tail -12
 [ -f bench/fused_decode_gpu.py ] && timeout 60 python3 bench/fused_decode_gpu.py 2>&1 | tee "$OUT/fused.log" | tail -20
 for shape in 8b 1b; do

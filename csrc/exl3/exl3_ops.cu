@@ -134,6 +134,7 @@ std::mutex g_ws_mutex;
 std::unordered_map<int, FusedWorkspace> g_ws;
 
 constexpr int64_t FUSED_MAX_M = 16;
+constexpr int64_t FUSED_ROUTE_M = 4;  // exl3_gemm sends rows up to this to the fused op
 
 bool stream_capturing(cudaStream_t st) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -288,13 +289,15 @@ std::tuple<Tensor, Tensor> linear_workspace(const Tensor& like) {
 }
 
 // Spec 4.3: y = fp16(Had(z) ) * svh with z = fp16(Had(fp16(x*suh))) @ Ŵ; the seam of linear.py.
-// m <= 16: the one-launch fused op; m <= 64: Hadamard, split-k GEMM, Hadamard; beyond: reconstruct + cuBLAS.
+// m <= 4: the one-launch fused op; m <= 64: Hadamard, split-k GEMM, Hadamard; beyond: reconstruct + cuBLAS.
+// (H200, 4096x14336 K=4: fused 27.7 vs 29.0 us at m=1 but 32.4 vs 29.6 us at m=8, where the fused
+// prologue's per-block input Hadamard of every row costs more than the two extra launches.)
 Tensor gemm(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t codebook) {
     const int k = check_trellis(trellis, 0, codebook, "exl3::exl3_gemm");
     const int64_t kd = trellis.size(0) * 16, nd = trellis.size(1) * 16;
     check_x(x, kd, 0, "exl3::exl3_gemm");
     check_scales(suh, svh, kd, nd, "exl3::exl3_gemm");
-    if (x.size(0) <= FUSED_MAX_M && kd % 128 == 0 && nd % 128 == 0) return linear(x, trellis, suh, svh, codebook, 0);
+    if (x.size(0) <= FUSED_ROUTE_M && kd % 128 == 0 && nd % 128 == 0) return linear(x, trellis, suh, svh, codebook, 0);
     c10::cuda::CUDAGuard guard(x.device());
     Tensor su = suh.to(at::kHalf).contiguous(), sv = svh.to(at::kHalf).contiguous();
     return gemm_4kernel(x, trellis, su, sv, k, codebook);

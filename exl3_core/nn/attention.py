@@ -17,6 +17,7 @@ from exl3_core.attention.spec import AttnArgs, AttnSpec, device_cc
 from exl3_core.nn.module import ForwardState, LoadContext, Module
 from exl3_core.nn.norm import RMSNorm
 from exl3_core.nn.rope import RotaryEmbedding
+from exl3_core.quant.exl3.linear import project_group
 
 
 class Attention(Module):
@@ -111,9 +112,10 @@ class Attention(Module):
     def project_qkv(self, x: torch.Tensor, state: ForwardState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [T, hidden]`` -> q ``[T, Hq, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, Dv]`` (normed, rotated)."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim_v)
+        q, k, v = project_group(x, (self.q_proj, self.k_proj, self.v_proj))  # one launch when they can share it
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim_v)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from exl3_core import ops
 from exl3_core.nn.module import LoadContext, Module
+from exl3_core.quant.exl3.linear import project_group
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -72,10 +73,11 @@ class GatedMLP(Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.gate is not None and self.up is not None and self.down is not None, "MLP is not loaded"
+        gate, up = project_group(x, (self.gate, self.up))  # one launch when they can share it
         fused = _FUSED_ACT_MUL.get(self.act) if ops.fused_enabled(x) else None
         if fused is not None:  # CUDA: act, cast and mul in one kernel
-            return self.down(fused(self.gate(x), self.up(x)))
-        return self.down(self.act(self.gate(x)) * self.up(x))
+            return self.down(fused(gate, up))
+        return self.down(self.act(gate) * up)
 
 
 class MLP(Module):

@@ -151,7 +151,8 @@ def test_repeat_calls_leave_workspace_clean(fused_ops) -> None:
         ys = []
         for i in range(3):
             poison((8, p.n))
-            ys.append(fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, p.cb))
+            # k=384 is 24 k tiles: kt_per_chunk=24 forces the single chunk (auto might split it)
+            ys.append(fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, p.cb, 24 if p is one else 0))
             check(ys[-1], x, p, f"k={p.k} call {i}")
         if p is one:
             assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), "repeated one-chunk calls differ"
@@ -217,14 +218,14 @@ def test_cuda_graph_replay(fused_ops) -> None:
 
 
 def test_exl3_gemm_routes_through_fused(fused_ops) -> None:
-    """``exl3_gemm`` takes the fused op for m <= 16 and the 4-kernel path above; both stay right."""
+    """``exl3_gemm`` takes the fused op for m <= 4 and the 4-kernel path above; both stay right."""
     p = Problem(1024, 768, 4, CB_MUL1)
-    for m in (1, 16, 17, 40):
+    for m in (1, 4, 5, 16, 17, 40):
         x = xin(m, p.k)
         poison((m, p.n))
         y = fused_ops.exl3_gemm(x, p.trellis, p.suh, p.svh, p.cb)
         check(y, x, p, f"exl3_gemm m={m}")
-        if m <= 16:
+        if m <= 4:
             single = fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, p.cb)
             assert rel_err(y, single) < 1e-4
 
@@ -245,3 +246,27 @@ def test_python_wrappers(fused_ops) -> None:
         cuda_ops.exl3_linear_group_cuda(x, [p.trellis, other.trellis], [p.suh, other.suh], [p.svh, other.svh], p.cb)
     with pytest.raises(ValueError, match="suh/svh"):
         cuda_ops.exl3_linear_cuda(x, p.trellis, p.suh[:128], p.svh, p.cb)
+
+
+def test_project_group_matches_separate_layers(fused_ops) -> None:
+    """The q/k/v and gate/up seam (``linear.project_group``): one grouped launch for EXL3 layers that
+    can share it, separate calls otherwise (different K); results equal the layers' own forwards,
+    biases and true (unpadded) widths included."""
+    from exl3_core.quant.exl3.linear import EXL3Linear, project_group
+
+    def layer(k_true: int, n_true: int, K: int, bias: bool) -> EXL3Linear:
+        k, n = -(-k_true // 128) * 128, -(-n_true // 128) * 128
+        p = Problem(k, n, K, CB_MUL1)
+        b = torch.randn(n_true, device=DEV).half() if bias else None
+        return EXL3Linear(p.trellis, p.suh, p.svh, CB_MUL1, k_true, n_true, bias=b)
+
+    same = (layer(576, 576, 4, True), layer(576, 192, 4, True), layer(576, 192, 4, False))
+    mixed = (layer(576, 1536, 4, False), layer(576, 1536, 3, False))  # K differs: separate calls
+    for layers in (same, same[:2], mixed):
+        for m in (1, 3, 4, 9):
+            x = torch.randn(m, 576, device=DEV).half()
+            got = project_group(x, layers)
+            for i, (g, lay) in enumerate(zip(got, layers)):
+                want = lay(x)
+                assert g.shape == want.shape == (m, lay.out_features)
+                assert rel_err(g, want) < 1e-3, f"{len(layers)} layers, m={m}, output {i}"
