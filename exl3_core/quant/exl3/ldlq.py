@@ -69,7 +69,7 @@ def encode(
     if tiles.shape[0] == 0:
         return torch.empty(0, SEQ, dtype=torch.int32), torch.empty(0, SEQ, dtype=torch.float32)
     states = (encoder or default_encoder)(tiles.contiguous(), K, codebook).to(torch.int32) & 0xFFFF
-    values = lut32(codebook)[states.to(torch.int64)]
+    values = lut32(codebook).to(states.device)[states.to(torch.int64)]
     return states, values
 
 
@@ -129,11 +129,11 @@ def ldlq(
         raise ValueError(
             f"ldlq: L_u has shape {tuple(l_u.shape)}, expected [{k}, {k}] for W {tuple(w.shape)}"
         )
-    l_u = l_u.to(torch.float32)
+    l_u = l_u.to(w.device, torch.float32)
     w_hat = torch.empty_like(w)
     err = torch.zeros_like(w)  # W - Ŵ of finished rows
     prod_cache = torch.zeros_like(w)  # Σ over finished spans of L_u[r, :]ᵀ E_r, per target row
-    states = torch.empty(k // TILE, n // TILE, SEQ, dtype=torch.int32)
+    states = torch.empty(k // TILE, n // TILE, SEQ, dtype=torch.int32, device=w.device)
     for s1 in range(k, 0, -buf_size_k):
         s0 = max(0, s1 - buf_size_k)
         for b1 in range(s1, s0, -TILE):

@@ -122,13 +122,16 @@ def quantize_linear(
     buf_size_k: int = 128,
     g_sample_cap: int | None = 256,
     name: str = "linear",
+    device: torch.device | str | None = None,
 ) -> QuantizedLinear:
     """Quantize an HF-orientation weight ``[out, in]`` (fp32/bf16/fp16) to EXL3 at K bits/weight.
 
     ``hinfo`` is the finalised Hessian of this linear's input (shared within a qmap), or None for
     plain tile quantization. ``in_features``/``out_features`` default to the weight's shape and
     must match it. ``seed`` draws the output sign pattern. ``encoder`` overrides the tile encoder
-    (default: the real Viterbi). ``name`` is used in errors.
+    (default: the real Viterbi). ``name`` is used in errors. ``device`` is where the regularisation,
+    LDLQ and tile encoding run (default: the weight's device; on CUDA the encoder is the CUDA
+    kernel); the returned tensors are always on the CPU, ready to be written.
     """
     K = check_k(K, name)
     cb = codebook_id(codebook, name)
@@ -144,7 +147,8 @@ def quantize_linear(
         )
     if not weight.is_floating_point():
         raise TypeError(f"{name}: weight must be floating point, got {weight.dtype}")
-    w32 = weight.detach().to("cpu", torch.float32)
+    dev = torch.device(device) if device is not None else weight.device
+    w32 = weight.detach().to(dev, torch.float32)
     if not bool(torch.isfinite(w32).all()):
         bad = int((~torch.isfinite(w32)).sum())
         raise ValueError(f"{name}: weight has {bad} non-finite values (NaN/inf); fix the source checkpoint")
@@ -156,8 +160,9 @@ def quantize_linear(
             f"{name}: the Hessian is for {hinfo.k} (padded) inputs but this weight has {in_features} "
             f"inputs (padded {k}); pass the HessianInfo of this linear's own input"
         )
-    w = torch.zeros(k, n, dtype=torch.float32)
+    w = torch.zeros(k, n, dtype=torch.float32, device=dev)
     w[:in_features, :out_features] = w32.T
+    hinfo = hinfo.to(dev)
 
     w_rot, su, sv, g = regularize(
         w,
@@ -180,7 +185,7 @@ def quantize_linear(
             f"{name}: the tile encoder returned states that break the tail-biting condition in "
             f"{int(bad.sum())} tile(s), first [{tk}, {tn}]; the encoder is faulty (spec 3.4)"
         )
-    trellis = pack_trellis(states, K)
+    trellis = pack_trellis(states, K)  # on dev: the metrics below decode it there
 
     suh = _check_fp16(name, "suh", su)
     svh = _check_fp16(name, "svh", sv)
@@ -189,7 +194,7 @@ def quantize_linear(
         if bias.shape != (out_features,):
             raise ValueError(f"{name}: bias shape {tuple(bias.shape)}, expected [{out_features}]")
         bias_h = torch.zeros(n, dtype=torch.float16)
-        bias_h[:out_features] = _check_fp16(name, "bias", bias.detach().to("cpu", torch.float32))
+        bias_h[:out_features] = _check_fp16(name, "bias", bias.detach().to("cpu", torch.float32)).cpu()
 
     err = w_rot - w_hat
     mse = float(err.double().pow(2).mean())
@@ -203,9 +208,9 @@ def quantize_linear(
     ref = float(w.double().pow(2).sum())
     nmse = float((w_q.double() - w.double()).pow(2).sum()) / ref if ref > 0 else 0.0
     return QuantizedLinear(
-        trellis=trellis,
-        suh=suh,
-        svh=svh,
+        trellis=trellis.cpu(),
+        suh=suh.cpu(),
+        svh=svh.cpu(),
         bias=bias_h,
         marker=CODEBOOK_MARKER.get(cb),
         K=K,

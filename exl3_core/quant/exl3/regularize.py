@@ -71,19 +71,19 @@ def sample_scale_tiles(w_rot: torch.Tensor, cap: int | None = 256) -> torch.Tens
     diag = torch.cat([(i % tk) * tn + (i + d) % tn for d in range(3)]).unique()
     n_ext = min(max(8, 3 * m // 16), flat.shape[0])
     rms = flat.pow(2).mean(dim=1)
-    ext = torch.cat([rms.topk(n_ext).indices, (-rms).topk(n_ext).indices]).unique()
+    ext = torch.cat([rms.topk(n_ext).indices, (-rms).topk(n_ext).indices]).unique().cpu()
     diag = diag[~torch.isin(diag, ext)]
     if cap is not None and diag.numel() + ext.numel() > cap:
         keep = max(0, cap - ext.numel())
         diag = diag[torch.linspace(0, diag.numel() - 1, keep).round().long().unique()] if keep else diag[:0]
-    return flat[torch.cat([diag, ext])]
+    return flat[torch.cat([diag, ext]).to(flat.device)]
 
 
 def _scale_errors(
     tiles: torch.Tensor, scales: list[float], K: int, cb: int, encoder: TileEncoder | None
 ) -> list[float]:
     """mean((Q(g·t)/g − t)²) per candidate g, all candidates in one encoder call."""
-    g = torch.tensor(scales, dtype=torch.float32)
+    g = torch.tensor(scales, dtype=torch.float32, device=tiles.device)
     batch = (tiles.unsqueeze(0) * g.view(-1, 1, 1)).reshape(-1, 256)
     _, vals = encode(batch, K, cb, encoder)
     q = vals.view(len(scales), *tiles.shape) / g.view(-1, 1, 1)
@@ -159,7 +159,7 @@ def regularize(
         raise ValueError(f"{name}: weight [{k}, {n}] must be zero-padded to multiples of 128 in both dims")
     w = w.to(torch.float32).clone()
 
-    sv0 = sign_pattern(n, seed + 0x5EED)  # own stream so q/k/v (same seed) still differ from su0
+    sv0 = sign_pattern(n, seed + 0x5EED).to(w.device)  # own stream so q/k/v (same seed) still differ from su0
     zero_cols = w.abs().amax(dim=0) == 0
     if use_out_scales(out_scales, hinfo):
         col_rms = w.pow(2).mean(dim=0).sqrt()
@@ -175,7 +175,7 @@ def regularize(
 
     row_rms = w.pow(2).mean(dim=1).sqrt()
     s_in = torch.where(row_rms == 0, torch.full_like(row_rms, ZERO_SCALE), row_rms)
-    su = hinfo.su0 * s_in / (-CODEBOOK_SCALE_3INST) + EPS
+    su = hinfo.su0.to(w.device) * s_in / (-CODEBOOK_SCALE_3INST) + EPS
     w /= su[:, None]
     w = rotate(w, 0)
 
