@@ -49,6 +49,11 @@ from exl3_core.quant.exl3.quantize import QuantizedLinear, quantize_linear
 CODEBOOKS = ("mul1", "mcg", "3inst")
 METRIC_ROWS = 5  # rows the per-stage error is measured on (as the reference quantizer does)
 CHUNK_TOKENS = 4096  # calibration tokens per forward call
+# Hidden states up to this size are checkpointed after every stage; bigger ones (an 8B model's
+# 250x2048 rows are 8.4 GB) at most once per STATE_CHECKPOINT_S, since writing them costs more than
+# a stage. A resume restarts from the last checkpoint and recomputes identically either way.
+SMALL_STATES_BYTES = 1 << 30
+STATE_CHECKPOINT_S = 120.0
 HEAD_METRIC_COLS = 512  # tokens per row the head's error is measured on
 ATTENTION_PRIORITY, FEEDFORWARD_PRIORITY = 2, 1  # bit allocation order (spec 5.7)
 
@@ -371,7 +376,7 @@ class Converter:
             outs = []
             with torch.no_grad():
                 for c in chunks:
-                    outs.append(forward_stage(self.model, st, x[c].to(dev), ids[c].to(dev)).float().cpu())
+                    outs.append(forward_stage(self.model, st, x[c].to(dev), ids[c].to(dev)).float().to(x.device))
             new_x = torch.cat(outs)
             if quantized:
                 metrics = error_metrics(new_x[:n_metric], ref)
@@ -380,6 +385,15 @@ class Converter:
         job.stages.append({"name": st.name, "storage": storage, "metrics": metrics,
                            "bits": {k: q.K for k, q in quantized.items()}})
         return new_x
+
+    def _states_home(self, x: torch.Tensor) -> torch.Tensor:
+        """Where the calibration states live between stages: on the GPU when they fit with room to
+        spare (no host round trip per chunk and stage), else in host memory."""
+        dev = self.device
+        if dev.type != "cuda" or not x.is_floating_point() or x.device.type == "cuda":
+            return x
+        free, _ = torch.cuda.mem_get_info(dev)
+        return x.to(dev) if 3 * x.nbytes < free else x
 
     def run(self, *, resume: bool = False, _stop_after_module: int | None = None) -> ConvertResult:
         t_start = time.monotonic()
@@ -390,6 +404,8 @@ class Converter:
             raise ResumeError(f"{self.work.path}/calibration.safetensors is missing; delete the work directory and "
                               f"start over")
         x: torch.Tensor = ids if job.done == 0 or job.states is None else self.work.load_states(job.states)
+        x = self._states_home(x)
+        last_commit = time.monotonic()
         todo = [st for st in self.stages if st.index >= job.done]
         n_lin = sum(1 for st in todo for s in self.slots[st.index] if s.quantize)
         bar = None
@@ -406,11 +422,16 @@ class Converter:
                 self.report(f"[{st.index + 1}/{len(self.stages)}] {st.name:<40} {err}  "
                             f"({time.monotonic() - t0:.1f} s)")
                 last = st.index == len(self.stages) - 1
-                states = None if last else self.work.save_states(st.index, x)
-                job.done, job.states = st.index + 1, states
-                self.work.save_job(job)  # the commit point of this stage
-                self.work.drop_old_states(states)
-                if _stop_after_module is not None and st.index >= _stop_after_module and not last:
+                stop = _stop_after_module is not None and st.index >= _stop_after_module and not last
+                x = self._states_home(x)
+                if (last or stop or x.nbytes <= SMALL_STATES_BYTES
+                        or time.monotonic() - last_commit >= STATE_CHECKPOINT_S):
+                    states = None if last else self.work.save_states(st.index, x.cpu())
+                    job.done, job.states = st.index + 1, states
+                    self.work.save_job(job)  # the commit point of this stage
+                    self.work.drop_old_states(states)
+                    last_commit = time.monotonic()
+                if stop:
                     return ConvertResult(self.out_dir, False, stages=job.stages,
                                          seconds=time.monotonic() - t_start)
         finally:
