@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--cal-cols", type=int, default=2048)
     ap.add_argument("--work", default="/tmp/exl3_convert_bench")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--verbose", action="store_true", help="print every report line (per-tensor times)")
     a = ap.parse_args()
     data = json.loads(SHAPES.read_text())
     shape = data["shapes"][a.shape]
@@ -80,7 +81,7 @@ def main() -> None:
 
     def report(line: str) -> None:
         stamps.append((line, time.monotonic() - t0))
-        if re.match(r"\[\d+/\d+\]", line) or line.startswith("wrote"):
+        if a.verbose or re.match(r"\[\d+/\d+\]", line) or line.startswith("wrote"):
             print(f"{time.monotonic() - t0:8.1f} s  {line.strip()}", flush=True)
 
     convert(src, out, a.bpw, device=a.device, cal_rows=a.cal_rows, cal_cols=a.cal_cols, progress=False,

@@ -379,7 +379,7 @@ class Converter:
                     outs.append(forward_stage(self.model, st, x[c].to(dev), ids[c].to(dev)).float().to(x.device))
             new_x = torch.cat(outs)
             if quantized:
-                metrics = error_metrics(new_x[:n_metric], ref)
+                metrics = error_metrics(new_x[:n_metric].cpu(), ref)
         tensors, storage = _stage_tensors(st, slots, quantized, self.source)
         self.work.save_stage(st.index, tensors)
         job.stages.append({"name": st.name, "storage": storage, "metrics": metrics,
