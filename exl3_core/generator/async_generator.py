@@ -1,5 +1,10 @@
 """asyncio front end: ``AsyncGenerator`` runs the step loop in a worker thread and routes each
-result to its ``AsyncJob``'s queue; cancelling the consuming task cancels the job."""
+result to its ``AsyncJob``'s queue; cancelling the consuming task cancels the job.
+
+A step that raises ends every job it was running with an ``eos`` result whose ``eos_reason`` is
+``"error"`` (the exception under ``"error"``), so no consumer waits forever, and their pages are
+freed. Cancelling waits for the generator lock (held for a whole step) in a thread, never on the
+event loop."""
 from __future__ import annotations
 
 import asyncio
@@ -57,11 +62,28 @@ class AsyncGenerator:
             self._task = asyncio.get_running_loop().create_task(self._run())
         return aj
 
+    def _iterate(self) -> list[Result]:
+        """One generator step (runs in a worker thread); subclasses may wrap it."""
+        return self.generator.iterate()
+
+    def _fail_all(self, error: BaseException) -> None:
+        """End every live job with an error result (the step that raised holds no lock any more)."""
+        for key, aj in list(self.jobs.items()):
+            self.generator.cancel(aj.job)
+            del self.jobs[key]
+            aj.queue.put_nowait({"job": aj.job, "identifier": aj.job.identifier, "eos": True, "text": "",
+                                 "token_ids": [], "eos_reason": "error", "error": error,
+                                 "full_completion": aj.job.completion})
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while self.jobs:
-            # the forward pass runs in a thread so the event loop keeps serving other tasks
-            results = await loop.run_in_executor(None, self.generator.iterate)
+            try:
+                # the forward pass runs in a thread so the event loop keeps serving other tasks
+                results = await loop.run_in_executor(None, self._iterate)
+            except Exception as e:  # noqa: BLE001 - a broken step must not strand the waiting consumers
+                self._fail_all(e)
+                return
             for r in results:
                 aj = self.jobs.get(id(r["job"]))
                 if aj is None:
@@ -74,7 +96,8 @@ class AsyncGenerator:
 
     async def cancel(self, aj: AsyncJob) -> None:
         self.jobs.pop(id(aj.job), None)
-        self.generator.cancel(aj.job)  # takes the generator lock, so never mid-step
+        # Generator.cancel takes the generator lock, held for a whole step: wait for it in a thread
+        await asyncio.get_running_loop().run_in_executor(None, self.generator.cancel, aj.job)
 
     async def close(self) -> None:
         for aj in list(self.jobs.values()):

@@ -36,9 +36,8 @@ MAX_STOP_STRINGS = 16
 
 
 class BatchingGenerator(AsyncGenerator):
-    """:class:`AsyncGenerator` for a server: a failing step ends the jobs it was running with an
-    error result instead of leaving their consumers waiting forever, cancellation waits for the
-    generator lock off the event loop, and batch sizes are recorded (``max_batch``)."""
+    """:class:`AsyncGenerator` that records batch sizes (``max_batch``) and cancellations for the
+    server's statistics."""
 
     def __init__(self, generator: Generator) -> None:
         super().__init__(generator)
@@ -59,35 +58,10 @@ class BatchingGenerator(AsyncGenerator):
             self.max_batch = max(self.max_batch, n)
         return results
 
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self.jobs:
-            try:
-                results = await loop.run_in_executor(None, self._iterate)
-            except Exception as e:  # noqa: BLE001 - a broken step must not strand the waiting requests
-                for key, aj in list(self.jobs.items()):
-                    self.generator.cancel(aj.job)
-                    del self.jobs[key]
-                    aj.queue.put_nowait({"job": aj.job, "identifier": aj.job.identifier, "eos": True, "text": "",
-                                         "token_ids": [], "eos_reason": "error", "error": e,
-                                         "full_completion": aj.job.completion})
-                return
-            for r in results:
-                owner = self.jobs.get(id(r["job"]))
-                if owner is None:
-                    continue
-                if r["eos"]:
-                    del self.jobs[id(r["job"])]
-                owner.queue.put_nowait(r)
-            if not results:
-                await asyncio.sleep(0)
-
     async def cancel(self, aj: AsyncJob) -> None:
-        self.jobs.pop(id(aj.job), None)
         if aj.job.status in ("queued", "active"):
             self.cancelled += 1
-        # Generator.cancel takes the generator lock, held for a whole step: wait for it in a thread
-        await asyncio.get_running_loop().run_in_executor(None, self.generator.cancel, aj.job)
+        await super().cancel(aj)
 
 
 @dataclass

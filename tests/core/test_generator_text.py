@@ -217,3 +217,41 @@ def test_async_generator_streams_and_cancels(plugins) -> None:
     text, cancelled = asyncio.run(main())
     assert text == want and cancelled
     assert gen.num_remaining() == 0 and gen.cache.allocator.num_live() == 0
+
+
+class FailingModel(ScriptedModel):
+    """A scripted model whose forward raises from its ``fail_at``-th call on (a broken step)."""
+
+    def __init__(self, script: list[int], fail_at: int) -> None:
+        super().__init__(script)
+        self.calls, self.fail_at = 0, fail_at
+
+    def forward_batch(self, meta: BatchMeta, cache=None) -> torch.Tensor:
+        self.calls += 1
+        if self.calls >= self.fail_at:
+            raise RuntimeError("device lost")
+        return super().forward_batch(meta, cache)
+
+
+def test_async_generator_failed_step_ends_every_job_with_an_error(plugins) -> None:
+    model = FailingModel(list(range(3, 200)), fail_at=4)
+    gen = Generator(model, Cache(model, 1024, page_size=16, plugins=plugins), TOK)
+    gen.eos_ids = set()
+
+    async def main() -> list[list[dict]]:
+        agen = AsyncGenerator(gen)
+        jobs = [await agen.submit(Job([3, 4, 5], max_new_tokens=50, identifier=i)) for i in range(3)]
+
+        async def consume(aj) -> list[dict]:
+            return [r async for r in aj]
+
+        # without the fix the consumers waited forever: bound the wait
+        return await asyncio.wait_for(asyncio.gather(*(consume(aj) for aj in jobs)), timeout=30)
+
+    streams = asyncio.run(main())
+    for results in streams:
+        last = results[-1]
+        assert last["eos"] and last["eos_reason"] == "error"
+        assert isinstance(last["error"], RuntimeError) and "device lost" in str(last["error"])
+        assert all(not r["eos"] for r in results[:-1])
+    assert gen.num_remaining() == 0 and gen.cache.allocator.num_live() == 0
