@@ -3,7 +3,6 @@ cache-less pass, and the MLA cache layer's storage contract."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -18,28 +17,9 @@ from exl3_core.nn.mla import LatentAttention, dense_weight, latent_softmax_scale
 from exl3_core.nn.module import ForwardState, LoadContext
 from exl3_core.nn.rope import RotaryEmbedding
 from exl3_core.reference.attention import gather_paged
+from dict_source import DictSource
 
 H, HEADS, L, NOPE, ROPE, V = 48, 4, 32, 16, 8, 12
-
-
-class DictSource:
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-        self.directory = Path("<memory>")
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.tensors
-
-    def keys(self) -> list[str]:
-        return list(self.tensors)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.tensors[name].shape)
-
-    def get_tensor(self, name: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                   expect_shape: object = None) -> torch.Tensor:
-        t = self.tensors[name].to(device)
-        return t.to(dtype) if dtype is not None else t.clone()
 
 
 YARN = RopeSettings(type="yarn", theta=10000.0, factor=4.0, original_max_position_embeddings=32, mscale=1.0,

@@ -3,7 +3,6 @@ fused-expert checkpoint layout, and that routing really varies between tokens.""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,28 +10,7 @@ import torch.nn.functional as F
 
 from exl3_core.nn.module import LoadContext
 from exl3_core.nn.moe import MoE, RoutingConfig, grouped_gemm_works, pin_routing, route
-
-
-class DictSource:
-    """In-memory TensorSource for building modules from random tensors."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-        self.directory = Path("<memory>")
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.tensors
-
-    def keys(self) -> list[str]:
-        return list(self.tensors)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.tensors[name].shape)
-
-    def get_tensor(self, name: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                   expect_shape: object = None) -> torch.Tensor:
-        t = self.tensors[name].to(device)
-        return t.to(dtype) if dtype is not None else t.clone()
+from dict_source import DictSource
 
 
 def route_oracle(logits: torch.Tensor, cfg: RoutingConfig,
