@@ -1,0 +1,21 @@
+# Sourced by the device scripts (bench/gpu_*.sh), from the repo root on the device with `.whl`
+# carried (../shared/device/wheels.sh): the wheels the device image lacks, the in-repo plugins as
+# entry points without pip/hatchling, PYTHONPATH, $OUT, and the extension build (skipped when
+# SKIP_BUILD=1 and a build is already there).
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+for p in arch_llama:llama arch_qwen:qwen attn_backends:attn_backends; do
+  dir=${p%%:*}; ep=${p##*:}; pkg=exl3_$dir
+  di=/tmp/site/${pkg}-0.1.0.dist-info; mkdir -p $di
+  printf 'Metadata-Version: 2.1\nName: %s\nVersion: 0.1.0\n' "${pkg//_/-}" > $di/METADATA
+  printf '[exl3]\n%s = %s.plugin\n' "$ep" "$pkg" > $di/entry_points.txt
+done
+export PYTHONPATH=$PWD:$PWD/plugins/attn_backends/src:$PWD/plugins/arch_llama/src:$PWD/plugins/arch_qwen/src:/tmp/site
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+if [ "${SKIP_BUILD:-0}" != 1 ] || [ ! -f exl3_core/_C.so ]; then
+  t=$(date +%s)
+  TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
+    || { tail -30 "$OUT/build.log"; exit 1; }
+  echo "build $(( $(date +%s) - t )) s"
+fi
