@@ -135,12 +135,18 @@ class HessianCapture:
     _aliased: set[int] = field(default_factory=set)
     _alive: list[torch.Tensor] = field(default_factory=list)  # linears observed through INPUT_ALIASES only
     _handles: list[Any] = field(default_factory=list)
+    #: called with (leader key, input) for every group input accumulated (error propagation's cross term)
+    observer: Any = None
+    #: while True the hooks record nothing (a pass through the stage that must not count)
+    paused: bool = False
 
     def __post_init__(self) -> None:
         self._by_id = {id(s.module): s for s in self.slots if s.quantize}
 
     # -- hooks ------------------------------------------------------------------------------------
     def _observe(self, slot: LinearSlot, x: torch.Tensor) -> None:
+        if self.paused:
+            return
         sig = _signature(x)
         entry = self._seen.get(sig)
         if entry is not None and entry.ref() is None:
@@ -159,6 +165,8 @@ class HessianCapture:
             if acc is None:
                 acc = self.accumulators[slot.key] = HessianAccumulator(slot.in_features, name=f"{slot.key} input")
             acc.add(x)
+            if self.observer is not None:
+                self.observer(slot.key, x.reshape(-1, slot.in_features))
 
     def _pre_hook(self, module: torch.nn.Module, args: tuple[Any, ...]) -> None:
         if id(module) in self._suppress or id(module) in self._aliased or not args:

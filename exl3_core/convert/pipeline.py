@@ -31,6 +31,7 @@ import torch
 from exl3_core.convert.calibration import RANDOM_FRACTION, calibration_ids
 from exl3_core.convert.capture import HessianCapture, LinearSlot, find_linears
 from exl3_core.convert.compile import quantization_config, write_output
+from exl3_core.convert.propagation import CrossAccumulator, InputRecorder, default_strength, propagated_weight
 from exl3_core.convert.stages import (
     Stage,
     conversion_stages,
@@ -78,6 +79,7 @@ class ConvertArgs:
     seed: int = 0
     text: str | None = None  # calibration text file (None: the built-in text)
     cal_random: float = RANDOM_FRACTION  # share of uniform-random calibration rows
+    propagate: float = 0.0  # error-propagation strength α (0: off; see convert/propagation.py)
 
     def validate(self) -> None:
         if not 1.0 <= self.bpw <= 8.0:
@@ -92,6 +94,8 @@ class ConvertArgs:
             raise ValueError(f"--cal-rows {self.cal_rows} --cal-cols {self.cal_cols}: need at least 1 row of 2 tokens")
         if not 0.0 <= self.cal_random <= 1.0:
             raise ValueError(f"--cal-random {self.cal_random}: the share of random rows must be in [0, 1]")
+        if not 0.0 <= self.propagate <= 1.0:
+            raise ValueError(f"--propagate {self.propagate}: the error-propagation strength must be in [0, 1]")
         if self.shard_mib < 1:
             raise ValueError(f"--shard-size {self.shard_mib}: must be at least 1 MiB")
 
@@ -237,6 +241,7 @@ class Converter:
                             self.out_dir.with_name(self.out_dir.name + ".work"))
         self.remove_work_when_done = default_work
         self.device = torch.device(args.device)
+        self.x_fp: torch.Tensor | None = None  # unquantized-model states (error propagation only)
 
     # -- setup ------------------------------------------------------------------------------------
     def _load_model(self) -> None:
@@ -294,7 +299,9 @@ class Converter:
         return st.index + 1_000_003 * self.args.seed
 
     def _quantize_slots(self, st: Stage, slots: list[LinearSlot], hinfos: dict[str, HessianInfo | None],
-                        bits: dict[str, int], bar: Any) -> dict[str, QuantizedLinear]:
+                        bits: dict[str, int], bar: Any,
+                        targets: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                        ) -> dict[str, QuantizedLinear]:
         out: dict[str, QuantizedLinear] = {}
         ordinal = 0
         for s in slots:
@@ -307,6 +314,9 @@ class Converter:
             w = s.module.weight
             assert isinstance(w, torch.Tensor), f"{s.key}: a linear without a weight tensor"
             w = w.detach()
+            sums = (targets or {}).get(s.group or s.key)
+            if sums is not None:  # aim at the unquantized model's output (error propagation)
+                w = propagated_weight(w, sums[0], sums[1], self.args.propagate)
             b = getattr(s.module, "bias", None)
             t0 = time.monotonic()
             q = quantize_linear(w, hinfos.get(s.group or s.key), K=K, codebook=self.args.codebook,
@@ -339,10 +349,17 @@ class Converter:
         dev = self.device
         ref_rows: list[torch.Tensor] = []
         hinfos: dict[str, HessianInfo | None] = {}
+        x_fp = self.x_fp
+        crosses: dict[str, CrossAccumulator] = {}
+        fp_outs: list[torch.Tensor] = []
         if qslots and st.kind == "head":
             acc = HessianAccumulator(qslots[0].in_features, name=f"{st.name} input")
             for c in chunks:
                 acc.add(x[c].to(dev))
+                if x_fp is not None:
+                    k = qslots[0].in_features
+                    crosses.setdefault(qslots[0].key, CrossAccumulator()).add(
+                        x[c].to(dev).reshape(-1, k), x_fp[c].to(dev).reshape(-1, k))
             for s in qslots:
                 s.group = qslots[0].key
             hinfos[qslots[0].key] = acc.finalize(seed=self._seed(st))
@@ -350,8 +367,20 @@ class Converter:
                 ref = forward_stage(self.model, st, x[:n_metric, :HEAD_METRIC_COLS].to(dev),
                                     ids[:n_metric, :HEAD_METRIC_COLS]).cpu()
         elif qslots:
-            with torch.no_grad(), HessianCapture(st.module, slots) as cap:
+            partner: dict[str, torch.Tensor] = {}
+
+            def cross(leader: str, xq: torch.Tensor) -> None:
+                crosses.setdefault(leader, CrossAccumulator()).add(xq, partner.get(leader))
+
+            with torch.no_grad(), HessianCapture(st.module, slots, observer=cross if x_fp is not None else None) as cap:
                 for c in chunks:
+                    if x_fp is not None:  # the same rows through the unquantized model: inputs and output
+                        cap.paused = True
+                        with InputRecorder(slots) as rec:
+                            fp_outs.append(forward_stage(self.model, st, x_fp[c].to(dev), ids[c].to(dev))
+                                           .float().to(x_fp.device))
+                        cap.paused = False
+                        partner = rec.inputs
                     cap.next_batch()
                     y = forward_stage(self.model, st, x[c].to(dev), ids[c].to(dev))
                     if c.start < n_metric:
@@ -361,7 +390,12 @@ class Converter:
                 self.report(f"    warning: {key} received no input during capture; quantized without a Hessian")
             for leader, acc in cap.accumulators.items():
                 hinfos[leader] = acc.finalize(seed=self._seed(st))
-        quantized = self._quantize_slots(st, slots, hinfos, job.bits, bar) if qslots else {}
+        targets = {}
+        for leader, cr in crosses.items():
+            acc_h = cap.accumulators.get(leader) if st.kind != "head" else acc
+            if cr.valid and cr.c_sum is not None and acc_h is not None and acc_h.h_sum is not None:
+                targets[leader] = (acc_h.h_sum, cr.c_sum)
+        quantized = self._quantize_slots(st, slots, hinfos, job.bits, bar, targets) if qslots else {}
         self._install(st, slots, quantized)
 
         metrics: dict[str, float] = {}
@@ -378,6 +412,12 @@ class Converter:
                 for c in chunks:
                     outs.append(forward_stage(self.model, st, x[c].to(dev), ids[c].to(dev)).float().to(x.device))
             new_x = torch.cat(outs)
+            if x_fp is not None:  # advance the unquantized model's states too
+                if not fp_outs:
+                    with torch.no_grad():
+                        fp_outs = [forward_stage(self.model, st, x_fp[c].to(dev), ids[c].to(dev)).float()
+                                   .to(x_fp.device) for c in chunks]
+                self.x_fp = torch.cat(fp_outs)
             if quantized:
                 metrics = error_metrics(new_x[:n_metric].cpu(), ref)
         tensors, storage = _stage_tensors(st, slots, quantized, self.source)
@@ -404,6 +444,8 @@ class Converter:
             raise ResumeError(f"{self.work.path}/calibration.safetensors is missing; delete the work directory and "
                               f"start over")
         x: torch.Tensor = ids if job.done == 0 or job.states is None else self.work.load_states(job.states)
+        if x.dim() == 4:  # error propagation checkpoints [quantized, unquantized] states together
+            x, self.x_fp = x[0], self._states_home(x[1])
         x = self._states_home(x)
         last_commit = time.monotonic()
         todo = [st for st in self.stages if st.index >= job.done]
@@ -424,9 +466,12 @@ class Converter:
                 last = st.index == len(self.stages) - 1
                 stop = _stop_after_module is not None and st.index >= _stop_after_module and not last
                 x = self._states_home(x)
+                if self.args.propagate > 0 and self.x_fp is None and x.is_floating_point():
+                    self.x_fp = x  # up to the first quantized stage both models agree
                 if (last or stop or x.nbytes <= SMALL_STATES_BYTES
                         or time.monotonic() - last_commit >= STATE_CHECKPOINT_S):
-                    states = None if last else self.work.save_states(st.index, x.cpu())
+                    keep = x.cpu() if self.x_fp is None else torch.stack([x, self.x_fp.to(x.device)]).cpu()
+                    states = None if last else self.work.save_states(st.index, keep)
                     job.done, job.states = st.index + 1, states
                     self.work.save_job(job)  # the commit point of this stage
                     self.work.drop_old_states(states)
@@ -469,7 +514,8 @@ class Converter:
 def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: int = 6, codebook: str = "mul1",
             out_scales: str = "always", cal_rows: int = 250, cal_cols: int = 2048, device: str = "cpu",
             shard_mib: int = 8192, work_dir: str | Path | None = None, resume: bool = False, seed: int = 0,
-            text: str | Path | None = None, cal_random: float = RANDOM_FRACTION, report: Report | None = None,
+            text: str | Path | None = None, cal_random: float = RANDOM_FRACTION, propagate: float | None = None,
+            report: Report | None = None,
             progress: bool = True,
             on_quantized: Callable[[str, QuantizedLinear], None] | None = None,
             _stop_after_module: int | None = None) -> ConvertResult:
@@ -483,6 +529,9 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
     :param resume: continue the unfinished job in ``work_dir``; its quantization arguments must match.
     :param text: calibration text file instead of the built-in documentation text.
     :param cal_random: share of uniform-random calibration rows (default 20/135, the reference mix).
+    :param propagate: error-propagation strength α in [0, 1] (0: off): aim each linear partly at the
+        unquantized model's output instead of reproducing the upstream error (convert/propagation.py).
+        None: the measured default for ``bpw`` (``propagation.default_strength``).
     :param report: receives the per-tensor and per-module report lines (default: stderr).
     :param on_quantized: called with ``(key, QuantizedLinear)`` for every tensor quantized in this run.
     :param _stop_after_module: testing hook, return (unfinished) after checkpointing that stage index.
@@ -491,6 +540,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
     args = ConvertArgs(in_dir=str(in_dir), out_dir=str(out_dir), bpw=float(bpw), head_bits=head_bits,
                        codebook=codebook, out_scales=out_scales, cal_rows=cal_rows, cal_cols=cal_cols, device=device,
                        shard_mib=shard_mib, work_dir=None if work_dir is None else str(work_dir), seed=seed,
-                       text=None if text is None else str(text), cal_random=cal_random)
+                       text=None if text is None else str(text), cal_random=cal_random,
+                       propagate=default_strength(float(bpw)) if propagate is None else float(propagate))
     conv = Converter(args, report=report, progress=progress, on_quantized=on_quantized)
     return conv.run(resume=resume, _stop_after_module=_stop_after_module)

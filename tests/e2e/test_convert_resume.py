@@ -12,6 +12,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 from convert_tiny import build_tiny
 
 from exl3_core.convert.pipeline import convert
@@ -96,3 +97,25 @@ def test_resume_with_other_arguments_fails(setup: tuple[Path, dict[str, bytes]],
     assert "bpw: was 4.0, now 3.0" in msg and "codebook: was 'mul1', now 'mcg'" in msg and "head_bits" not in msg
     with pytest.raises(ResumeError, match="--resume"):
         _convert(src, tmp_path / "out", work_dir=work)
+
+
+def test_error_propagation_stop_and_resume_is_byte_identical(setup: tuple[Path, dict[str, bytes]],
+                                                             tmp_path: Path) -> None:
+    """With --propagate the work directory checkpoints both models' states; a resumed run still
+    writes exactly what an uninterrupted one does, and the weights differ from the plain run."""
+    src, plain = setup
+    full = tmp_path / "full"
+    _convert(src, full, propagate=0.5)
+    work = tmp_path / "work"
+    res = _convert(src, tmp_path / "out", work_dir=work, _stop_after_module=2, propagate=0.5)
+    assert not res.completed
+    job = json.loads((work / "job.json").read_text())
+    from safetensors.torch import load_file
+
+    states = load_file(str(work / job["states"]))["states"]
+    assert states.dim() == 4 and states.shape[0] == 2  # [quantized, unquantized] states
+    assert not torch.equal(states[0], states[1])
+    res = _convert(src, tmp_path / "out", work_dir=work, resume=True, propagate=0.5)
+    assert res.completed
+    assert _files(tmp_path / "out") == _files(full)
+    assert _files(full)["model.safetensors"] != plain["model.safetensors"]
