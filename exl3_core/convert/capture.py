@@ -19,6 +19,7 @@ experts during capture), while the block's own output stays the normally routed 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,7 +137,7 @@ class HessianCapture:
     _alive: list[torch.Tensor] = field(default_factory=list)  # linears observed through INPUT_ALIASES only
     _handles: list[Any] = field(default_factory=list)
     #: called with (leader key, input) for every group input accumulated (error propagation's cross term)
-    observer: Any = None
+    observer: Callable[[str, torch.Tensor], None] | None = None
     #: while True the hooks record nothing (a pass through the stage that must not count)
     paused: bool = False
 

@@ -351,9 +351,10 @@ class Converter:
         hinfos: dict[str, HessianInfo | None] = {}
         x_fp = self.x_fp
         crosses: dict[str, CrossAccumulator] = {}
+        accumulators: dict[str, HessianAccumulator] = {}
         fp_outs: list[torch.Tensor] = []
         if qslots and st.kind == "head":
-            acc = HessianAccumulator(qslots[0].in_features, name=f"{st.name} input")
+            acc = accumulators[qslots[0].key] = HessianAccumulator(qslots[0].in_features, name=f"{st.name} input")
             for c in chunks:
                 acc.add(x[c].to(dev))
                 if x_fp is not None:
@@ -388,13 +389,14 @@ class Converter:
             ref = torch.cat(ref_rows)
             for key in cap.unseen():
                 self.report(f"    warning: {key} received no input during capture; quantized without a Hessian")
-            for leader, acc in cap.accumulators.items():
+            accumulators = cap.accumulators
+            for leader, acc in accumulators.items():
                 hinfos[leader] = acc.finalize(seed=self._seed(st))
         targets = {}
         for leader, cr in crosses.items():
-            acc_h = cap.accumulators.get(leader) if st.kind != "head" else acc
-            if cr.valid and cr.c_sum is not None and acc_h is not None and acc_h.h_sum is not None:
-                targets[leader] = (acc_h.h_sum, cr.c_sum)
+            h_sum = accumulators[leader].h_sum if leader in accumulators else None
+            if cr.valid and cr.c_sum is not None and h_sum is not None:
+                targets[leader] = (h_sum, cr.c_sum)
         quantized = self._quantize_slots(st, slots, hinfos, job.bits, bar, targets) if qslots else {}
         self._install(st, slots, quantized)
 
@@ -470,7 +472,8 @@ class Converter:
                     self.x_fp = x  # up to the first quantized stage both models agree
                 if (last or stop or x.nbytes <= SMALL_STATES_BYTES
                         or time.monotonic() - last_commit >= STATE_CHECKPOINT_S):
-                    keep = x.cpu() if self.x_fp is None else torch.stack([x, self.x_fp.to(x.device)]).cpu()
+                    # stacked on the host: a device-side stack would need twice the states' memory there
+                    keep = x.cpu() if self.x_fp is None else torch.stack([x.cpu(), self.x_fp.cpu()])
                     states = None if last else self.work.save_states(st.index, keep)
                     job.done, job.states = st.index + 1, states
                     self.work.save_job(job)  # the commit point of this stage

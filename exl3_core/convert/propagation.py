@@ -85,8 +85,7 @@ def propagated_weight(w: torch.Tensor, h_sum: torch.Tensor, c_sum: torch.Tensor,
     row count cancels). fp64 solve; returned in ``w``'s dtype and device."""
     h = h_sum.to(torch.float64)
     c = c_sum.to(h.device, torch.float64)
-    k = w.shape[1]
-    h, c = h[:k, :k], c[:k, :k]
+    k = h.shape[0]
     lam = DAMP * float(h.diagonal().mean())
     if not lam > 0:
         return w

@@ -194,7 +194,7 @@ def quantize_linear(
         if bias.shape != (out_features,):
             raise ValueError(f"{name}: bias shape {tuple(bias.shape)}, expected [{out_features}]")
         bias_h = torch.zeros(n, dtype=torch.float16)
-        bias_h[:out_features] = _check_fp16(name, "bias", bias.detach().to("cpu", torch.float32)).cpu()
+        bias_h[:out_features] = _check_fp16(name, "bias", bias.detach().to("cpu", torch.float32))
 
     err = w_rot - w_hat
     mse = float(err.double().pow(2).mean())
