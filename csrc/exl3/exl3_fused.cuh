@@ -24,6 +24,23 @@
 namespace exl3 {
 
 constexpr int FUSED_MAX_PROBLEMS = 3;
+// Tuning knobs (bench/gemv_tune.cu builds variants): register-ring depth, a minimum of resident
+// blocks per SM for the register allocator, and whether the first trellis loads are issued before
+// the x prologue so their DRAM latency overlaps it.
+#ifndef EXL3_FUSED_STAGES
+#define EXL3_FUSED_STAGES EXL3_GEMM_STAGES
+#endif
+#ifndef EXL3_FUSED_MINB
+#define EXL3_FUSED_MINB 0  // 0: no minimum (ptxas picks the register count)
+#endif
+#if EXL3_FUSED_MINB > 0
+#define EXL3_FUSED_BOUNDS __launch_bounds__(GEMM_WARPS * 32, EXL3_FUSED_MINB)
+#else
+#define EXL3_FUSED_BOUNDS __launch_bounds__(GEMM_WARPS * 32)
+#endif
+#ifndef EXL3_FUSED_EARLY
+#define EXL3_FUSED_EARLY 1
+#endif
 constexpr int FUSED_COLS = GEMM_WARPS * GEMM_NT * 16;  // output columns per block
 static_assert(FUSED_COLS == 128, "the fused epilogue Hadamard needs blocks of exactly 128 columns");
 static_assert(GEMM_KT_MAX % 8 == 0, "k chunks are whole 128-column Hadamard blocks");
@@ -74,7 +91,7 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 }
 
 template <int K, int CB>
-__global__ void __launch_bounds__(GEMM_WARPS * 32) fused_linear_kernel(FusedArgs a) {
+__global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
     using W = LaneWindow<K>;
     constexpr int NT = GEMM_NT;
     const int lane = threadIdx.x & 31;
@@ -96,6 +113,30 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) fused_linear_kernel(FusedArgs
     const int chunks = (a.k_tiles + a.kt_per_chunk - 1) / a.kt_per_chunk;
     const long kdim = (long)a.k_tiles * 16;
     const long ndim = (long)P.n_tiles * 16;
+
+#if EXL3_FUSED_EARLY
+    // ---- main-loop state: the GEMM's decode + mma.sync with an S-stage register ring (see gemm_kernel)
+    const int ng = cblk * GEMM_WARPS + warp;  // this warp's NT-tile group
+    const long tile_words = 8 * K;
+    const uint32_t* tbase = P.trellis + ((long)kt0 * P.n_tiles + (long)ng * NT) * tile_words;
+    const long row_words = (long)P.n_tiles * tile_words;
+    constexpr int S = EXL3_FUSED_STAGES;
+    uint32_t wr[S][NT][W::NW];
+    const uint32_t* lp[W::NW];
+    W::pointers(tbase, lane, lp);
+    auto load_stage = [&](uint32_t (&w)[NT][W::NW]) {
+#pragma unroll
+        for (int i = 0; i < W::NW; ++i) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) w[nt][i] = __ldg(lp[i] + nt * tile_words);
+            lp[i] += row_words;
+        }
+    };
+    // the first S-1 k tiles' words are requested now: their DRAM latency overlaps the prologue
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s)
+        if (kt0 + s < kt1) load_stage(wr[s]);
+#endif
 
     // ---- prologue: xs = fp16(Had128(fp16(x * suh))) for this k chunk; rows m..15 are zeros (they
     // only feed mma output rows that are never stored)
@@ -127,12 +168,6 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) fused_linear_kernel(FusedArgs
     }
     const uint32_t xs_lane = (uint32_t)__cvta_generic_to_shared(&xs[(lane & 15) * XS + (lane >> 4) * 8]);
 
-    // ---- main loop: the GEMM's decode + mma.sync with an S-stage register ring (see gemm_kernel)
-    const int ng = cblk * GEMM_WARPS + warp;  // this warp's NT-tile group
-    const long tile_words = 8 * K;
-    const uint32_t* tbase = P.trellis + ((long)kt0 * P.n_tiles + (long)ng * NT) * tile_words;
-    const long row_words = (long)P.n_tiles * tile_words;
-
     float acc[NT][2][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
@@ -141,18 +176,6 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) fused_linear_kernel(FusedArgs
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[nt][nb][i] = 0.f;
 
-    constexpr int S = GEMM_STAGES;
-    uint32_t wr[S][NT][W::NW];
-    const uint32_t* lp[W::NW];
-    W::pointers(tbase, lane, lp);
-    auto load_stage = [&](uint32_t (&w)[NT][W::NW]) {
-#pragma unroll
-        for (int i = 0; i < W::NW; ++i) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) w[nt][i] = __ldg(lp[i] + nt * tile_words);
-            lp[i] += row_words;
-        }
-    };
     auto compute_stage = [&](int kt, uint32_t (&w)[NT][W::NW]) {
         uint32_t af[4];
         const uint32_t addr = xs_lane + (uint32_t)((kt - kt0) * 16 * 2);
@@ -168,9 +191,28 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) fused_linear_kernel(FusedArgs
             mma_16816(acc[nt][1], af, h2_bits(f[2]), h2_bits(f[3]));
         }
     };
+#if !EXL3_FUSED_EARLY
+    // ---- main-loop state: the GEMM's decode + mma.sync with an S-stage register ring (see gemm_kernel)
+    const int ng = cblk * GEMM_WARPS + warp;  // this warp's NT-tile group
+    const long tile_words = 8 * K;
+    const uint32_t* tbase = P.trellis + ((long)kt0 * P.n_tiles + (long)ng * NT) * tile_words;
+    const long row_words = (long)P.n_tiles * tile_words;
+    constexpr int S = EXL3_FUSED_STAGES;
+    uint32_t wr[S][NT][W::NW];
+    const uint32_t* lp[W::NW];
+    W::pointers(tbase, lane, lp);
+    auto load_stage = [&](uint32_t (&w)[NT][W::NW]) {
+#pragma unroll
+        for (int i = 0; i < W::NW; ++i) {
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) w[nt][i] = __ldg(lp[i] + nt * tile_words);
+            lp[i] += row_words;
+        }
+    };
 #pragma unroll
     for (int s = 0; s < S - 1; ++s)
         if (kt0 + s < kt1) load_stage(wr[s]);
+#endif
     for (int kt = kt0; kt < kt1; kt += S) {
 #pragma unroll
         for (int s = 0; s < S; ++s) {

@@ -1,0 +1,223 @@
+// Standalone tuning harness for the one-launch EXL3 linear at decode sizes (no torch): builds in
+// seconds with nvcc, so bench/gemv_tune.sh can compile and time several variants of the kernel's
+// compile-time knobs (EXL3_FUSED_STAGES, EXL3_FUSED_MINB, EXL3_FUSED_EARLY, ...) in one device call.
+//
+//   nvcc -std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -Icsrc [-D...] \
+//        bench/gemv_tune.cu -o gemv_tune && ./gemv_tune [kt ...]
+//
+// Per shape (4096x14336 and 14336x4096, K=4, codebook TUNE_CB): the fused op at m=1 for each k
+// chunk size given (0 = the launcher's one-wave choice), the decode-only kernel on the SAME shape
+// (the integer-pipeline ceiling for these weights, launch and tail included) and the inner split-k
+// GEMM. Timing: CUDA graph of 32 launches over rotating trellis copies (> 3x L2), CUDA events,
+// median of 9 replays. Correctness: the fused output against an fp64 host reference built from
+// the reconstruct kernel's Ŵ (relative L2 error printed; must be < 1e-3).
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "exl3/exl3_fused.cuh"
+#include "exl3/exl3_kernels.cuh"
+
+#ifndef TUNE_CB
+#define TUNE_CB 2
+#endif
+#ifndef TUNE_K
+#define TUNE_K 4
+#endif
+
+#define CK(x)                                                                                  \
+    do {                                                                                       \
+        cudaError_t e_ = (x);                                                                  \
+        if (e_ != cudaSuccess) {                                                               \
+            std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
+            std::exit(1);                                                                      \
+        }                                                                                      \
+    } while (0)
+
+__global__ void fill_random(uint32_t* p, long n, uint32_t seed) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        uint32_t x = (uint32_t)i * 2654435761u ^ seed;
+        x ^= x << 13; x ^= x >> 17; x ^= x << 5; x *= 0x9E3779B1u; x ^= x >> 16;
+        p[i] = x;
+    }
+}
+
+static float median(std::vector<float> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+// seconds per launch of fn(i), i = 0..calls-1, captured as one graph
+template <class F>
+static float time_graph(F fn, int calls = 32, int reps = 9) {
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    for (int i = 0; i < calls; ++i) fn(i, st);  // warm-up
+    CK(cudaStreamSynchronize(st));
+    CK(cudaGetLastError());
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < calls; ++i) fn(i, st);
+    CK(cudaStreamEndCapture(st, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    CK(cudaGraphLaunch(ge, st));
+    CK(cudaStreamSynchronize(st));
+    cudaEvent_t a, b;
+    CK(cudaEventCreate(&a));
+    CK(cudaEventCreate(&b));
+    std::vector<float> t;
+    for (int r = 0; r < reps; ++r) {
+        CK(cudaEventRecord(a, st));
+        CK(cudaGraphLaunch(ge, st));
+        CK(cudaEventRecord(b, st));
+        CK(cudaEventSynchronize(b));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, a, b));
+        t.push_back(ms * 1e-3f / calls);
+    }
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    CK(cudaStreamDestroy(st));
+    return median(t);
+}
+
+static void had128_host(double* v) {  // in place, normalized, as the kernels' butterfly (value-wise)
+    for (int h = 1; h < 128; h <<= 1)
+        for (int i = 0; i < 128; i += 2 * h)
+            for (int j = i; j < i + h; ++j) {
+                double a = v[j], b = v[j + h];
+                v[j] = a + b;
+                v[j + h] = a - b;
+            }
+    for (int i = 0; i < 128; ++i) v[i] *= 0.088388347648318440550;
+}
+
+static float h2f(__half h) { return __half2float(h); }
+
+int main(int argc, char** argv) {
+    std::vector<int> kts;
+    for (int i = 1; i < argc; ++i) kts.push_back(std::atoi(argv[i]));
+    if (kts.empty()) kts = {0, 8, 16, 24, 32};
+    constexpr int K = TUNE_K, CB = TUNE_CB;
+    const int shapes[2][2] = {{4096, 14336}, {14336, 4096}};
+    int dev = 0, sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    int occ_f = 0, occ_d = 0;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_f, exl3::fused_linear_kernel<K, CB>, exl3::GEMM_WARPS * 32, 0));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_d, exl3::gemm_kernel<K, CB, 1, true>, exl3::GEMM_WARPS * 32, 0));
+    cudaFuncAttributes fa{};
+    CK(cudaFuncGetAttributes(&fa, exl3::fused_linear_kernel<K, CB>));
+    std::printf("variant: stages=%d minb=%d early=%d | fused regs %d, blocks/SM %d | decode-only blocks/SM %d\n",
+                EXL3_FUSED_STAGES, EXL3_FUSED_MINB, EXL3_FUSED_EARLY, fa.numRegs, occ_f, occ_d);
+    for (auto& sh : shapes) {
+        const int k = sh[0], n = sh[1], kt = k / 16, nt = n / 16;
+        const long words = (long)kt * nt * 8 * K;
+        const long bytes = words * 4;
+        const int copies = (int)std::max(2L, (3L * 60 * 1024 * 1024) / bytes + 1);
+        uint32_t* tr;
+        CK(cudaMalloc(&tr, bytes * copies));
+        fill_random<<<1024, 256>>>(tr, words * copies, 1234u);
+        std::vector<__half> hx(k), hsu(k), hsv(n);
+        srand(7);
+        for (int i = 0; i < k; ++i) {
+            hx[i] = __float2half((rand() / (float)RAND_MAX - 0.5f) * 3.4f);
+            hsu[i] = __float2half((rand() & 1) ? 1.0f : -1.0f);
+        }
+        for (int i = 0; i < n; ++i) hsv[i] = __float2half(((rand() & 1) ? 1.0f : -1.0f) * (0.02f + 0.01f * (i % 7)));
+        __half *x, *su, *sv, *y;
+        float *z, *sink;
+        int* cnt;
+        CK(cudaMalloc(&x, k * 2));
+        CK(cudaMalloc(&su, k * 2));
+        CK(cudaMalloc(&sv, n * 2));
+        CK(cudaMalloc(&y, n * 2));
+        CK(cudaMalloc(&z, 16L * n * 4));
+        CK(cudaMalloc(&sink, 1 << 20));
+        CK(cudaMalloc(&cnt, n / 128 * 4));
+        CK(cudaMemcpy(x, hx.data(), k * 2, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(su, hsu.data(), k * 2, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(sv, hsv.data(), n * 2, cudaMemcpyHostToDevice));
+        CK(cudaMemset(z, 0, 16L * n * 4));
+        CK(cudaMemset(cnt, 0, n / 128 * 4));
+
+        auto fused = [&](int kt_chunk, int i, cudaStream_t st) {
+            exl3::FusedArgs a{};
+            a.x = x;
+            a.m = 1;
+            a.k_tiles = kt;
+            a.kt_per_chunk = kt_chunk;
+            a.n_problems = 1;
+            a.p[0] = exl3::FusedProblem{tr + (long)(i % copies) * words, su, sv, y, z, cnt, nt, 0};
+            return exl3::launch_fused_t<K, CB>(a, st);
+        };
+        auto gemm = [&](bool dec, int i, cudaStream_t st) {
+            exl3::GemmArgs g{};
+            g.x = x;
+            g.trellis = tr + (long)(i % copies) * words;
+            g.z = z;
+            g.sink = sink;
+            g.m = 1;
+            g.k_tiles = kt;
+            g.n_tiles = nt;
+            g.kt_per_warp = 0;
+            g.m0 = 0;
+            return dec ? exl3::launch_gemm_t<K, CB, 1, true>(g, st) : exl3::launch_gemm_t<K, CB, 1, false>(g, st);
+        };
+
+        // correctness of the fused op (copy 0, one-wave chunking) against an fp64 host reference
+        fused(0, 0, 0);
+        CK(cudaDeviceSynchronize());
+        CK(cudaGetLastError());
+        std::vector<__half> hy(n);
+        CK(cudaMemcpy(hy.data(), y, n * 2, cudaMemcpyDeviceToHost));
+        __half* wh;
+        CK(cudaMalloc(&wh, (long)k * n * 2));
+        exl3::launch_reconstruct_t<K, CB>(tr, wh, kt, nt, 0);
+        CK(cudaDeviceSynchronize());
+        std::vector<__half> hw((long)k * n);
+        CK(cudaMemcpy(hw.data(), wh, (long)k * n * 2, cudaMemcpyDeviceToHost));
+        CK(cudaFree(wh));
+        std::vector<double> xs(k), zr(n, 0.0);
+        for (int i = 0; i < k; ++i) xs[i] = h2f(__float2half(h2f(hx[i]) * h2f(hsu[i])));
+        for (int b = 0; b < k; b += 128) had128_host(&xs[b]);
+        for (int i = 0; i < k; ++i) xs[i] = h2f(__float2half((float)xs[i]));
+        for (int i = 0; i < k; ++i) {
+            const double xi = xs[i];
+            const __half* row = &hw[(long)i * n];
+            for (int j = 0; j < n; ++j) zr[j] += xi * h2f(row[j]);
+        }
+        for (int b = 0; b < n; b += 128) had128_host(&zr[b]);
+        double num = 0, den = 0;
+        for (int j = 0; j < n; ++j) {
+            const double r = zr[j] * h2f(hsv[j]);
+            num += (h2f(hy[j]) - r) * (h2f(hy[j]) - r);
+            den += r * r;
+        }
+        const double rel = std::sqrt(num / den);
+
+        const double weights = (double)k * n;
+        const float t_dec = time_graph([&](int i, cudaStream_t st) { gemm(true, i, st); });
+        const float t_inner = time_graph([&](int i, cudaStream_t st) { gemm(false, i, st); });
+        std::printf("%5dx%-5d  rel.err %.2e | decode-only (same shape) %.2f us = %.2f Tw/s | inner split-k GEMM %.2f us (%.0f%%)\n",
+                    k, n, rel, t_dec * 1e6, weights / t_dec / 1e12, t_inner * 1e6, 100 * t_dec / t_inner);
+        for (int c : kts) {
+            int used = 0;
+            const float t = time_graph([&](int i, cudaStream_t st) { used = fused(c, i, st); });
+            std::printf("   fused kt=%-2d (used %2d, %4ld blocks): %.2f us  -> %.1f%% of decode-only (same shape)\n", c, used,
+                        (long)(nt / 8) * ((kt + used - 1) / used), t * 1e6, 100 * t_dec / t);
+        }
+        if (rel > 1e-3) {
+            std::printf("FAILED: fused output off by %.2e relative\n", rel);
+            return 1;
+        }
+        CK(cudaFree(tr)); CK(cudaFree(x)); CK(cudaFree(su)); CK(cudaFree(sv)); CK(cudaFree(y));
+        CK(cudaFree(z)); CK(cudaFree(sink)); CK(cudaFree(cnt));
+    }
+    return 0;
+}

@@ -1,0 +1,110 @@
+"""Where the time goes on the GPU (device script helper, not a benchmark).
+
+    python bench/profile_gpu.py prefill [--shape 8b] [--tokens 2048]
+        torch.profiler kernel table of one prefill forward (random-weight EXL3 model, 4.0 bpw,
+        6-bit head, MUL1), GPU time per kernel group, and the forward's wall time.
+    python bench/profile_gpu.py host [--shape 1b] [--tokens 128]
+        b=1 greedy generator decode: wall time per token vs the replayed graph step, and a cProfile
+        of the host side (functions by own time) -- the host work between graph replays.
+
+Output goes to stdout and, with --out DIR, to DIR/profile_<what>_<shape>.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from exl3_core.bench.models import build_model, parse_shape
+from exl3_core.bench.run import _sync, bench_prefill, graph_step_time
+
+
+def _emit(text: str, out: Path | None, name: str) -> None:
+    print(text)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+
+
+def profile_prefill(shape_name: str, tokens: int, out: Path | None, device: str = "cuda") -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from exl3_core.archkit.batch import BatchMeta
+
+    shape = parse_shape(shape_name)
+    model, cache = build_model(shape, bpw=4.0, head_bits=6, codebook="mul1", device=device,
+                               cache_tokens=2 * tokens + 1024)
+    r = bench_prefill(model, cache, tokens=tokens)
+    ps = cache.page_size
+    pages = cache.allocator.allocate(-(-tokens // ps))
+    ids = torch.randint(0, shape.vocab, (tokens,)).tolist()
+    meta = BatchMeta.from_lists([ids], [0], device=model.device, page_table=torch.tensor([pages], dtype=torch.int32),
+                                page_size=ps, logits_indices=torch.tensor([tokens - 1], device=model.device))
+    model.forward_batch(meta, cache)
+    _sync(model.device)
+    cuda = model.device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            model.forward_batch(meta, cache)
+        _sync(model.device)
+    table = prof.key_averages().table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=30, max_name_column_width=90)
+    head = f"prefill {shape_name} {tokens} tokens: {r['tok_s']:.0f} tok/s ({r['seconds'] * 1e3:.2f} ms per forward); 3 forwards profiled\n"
+    _emit(head + table, out, f"profile_prefill_{shape_name}.txt")
+
+
+def profile_host(shape_name: str, tokens: int, out: Path | None, device: str = "cuda") -> None:
+    from exl3_core.generator import Generator, Job
+
+    shape = parse_shape(shape_name)
+    model, cache = build_model(shape, bpw=4.0, head_bits=6, codebook="mul1", device=device, cache_tokens=8192)
+    step = graph_step_time(model, cache, batch=1, ctx=256)
+    gen = Generator(model, cache, None, max_batch_size=1, max_chunk_tokens=2048, max_seq_len=256 + tokens + 8)
+    prompt = torch.randint(0, shape.vocab, (256,)).tolist()
+
+    def run(n: int) -> float:
+        job = Job(prompt, max_new_tokens=n + 1, stop_at_eos=False)
+        gen.enqueue(job)
+        while job.new_tokens < 1:
+            gen.iterate()
+        _sync(model.device)
+        t = time.perf_counter()
+        while gen.num_remaining():
+            gen.iterate()
+        _sync(model.device)
+        return (time.perf_counter() - t) / n
+
+    run(8)
+    per_tok = run(tokens)
+    pr = cProfile.Profile()
+    pr.enable()
+    run(tokens)
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(28)
+    head = (f"host {shape_name}: {1 / per_tok:.1f} tok/s = {per_tok * 1e3:.3f} ms per token; graph step "
+            f"{(step or 0) * 1e3:.3f} ms; host share {(per_tok - (step or 0)) * 1e3:.3f} ms\n")
+    _emit(head + s.getvalue(), out, f"profile_host_{shape_name}.txt")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["prefill", "host"])
+    ap.add_argument("--shape", default=None)
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    if a.what == "prefill":
+        profile_prefill(a.shape or "8b", a.tokens or 2048, a.out, a.device)
+    else:
+        profile_host(a.shape or "1b", a.tokens or 128, a.out, a.device)
+
+
+if __name__ == "__main__":
+    main()
