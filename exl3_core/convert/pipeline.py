@@ -80,6 +80,7 @@ class ConvertArgs:
     text: str | None = None  # calibration text file (None: the built-in text)
     cal_random: float = RANDOM_FRACTION  # share of uniform-random calibration rows
     propagate: float = 0.0  # error-propagation strength α (0: off; see convert/propagation.py)
+    refit_scales: bool = False  # closed-form refit of suh/svh for the final codes (quant/exl3/scale_refit.py)
 
     def validate(self) -> None:
         if not 1.0 <= self.bpw <= 8.0:
@@ -322,7 +323,7 @@ class Converter:
             q = quantize_linear(w, hinfos.get(s.group or s.key), K=K, codebook=self.args.codebook,
                                 out_scales=self.args.out_scales, seed=self._seed(st) * 4096 + ordinal,
                                 bias=None if b is None else b.detach(), in_features=s.in_features,
-                                out_features=s.out_features, name=s.key)
+                                out_features=s.out_features, name=s.key, refit_scales=self.args.refit_scales)
             ordinal += 1
             out[s.key] = q
             if self.on_quantized is not None:
@@ -518,7 +519,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
             out_scales: str = "always", cal_rows: int = 250, cal_cols: int = 2048, device: str = "cpu",
             shard_mib: int = 8192, work_dir: str | Path | None = None, resume: bool = False, seed: int = 0,
             text: str | Path | None = None, cal_random: float = RANDOM_FRACTION, propagate: float | None = None,
-            report: Report | None = None,
+            refit_scales: bool = False, report: Report | None = None,
             progress: bool = True,
             on_quantized: Callable[[str, QuantizedLinear], None] | None = None,
             _stop_after_module: int | None = None) -> ConvertResult:
@@ -535,6 +536,8 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
     :param propagate: error-propagation strength α in [0, 1] (0: off): aim each linear partly at the
         unquantized model's output instead of reproducing the upstream error (convert/propagation.py).
         None: the measured default for ``bpw`` (``propagation.default_strength``).
+    :param refit_scales: after LDLQ, refit the fp16 scales ``suh``/``svh`` in closed form for the final
+        codes under the Hessian metric (``quant/exl3/scale_refit.py``; format unchanged).
     :param report: receives the per-tensor and per-module report lines (default: stderr).
     :param on_quantized: called with ``(key, QuantizedLinear)`` for every tensor quantized in this run.
     :param _stop_after_module: testing hook, return (unfinished) after checkpointing that stage index.
@@ -544,6 +547,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
                        codebook=codebook, out_scales=out_scales, cal_rows=cal_rows, cal_cols=cal_cols, device=device,
                        shard_mib=shard_mib, work_dir=None if work_dir is None else str(work_dir), seed=seed,
                        text=None if text is None else str(text), cal_random=cal_random,
-                       propagate=default_strength(float(bpw)) if propagate is None else float(propagate))
+                       propagate=default_strength(float(bpw)) if propagate is None else float(propagate),
+                       refit_scales=bool(refit_scales))
     conv = Converter(args, report=report, progress=progress, on_quantized=on_quantized)
     return conv.run(resume=resume, _stop_after_module=_stop_after_module)

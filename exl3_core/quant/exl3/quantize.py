@@ -18,6 +18,7 @@ from exl3_core.quant.exl3.dequant import MARKER_VALUES, marker_int32
 from exl3_core.quant.exl3.hessian import HessianInfo, fallback_hessian, padded_size
 from exl3_core.quant.exl3.ldlq import TileEncoder, codebook_id, ldlq
 from exl3_core.quant.exl3.regularize import regularize, rotate, use_out_scales
+from exl3_core.quant.exl3.scale_refit import original_hessian, refit_scales as _refit_scales
 from exl3_core.quant.exl3.trellis import check_k, check_states, decode_inner, k_from_trellis, pack_trellis
 
 FP16_MAX = 65504.0
@@ -70,7 +71,11 @@ class QuantizedLinear:
         """One metrics line like the reference quantizer prints (o = out scales, f = fallback)."""
         label = "rel_mse" if self.fallback else "proxy_err"
         flags = ("o" if self.out_scales_applied else "-") + ("f" if self.fallback else "-")
-        return f"K={self.K} {label}={self.proxy_err:.6f} [{flags}] g_sc={self.g:.4f} nmse={self.nmse:.6f}"
+        line = f"K={self.K} {label}={self.proxy_err:.6f} [{flags}] g_sc={self.g:.4f} nmse={self.nmse:.6f}"
+        if "refit_before" in self.extra:
+            mark = "" if self.extra["refit_accepted"] else " rejected"
+            line += f" refit {self.extra['refit_before']:.6f}->{self.extra['refit_after']:.6f}{mark}"
+        return line
 
 
 def dequantize_padded(
@@ -123,6 +128,7 @@ def quantize_linear(
     g_sample_cap: int | None = 256,
     name: str = "linear",
     device: torch.device | str | None = None,
+    refit_scales: bool = False,
 ) -> QuantizedLinear:
     """Quantize an HF-orientation weight ``[out, in]`` (fp32/bf16/fp16) to EXL3 at K bits/weight.
 
@@ -131,7 +137,10 @@ def quantize_linear(
     must match it. ``seed`` draws the output sign pattern. ``encoder`` overrides the tile encoder
     (default: the real Viterbi). ``name`` is used in errors. ``device`` is where the regularisation,
     LDLQ and tile encoding run (default: the weight's device; on CUDA the encoder is the CUDA
-    kernel); the returned tensors are always on the CPU, ready to be written.
+    kernel); the returned tensors are always on the CPU, ready to be written. ``refit_scales``
+    refits ``suh``/``svh`` in closed form for the final codes under the Hessian metric
+    (``scale_refit.py``; skipped without a Hessian); ``extra`` then holds the relative objective
+    before/after (``refit_before``/``refit_after``) and whether the refit was kept.
     """
     K = check_k(K, name)
     cb = codebook_id(codebook, name)
@@ -187,6 +196,14 @@ def quantize_linear(
         )
     trellis = pack_trellis(states, K)  # on dev: the metrics below decode it there
 
+    extra: dict = {}
+    if refit_scales and not hinfo.fallback and hinfo.h_rot is not None:
+        m = rotate(rotate(w_hat, 0), 1)  # BD·Ŵ·BD: what the scales multiply
+        r = _refit_scales(w, m, su, sv, original_hessian(hinfo), in_features=in_features,
+                          out_features=out_features)
+        extra.update(refit_before=r.before, refit_after=r.after, refit_accepted=r.accepted,
+                     refit_iters=r.iters, refit_sign_flips=r.sign_flips, refit_reason=r.reason)
+        su, sv = r.su, r.sv
     suh = _check_fp16(name, "suh", su)
     svh = _check_fp16(name, "svh", sv)
     bias_h = None
@@ -223,6 +240,7 @@ def quantize_linear(
         g=g,
         fallback=hinfo.fallback,
         out_scales_applied=use_out_scales(out_scales, hinfo),
+        extra=extra,
     )
 
 
