@@ -17,6 +17,7 @@ them (tests use it after changing the environment).
 | ``EXL3_NUM_THREADS`` | CPU threads for the compiled CPU ops (0 = torch's default) |
 | ``EXL3_PAGE_SIZE`` | KV-cache page size in tokens (default 256) |
 | ``EXL3_CUDA_GRAPHS`` | ``0`` disables CUDA-graph decode |
+| ``EXL3_OVERLAP_DECODE`` | ``0`` disables the generator's one-step-ahead greedy decode loop (debugging) |
 | ``EXL3_LOG_LEVEL`` | log level for the ``exl3`` logger (default ``WARNING``) |
 | ``EXL3_NO_PROGRESS`` | ``1``: never draw progress bars |
 """
@@ -69,6 +70,7 @@ class Settings:
     num_threads: int = 0
     page_size: int = 256
     cuda_graphs: bool = True
+    overlap_decode: bool = True
     log_level: str = "WARNING"
     no_progress: bool = False
 
@@ -103,6 +105,7 @@ class Settings:
             num_threads=_int("NUM_THREADS", g("NUM_THREADS"), 0),
             page_size=page_size,
             cuda_graphs=flag("CUDA_GRAPHS", True),
+            overlap_decode=flag("OVERLAP_DECODE", True),
             log_level=(g("LOG_LEVEL") or "WARNING").upper(),
             no_progress=flag("NO_PROGRESS"),
         )

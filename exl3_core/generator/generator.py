@@ -14,6 +14,10 @@ Each :meth:`Generator.iterate` call is one model forward:
    filters, length limits; finished jobs release their pages, whose full pages stay in the
    prefix cache.
 
+When every job decodes greedily with no host-side constraint, steps run one ahead instead
+(:mod:`exl3_core.generator.overlap`): step t+1 is launched from step t's ids on the device before
+step t's ids are read and handled, which hides this host work behind the device's forward.
+
 A failure that concerns one job (cache exhausted while it grows, every token excluded, a filter
 raising) ends that job with ``eos_reason="error"`` and leaves the others running.
 """
@@ -33,6 +37,7 @@ from exl3_core.cache.cache import Cache
 from exl3_core.cache.pages import ROOT_HASH, CacheExhausted, chain_hash, page_hashes
 from exl3_core.generator.batching import Chunk, build_batch
 from exl3_core.generator.job import Job
+from exl3_core.generator.overlap import DecodePipeline
 from exl3_core.generator.stop import HeldText, TextStream
 from exl3_core.sampling.sampler import sample
 
@@ -53,10 +58,13 @@ class Generator:
     :param max_batch_size: most jobs decoding at once.
     :param max_chunk_tokens: token budget of one forward (decode tokens plus prefill chunks).
     :param max_seq_len: longest sequence (prompt + output); sets the page-table width.
+    :param overlap_decode: run plain greedy decode one step ahead (see
+        :mod:`exl3_core.generator.overlap`); None: ``EXL3_OVERLAP_DECODE`` (default on).
     """
 
     def __init__(self, model: Any, cache: Cache, tokenizer: Any = None, *, max_batch_size: int = 64,
-                 max_chunk_tokens: int = 2048, max_seq_len: int | None = None, plugins: Any = None) -> None:
+                 max_chunk_tokens: int = 2048, max_seq_len: int | None = None, plugins: Any = None,
+                 overlap_decode: bool | None = None) -> None:
         if max_batch_size < 1 or max_chunk_tokens < 1:
             raise ValueError(f"Generator: max_batch_size={max_batch_size} and max_chunk_tokens={max_chunk_tokens} "
                              f"must be positive")
@@ -85,6 +93,12 @@ class Generator:
         #: CUDA-graph decode runner (None: eager; see exl3_core.generator.graphs for when)
         self.graphs: DecodeGraphs | None = DecodeGraphs.create(model, cache, self.table_width) \
             if hasattr(model, "attention_layers") else None
+        if overlap_decode is None:
+            from exl3_core import settings
+
+            overlap_decode = settings.get().overlap_decode
+        #: one-step-ahead greedy decode loop (None: off)
+        self.pipeline: DecodePipeline | None = DecodePipeline(self) if overlap_decode else None
 
     def _vocab_size(self) -> int | None:
         v = getattr(self.model, "vocab_size", None)
@@ -125,6 +139,8 @@ class Generator:
             if job in self.queue:
                 self.queue.remove(job)
             elif job in self.active:
+                if self.pipeline is not None:
+                    self.pipeline.forget(job)
                 self._release(job)
             if job.status not in ("done",):
                 job.status = "cancelled"
@@ -139,9 +155,15 @@ class Generator:
                 self.cancel(j)
 
     def iterate(self) -> list[Result]:
-        """Run one step; returns this step's results (one dict per job that produced output)."""
+        """Run one step; returns this step's results (one dict per job that produced output).
+
+        With the overlapped decode loop the next step may already be running on the device when
+        this returns; a call that drains it returns the results of that step and of the next.
+        """
         with self.lock:
             results: list[Result] = []
+            if self.pipeline is not None and self.pipeline.busy and self.pipeline.advance(results):
+                return results
             self._admit(results)
             if not self.active:
                 return results
@@ -283,6 +305,8 @@ class Generator:
         if not work:
             return
         decode = all(len(c.tokens) == 1 for _, c in work)
+        if decode and self.pipeline is not None and self.pipeline.start(work, results):
+            return
         meta, rows = build_batch([c for _, c in work], page_size=self.page_size, table_width=self.table_width,
                                  scratch_page=self.cache.scratch_page, device=self.device, decode=decode)
         sampling = [j for j, c in work if c.want_logits]

@@ -65,6 +65,15 @@ def decline_reason(model: Any, cache: Any) -> str | None:
     return None
 
 
+def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
+    """float64 ``[2, B]``: greedy ids and "row has a finite logit" flags of ``logits [B, V]`` (the
+    same selection as :func:`~exl3_core.sampling.sampler.sample` with a greedy sampler)."""
+    x = logits.float()
+    ids = x.argmax(-1)
+    ok = torch.isfinite(x).any(-1) & ~torch.isnan(x).any(-1)
+    return torch.stack([ids.double(), ok.double()])
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -106,14 +115,22 @@ class DecodeGraphs:
         # the graph holds raw pointers: a reload of the weights or the cache invalidates it
         return (id(self.model), self.model.loaded, tuple(id(layer) for layer in self.cache.layers))
 
-    def accepts(self, meta: BatchMeta) -> bool:
+    def accepts(self, meta: BatchMeta, *, staged: bool = False) -> bool:
+        """Whether ``meta`` can be replayed; ``staged``: its tensors are (pinned) host tensors that
+        :meth:`run` copies asynchronously (the overlapped decode loop builds them so)."""
         return (meta.phase == "decode" and meta.logits_indices is None and meta.page_table is not None
                 and meta.batch_size <= self.max_bucket and meta.input_ids.shape[0] == meta.batch_size
-                and meta.page_table.shape[1] == self.table_width and meta.input_ids.is_cuda)
+                and meta.page_table.shape[1] == self.table_width and (staged or meta.input_ids.is_cuda))
 
-    def run(self, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, meta: BatchMeta, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph of ``meta``'s bucket: ``(logits [B, V], packed [2, B])`` (static buffers,
-        valid until the next replay)."""
+        valid until the next replay).
+
+        :param ids: optional device tensor ``[n]`` (e.g. the previous step's ``packed[0]``, float64)
+            that replaces the first ``n`` input ids. Its copy (cast to int64) is queued on the
+            replay's stream after ``meta``'s copies and before the replay, so the next step's inputs
+            never travel through the host.
+        """
         key = self._state_key()
         if key != self._key:
             self.reset()
@@ -129,6 +146,8 @@ class DecodeGraphs:
         s.seq_lens_k.copy_(meta.seq_lens_k, non_blocking=True)
         s.page_table.copy_(meta.page_table, non_blocking=True)  # type: ignore[union-attr]
         s.slot_mapping.copy_(meta.slot_mapping, non_blocking=True)  # type: ignore[union-attr]
+        if ids is not None:
+            s.input_ids[:ids.shape[0]].copy_(ids, non_blocking=True)
         g.graph.replay()
         self.replays += 1
         return g.logits, g.packed
@@ -155,9 +174,7 @@ class DecodeGraphs:
 
     def _step(self, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.model.forward_batch(meta, self.cache)
-        ids = logits.argmax(-1)
-        ok = torch.isfinite(logits).any(-1) & ~torch.isnan(logits).any(-1)
-        return logits, torch.stack([ids.double(), ok.double()])
+        return logits, greedy_pack(logits)
 
     def _capture(self, B: int) -> _Graph:
         meta = self._static_meta(B)
