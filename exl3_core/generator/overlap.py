@@ -29,8 +29,9 @@ so launching step t+1 never waits for step t. On the CPU the same code runs eage
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -91,17 +92,18 @@ class _Flight:
     read: HostRead  # pending copy of packed [2, B] (ids, ok flags)
 
 
+def _map(meta: BatchMeta, fn: Callable[[torch.Tensor], torch.Tensor]) -> BatchMeta:
+    new: dict[str, Any] = {f.name: fn(v) for f in fields(meta) if isinstance(v := getattr(meta, f.name), torch.Tensor)}
+    return replace(meta, **new)
+
+
 def _stage(meta: BatchMeta, device: torch.device) -> BatchMeta:
     """Host-built metadata ready for an asynchronous copy to ``device`` (pinned on CUDA)."""
-    if device.type != "cuda":
-        return meta
-    return replace(meta, **{f.name: v.pin_memory() for f in fields(meta)
-                            if isinstance(v := getattr(meta, f.name), torch.Tensor)})
+    return _map(meta, torch.Tensor.pin_memory) if device.type == "cuda" else meta
 
 
 def _to_device(meta: BatchMeta, device: torch.device) -> BatchMeta:
-    return replace(meta, **{f.name: v.to(device, non_blocking=True) for f in fields(meta)
-                            if isinstance(v := getattr(meta, f.name), torch.Tensor)})
+    return _map(meta, lambda t: t.to(device, non_blocking=True))
 
 
 class DecodePipeline:

@@ -119,26 +119,27 @@ def stop_string(toks: list[int], start: int) -> str:
     return bytes(toks[k:k + 2]).decode()
 
 
-@pytest.mark.parametrize("reason", ["max_new_tokens", "eos", "stop_token", "stop_string"])
+@pytest.mark.parametrize("reason", ["max_new_tokens", "max_seq_len", "eos", "stop_token", "stop_string"])
 def test_single_job_matches_plain_loop(model, plugins, reason: str) -> None:
     p = prompt(3)
     free = free_tokens(model, plugins, p)
     k = first_new(free, 9)
     eos: set[int] = set()
     kw: dict = {"max_new_tokens": 17 if reason == "max_new_tokens" else 40}
+    gen_kw: dict = {"max_seq_len": 48} if reason == "max_seq_len" else {}
     if reason == "eos":
         eos = {free[k]}
     elif reason == "stop_token":
         kw["stop_conditions"] = [free[k]]
     elif reason == "stop_string":
         kw["stop_conditions"] = [stop_string(free, 6)]
-    ref, over = compare(model, plugins, lambda: [Job(p, identifier=0, **kw)], eos=eos)
+    ref, over = compare(model, plugins, lambda: [Job(p, identifier=0, **kw)], eos=eos, **gen_kw)
     want = "stop_token" if reason == "eos" else reason
     assert ref[0]["eos_reason"] == want
-    plain_forwards = 1 + ref[0]["new_tokens"] - 1 + (want != "max_new_tokens")  # prefill, decodes, wasted
-    assert over.forward_calls == plain_forwards
     # an end known in advance (length) costs nothing; an unforeseen one discards one speculative row
-    assert over.pipeline.discarded == (want != "max_new_tokens")
+    wasted = want not in ("max_new_tokens", "max_seq_len")
+    assert over.forward_calls == 1 + (ref[0]["new_tokens"] - 1) + wasted  # prefill, decodes, wasted
+    assert over.pipeline.discarded == wasted
 
 
 def test_three_jobs_ending_differently(model, plugins) -> None:
