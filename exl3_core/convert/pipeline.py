@@ -21,7 +21,8 @@ import math
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,7 @@ class ConvertArgs:
     cal_random: float = RANDOM_FRACTION  # share of uniform-random calibration rows
     propagate: float = 0.0  # error-propagation strength α (0: off; see convert/propagation.py)
     refit_scales: bool = False  # closed-form refit of suh/svh for the final codes (quant/exl3/scale_refit.py)
+    tf32: bool = True  # CUDA: fp32 matmuls of the calibration forwards and Hessians on TF32 tensor cores
 
     def validate(self) -> None:
         if not 1.0 <= self.bpw <= 8.0:
@@ -118,6 +120,22 @@ class ConvertResult:
 
 class StopAfterModule(Exception):
     """Raised internally by the ``_stop_after_module`` test hook."""
+
+
+@contextmanager
+def _tf32(enabled: bool) -> Iterator[None]:
+    """TF32 tensor cores for fp32 matmuls (calibration forwards, Hessians) while converting on CUDA:
+    ~8x the fp32 rate, and the 10-bit mantissa only perturbs statistics averaged over the whole
+    calibration set. Restores the caller's setting."""
+    if not enabled:
+        yield
+        return
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 # -- metrics --------------------------------------------------------------------------------------
@@ -459,34 +477,40 @@ class Converter:
 
             bar = Progress(n_lin, f"quantizing {self.in_dir.name}", unit=" tensors")
         try:
-            for st in todo:
-                t0 = time.monotonic()
-                x = self._run_stage(st, x, ids, job, bar)
-                m = job.stages[-1]["metrics"]
-                err = (f"rfn {m['rfn']:.6f}  cos {m['cos']:.3e}  sqnr {m['sqnr']:6.2f} dB" if m else "no linears")
-                self.report(f"[{st.index + 1}/{len(self.stages)}] {st.name:<40} {err}  "
-                            f"({time.monotonic() - t0:.1f} s)")
-                last = st.index == len(self.stages) - 1
-                stop = _stop_after_module is not None and st.index >= _stop_after_module and not last
-                x = self._states_home(x)
-                if self.args.propagate > 0 and self.x_fp is None and x.is_floating_point():
-                    self.x_fp = x  # up to the first quantized stage both models agree
-                if (last or stop or x.nbytes <= SMALL_STATES_BYTES
-                        or time.monotonic() - last_commit >= STATE_CHECKPOINT_S):
-                    # stacked on the host: a device-side stack would need twice the states' memory there
-                    keep = x.cpu() if self.x_fp is None else torch.stack([x.cpu(), self.x_fp.cpu()])
-                    states = None if last else self.work.save_states(st.index, keep)
-                    job.done, job.states = st.index + 1, states
-                    self.work.save_job(job)  # the commit point of this stage
-                    self.work.drop_old_states(states)
-                    last_commit = time.monotonic()
-                if stop:
-                    return ConvertResult(self.out_dir, False, stages=job.stages,
-                                         seconds=time.monotonic() - t_start)
+            with _tf32(self.args.tf32 and self.device.type == "cuda"):
+                self._run_stages(todo, x, ids, job, bar, last_commit, _stop_after_module)
+        except StopAfterModule:
+            return ConvertResult(self.out_dir, False, stages=job.stages, seconds=time.monotonic() - t_start)
         finally:
             if bar is not None:
                 bar.close()
         return self._finish(job, t_start)
+
+    def _run_stages(self, todo: list[Stage], x: torch.Tensor, ids: torch.Tensor, job: Job, bar: Any,
+                    last_commit: float, _stop_after_module: int | None) -> None:
+        for st in todo:
+            t0 = time.monotonic()
+            x = self._run_stage(st, x, ids, job, bar)
+            m = job.stages[-1]["metrics"]
+            err = (f"rfn {m['rfn']:.6f}  cos {m['cos']:.3e}  sqnr {m['sqnr']:6.2f} dB" if m else "no linears")
+            self.report(f"[{st.index + 1}/{len(self.stages)}] {st.name:<40} {err}  "
+                        f"({time.monotonic() - t0:.1f} s)")
+            last = st.index == len(self.stages) - 1
+            stop = _stop_after_module is not None and st.index >= _stop_after_module and not last
+            x = self._states_home(x)
+            if self.args.propagate > 0 and self.x_fp is None and x.is_floating_point():
+                self.x_fp = x  # up to the first quantized stage both models agree
+            if (last or stop or x.nbytes <= SMALL_STATES_BYTES
+                    or time.monotonic() - last_commit >= STATE_CHECKPOINT_S):
+                # stacked on the host: a device-side stack would need twice the states' memory there
+                keep = x.cpu() if self.x_fp is None else torch.stack([x.cpu(), self.x_fp.cpu()])
+                states = None if last else self.work.save_states(st.index, keep)
+                job.done, job.states = st.index + 1, states
+                self.work.save_job(job)  # the commit point of this stage
+                self.work.drop_old_states(states)
+                last_commit = time.monotonic()
+            if stop:
+                raise StopAfterModule
 
     def _finish(self, job: Job, t_start: float) -> ConvertResult:
         a = self.args
@@ -519,7 +543,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
             out_scales: str = "always", cal_rows: int = 250, cal_cols: int = 2048, device: str = "cpu",
             shard_mib: int = 8192, work_dir: str | Path | None = None, resume: bool = False, seed: int = 0,
             text: str | Path | None = None, cal_random: float = RANDOM_FRACTION, propagate: float | None = None,
-            refit_scales: bool = False, report: Report | None = None,
+            refit_scales: bool = False, tf32: bool = True, report: Report | None = None,
             progress: bool = True,
             on_quantized: Callable[[str, QuantizedLinear], None] | None = None,
             _stop_after_module: int | None = None) -> ConvertResult:
@@ -538,6 +562,8 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
         None: the measured default for ``bpw`` (``propagation.default_strength``).
     :param refit_scales: after LDLQ, refit the fp16 scales ``suh``/``svh`` in closed form for the final
         codes under the Hessian metric (``quant/exl3/scale_refit.py``; format unchanged).
+    :param tf32: on CUDA, run the fp32 matmuls of the calibration forwards and Hessians on TF32
+                 tensor cores (default; ~8x faster, statistics unchanged to ~1e-3).
     :param report: receives the per-tensor and per-module report lines (default: stderr).
     :param on_quantized: called with ``(key, QuantizedLinear)`` for every tensor quantized in this run.
     :param _stop_after_module: testing hook, return (unfinished) after checkpointing that stage index.
@@ -548,6 +574,6 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
                        shard_mib=shard_mib, work_dir=None if work_dir is None else str(work_dir), seed=seed,
                        text=None if text is None else str(text), cal_random=cal_random,
                        propagate=default_strength(float(bpw)) if propagate is None else float(propagate),
-                       refit_scales=bool(refit_scales))
+                       refit_scales=bool(refit_scales), tf32=bool(tf32))
     conv = Converter(args, report=report, progress=progress, on_quantized=on_quantized)
     return conv.run(resume=resume, _stop_after_module=_stop_after_module)
