@@ -1,6 +1,6 @@
 // Standalone tuning harness for the one-launch EXL3 linear at decode sizes (no torch): builds in
 // seconds with nvcc, so bench/gemv_tune.sh can compile and time several variants of the kernel's
-// compile-time knobs (EXL3_FUSED_STAGES, EXL3_FUSED_MINB, EXL3_FUSED_EARLY, ...) in one device call.
+// compile-time knobs (EXL3_RING_STAGES, ...) in one device call.
 //
 //   nvcc -std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -Icsrc [-D...] \
 //        bench/gemv_tune.cu -o gemv_tune && ./gemv_tune [kt ...]
@@ -113,8 +113,10 @@ int main(int argc, char** argv) {
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_d, exl3::gemm_kernel<K, CB, 1, true>, exl3::GEMM_WARPS * 32, 0));
     cudaFuncAttributes fa{};
     CK(cudaFuncGetAttributes(&fa, exl3::fused_linear_kernel<K, CB>));
-    std::printf("variant: stages=%d minb=%d early=%d | fused regs %d, blocks/SM %d | decode-only blocks/SM %d\n",
-                EXL3_FUSED_STAGES, EXL3_FUSED_MINB, EXL3_FUSED_EARLY, fa.numRegs, occ_f, occ_d);
+    cudaFuncAttributes fd{};
+    CK(cudaFuncGetAttributes(&fd, exl3::gemm_kernel<K, CB, 1, true>));
+    std::printf("variant: ring stages %d | fused regs %d, smem %zu B, blocks/SM %d | decode-only regs %d, blocks/SM %d\n",
+                exl3::RING_STAGES, fa.numRegs, fa.sharedSizeBytes, occ_f, fd.numRegs, occ_d);
     for (auto& sh : shapes) {
         const int k = sh[0], n = sh[1], kt = k / 16, nt = n / 16;
         const long words = (long)kt * nt * 8 * K;

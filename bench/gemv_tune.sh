@@ -2,28 +2,27 @@
 # Device script: compile and time variants of the one-launch EXL3 linear (bench/gemv_tune.cu; each
 # build takes seconds), then ncu of the baseline fused kernel and of the decode-only kernel
 # (stall reasons, pipe utilisation, occupancy). Usage: bash bench/gemv_tune.sh "S M E[ G]" ...
-# (S ring stages, M min blocks/SM (0 = none), E early trellis loads, G the GEMM/decode-only kernel's
-# stages); default: a built-in list. Tables go to stdout and $OUT/gemv_tune.txt, ncu to $OUT/ncu_*.txt.
+# (S = EXL3_RING_STAGES, the k tiles in flight per warp; default: 3 4 6 8). Tables go to stdout and
+# $OUT/gemv_tune.txt, ncu to $OUT/ncu_*.txt.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 FLAGS=(-std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -Icsrc)
 variants=("$@")
-[ ${#variants[@]} -eq 0 ] && variants=("4 0 0" "4 0 1" "3 0 1" "2 0 1" "4 8 1" "3 10 1" "2 10 1" "2 12 1" "3 10 0" "4 0 1 3" "4 0 1 2")
-for v in "${variants[@]}"; do
-  set -- $v
-  G=${4:-4}
-  bin=/tmp/gemv_tune_$1_$2_$3_$G
-  nvcc "${FLAGS[@]}" -DEXL3_FUSED_STAGES=$1 -DEXL3_FUSED_MINB=$2 -DEXL3_FUSED_EARLY=$3 -DEXL3_GEMM_STAGES=$G \
-    bench/gemv_tune.cu -o $bin 2> /tmp/nvcc_err.txt || { cat /tmp/nvcc_err.txt | tee -a "$OUT/gemv_tune.txt"; continue; }
-  echo "== S=$1 MINB=$2 EARLY=$3 GEMM_STAGES=$G" | tee -a "$OUT/gemv_tune.txt"
+[ ${#variants[@]} -eq 0 ] && variants=(3 4 6 8)
+for S in "${variants[@]}"; do
+  bin=/tmp/gemv_tune_$S
+  nvcc "${FLAGS[@]}" -DEXL3_RING_STAGES=$S bench/gemv_tune.cu -o $bin 2> /tmp/nvcc_err.txt \
+    || { cat /tmp/nvcc_err.txt | tee -a "$OUT/gemv_tune.txt"; continue; }
+  echo "== EXL3_RING_STAGES=$S" | tee -a "$OUT/gemv_tune.txt"
   timeout 60 $bin 0 8 16 24 32 2>&1 | tee -a "$OUT/gemv_tune.txt"
 done
-if command -v ncu > /dev/null && [ -x /tmp/gemv_tune_4_0_0_4 ]; then
+NCU_BIN=/tmp/gemv_tune_${NCU_STAGES:-6}
+if command -v ncu > /dev/null && [ -x $NCU_BIN ]; then
   M='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
   P='smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fmaheavy_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread,launch__occupancy_limit_registers,sm__maximum_warps_per_active_cycle_pct'
   for kern in fused_linear gemm_kernel; do
     timeout 120 ncu --clock-control none -k regex:$kern --launch-skip 3 --launch-count 1 --metrics "$M,$P" \
-      /tmp/gemv_tune_4_0_0_4 0 > "$OUT/ncu_$kern.txt" 2>&1
+      $NCU_BIN 0 > "$OUT/ncu_$kern.txt" 2>&1
     echo "== ncu $kern (4096x14336 MUL1 K=4 m=1)"
     grep -E "^\s+(smsp|sm__|gpu__|dram|launch)" "$OUT/ncu_$kern.txt" | awk '{print $1, $(NF)}' | grep -v " 0$\| 0,00$" | head -40
   done

@@ -32,7 +32,7 @@ if __name__ == "__main__":
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--name", default="exl3_cuda_dev")
-    ap.add_argument("--define", action="append", default=[], help="NAME=VALUE, e.g. EXL3_GEMM_STAGES=2")
+    ap.add_argument("--define", action="append", default=[], help="NAME=VALUE, e.g. EXL3_RING_STAGES=4")
     a = ap.parse_args()
     build(a.name, tuple(a.define), verbose=False)
     import torch

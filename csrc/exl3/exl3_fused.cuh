@@ -24,23 +24,6 @@
 namespace exl3 {
 
 constexpr int FUSED_MAX_PROBLEMS = 3;
-// Tuning knobs (bench/gemv_tune.cu builds variants): register-ring depth, a minimum of resident
-// blocks per SM for the register allocator, and whether the first trellis loads are issued before
-// the x prologue so their DRAM latency overlaps it.
-#ifndef EXL3_FUSED_STAGES
-#define EXL3_FUSED_STAGES EXL3_GEMM_STAGES
-#endif
-#ifndef EXL3_FUSED_MINB
-#define EXL3_FUSED_MINB 0  // 0: no minimum (ptxas picks the register count)
-#endif
-#if EXL3_FUSED_MINB > 0
-#define EXL3_FUSED_BOUNDS __launch_bounds__(GEMM_WARPS * 32, EXL3_FUSED_MINB)
-#else
-#define EXL3_FUSED_BOUNDS __launch_bounds__(GEMM_WARPS * 32)
-#endif
-#ifndef EXL3_FUSED_EARLY
-#define EXL3_FUSED_EARLY 1
-#endif
 constexpr int FUSED_COLS = GEMM_WARPS * GEMM_NT * 16;  // output columns per block
 static_assert(FUSED_COLS == 128, "the fused epilogue Hadamard needs blocks of exactly 128 columns");
 static_assert(GEMM_KT_MAX % 8 == 0, "k chunks are whole 128-column Hadamard blocks");
@@ -64,25 +47,6 @@ struct FusedArgs {
     FusedProblem p[FUSED_MAX_PROBLEMS];
 };
 
-// In-place H128/sqrt(128) of the 128 values a warp holds (lane l: elements 4l..4l+3), fp32.
-// Exactly the operation order of had128_kernel (exl3_had.cu), so results match it bit for bit.
-__device__ __forceinline__ void had128_warp(float (&v)[4], int lane) {
-    float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
-    v[0] = a0 + a2; v[2] = a0 - a2; v[1] = a1 + a3; v[3] = a1 - a3;
-#pragma unroll
-    for (int s = 1; s < 32; s <<= 1) {
-        const bool upper = lane & s;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            float o = __shfl_xor_sync(0xffffffffu, v[j], s);
-            v[j] = upper ? o - v[j] : v[j] + o;
-        }
-    }
-    const float sc = 0.088388347648318440550f;  // 1/sqrt(128)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] *= sc;
-}
-
 __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
     uint2 u;
     u.x = h2_bits(__halves2half2(h[0], h[1]));
@@ -91,8 +55,7 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 }
 
 template <int K, int CB>
-__global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
-    using W = LaneWindow<K>;
+__global__ void __launch_bounds__(GEMM_WARPS * 32) fused_linear_kernel(FusedArgs a) {
     constexpr int NT = GEMM_NT;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -114,32 +77,19 @@ __global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
     const long kdim = (long)a.k_tiles * 16;
     const long ndim = (long)P.n_tiles * 16;
 
-#if EXL3_FUSED_EARLY
-    // ---- main-loop state: the GEMM's decode + mma.sync with an S-stage register ring (see gemm_kernel)
+    // ---- trellis stream of this warp (the main loop shared with gemm_kernel, exl3_kernels.cuh); the
+    // first k tiles are requested now so that their latency overlaps the x prologue
+    using R = Ring<K>;
+    __shared__ __align__(16) uint32_t ring[GEMM_WARPS * R::WARP_WORDS];
     const int ng = cblk * GEMM_WARPS + warp;  // this warp's NT-tile group
     const long tile_words = 8 * K;
-    const uint32_t* tbase = P.trellis + ((long)kt0 * P.n_tiles + (long)ng * NT) * tile_words;
-    const long row_words = (long)P.n_tiles * tile_words;
-    constexpr int S = EXL3_FUSED_STAGES;
-    uint32_t wr[S][NT][W::NW];
-    const uint32_t* lp[W::NW];
-    W::pointers(tbase, lane, lp);
-    auto load_stage = [&](uint32_t (&w)[NT][W::NW]) {
-#pragma unroll
-        for (int i = 0; i < W::NW; ++i) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) w[nt][i] = __ldg(lp[i] + nt * tile_words);
-            lp[i] += row_words;
-        }
-    };
-    // the first S-1 k tiles' words are requested now: their DRAM latency overlaps the prologue
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s)
-        if (kt0 + s < kt1) load_stage(wr[s]);
-#endif
+    const DecodeMmaLoop<K, CB, 1, false> loop{P.trellis + ((long)kt0 * P.n_tiles + (long)ng * NT) * tile_words,
+                                              (long)P.n_tiles * tile_words, kt1 - kt0, ring + warp * R::WARP_WORDS,
+                                              lane};
+    loop.start();
 
-    // ---- prologue: xs = fp16(Had128(fp16(x * suh))) for this k chunk; rows m..15 are zeros (they
-    // only feed mma output rows that are never stored)
+    // ---- prologue: xs = fp16(Had128(fp16(x * suh))) for this k chunk. Rows m..15 are left as they
+    // are: row r of the mma's A only reaches output row r, and rows >= m are never stored.
     constexpr int XS = GEMM_KT_MAX * 16 + 8;  // row stride in halves; +8 staggers banks for ldmatrix
     __shared__ __align__(16) __half xs[16 * XS];
     __shared__ int s_last;
@@ -160,67 +110,19 @@ __global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
             for (int j = 0; j < 4; ++j) h[j] = __float2half_rn(v[j]);
             *reinterpret_cast<uint2*>(&xs[r * XS + c]) = pack_half4(h);
         }
-        for (int i = threadIdx.x; i < (16 - a.m) * (cols / 8); i += GEMM_WARPS * 32) {
-            const int r = a.m + i / (cols / 8), c = (i % (cols / 8)) * 8;
-            *reinterpret_cast<uint4*>(&xs[r * XS + c]) = make_uint4(0u, 0u, 0u, 0u);
-        }
         __syncthreads();
     }
     const uint32_t xs_lane = (uint32_t)__cvta_generic_to_shared(&xs[(lane & 15) * XS + (lane >> 4) * 8]);
 
-    float acc[NT][2][4];
+    float acc[1][NT][2][4];
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
-            for (int i = 0; i < 4; ++i) acc[nt][nb][i] = 0.f;
-
-    auto compute_stage = [&](int kt, uint32_t (&w)[NT][W::NW]) {
-        uint32_t af[4];
-        const uint32_t addr = xs_lane + (uint32_t)((kt - kt0) * 16 * 2);
-        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(af[0]), "=r"(af[1]), "=r"(af[2]), "=r"(af[3])
-                     : "r"(addr));
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            W::align(lane, w[nt]);
-            __half2 f[4];
-            decode_lane<K, CB>(w[nt], f);
-            mma_16816(acc[nt][0], af, h2_bits(f[0]), h2_bits(f[1]));
-            mma_16816(acc[nt][1], af, h2_bits(f[2]), h2_bits(f[3]));
-        }
-    };
-#if !EXL3_FUSED_EARLY
-    // ---- main-loop state: the GEMM's decode + mma.sync with an S-stage register ring (see gemm_kernel)
-    const int ng = cblk * GEMM_WARPS + warp;  // this warp's NT-tile group
-    const long tile_words = 8 * K;
-    const uint32_t* tbase = P.trellis + ((long)kt0 * P.n_tiles + (long)ng * NT) * tile_words;
-    const long row_words = (long)P.n_tiles * tile_words;
-    constexpr int S = EXL3_FUSED_STAGES;
-    uint32_t wr[S][NT][W::NW];
-    const uint32_t* lp[W::NW];
-    W::pointers(tbase, lane, lp);
-    auto load_stage = [&](uint32_t (&w)[NT][W::NW]) {
-#pragma unroll
-        for (int i = 0; i < W::NW; ++i) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) w[nt][i] = __ldg(lp[i] + nt * tile_words);
-            lp[i] += row_words;
-        }
-    };
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s)
-        if (kt0 + s < kt1) load_stage(wr[s]);
-#endif
-    for (int kt = kt0; kt < kt1; kt += S) {
-#pragma unroll
-        for (int s = 0; s < S; ++s) {
-            const int kl = kt + s + S - 1;
-            if (kl < kt1) load_stage(wr[(s + S - 1) % S]);
-            if (kt + s < kt1) compute_stage(kt + s, wr[s]);
-        }
-    }
+            for (int i = 0; i < 4; ++i) acc[0][nt][nb][i] = 0.f;
+    __half2 unused = __float2half2_rn(0.f);
+    loop.run(xs_lane, 0, acc, unused);
 
     // ---- split-k partials into z (fp32 atomics at L2)
 #pragma unroll
@@ -234,10 +136,10 @@ __global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
                 const long col = ((long)ng * NT + nt) * 16 + nb * 8 + 2 * q;
                 float* dst = P.z + (long)row * ndim + col;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-                atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc[nt][nb][2 * h], acc[nt][nb][2 * h + 1]));
+                atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc[0][nt][nb][2 * h], acc[0][nt][nb][2 * h + 1]));
 #else
-                atomicAdd(dst, acc[nt][nb][2 * h]);
-                atomicAdd(dst + 1, acc[nt][nb][2 * h + 1]);
+                atomicAdd(dst, acc[0][nt][nb][2 * h]);
+                atomicAdd(dst + 1, acc[0][nt][nb][2 * h + 1]);
 #endif
             }
     }

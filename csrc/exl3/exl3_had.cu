@@ -1,6 +1,6 @@
 // Blockwise 128-point Hadamard (natural-order Sylvester, scaled by 1/sqrt(128); format spec 4.1, 4.3).
-// One warp per 128-element block; lane l holds elements 4l..4l+3, so bits 0-1 of the index are
-// butterflied in registers and bits 2-6 across lanes with shuffles. Arithmetic is fp32.
+// One warp per 128-element block; lane l holds elements 4l..4l+3 (had128_warp, exl3_kernels.cuh:
+// bits 0-1 of the index butterflied in registers, bits 2-6 across lanes). Arithmetic is fp32.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -44,22 +44,7 @@ __global__ void __launch_bounds__(256) had128_kernel(const TI* __restrict__ x, T
             else v[j] = v[j] * __half2float(pre[col + j]);
         }
     }
-    // in-register bits 0, 1
-    float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
-    v[0] = a0 + a2; v[2] = a0 - a2; v[1] = a1 + a3; v[3] = a1 - a3;
-    // cross-lane bits 2..6
-#pragma unroll
-    for (int m = 1; m < 32; m <<= 1) {
-        const bool upper = lane & m;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            float o = __shfl_xor_sync(0xffffffffu, v[j], m);
-            v[j] = upper ? o - v[j] : v[j] + o;
-        }
-    }
-    const float s = 0.088388347648318440550f;  // 1/sqrt(128)
-#pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] *= s;
+    had128_warp(v, lane);
     if constexpr (sizeof(TO) == 2) {
         __half h[4];
 #pragma unroll

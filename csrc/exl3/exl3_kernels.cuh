@@ -11,6 +11,28 @@
 
 namespace exl3 {
 
+// ------------------------------------------------------------------ Hadamard
+
+// In-place H128/sqrt(128) of the 128 values a warp holds (lane l: elements 4l..4l+3), fp32.
+// The one butterfly of every kernel (had128_kernel in exl3_had.cu, the fused linear's prologue and
+// epilogue), so their results agree bit for bit.
+__device__ __forceinline__ void had128_warp(float (&v)[4], int lane) {
+    float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
+    v[0] = a0 + a2; v[2] = a0 - a2; v[1] = a1 + a3; v[3] = a1 - a3;
+#pragma unroll
+    for (int s = 1; s < 32; s <<= 1) {
+        const bool upper = lane & s;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float o = __shfl_xor_sync(0xffffffffu, v[j], s);
+            v[j] = upper ? o - v[j] : v[j] + o;
+        }
+    }
+    const float sc = 0.088388347648318440550f;  // 1/sqrt(128)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] *= sc;
+}
+
 // ------------------------------------------------------------------ reconstruct
 
 // One warp per RT consecutive tiles (all loads issued first, for memory-level parallelism); each
@@ -90,21 +112,129 @@ constexpr int GEMM_WARPS = 4;
 #define EXL3_GEMM_NT 2
 #endif
 constexpr int GEMM_NT = EXL3_GEMM_NT;  // n tiles (16 cols each) per warp: the A fragments are reused across them
-#ifndef EXL3_GEMM_STAGES
-#define EXL3_GEMM_STAGES 4
+#ifndef EXL3_RING_STAGES
+#define EXL3_RING_STAGES 6
 #endif
 constexpr int GEMM_KT_MAX = 32;  // k tiles per warp at most: bounds the x staging buffer
-constexpr int GEMM_STAGES = EXL3_GEMM_STAGES;  // k tiles of words in flight per warp
+constexpr int RING_STAGES = EXL3_RING_STAGES;  // k tiles of trellis words in flight per warp
+
+// ---- the decode + mma main loop shared by gemm_kernel and fused_linear_kernel
+//
+// Each warp streams its NT adjacent tiles of every k tile through a private ring of RING_STAGES
+// slots in shared memory, filled with 16-byte cp.async (L2 only): the bytes in flight hold no
+// registers, so the ring can be deep (the loop was bound by global-load latency with a register
+// ring: ncu, 2026-11-30) and the kernel keeps more warps resident. A lane then reads the 2-3 words
+// of its tile window from shared memory (conflict-free for K <= 4: the lanes' first words are
+// distinct), decodes 8 weights per tile and feeds two mma.m16n8k16 per tile and m16 block.
+template <int K>
+struct Ring {
+    static constexpr int S = RING_STAGES;
+    static constexpr int TILE_WORDS = 8 * K;
+    static constexpr int STAGE_WORDS = GEMM_NT * TILE_WORDS;  // the NT tiles are adjacent in memory
+    static constexpr int CHUNKS = STAGE_WORDS / 4;              // 16-byte copies per stage (<= 32 for K <= 8)
+    static constexpr int WARP_WORDS = S * STAGE_WORDS;          // shared words per warp
+    static_assert(CHUNKS <= 32, "one 16-byte copy per lane and stage");
+};
+
+__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gptr) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr), "l"(gptr));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+template <int K, int CB, int MB, bool DECODE_ONLY>
+struct DecodeMmaLoop {
+    using W = LaneWindow<K>;
+    using R = Ring<K>;
+    static constexpr int NT = GEMM_NT;
+
+    const uint32_t* src;  // this warp's first tile in its first k tile
+    long row_words;       // words between consecutive k tiles
+    int steps;            // k tiles to process
+    uint32_t* ring;       // this warp's R::WARP_WORDS words of shared memory (16-byte aligned)
+    int lane;
+
+    // k tile `step` into ring slot `slot`; always commits a group (possibly empty) so that group
+    // counts stay uniform across lanes and steps
+    __device__ __forceinline__ void issue(int step, int slot) const {
+        if (step < steps && lane < R::CHUNKS) {
+            const uint32_t dst = (uint32_t)__cvta_generic_to_shared(ring + slot * R::STAGE_WORDS + 4 * lane);
+            cp_async16(dst, src + (long)step * row_words + 4 * lane);
+        }
+        cp_async_commit();
+    }
+
+    // request the first S-1 k tiles (may run before the caller's own prologue, to overlap it)
+    __device__ __forceinline__ void start() const {
+#pragma unroll
+        for (int s = 0; s < R::S - 1; ++s) issue(s, s);
+    }
+
+    // xs_lane: ldmatrix address (shared, bytes) of this lane's row of k tile 0 of m16 block 0;
+    // xs_mb_bytes: bytes between m16 blocks. Accumulates into acc (or dsum when DECODE_ONLY).
+    __device__ __forceinline__ void run(uint32_t xs_lane, uint32_t xs_mb_bytes, float (&acc)[MB][NT][2][4],
+                                        __half2& dsum) const {
+        int off[W::NW];  // the lane's word offsets in a tile (circular: the stream is tail-biting)
+        {
+            const int i0 = lane_start_bit(K, lane) >> 5;
+#pragma unroll
+            for (int i = 0; i < W::NW; ++i) off[i] = (i0 + i) % R::TILE_WORDS;
+        }
+        int slot = 0;
+        for (int step = 0; step < steps; ++step) {
+            cp_async_wait<R::S - 2>();  // this lane's copies of k tile `step` have landed
+            __syncwarp();               // ... and every lane's; the previous slot's reads are all done
+            issue(step + R::S - 1, slot == 0 ? R::S - 1 : slot - 1);
+            const uint32_t* st = ring + slot * R::STAGE_WORDS;
+            uint32_t w[NT][W::NW];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < W::NW; ++i) w[nt][i] = st[nt * R::TILE_WORDS + off[i]];
+            uint32_t a[MB][4];
+            if constexpr (!DECODE_ONLY) {
+#pragma unroll
+                for (int mb = 0; mb < MB; ++mb) {
+                    const uint32_t addr = xs_lane + (uint32_t)mb * xs_mb_bytes + (uint32_t)step * 32u;
+                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                                 : "=r"(a[mb][0]), "=r"(a[mb][1]), "=r"(a[mb][2]), "=r"(a[mb][3])
+                                 : "r"(addr));
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                W::align(lane, w[nt]);
+                __half2 f[4];
+                decode_lane<K, CB>(w[nt], f);
+                if constexpr (DECODE_ONLY) {
+                    const __half2 one = __float2half2_rn(1.f);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) dsum = __hfma2(f[i], one, dsum);
+                } else {
+#pragma unroll
+                    for (int mb = 0; mb < MB; ++mb) {
+                        mma_16816(acc[mb][nt][0], a[mb], h2_bits(f[0]), h2_bits(f[1]));
+                        mma_16816(acc[mb][nt][1], a[mb], h2_bits(f[2]), h2_bits(f[3]));
+                    }
+                }
+            }
+            slot = slot == R::S - 1 ? 0 : slot + 1;
+        }
+        cp_async_wait<0>();  // no copy may still target the ring when the warp moves on
+    }
+};
 
 // Each warp owns NT adjacent n tiles and a run of kt_per_warp k tiles; MB m16 blocks of rows.
 // DECODE_ONLY: same loads and decode, consumed by HFMA2 into a dummy sum instead of mma (the
 // integer-bound ceiling of this exact decoder).
 template <int K, int CB, int MB, bool DECODE_ONLY>
 __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(GemmArgs p) {
-    using W = LaneWindow<K>;
     constexpr int NT = GEMM_NT;
+    using R = Ring<K>;
     const int lane = threadIdx.x & 31;
-    const int gw = blockIdx.x * GEMM_WARPS + (threadIdx.x >> 5);
+    const int warp = threadIdx.x >> 5;
+    const int gw = blockIdx.x * GEMM_WARPS + warp;
     const int n_groups = p.n_tiles / NT;
     const int ng = gw % n_groups;
     const int kt0 = (gw / n_groups) * p.kt_per_warp;
@@ -112,6 +242,13 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(GemmArgs p) {
     const int kt1 = min(kt0 + p.kt_per_warp, p.k_tiles);
     const int q = lane & 3, g = lane >> 2;
     const long kdim = (long)p.k_tiles * 16;
+
+    __shared__ __align__(16) uint32_t ring[GEMM_WARPS * R::WARP_WORDS];
+    const long tile_words = 8 * K;
+    const DecodeMmaLoop<K, CB, MB, DECODE_ONLY> loop{
+        p.trellis + ((long)kt0 * p.n_tiles + (long)ng * NT) * tile_words, (long)p.n_tiles * tile_words, kt1 - kt0,
+        ring + warp * R::WARP_WORDS, lane};
+    loop.start();  // the trellis requests overlap the x staging below
 
     float acc[MB][NT][2][4];
 #pragma unroll
@@ -128,7 +265,7 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(GemmArgs p) {
     // of this launch's row chunk for that k range in shared memory once (rows past m as zeros), so
     // the loop reads its A fragments with ldmatrix instead of global loads.
     constexpr int XS = GEMM_KT_MAX * 16 + 8;  // row stride in halves; +8 staggers banks for ldmatrix
-    __shared__ __align__(16) __half xs[DECODE_ONLY ? 1 : MB * 16 * XS];
+    __shared__ __align__(16) __half xs[DECODE_ONLY ? 8 : MB * 16 * XS];
     if constexpr (!DECODE_ONLY) {
         const int cols = (kt1 - kt0) * 16;
         for (int i = threadIdx.x; i < MB * 16 * (cols / 8); i += GEMM_WARPS * 32) {
@@ -141,70 +278,8 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(GemmArgs p) {
         __syncthreads();
     }
     // ldmatrix.x4 row addresses: lane l -> row l%16 of the m16 block, 8-col half l/16
-    const uint32_t xs_lane = (uint32_t)__cvta_generic_to_shared(&xs[(lane & 15) * XS + (lane >> 4) * 8]);
-
-    const long tile_words = 8 * K;
-    const uint32_t* tbase = p.trellis + ((long)kt0 * p.n_tiles + (long)ng * NT) * tile_words;
-    const long row_words = (long)p.n_tiles * tile_words;
-
-    // S-stage register ring: the words (and A fragments) of k tile i+S-1 are requested while tile i
-    // is decoded, so each warp keeps S-1 tiles of DRAM latency in flight.
-    constexpr int S = GEMM_STAGES;
-    uint32_t wr[S][NT][W::NW];
-    // lane's word addresses in the current k tile, advanced by one tile row per load (the wrap and
-    // lane arithmetic stay out of the loop)
-    const uint32_t* lp[W::NW];
-    W::pointers(tbase, lane, lp);
-
-    auto load_stage = [&](uint32_t (&w)[NT][W::NW]) {
-#pragma unroll
-        for (int i = 0; i < W::NW; ++i) {
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) w[nt][i] = __ldg(lp[i] + nt * tile_words);
-            lp[i] += row_words;
-        }
-    };
-    auto compute_stage = [&](int kt, uint32_t (&w)[NT][W::NW]) {
-        uint32_t a[MB][4];
-        if constexpr (!DECODE_ONLY) {
-#pragma unroll
-            for (int mb = 0; mb < MB; ++mb) {
-                const uint32_t addr = xs_lane + (uint32_t)((mb * 16 * XS + (kt - kt0) * 16) * 2);
-                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                             : "=r"(a[mb][0]), "=r"(a[mb][1]), "=r"(a[mb][2]), "=r"(a[mb][3])
-                             : "r"(addr));
-            }
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            W::align(lane, w[nt]);
-            __half2 f[4];
-            decode_lane<K, CB>(w[nt], f);
-            if constexpr (DECODE_ONLY) {
-                const __half2 one = __float2half2_rn(1.f);
-#pragma unroll
-                for (int i = 0; i < 4; ++i) dsum = __hfma2(f[i], one, dsum);
-            } else {
-#pragma unroll
-                for (int mb = 0; mb < MB; ++mb) {
-                    mma_16816(acc[mb][nt][0], a[mb], h2_bits(f[0]), h2_bits(f[1]));
-                    mma_16816(acc[mb][nt][1], a[mb], h2_bits(f[2]), h2_bits(f[3]));
-                }
-            }
-        }
-    };
-
-#pragma unroll
-    for (int s = 0; s < S - 1; ++s)
-        if (kt0 + s < kt1) load_stage(wr[s]);
-    for (int kt = kt0; kt < kt1; kt += S) {
-#pragma unroll
-        for (int s = 0; s < S; ++s) {
-            const int kl = kt + s + S - 1;  // tile to request now, into the slot freed last step
-            if (kl < kt1) load_stage(wr[(s + S - 1) % S]);
-            if (kt + s < kt1) compute_stage(kt + s, wr[s]);
-        }
-    }
+    const uint32_t xs_lane = (uint32_t)__cvta_generic_to_shared(&xs[DECODE_ONLY ? 0 : (lane & 15) * XS + (lane >> 4) * 8]);
+    loop.run(xs_lane, 16 * XS * 2, acc, dsum);
 
     if constexpr (DECODE_ONLY) {
         float s = __low2float(dsum) + __high2float(dsum);
