@@ -2,6 +2,7 @@
 #include "exl3_fused.cuh"
 #include "exl3_kernels.cuh"
 #include "exl3_launch.h"
+#include "exl3_recon_full.cuh"
 
 namespace exl3 {
 int launch_gemm_cb2(int K, int mb, const GemmArgs& a, cudaStream_t st) { return dispatch_gemm<2>(K, mb, a, st); }
@@ -9,4 +10,8 @@ void launch_reconstruct_cb2(int K, const uint32_t* t, __half* out, int kt, int n
     dispatch_reconstruct<2>(K, t, out, kt, nt, st);
 }
 int launch_fused_cb2(int K, const FusedArgs& a, cudaStream_t st) { return dispatch_fused<2>(K, a, st); }
+cudaError_t launch_recon_full_cb2(int K, const uint32_t* t, const __half* suh, const __half* svh, __half* out, int kt,
+                                  int nt, cudaStream_t st) {
+    return dispatch_recon_full<2>(K, t, suh, svh, out, kt, nt, st);
+}
 }  // namespace exl3

@@ -20,6 +20,12 @@ int launch_fused(int cb, int K, const FusedArgs& a, cudaStream_t st) {
     if (cb == 1) return launch_fused_cb1(K, a, st);
     return launch_fused_cb2(K, a, st);
 }
+cudaError_t launch_recon_full(int cb, int K, const uint32_t* trellis, const __half* suh, const __half* svh, __half* out,
+                              int k_tiles, int n_tiles, cudaStream_t st) {
+    if (cb == 0) return launch_recon_full_cb0(K, trellis, suh, svh, out, k_tiles, n_tiles, st);
+    if (cb == 1) return launch_recon_full_cb1(K, trellis, suh, svh, out, k_tiles, n_tiles, st);
+    return launch_recon_full_cb2(K, trellis, suh, svh, out, k_tiles, n_tiles, st);
+}
 }  // namespace exl3
 
 namespace {
@@ -28,12 +34,21 @@ using at::Tensor;
 
 // rows up to this go through the on-the-fly-decode GEMM, larger ones through reconstruct + cuBLAS
 constexpr int64_t GEMM_MAX_M = 64;
+// rows from this on (128-divisible dims) reconstruct W in the original basis and run one cuBLAS GEMM
+// y = x @ W, with no activation Hadamards. Below it (down to GEMM_MAX_M + 1) the old chain
+// had128 -> reconstruct Ŵ -> cuBLAS -> had128 runs. Expected crossover: reconstruct_full costs less
+// than reconstruct alone (one pass over the weights, no extra work per row), so every big m wins;
+// bench/exl3_kernels.py (reconstruct section) prints both chains per m to confirm on the device.
+constexpr int64_t FULL_MIN_M = GEMM_MAX_M + 1;
 
 int check_trellis(const Tensor& t, int64_t K, int64_t codebook, const char* op) {
     TORCH_CHECK(t.is_cuda(), op, ": trellis must be a CUDA tensor, got ", t.device());
     TORCH_CHECK(t.scalar_type() == at::kShort, op, ": trellis must be int16, got ", t.scalar_type());
     TORCH_CHECK(t.dim() == 3, op, ": trellis must be 3-D [k/16, n/16, 16K], got ", t.sizes());
     TORCH_CHECK(t.is_contiguous(), op, ": trellis must be contiguous (call .contiguous())");
+    // the GEMM kernels stream tiles with 16-byte cp.async (a fresh allocation is always aligned)
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, op,
+                ": trellis data must be 16-byte aligned (it is a view at an odd offset; pass trellis.clone())");
     TORCH_CHECK(t.size(2) % 16 == 0 && t.size(2) / 16 >= 1 && t.size(2) / 16 <= 8, op, ": trellis last dim ",
                 t.size(2), " is not 16*K with K in 1..8");
     const int k_found = (int)(t.size(2) / 16);
@@ -51,6 +66,35 @@ Tensor reconstruct(const Tensor& trellis, int64_t K, int64_t codebook) {
     exl3::launch_reconstruct((int)codebook, k, reinterpret_cast<const uint32_t*>(trellis.data_ptr()),
                              reinterpret_cast<__half*>(out.data_ptr()), kt, nt, at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return out;
+}
+
+// t itself when its data is 16-byte aligned (the kernels' vector loads), else an aligned copy
+Tensor aligned16(const Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+// W = diag(suh) · BD_k · Ŵ · BD_n · diag(svh) as fp16 [k, n] (spec 4.2; exl3_recon_full.cuh). suh/svh
+// are used as fp16 (their storage type); the rest is fp32 with one final rounding to fp16.
+Tensor reconstruct_full(const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t K, int64_t codebook) {
+    const char* op = "exl3::reconstruct_full";
+    const int k = check_trellis(trellis, K, codebook, op);
+    const int kt = (int)trellis.size(0), nt = (int)trellis.size(1);
+    TORCH_CHECK(kt % 8 == 0 && nt % 8 == 0, op, ": k = ", kt * 16L, " and n = ", nt * 16L,
+                " must be multiples of 128 (EXL3 pads to 128)");
+    TORCH_CHECK(suh.is_cuda() && svh.is_cuda() && suh.device() == trellis.device() && svh.device() == trellis.device() &&
+                    suh.numel() == kt * 16L && svh.numel() == nt * 16L,
+                op, ": suh/svh must be vectors of ", kt * 16L, "/", nt * 16L, " elements on the trellis' device, got ",
+                suh.numel(), "/", svh.numel());
+    c10::cuda::CUDAGuard guard(trellis.device());
+    Tensor su = suh.to(at::kHalf).contiguous(), sv = aligned16(svh.to(at::kHalf).contiguous());
+    Tensor out = at::empty({kt * 16L, nt * 16L}, trellis.options().dtype(at::kHalf));
+    if (out.numel() == 0) return out;
+    C10_CUDA_CHECK(exl3::launch_recon_full((int)codebook, k, reinterpret_cast<const uint32_t*>(trellis.data_ptr()),
+                                           reinterpret_cast<const __half*>(su.data_ptr()),
+                                           reinterpret_cast<const __half*>(sv.data_ptr()),
+                                           reinterpret_cast<__half*>(out.data_ptr()), kt, nt,
+                                           at::cuda::getCurrentCUDAStream()));
     return out;
 }
 
@@ -167,11 +211,6 @@ bool fused_workspace(const Tensor& like, int64_t n_total, float** z, int** count
     return true;
 }
 
-// t itself when its data is 16-byte aligned (the kernel's vector loads), else an aligned copy
-Tensor aligned16(const Tensor& t) {
-    return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 ? t : t.clone(at::MemoryFormat::Contiguous);
-}
-
 void check_x(const Tensor& x, int64_t kd, int64_t max_m, const char* op) {
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kHalf && x.dim() == 2,
                 op, ": x must be a CUDA fp16 [m, k] tensor, got ", x.scalar_type(), " ", x.sizes());
@@ -185,8 +224,11 @@ void check_scales(const Tensor& suh, const Tensor& svh, int64_t kd, int64_t nd, 
                 ": suh/svh must be CUDA vectors of ", kd, "/", nd, " elements, got ", suh.numel(), "/", svh.numel());
 }
 
-// the unfused chain (had128, split-k GEMM or reconstruct + cuBLAS, had128); su/sv fp16 contiguous
+// the unfused chain (had128, split-k GEMM or reconstruct + cuBLAS, had128); su/sv fp16 contiguous.
+// From FULL_MIN_M rows: one cuBLAS GEMM against W reconstructed in the original basis instead.
 Tensor gemm_4kernel(const Tensor& x, const Tensor& trellis, const Tensor& su, const Tensor& sv, int k, int64_t codebook) {
+    if (x.size(0) >= FULL_MIN_M && trellis.size(0) % 8 == 0 && trellis.size(1) % 8 == 0)
+        return at::matmul(x, reconstruct_full(trellis, su, sv, k, codebook));  // fp16 cuBLAS, fp32 accumulation
     Tensor xh = had128(x, su, c10::nullopt, true);
     Tensor z;
     if (x.size(0) <= GEMM_MAX_M) {
@@ -289,7 +331,8 @@ std::tuple<Tensor, Tensor> linear_workspace(const Tensor& like) {
 }
 
 // Spec 4.3: y = fp16(Had(z) ) * svh with z = fp16(Had(fp16(x*suh))) @ Ŵ; the seam of linear.py.
-// m <= 4: the one-launch fused op; m <= 64: Hadamard, split-k GEMM, Hadamard; beyond: reconstruct + cuBLAS.
+// m <= 4: the one-launch fused op; m <= 64: Hadamard, split-k GEMM, Hadamard; beyond: W in the original
+// basis (reconstruct_full) + one cuBLAS GEMM.
 // (H200, 4096x14336 K=4: fused 27.7 vs 29.0 us at m=1 but 32.4 vs 29.6 us at m=8, where the fused
 // prologue's per-block input Hadamard of every row costs more than the two extra launches.)
 Tensor gemm(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t codebook) {
@@ -328,6 +371,7 @@ Tensor decode_bench(const Tensor& trellis, int64_t K, int64_t codebook, int64_t 
 
 TORCH_LIBRARY_FRAGMENT(exl3, m) {
     m.def("reconstruct(Tensor trellis, int K, int codebook) -> Tensor");
+    m.def("reconstruct_full(Tensor trellis, Tensor suh, Tensor svh, int K, int codebook) -> Tensor");
     m.def("exl3_gemm(Tensor x, Tensor trellis, Tensor suh, Tensor svh, int codebook) -> Tensor");
     m.def("exl3_gemm_xh(Tensor xh, Tensor trellis, int K, int codebook, int kt_per_warp=0) -> Tensor");
     m.def("had128(Tensor x, Tensor? pre_scale=None, Tensor? post_scale=None, bool out_fp16=True) -> Tensor");
@@ -340,6 +384,7 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
 
 TORCH_LIBRARY_IMPL(exl3, CUDA, m) {
     m.impl("reconstruct", &reconstruct);
+    m.impl("reconstruct_full", &reconstruct_full);
     m.impl("exl3_gemm", &gemm);
     m.impl("exl3_gemm_xh", &gemm_xh);
     m.impl("had128", &had128);
