@@ -1,5 +1,6 @@
 """Benchmarks of the EXL3 CUDA kernels: decode-only ceiling, GEMV/GEMM (with the one-launch fused
-linear next to the 4-kernel chain at m <= 16), grouped fused linears, reconstruct.
+linear next to the 4-kernel chain at m <= 16), grouped fused linears, reconstruct, reconstruct_full
+(W in the original basis) and the prefill chains around it.
 
 Usage (on a CUDA machine, after building exl3_core._C):
     PYTHONPATH=. python bench/exl3_kernels.py [--quick] [--json out.json]
@@ -195,12 +196,50 @@ def reconstruct_bench(ceil: dict, rows: list) -> None:
               f"decode-only floor {k * n / ceil.get((K, cb), float('nan')) * 1e6:6.2f} us)", flush=True)
 
 
+def reconstruct_full_bench(rows: list, quick: bool) -> None:
+    """W in the original basis (exl3::reconstruct_full) vs its memory floor, then the prefill chains:
+    the old had128 -> reconstruct -> cuBLAS -> had128 against cuBLAS on reconstruct_full, per m
+    (the crossover sets FULL_MIN_M in csrc/exl3/exl3_ops.cu), and exl3_gemm as routed."""
+    ops = torch.ops.exl3
+    if not hasattr(ops, "reconstruct_full"):
+        print("reconstruct_full: op not built, skipped", flush=True)
+        return
+    for k, n in ((4096, 14336), (14336, 4096)):
+        for K, cb in ((4, 2), (4, 0)):
+            copies = max(2, -(-3 * l2_bytes() // (k * n * K // 8)))
+            ts = [rand_trellis(k, n, K) for _ in range(copies)]
+            su = (torch.randn(k, device="cuda").sign()).half()
+            sv = (torch.rand(n, device="cuda") * 0.01).half()
+            sec = time_graph(lambda i: ops.reconstruct_full(ts[i % copies], su, sv, K, cb), copies)
+            sec_r = time_graph(lambda i: ops.reconstruct(ts[i % copies], K, cb), copies)
+            mem = (k * n * K // 8 + k * n * 2) / BW
+            rows.append(dict(kind="reconstruct_full", k=k, n=n, K=K, cb=CB_NAMES[cb], us=sec * 1e6,
+                             us_reconstruct=sec_r * 1e6, mem_bound_us=mem * 1e6))
+            print(f"reconstruct_full {k}x{n} K={K} {CB_NAMES[cb]}: {sec * 1e6:7.2f} us (memory floor "
+                  f"{mem * 1e6:6.2f} us, {100 * mem / sec:5.1f}%; reconstruct of Ŵ {sec_r * 1e6:7.2f} us)", flush=True)
+            if cb == 2:
+                for m in ((256, 2048) if quick else (65, 128, 256, 512, 1024, 2048)):
+                    x = torch.randn(m, k, device="cuda").half()
+                    t_old = time_graph(lambda i: ops.had128(torch.matmul(ops.had128(x, su, None, True),
+                                                                         ops.reconstruct(ts[i % copies], K, cb)),
+                                                            None, sv, True), copies)
+                    t_new = time_graph(lambda i: torch.matmul(x, ops.reconstruct_full(ts[i % copies], su, sv, K, cb)),
+                                       copies)
+                    t_op = time_graph(lambda i: ops.exl3_gemm(x, ts[i % copies], su, sv, cb), copies)
+                    rows.append(dict(kind="prefill_chain", k=k, n=n, m=m, K=K, cb=CB_NAMES[cb], us_4kernel=t_old * 1e6,
+                                     us_full=t_new * 1e6, us_exl3_gemm=t_op * 1e6))
+                    print(f"  prefill {k}x{n} m={m:4d}: had+reconstruct+GEMM+had {t_old * 1e6:8.2f} us, "
+                          f"reconstruct_full+GEMM {t_new * 1e6:8.2f} us, exl3_gemm {t_op * 1e6:8.2f} us "
+                          f"({m / t_op / 1e3:7.1f} k rows/s)", flush=True)
+            ts.clear()  # free the copies before the next shape
+
+
 def main() -> None:
     global BW
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--skip", default="", help="comma list of: decode,gemm,group,reconstruct")
+    ap.add_argument("--skip", default="", help="comma list of: decode,gemm,group,reconstruct,full")
     ap.add_argument("--lib", default=None, help="load this op library (a kernel variant) instead of exl3_core._C")
     args = ap.parse_args()
     if args.lib:
@@ -220,6 +259,8 @@ def main() -> None:
         fused_group_bench(rows)
     if "reconstruct" not in skip:
         reconstruct_bench(ceil, rows)
+    if "full" not in skip:
+        reconstruct_full_bench(rows, args.quick)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -3,6 +3,9 @@
 The compiled ops live under ``torch.ops.exl3`` when ``exl3_core._C`` was built with nvcc:
 
 * ``reconstruct(trellis, K, codebook) -> fp16 Ŵ [k, n]`` (bit-exact, spec 3)
+* ``reconstruct_full(trellis, suh, svh, K, codebook) -> fp16 W [k, n]``: the weight in the original
+  basis, ``diag(suh)·BD_k·Ŵ·BD_n·diag(svh)`` (spec 4.2), fp32 inside, rounded once; ``exl3_gemm``
+  multiplies by it with one cuBLAS GEMM for m > 64
 * ``exl3_gemm(x fp16 [m, k], trellis, suh, svh, codebook) -> fp16 [m, n]`` (spec 4.3, the
   ``linear.exl3_matmul`` seam): Hadamard-in, on-the-fly-decode GEMM, Hadamard-out
 * ``exl3_gemm_xh(xh fp16 [m, k], trellis, K, codebook, kt_per_warp=0) -> fp32 [m, n]`` (z = xh @ Ŵ)
@@ -41,6 +44,10 @@ def _check(trellis: torch.Tensor, K: int | None, codebook: int, what: str) -> in
         raise ValueError(f"{what}: K={K} but the trellis last dim {trellis.shape[-1]} means K={found}")
     if codebook not in (0, 1, 2):
         raise ValueError(f"{what}: codebook {codebook!r} unknown; expected 0 (3inst), 1 (mcg) or 2 (mul1)")
+    if trellis.is_cuda and trellis.data_ptr() % 16:
+        # the kernels stream tiles with 16-byte cp.async; fresh allocations are always aligned
+        raise ValueError(f"{what}: trellis data is not 16-byte aligned (a view at an odd offset); pass "
+                         f"trellis.clone()")
     return found
 
 
@@ -50,6 +57,33 @@ def reconstruct_cuda(trellis: torch.Tensor, K: int | None, codebook: int) -> tor
     if _compiled("reconstruct", trellis):
         return ext.op("reconstruct")(trellis.contiguous(), K, codebook)
     return decode_inner(trellis, K, codebook)
+
+
+def reconstruct_full_cuda(
+    trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, K: int | None, codebook: int
+) -> torch.Tensor:
+    """fp16 ``W = diag(suh)·BD_k·Ŵ·BD_n·diag(svh)`` ``[k, n]`` (spec 4.2, padded ``(in, out)``).
+
+    ``k`` and ``n`` (16 x the trellis' first two dims) must be multiples of 128. The CUDA op reads
+    ``suh``/``svh`` as fp16 (their storage type) and computes in fp32 with one final rounding; the
+    fallback rounds the fp32 oracle ``dequantize_padded`` once, so both paths return fp16.
+    """
+    what = "reconstruct_full_cuda"
+    K = _check(trellis, K, codebook, what)
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    if k % 128 or n % 128:
+        raise ValueError(f"{what}: trellis {tuple(trellis.shape)} gives k={k}, n={n}; both must be multiples of 128")
+    for name, s, size in (("suh", suh, k), ("svh", svh, n)):
+        if not isinstance(s, torch.Tensor) or s.dim() != 1 or s.numel() != size or not s.dtype.is_floating_point:
+            got = f"{s.dtype} {tuple(s.shape)}" if isinstance(s, torch.Tensor) else type(s).__name__
+            raise ValueError(f"{what}: {name} must be a floating-point vector of {size} elements, got {got}")
+        if s.device != trellis.device:
+            raise ValueError(f"{what}: {name} is on {s.device}, the trellis on {trellis.device}; move them together")
+    if _compiled("reconstruct_full", trellis, suh, svh):
+        return ext.op("reconstruct_full")(trellis.contiguous(), suh, svh, K, codebook)
+    from exl3_core.quant.exl3.quantize import dequantize_padded  # heavy module, needed only here
+
+    return dequantize_padded(trellis, suh, svh, K, codebook).to(torch.float16)
 
 
 def had128_cuda(

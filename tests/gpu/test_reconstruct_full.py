@@ -1,0 +1,145 @@
+"""exl3::reconstruct_full (W in the original basis, csrc/exl3/exl3_recon_full.cuh) and the big-m
+exl3_gemm route that multiplies by it, against the fp32 oracle ``dequantize_padded`` (spec 4.2).
+
+Fresh random trellis words and random non-unit fp16 scales every test; outputs are poisoned with
+NaN before the kernels write them.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl3_core.quant.exl3 import CB_3INST, CB_MCG, CB_MUL1, cuda_ops
+from exl3_core.quant.exl3.quantize import dequantize_padded
+from exl3_core.quant.exl3.trellis import decode_inner
+
+pytestmark = pytest.mark.cuda
+CBS = (CB_3INST, CB_MCG, CB_MUL1)
+DEV = "cuda"
+FP16_HALF_ULP = 2.0**-11  # relative rounding bound of fp16 (normal range)
+FP16_SUB_HALF_ULP = 2.0**-25  # absolute rounding bound in fp16's subnormal range
+
+
+def rand_trellis(k: int, n: int, K: int) -> torch.Tensor:
+    return torch.randint(-32768, 32768, (k // 16, n // 16, 16 * K), dtype=torch.int16)
+
+
+def rand_scales(k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # signs plus magnitudes spread over ~2 octaves (suh) and ~1 decade (svh), like real layers
+    suh = (torch.randn(k).sign() * (0.5 + 1.5 * torch.rand(k))).to(torch.float16)
+    svh = (torch.randn(n).sign() * (0.005 + 0.045 * torch.rand(n))).to(torch.float16)
+    return suh, svh
+
+
+def poison(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Fill and free a block of the op's output size: the caching allocator hands it back next."""
+    t = torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+    del t
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    return ((a64 - b64).norm() / b64.norm()).item()
+
+
+def check_against_oracle(out: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, K: int,
+                         cb: int, what: str) -> None:
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    ref = dequantize_padded(trellis, suh, svh, K, cb).double()  # CPU fp32 oracle
+    assert out.dtype == torch.float16 and tuple(out.shape) == (k, n), what
+    out = out.cpu().double()
+    assert not out.isnan().any(), f"{what}: elements left unwritten"
+    assert rel_err(out, ref) < 1e-3, what
+    # per element: one fp16 rounding of a value within fp32 arithmetic error of the oracle; that error
+    # scales with the element's |suh_i * svh_j| and the decoded weights' size (not with |ref|)
+    w_rms = decode_inner(trellis, K, cb).double().pow(2).mean().sqrt()
+    fp32_err = 1e-5 * w_rms * suh.double().abs()[:, None] * svh.double().abs()[None, :]
+    bound = FP16_HALF_ULP * (ref.abs() + fp32_err) + fp32_err + FP16_SUB_HALF_ULP
+    excess = (out - ref).abs() - bound
+    assert (excess <= 0).all(), f"{what}: {(excess > 0).sum().item()} elements beyond fp16 rounding, worst by {excess.max():.3g}"
+
+
+@pytest.mark.parametrize("cb", CBS)
+@pytest.mark.parametrize("K", range(1, 9))
+def test_matches_oracle(exl3_ops, K: int, cb: int) -> None:
+    k, n = 256, 384  # 2 x 3 blocks of 128: both grid dims, k != n
+    trellis = rand_trellis(k, n, K)
+    suh, svh = rand_scales(k, n)
+    poison((k, n), torch.float16)
+    out = exl3_ops.reconstruct_full(trellis.to(DEV), suh.to(DEV), svh.to(DEV), K, cb)
+    check_against_oracle(out, trellis, suh, svh, K, cb, f"K={K} cb={cb}")
+
+
+@pytest.mark.parametrize("cb", CBS)
+def test_large_and_wrapper(exl3_ops, cb: int) -> None:
+    k, n, K = 1024, 2048, 4  # 8 x 16 blocks
+    trellis = rand_trellis(k, n, K)
+    suh, svh = rand_scales(k, n)
+    poison((k, n), torch.float16)
+    out = cuda_ops.reconstruct_full_cuda(trellis.to(DEV), suh.to(DEV), svh.to(DEV), K, cb)
+    check_against_oracle(out, trellis, suh, svh, K, cb, f"{k}x{n} cb={cb}")
+
+
+def test_misaligned_and_fp32_scales(exl3_ops) -> None:
+    # svh as a view 2 bytes into its storage (the kernel's 16-byte loads need an aligned copy) and
+    # fp32 scale vectors (the op reads them as fp16, their storage type)
+    k, n, K, cb = 128, 256, 3, CB_MUL1
+    trellis = rand_trellis(k, n, K)
+    suh, svh = rand_scales(k, n)
+    backing = torch.empty(n + 1, dtype=torch.float16, device=DEV)
+    backing[1:] = svh.to(DEV)
+    sv_view = backing[1:]
+    assert sv_view.data_ptr() % 16 != 0
+    out = exl3_ops.reconstruct_full(trellis.to(DEV), suh.float().to(DEV), sv_view, K, cb)
+    check_against_oracle(out, trellis, suh, svh, K, cb, "misaligned svh, fp32 suh")
+
+
+@pytest.mark.parametrize("cb", CBS)
+@pytest.mark.parametrize("m", [256, 2048])
+def test_exl3_gemm_big_m(exl3_ops, m: int, cb: int) -> None:
+    k, n, K = 1024, 768, 4
+    trellis = rand_trellis(k, n, K)
+    suh, svh = rand_scales(k, n)
+    x = torch.randn(m, k).to(torch.float16)
+    ref = x.double() @ dequantize_padded(trellis, suh, svh, K, cb).double()
+    poison((m, n), torch.float16)
+    y = exl3_ops.exl3_gemm(x.to(DEV), trellis.to(DEV), suh.to(DEV), svh.to(DEV), cb)
+    assert y.dtype == torch.float16 and tuple(y.shape) == (m, n)
+    assert not y.isnan().any()
+    # fp16 rounding of W and of y, fp32 accumulation: ~4e-4 expected
+    assert rel_err(y, ref) < 2e-3, f"m={m} cb={cb}"
+
+
+def test_exl3_gemm_big_m_in_cuda_graph(exl3_ops) -> None:
+    k, n, K, cb, m = 512, 384, 2, CB_MCG, 128
+    trellis, (suh, svh) = rand_trellis(k, n, K).to(DEV), rand_scales(k, n)
+    suh, svh = suh.to(DEV), svh.to(DEV)
+    x = torch.randn(m, k, device=DEV).to(torch.float16)
+    eager = exl3_ops.exl3_gemm(x, trellis, suh, svh, cb)  # also sets the kernel's smem attribute first
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = exl3_ops.exl3_gemm(x, trellis, suh, svh, cb)
+    x2 = torch.randn(m, k, device=DEV).to(torch.float16)
+    x.copy_(x2)
+    g.replay()
+    torch.cuda.synchronize()
+    ref = exl3_ops.exl3_gemm(x2, trellis, suh, svh, cb)
+    assert rel_err(y, ref) < 1e-3 and rel_err(eager, ref) > 1e-1  # replay saw the new x
+
+
+def test_wrapper_rejects_bad_arguments(exl3_ops) -> None:
+    trellis = rand_trellis(128, 256, 3).to(DEV)
+    suh, svh = (s.to(DEV) for s in rand_scales(128, 256))
+    f = cuda_ops.reconstruct_full_cuda
+    with pytest.raises(ValueError, match="K=3"):
+        f(trellis, suh, svh, 4, CB_MUL1)
+    with pytest.raises(ValueError, match="codebook"):
+        f(trellis, suh, svh, 3, 7)
+    with pytest.raises(ValueError, match="svh must be"):
+        f(trellis, suh, svh[:128], 3, CB_MUL1)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        f(trellis[:, :4].contiguous(), suh, svh[:64], 3, CB_MUL1)
+    with pytest.raises(ValueError, match="suh is on cpu"):
+        f(trellis, suh.cpu(), svh, 3, CB_MUL1)
+    with pytest.raises(ValueError, match="int16"):
+        f(trellis.to(torch.int32), suh, svh, 3, CB_MUL1)
