@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # Device script: compile and time variants of the one-launch EXL3 linear (bench/gemv_tune.cu; each
 # build takes seconds), then ncu of the baseline fused kernel and of the decode-only kernel
-# (stall reasons, pipe utilisation, occupancy). Usage: bash bench/gemv_tune.sh "S M E[ G]" ...
-# (S = EXL3_RING_STAGES, the k tiles in flight per warp; default: 3 4 6 8). Tables go to stdout and
+# (stall reasons, pipe utilisation, occupancy). Usage: bash bench/gemv_tune.sh [S[:B] ...]
+# (S or S:B: EXL3_RING_STAGES = k tiles in flight per warp, B = EXL3_FUSED_MINB; default: 3 4 6 8). Tables go to stdout and
 # $OUT/gemv_tune.txt, ncu to $OUT/ncu_*.txt.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 FLAGS=(-std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -Icsrc)
 variants=("$@")
 [ ${#variants[@]} -eq 0 ] && variants=(3 4 6 8)
-for S in "${variants[@]}"; do
-  bin=/tmp/gemv_tune_$S
-  nvcc "${FLAGS[@]}" -DEXL3_RING_STAGES=$S bench/gemv_tune.cu -o $bin 2> /tmp/nvcc_err.txt \
+for v in "${variants[@]}"; do
+  S=${v%%:*}; B=0; [ "$v" != "$S" ] && B=${v##*:}
+  bin=/tmp/gemv_tune_$S; [ "$B" != 0 ] && bin=${bin}_$B
+  nvcc "${FLAGS[@]}" -DEXL3_RING_STAGES=$S -DEXL3_FUSED_MINB=$B bench/gemv_tune.cu -o $bin 2> /tmp/nvcc_err.txt \
     || { cat /tmp/nvcc_err.txt | tee -a "$OUT/gemv_tune.txt"; continue; }
-  echo "== EXL3_RING_STAGES=$S" | tee -a "$OUT/gemv_tune.txt"
+  echo "== EXL3_RING_STAGES=$S EXL3_FUSED_MINB=$B" | tee -a "$OUT/gemv_tune.txt"
   timeout 60 $bin 0 8 16 24 32 2>&1 | tee -a "$OUT/gemv_tune.txt"
 done
 NCU_BIN=/tmp/gemv_tune_${NCU_STAGES:-6}

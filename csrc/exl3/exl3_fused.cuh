@@ -24,6 +24,16 @@
 namespace exl3 {
 
 constexpr int FUSED_MAX_PROBLEMS = 3;
+// Tuning knob (bench/gemv_tune.cu builds variants): a minimum of resident blocks per SM handed to
+// the register allocator (0: none, ptxas decides).
+#ifndef EXL3_FUSED_MINB
+#define EXL3_FUSED_MINB 0
+#endif
+#if EXL3_FUSED_MINB > 0
+#define EXL3_FUSED_BOUNDS __launch_bounds__(GEMM_WARPS * 32, EXL3_FUSED_MINB)
+#else
+#define EXL3_FUSED_BOUNDS __launch_bounds__(GEMM_WARPS * 32)
+#endif
 constexpr int FUSED_COLS = GEMM_WARPS * GEMM_NT * 16;  // output columns per block
 static_assert(FUSED_COLS == 128, "the fused epilogue Hadamard needs blocks of exactly 128 columns");
 static_assert(GEMM_KT_MAX % 8 == 0, "k chunks are whole 128-column Hadamard blocks");
@@ -55,7 +65,7 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 }
 
 template <int K, int CB>
-__global__ void __launch_bounds__(GEMM_WARPS * 32) fused_linear_kernel(FusedArgs a) {
+__global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
     constexpr int NT = GEMM_NT;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;

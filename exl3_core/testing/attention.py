@@ -52,6 +52,10 @@ def default_cases(device: torch.device | str = "cpu", dtype: torch.dtype = torch
                           (7 * mul, 3, 1), (0, 21 * mul, 40 * mul)))
         cases.append(Case(AttnSpec(head_dim=hd, num_q_heads=hq, num_kv_heads=hkv, cache="kv/fp16", phase="decode",
                                    **paged, **base), (1, 1, 1), (1, 33 * mul, 16 * mul)))
+    # long enough for whole key chunks below the causal diagonal (kernels may skip masking there)
+    cases.append(Case(AttnSpec(head_dim=64, num_q_heads=2, num_kv_heads=1, **base), (150 * mul, 37)))
+    cases.append(Case(AttnSpec(head_dim=64, num_q_heads=4, num_kv_heads=2, cache="kv/fp16", **paged, **base),
+                      (20 * mul, 70), (130 * mul, 0)))
     cases.append(Case(AttnSpec(head_dim=64, num_q_heads=4, num_kv_heads=2, window=8, **base), (29 * mul, 3)))
     cases.append(Case(AttnSpec(head_dim=64, num_q_heads=4, num_kv_heads=2, cache="kv/fp16", window=8, **paged, **base),
                       (9, 1), (30 * mul, 12)))

@@ -30,6 +30,52 @@ from exl3_core.attention.spec import AttnArgs, AttnSpec
 
 
 @triton.jit
+def _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
+                K, V, PageTable, scale, softcap,
+                stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+                PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
+                PAGED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+                MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One BLOCK_N chunk of keys into the online softmax (scores in base 2). MASKED=False is for
+    chunks every row of the block may see in full (below the causal diagonal, inside seq_k)."""
+    n = start + tl.arange(0, BLOCK_N)
+    n_ok = n < hi
+    if PAGED:
+        page = tl.load(PageTable + b * stride_pt + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+        slot = n % PAGE_SIZE
+        k_off = page * stride_kp + slot * stride_ks
+        v_off = page * stride_vp + slot * stride_vs
+    else:
+        k_off = (q_start + n).to(tl.int64) * stride_ks
+        v_off = (q_start + n).to(tl.int64) * stride_vs
+    k = tl.load(K + k_off[None, :] + kvh * stride_kh + d[:, None],
+                mask=n_ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
+    s = tl.dot(q, k, input_precision=DOT_PREC)
+    if SOFTCAP:
+        s = s * (scale / softcap)
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s) - 1.0)  # tanh via sigmoid
+        s = s * 1.4426950408889634  # log2(e): exp2 below
+    else:
+        s = s * (scale * 1.4426950408889634)
+    if MASKED:
+        ok = n_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            ok = ok & (n[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            ok = ok & (n[None, :] > q_pos[:, None] - WINDOW)
+        s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(V + v_off[:, None] + kvh * stride_vh + dv[None, :],
+                mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attn_fwd(
     Q, K, V, Out, PageTable, CuQ, SeqLensK,
     scale, softcap,
@@ -63,57 +109,40 @@ def _attn_fwd(
     q = tl.load(q_ptr, mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     q_pos = seq_k - q_len + tok  # absolute position of each row's token
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the base-2 scores
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
 
+    first_tok = (mblk * BLOCK_M) // GROUP
     hi = seq_k
+    full = seq_k  # keys below this are visible to every row of the block: no mask needed
     if CAUSAL:
         last_tok = tl.minimum(mblk * BLOCK_M + BLOCK_M - 1, q_len * GROUP - 1) // GROUP
         hi = tl.minimum(seq_k, seq_k - q_len + last_tok + 1)
+        full = tl.minimum(hi, seq_k - q_len + first_tok + 1)
     lo = 0
     if WINDOW > 0:
-        first_tok = (mblk * BLOCK_M) // GROUP
         lo = tl.maximum(0, seq_k - q_len + first_tok - WINDOW + 1)
         lo = (lo // BLOCK_N) * BLOCK_N
+        full = lo
+    full = lo + tl.maximum(full - lo, 0) // BLOCK_N * BLOCK_N
 
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        if PAGED:
-            page = tl.load(PageTable + b * stride_pt + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-            slot = n % PAGE_SIZE
-            k_off = page * stride_kp + slot * stride_ks
-            v_off = page * stride_vp + slot * stride_vs
-        else:
-            k_off = (q_start + n).to(tl.int64) * stride_ks
-            v_off = (q_start + n).to(tl.int64) * stride_vs
-        k = tl.load(K + k_off[None, :] + kvh * stride_kh + d[:, None],
-                    mask=n_ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
-        s = tl.dot(q, k, input_precision=DOT_PREC) * scale
-        if SOFTCAP:
-            s = s / softcap
-            s = softcap * (2.0 * tl.sigmoid(2.0 * s) - 1.0)  # tanh via sigmoid
-        ok = n_ok[None, :] & row_ok[:, None]
-        if CAUSAL:
-            ok = ok & (n[None, :] <= q_pos[:, None])
-        if WINDOW > 0:
-            ok = ok & (n[None, :] > q_pos[:, None] - WINDOW)
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + v_off[:, None] + kvh * stride_vh + dv[None, :],
-                    mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    for start in range(lo, full, BLOCK_N):
+        acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
+                                    K, V, PageTable, scale, softcap,
+                                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+                                    PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, CAUSAL, WINDOW, SOFTCAP,
+                                    False, DOT_PREC)
+    for start in range(full, hi, BLOCK_N):
+        acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
+                                    K, V, PageTable, scale, softcap,
+                                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+                                    PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, CAUSAL, WINDOW, SOFTCAP,
+                                    True, DOT_PREC)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptr = Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
-
 
 
 @triton.jit
@@ -278,6 +307,10 @@ class TritonPagedAttention:
 #: capture from the cache capacity, so it must serve short and long contexts alike.
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 32
+#: Launch-shape override of ``_attn_fwd`` for query blocks longer than 16 rows (prefill): keys
+#: block_m, block_n, num_warps, num_stages. Empty: the built-in choice. For tuning runs
+#: (bench/attn_prefill_tune.py); not a user setting.
+PREFILL_TUNING: dict[str, int] = {}
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -386,6 +419,11 @@ def attention_single_pass(args: AttnArgs) -> torch.Tensor:
         svp, svs, svh = 0, v.stride(0), v.stride(1)
     block_d, block_dv, block_n = _block_sizes(spec)
     block_m = 16 if args.max_seqlen_q * group <= 16 else (32 if block_d > 128 else 64)
+    launch: dict[str, int] = {}
+    if PREFILL_TUNING and block_m > 16:  # benchmarks override the long-prefill tile and launch shape
+        block_m = PREFILL_TUNING.get("block_m", block_m)
+        block_n = PREFILL_TUNING.get("block_n", block_n)
+        launch = {k: v for k, v in PREFILL_TUNING.items() if k in ("num_warps", "num_stages")}
     grid = (B, spec.num_kv_heads, triton.cdiv(max(args.max_seqlen_q, 1) * group, block_m))
     _attn_fwd[grid](
         q, k, v, out, pt, args.cu_seqlens_q, args.seq_lens_k,
@@ -398,6 +436,6 @@ def attention_single_pass(args: AttnArgs) -> torch.Tensor:
         HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.v_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=paged, CAUSAL=spec.causal, WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0,
-        DOT_PREC=_dot_precision(spec.dtype),
+        DOT_PREC=_dot_precision(spec.dtype), **launch,
     )
     return out

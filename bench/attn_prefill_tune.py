@@ -1,0 +1,74 @@
+"""Launch shapes of the Triton prefill attention (`_attn_fwd`) on the GPU: TFLOP/s per config.
+
+    PYTHONPATH=.:plugins/attn_backends/src python bench/attn_prefill_tune.py [--tokens 2048]
+
+The 8B shape's attention (32 query / 8 KV heads x 128, fp16, causal, paged cache of 256-token
+pages, no cached prefix): one call per layer of a prefill. Each config is checked against the
+torch reference first (a wrong config is reported, not timed). FLOPs counted: 4 * heads * d *
+(causal pairs) — the two matmuls, no recomputation. CUDA events, warm-up, median of 20.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import torch
+
+from exl3_core.attention.spec import AttnSpec
+from exl3_core.testing.attention import Case, device_cc, make_args, reference_attention
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    a = ap.parse_args()
+    import exl3_attn_backends.triton_paged as tp
+
+    dev = torch.device("cuda")
+    spec = AttnSpec(head_dim=a.head_dim, num_q_heads=a.heads, num_kv_heads=a.kv_heads, dtype=torch.float16,
+                    device_type="cuda", device_cc=device_cc(dev), cache="kv/fp16", page_size=256)
+    args = make_args(Case(spec, (a.tokens,), (0,)), dev, seed=0)
+    ref = reference_attention(args).float()
+    pairs = a.tokens * (a.tokens + 1) / 2
+    flops = 4 * a.heads * a.head_dim * pairs
+    configs = [{}] + [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
+                      for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
+    rows = []
+    for cfg in configs:
+        tp.PREFILL_TUNING.clear()
+        tp.PREFILL_TUNING.update(cfg)
+        try:
+            out = tp.attention_single_pass(args)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            if not err < 2e-3:
+                rows.append((cfg, None, f"WRONG rel.err {err:.2e}"))
+                continue
+            for _ in range(3):
+                tp.attention_single_pass(args)
+            torch.cuda.synchronize()
+            ts = []
+            for _ in range(20):
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                tp.attention_single_pass(args)
+                e1.record()
+                e1.synchronize()
+                ts.append(e0.elapsed_time(e1) / 1e3)
+            t = statistics.median(ts)
+            rows.append((cfg, t, f"{flops / t / 1e12:6.1f} TFLOP/s  rel.err {err:.1e}"))
+        except Exception as e:  # noqa: BLE001 - an infeasible config (smem, registers) is reported, not fatal
+            rows.append((cfg, None, f"failed: {type(e).__name__}: {str(e)[:80]}"))
+    tp.PREFILL_TUNING.clear()
+    rows.sort(key=lambda r: r[1] if r[1] is not None else 1e9)
+    print(f"prefill attention {a.tokens} tokens, {a.heads}/{a.kv_heads} heads x {a.head_dim}, causal, paged:")
+    for cfg, t, msg in rows:
+        name = "built-in" if not cfg else " ".join(f"{k}={v}" for k, v in cfg.items())
+        print(f"  {name:<52} {'' if t is None else f'{t * 1e6:8.1f} us'}  {msg}")
+
+
+if __name__ == "__main__":
+    main()
