@@ -420,6 +420,10 @@ def attention_single_pass(args: AttnArgs) -> torch.Tensor:
     block_d, block_dv, block_n = _block_sizes(spec)
     block_m = 16 if args.max_seqlen_q * group <= 16 else (32 if block_d > 128 else 64)
     launch: dict[str, int] = {}
+    if q.is_cuda and q.element_size() == 2 and max(block_d, block_dv) <= 128 and args.max_seqlen_q * group >= 512:
+        # long prefill: larger tiles, 8 warps (H200, 32/8 heads x 128, 2048 tokens: 205 vs 251 us;
+        # bench/attn_prefill_tune.py, docs/performance.md)
+        block_m, block_n, launch = 128, 128, {"num_warps": 8, "num_stages": 2}
     if PREFILL_TUNING and block_m > 16:  # benchmarks override the long-prefill tile and launch shape
         block_m = PREFILL_TUNING.get("block_m", block_m)
         block_n = PREFILL_TUNING.get("block_n", block_n)
