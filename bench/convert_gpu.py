@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/exl3_convert_bench")
     ap.add_argument("--json", default=None)
     ap.add_argument("--verbose", action="store_true", help="print every report line (per-tensor times)")
+    ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
+                    help="TF32 calibration matmuls (the converter's default on CUDA); --no-tf32 for exact fp32")
     a = ap.parse_args()
     data = json.loads(SHAPES.read_text())
     shape = data["shapes"][a.shape]
@@ -85,7 +87,7 @@ def main() -> None:
             print(f"{time.monotonic() - t0:8.1f} s  {line.strip()}", flush=True)
 
     convert(src, out, a.bpw, device=a.device, cal_rows=a.cal_rows, cal_cols=a.cal_cols, progress=False,
-            report=report, cal_random=1.0)
+            report=report, cal_random=1.0, tf32=a.tf32)
     total = time.monotonic() - t0
     mod = [(ln, t) for ln, t in stamps if re.match(r"\[\d+/\d+\]", ln)]
     blocks = [t1 - t0_ for (l0, t0_), (l1, t1) in zip(mod, mod[1:]) if "layers." in l1]
