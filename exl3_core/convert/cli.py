@@ -12,7 +12,7 @@ def _run(args: argparse.Namespace) -> int:
                   out_scales=args.out_scales, cal_rows=args.cal_rows, cal_cols=args.cal_cols, device=args.device,
                   shard_mib=args.shard_size, work_dir=args.work_dir, resume=args.resume, seed=args.seed,
                   text=args.cal_text, cal_random=args.cal_random, propagate=args.propagate,
-                  refit_scales=args.refit_scales, tf32=args.tf32,
+                  refit_scales=args.refit_scales, refit_propagate=args.refit_propagate, tf32=args.tf32,
                   progress=not args.no_progress)
     return 0 if res.completed else 1
 
@@ -44,6 +44,9 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--refit-scales", action=argparse.BooleanOptionalAction, default=False,
                    help="after LDLQ, refit the stored fp16 scales in closed form for the final codes (format "
                         "unchanged; default off)")
+    p.add_argument("--refit-propagate", type=float, default=0.0,
+                   help="with --refit-scales: aim the refit at the error-propagated target of this strength "
+                        "0..1 (the output error including the quantized inputs; default 0)")
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                    help="on CUDA, TF32 tensor cores for the fp32 calibration matmuls (default on; --no-tf32 for "
                         "exact fp32)")

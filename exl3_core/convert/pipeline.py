@@ -82,6 +82,7 @@ class ConvertArgs:
     cal_random: float = RANDOM_FRACTION  # share of uniform-random calibration rows
     propagate: float = 0.0  # error-propagation strength α (0: off; see convert/propagation.py)
     refit_scales: bool = False  # closed-form refit of suh/svh for the final codes (quant/exl3/scale_refit.py)
+    refit_propagate: float = 0.0  # β: the refit aims at W + β·(W* − W), the output metric with quantized inputs
     tf32: bool = True  # CUDA: fp32 matmuls of the calibration forwards and Hessians on TF32 tensor cores
 
     def validate(self) -> None:
@@ -99,6 +100,10 @@ class ConvertArgs:
             raise ValueError(f"--cal-random {self.cal_random}: the share of random rows must be in [0, 1]")
         if not 0.0 <= self.propagate <= 1.0:
             raise ValueError(f"--propagate {self.propagate}: the error-propagation strength must be in [0, 1]")
+        if not 0.0 <= self.refit_propagate <= 1.0:
+            raise ValueError(f"--refit-propagate {self.refit_propagate}: the strength must be in [0, 1]")
+        if self.refit_propagate > 0 and not self.refit_scales:
+            raise ValueError(f"--refit-propagate {self.refit_propagate} only applies with --refit-scales")
         if self.shard_mib < 1:
             raise ValueError(f"--shard-size {self.shard_mib}: must be at least 1 MiB")
 
@@ -334,14 +339,19 @@ class Converter:
             assert isinstance(w, torch.Tensor), f"{s.key}: a linear without a weight tensor"
             w = w.detach()
             sums = (targets or {}).get(s.group or s.key)
+            aim = None
             if sums is not None:  # aim at the unquantized model's output (error propagation)
-                w = propagated_weight(w, sums[0], sums[1], self.args.propagate)
+                if self.args.refit_propagate > 0:  # the scales aim there too, at their own strength
+                    aim = propagated_weight(w, sums[0], sums[1], self.args.refit_propagate)
+                if self.args.propagate > 0:
+                    w = propagated_weight(w, sums[0], sums[1], self.args.propagate)
             b = getattr(s.module, "bias", None)
             t0 = time.monotonic()
             q = quantize_linear(w, hinfos.get(s.group or s.key), K=K, codebook=self.args.codebook,
                                 out_scales=self.args.out_scales, seed=self._seed(st) * 4096 + ordinal,
                                 bias=None if b is None else b.detach(), in_features=s.in_features,
-                                out_features=s.out_features, name=s.key, refit_scales=self.args.refit_scales)
+                                out_features=s.out_features, name=s.key, refit_scales=self.args.refit_scales,
+                                refit_target=aim)
             ordinal += 1
             out[s.key] = q
             if self.on_quantized is not None:
@@ -498,7 +508,8 @@ class Converter:
             last = st.index == len(self.stages) - 1
             stop = _stop_after_module is not None and st.index >= _stop_after_module and not last
             x = self._states_home(x)
-            if self.args.propagate > 0 and self.x_fp is None and x.is_floating_point():
+            if (self.args.propagate > 0 or self.args.refit_propagate > 0) and self.x_fp is None \
+                    and x.is_floating_point():
                 self.x_fp = x  # up to the first quantized stage both models agree
             if (last or stop or x.nbytes <= SMALL_STATES_BYTES
                     or time.monotonic() - last_commit >= STATE_CHECKPOINT_S):
@@ -543,7 +554,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
             out_scales: str = "always", cal_rows: int = 250, cal_cols: int = 2048, device: str = "cpu",
             shard_mib: int = 8192, work_dir: str | Path | None = None, resume: bool = False, seed: int = 0,
             text: str | Path | None = None, cal_random: float = RANDOM_FRACTION, propagate: float | None = None,
-            refit_scales: bool = False, tf32: bool = True, report: Report | None = None,
+            refit_scales: bool = False, refit_propagate: float = 0.0, tf32: bool = True, report: Report | None = None,
             progress: bool = True,
             on_quantized: Callable[[str, QuantizedLinear], None] | None = None,
             _stop_after_module: int | None = None) -> ConvertResult:
@@ -562,6 +573,8 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
         None: the measured default for ``bpw`` (``propagation.default_strength``).
     :param refit_scales: after LDLQ, refit the fp16 scales ``suh``/``svh`` in closed form for the final
         codes under the Hessian metric (``quant/exl3/scale_refit.py``; format unchanged).
+    :param refit_propagate: with ``refit_scales``, aim the scales (not the codes) at the error-propagated
+        target of strength β in [0, 1]: the output error including the quantized inputs.
     :param tf32: on CUDA, run the fp32 matmuls of the calibration forwards and Hessians on TF32
                  tensor cores (default; ~8x faster, statistics unchanged to ~1e-3).
     :param report: receives the per-tensor and per-module report lines (default: stderr).
@@ -574,6 +587,6 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
                        shard_mib=shard_mib, work_dir=None if work_dir is None else str(work_dir), seed=seed,
                        text=None if text is None else str(text), cal_random=cal_random,
                        propagate=default_strength(float(bpw)) if propagate is None else float(propagate),
-                       refit_scales=bool(refit_scales), tf32=bool(tf32))
+                       refit_scales=bool(refit_scales), refit_propagate=float(refit_propagate), tf32=bool(tf32))
     conv = Converter(args, report=report, progress=progress, on_quantized=on_quantized)
     return conv.run(resume=resume, _stop_after_module=_stop_after_module)

@@ -59,7 +59,8 @@ def test_refit_never_increases_the_objective_and_stays_fp16(seed: int) -> None:
     junk = torch.randn(k, n, generator=g)
     rj = refit_scales(w, junk, su, sv, h)
     if rj.accepted:
-        assert scale_objective(w, junk, rj.su.half(), rj.sv.half(), h) < scale_objective(w, junk, su.half(), sv.half(), h)
+        assert scale_objective(w, junk, rj.su.half(), rj.sv.half(), h) < \
+            scale_objective(w, junk, su.half(), sv.half(), h)
     else:
         assert torch.equal(rj.su, su) and torch.equal(rj.sv, sv)
 
@@ -166,6 +167,16 @@ def test_quantize_linear_refit_keeps_codes_and_lowers_output_error() -> None:
     assert bool(torch.isfinite(refit.svh).all())
     assert torch.equal(refit.suh[in_f:], plain.suh[in_f:]) and torch.equal(refit.svh[out_f:], plain.svh[out_f:])
     assert out_err(refit) < out_err(plain)
+    # refit_target: the scales (only) aim elsewhere -- at 1.1·W they land nearer 1.1·W than the plain refit
+    aimed = quantize_linear(w, info, K=3, seed=4, refit_scales=True, refit_target=1.1 * w)
+    assert torch.equal(aimed.trellis, plain.trellis)
+    def far(q) -> float:  # output error against 1.1·W
+        e = (q.dequantize() - 1.1 * w).double()
+        return float(torch.trace(e @ hx @ e.T))
+
+    assert far(aimed) < far(refit) and far(aimed) < far(plain)
+    with pytest.raises(ValueError, match="refit_target shape"):
+        quantize_linear(w, info, K=3, seed=4, refit_scales=True, refit_target=w[:, :10])
 
 
 def test_option_round_trips_cli_convert_and_resume_refusal(tmp_path, monkeypatch) -> None:
@@ -175,6 +186,10 @@ def test_option_round_trips_cli_convert_and_resume_refusal(tmp_path, monkeypatch
     assert parser.parse_args(base).refit_scales is False
     assert parser.parse_args(base + ["--refit-scales"]).refit_scales is True
     assert parser.parse_args(base + ["--refit-scales", "--no-refit-scales"]).refit_scales is False
+    assert parser.parse_args(base + ["--refit-scales", "--refit-propagate", "0.5"]).refit_propagate == 0.5
+    for bad in ({"refit_propagate": 1.5, "refit_scales": True}, {"refit_propagate": 0.5}):
+        with pytest.raises(ValueError, match="--refit-propagate"):
+            ConvertArgs(in_dir="a", out_dir="b", bpw=3.0, **bad).validate()  # type: ignore[arg-type]
 
     seen: list[ConvertArgs] = []
 
@@ -188,7 +203,9 @@ def test_option_round_trips_cli_convert_and_resume_refusal(tmp_path, monkeypatch
     monkeypatch.setattr(pipeline, "Converter", FakeConverter)
     pipeline.convert("src", "out", 3.0, refit_scales=True)
     pipeline.convert("src", "out", 3.0)
-    assert [a.refit_scales for a in seen] == [True, False]
+    pipeline.convert("src", "out", 3.0, refit_scales=True, refit_propagate=0.5)
+    assert [a.refit_scales for a in seen] == [True, False, True]
+    assert seen[2].refit_propagate == 0.5 and seen[0].refit_propagate == 0.0
     assert seen[0].job_args()["refit_scales"] is True
 
     work = WorkDir(tmp_path)
@@ -196,3 +213,5 @@ def test_option_round_trips_cli_convert_and_resume_refusal(tmp_path, monkeypatch
     work.check_resume(job, seen[1].job_args(), {})  # same arguments: fine
     with pytest.raises(ResumeError, match="refit_scales: was False, now True"):
         work.check_resume(job, seen[0].job_args(), {})
+    with pytest.raises(ResumeError, match="refit_propagate: was 0.0, now 0.5"):
+        work.check_resume(Job(args=seen[0].job_args(), source={}), seen[2].job_args(), {})

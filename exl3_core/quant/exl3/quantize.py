@@ -129,6 +129,7 @@ def quantize_linear(
     name: str = "linear",
     device: torch.device | str | None = None,
     refit_scales: bool = False,
+    refit_target: torch.Tensor | None = None,
 ) -> QuantizedLinear:
     """Quantize an HF-orientation weight ``[out, in]`` (fp32/bf16/fp16) to EXL3 at K bits/weight.
 
@@ -140,7 +141,9 @@ def quantize_linear(
     kernel); the returned tensors are always on the CPU, ready to be written. ``refit_scales``
     refits ``suh``/``svh`` in closed form for the final codes under the Hessian metric
     (``scale_refit.py``; skipped without a Hessian); ``extra`` then holds the relative objective
-    before/after (``refit_before``/``refit_after``) and whether the refit was kept.
+    before/after (``refit_before``/``refit_after``) and whether the refit was kept. ``refit_target``
+    (HF orientation, like ``weight``) is what the scales aim at instead of ``weight``, e.g. the
+    error-propagated target while the codes aim at the plain weight.
     """
     K = check_k(K, name)
     cb = codebook_id(codebook, name)
@@ -199,7 +202,14 @@ def quantize_linear(
     extra: dict = {}
     if refit_scales and not hinfo.fallback and hinfo.h_rot is not None:
         m = rotate(rotate(w_hat, 0), 1)  # BD·Ŵ·BD: what the scales multiply
-        r = _refit_scales(w, m, su, sv, original_hessian(hinfo), in_features=in_features,
+        aim = w
+        if refit_target is not None:
+            if refit_target.shape != weight.shape:
+                raise ValueError(f"{name}: refit_target shape {tuple(refit_target.shape)} differs from the "
+                                 f"weight's {tuple(weight.shape)}")
+            aim = torch.zeros_like(w)
+            aim[:in_features, :out_features] = refit_target.detach().to(dev, torch.float32).T
+        r = _refit_scales(aim, m, su, sv, original_hessian(hinfo), in_features=in_features,
                           out_features=out_features)
         extra.update(refit_before=r.before, refit_after=r.after, refit_accepted=r.accepted,
                      refit_iters=r.iters, refit_sign_flips=r.sign_flips, refit_reason=r.reason)
