@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true", help="print every report line (per-tensor times)")
     ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                     help="TF32 calibration matmuls (the converter's default on CUDA); --no-tf32 for exact fp32")
+    ap.add_argument("--profile", action="store_true",
+                    help="torch.profiler over the embedding stage and the first block only (kernels and host ops)")
     a = ap.parse_args()
     data = json.loads(SHAPES.read_text())
     shape = data["shapes"][a.shape]
@@ -86,6 +88,16 @@ def main() -> None:
         if a.verbose or re.match(r"\[\d+/\d+\]", line) or line.startswith("wrote"):
             print(f"{time.monotonic() - t0:8.1f} s  {line.strip()}", flush=True)
 
+    if a.profile:  # where a block's time goes: stop after the first block (stage index 1)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            convert(src, out, a.bpw, device=a.device, cal_rows=a.cal_rows, cal_cols=a.cal_cols, progress=False,
+                    report=report, cal_random=1.0, tf32=a.tf32, _stop_after_module=1)
+        avg = prof.key_averages()
+        print(avg.table(sort_by="device_time_total", row_limit=25, max_name_column_width=70))
+        print(avg.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+        return
     convert(src, out, a.bpw, device=a.device, cal_rows=a.cal_rows, cal_cols=a.cal_cols, progress=False,
             report=report, cal_random=1.0, tf32=a.tf32)
     total = time.monotonic() - t0

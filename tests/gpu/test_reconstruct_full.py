@@ -38,7 +38,7 @@ def poison(shape: tuple[int, ...], dtype: torch.dtype) -> None:
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    a64, b64 = a.to("cpu", torch.float64), b.to("cpu", torch.float64)  # callers mix device outputs and CPU oracles
     return ((a64 - b64).norm() / b64.norm()).item()
 
 
