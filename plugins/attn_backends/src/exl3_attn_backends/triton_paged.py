@@ -88,7 +88,7 @@ def _attn_fwd(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, SPLIT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -127,12 +127,15 @@ def _attn_fwd(
         full = lo
     full = lo + tl.maximum(full - lo, 0) // BLOCK_N * BLOCK_N
 
-    for start in range(lo, full, BLOCK_N):
-        acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
-                                    K, V, PageTable, scale, softcap,
-                                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
-                                    PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, CAUSAL, WINDOW, SOFTCAP,
-                                    False, DOT_PREC)
+    if SPLIT:  # fp32 tiles keep one masked loop: a second loop body costs them their registers
+        for start in range(lo, full, BLOCK_N):
+            acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
+                                        K, V, PageTable, scale, softcap,
+                                        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+                                        PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, CAUSAL, WINDOW, SOFTCAP,
+                                        False, DOT_PREC)
+    else:
+        full = lo
     for start in range(full, hi, BLOCK_N):
         acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
                                     K, V, PageTable, scale, softcap,
@@ -308,7 +311,7 @@ class TritonPagedAttention:
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 32
 #: Launch-shape override of ``_attn_fwd`` for query blocks longer than 16 rows (prefill): keys
-#: block_m, block_n, num_warps, num_stages. Empty: the built-in choice. For tuning runs
+#: block_m, block_n, num_warps, num_stages, split (0/1). Empty: the built-in choice. For tuning runs
 #: (bench/attn_prefill_tune.py); not a user setting.
 PREFILL_TUNING: dict[str, int] = {}
 _SM_COUNT: dict[int, int] = {}
@@ -420,11 +423,14 @@ def attention_single_pass(args: AttnArgs) -> torch.Tensor:
     block_d, block_dv, block_n = _block_sizes(spec)
     block_m = 16 if args.max_seqlen_q * group <= 16 else (32 if block_d > 128 else 64)
     launch: dict[str, int] = {}
+    # unmasked chunks below the diagonal in their own loop: 16-bit tiles only (H200, fp32 ieee
+    # calibration attention: the two loop bodies made it several times slower)
+    split = bool(PREFILL_TUNING.get("split", q.element_size() == 2))
     if q.is_cuda and q.element_size() == 2 and max(block_d, block_dv) <= 128 and args.max_seqlen_q * group >= 512:
         # long prefill: larger tiles, 8 warps (H200, 32/8 heads x 128, 2048 tokens: 205 vs 251 us;
         # bench/attn_prefill_tune.py, docs/performance.md)
         block_m, block_n, launch = 128, 128, {"num_warps": 8, "num_stages": 2}
-    if PREFILL_TUNING and block_m > 16:  # benchmarks override the long-prefill tile and launch shape
+    if {"block_m", "block_n", "num_warps", "num_stages"} & PREFILL_TUNING.keys() and block_m > 16:  # benchmarks
         block_m = PREFILL_TUNING.get("block_m", block_m)
         block_n = PREFILL_TUNING.get("block_n", block_n)
         launch = {k: v for k, v in PREFILL_TUNING.items() if k in ("num_warps", "num_stages")}
@@ -440,6 +446,6 @@ def attention_single_pass(args: AttnArgs) -> torch.Tensor:
         HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.v_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=paged, CAUSAL=spec.causal, WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0,
-        DOT_PREC=_dot_precision(spec.dtype), **launch,
+        DOT_PREC=_dot_precision(spec.dtype), SPLIT=split, **launch,
     )
     return out
