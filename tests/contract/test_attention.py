@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from exl3_core.attention import get_dispatcher
+from exl3_core.attention.spec import AttnSpec
 from exl3_core.plugins import load_plugins
 from exl3_core.testing.attention import Case, check_backend, default_cases
 
@@ -36,3 +37,17 @@ def test_backend_matches_reference(name: str, case: Case) -> None:
 def test_reference_rejects_nothing_it_needs() -> None:
     # the reference must accept the whole grid: it is the fallback for every configuration
     assert all(not BACKENDS["torch"].unsupported_reasons(c.spec) for c in CASES)
+
+
+def test_triton_yields_fp32_cacheless_prefill_to_the_reference() -> None:
+    """fp32 Triton dots are exact CUDA-core dots (<1 TFLOP/s measured on an H200): conversion's
+    cache-less fp32 calibration prefill goes to the reference's cuBLAS matmuls instead."""
+    if "triton_paged" not in BACKENDS:
+        pytest.skip("the Triton backend is not installed")
+    triton, ref = BACKENDS["triton_paged"], BACKENDS["torch"]
+    common = {"head_dim": 128, "num_q_heads": 8, "num_kv_heads": 2, "device_type": "cuda", "device_cc": (9, 0)}
+    fp32 = AttnSpec(dtype=torch.float32, **common)
+    assert triton.priority(fp32) < ref.priority(fp32)
+    for spec in (AttnSpec(dtype=torch.float16, **common),
+                 AttnSpec(dtype=torch.float32, cache="kv/fp16", page_size=16, **common)):
+        assert triton.priority(spec) > ref.priority(spec), spec

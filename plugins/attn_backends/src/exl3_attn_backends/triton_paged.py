@@ -127,7 +127,7 @@ def _attn_fwd(
         full = lo
     full = lo + tl.maximum(full - lo, 0) // BLOCK_N * BLOCK_N
 
-    if SPLIT:  # fp32 tiles keep one masked loop: a second loop body costs them their registers
+    if SPLIT:
         for start in range(lo, full, BLOCK_N):
             acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
                                         K, V, PageTable, scale, softcap,
@@ -272,7 +272,14 @@ class TritonPagedAttention:
 
     def priority(self, spec: AttnSpec) -> int:
         # Under the CPU interpreter the kernel is correct but slow: available, never preferred.
-        return 100 if spec.device_type == "cuda" else -10
+        if spec.device_type != "cuda":
+            return -10
+        if spec.dtype == torch.float32 and spec.cache is None and spec.phase != "decode":
+            # fp32 tiles use exact (ieee) dots on CUDA cores: 0.5-0.7 TFLOP/s on an H200 for the
+            # conversion's cache-less 2048-token calibration rows (docs/performance.md), where the
+            # torch reference runs its two matmuls through cuBLAS (TF32 while converting)
+            return -5
+        return 100
 
     def unsupported_reasons(self, spec: AttnSpec) -> list[str]:
         r = []
@@ -423,9 +430,9 @@ def attention_single_pass(args: AttnArgs) -> torch.Tensor:
     block_d, block_dv, block_n = _block_sizes(spec)
     block_m = 16 if args.max_seqlen_q * group <= 16 else (32 if block_d > 128 else 64)
     launch: dict[str, int] = {}
-    # unmasked chunks below the diagonal in their own loop: 16-bit tiles only (H200, fp32 ieee
-    # calibration attention: the two loop bodies made it several times slower)
-    split = bool(PREFILL_TUNING.get("split", q.element_size() == 2))
+    # chunks below the diagonal in their own unmasked loop (H200, fp32 2 x 2048 tokens: 99.6 vs
+    # 139.5 ms without; bench/attn_prefill_tune.py --split-only)
+    split = bool(PREFILL_TUNING.get("split", 1))
     if q.is_cuda and q.element_size() == 2 and max(block_d, block_dv) <= 128 and args.max_seqlen_q * group >= 512:
         # long prefill: larger tiles, 8 warps (H200, 32/8 heads x 128, 2048 tokens: 205 vs 251 us;
         # bench/attn_prefill_tune.py, docs/performance.md)
