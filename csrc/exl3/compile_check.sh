@@ -8,10 +8,7 @@
 # Flags follow setup.py (--use_fast_math included).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT=$(mktemp -d)
-trap 'rm -rf "$OUT"' EXIT
-NVCC=${NVCC:-nvcc}
-FLAGS=(-std=c++17 -arch=sm_90 -O3 --use_fast_math -lineinfo --expt-relaxed-constexpr -Icsrc)
+source csrc/compile_env.sh  # $OUT, $NVCC, $FLAGS, $INC (torch include paths, stubs where needed)
 
 echo "== 1. exl3_recon_full.cuh standalone"
 cat > "$OUT/rf.cu" <<'CU'
@@ -27,27 +24,6 @@ CU
   | paste - - - | sed -E "s/Compiling entry function .?_ZN4exl317recon_full_kernelILi([0-9])ELi([0-9])EE\S*/K=\1 cb=\2/; s/Function properties for \S+//"
 echo "(dynamic shared memory per CTA: 67584 bytes, set at launch)"
 
-INC=$(python3 -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))")
-# A CPU-only torch wheel lacks the generated c10 CUDA config header: stub it (compile check only).
-if ! python3 -c "import torch, os, sys; sys.exit(not os.path.exists(os.path.join(os.path.dirname(torch.__file__), 'include/c10/cuda/impl/cuda_cmake_macros.h')))"; then
-  mkdir -p "$OUT/stub/c10/cuda/impl"
-  echo '#define C10_CUDA_BUILD_SHARED_LIBS' > "$OUT/stub/c10/cuda/impl/cuda_cmake_macros.h"
-  INC="$INC -I$OUT/stub"
-  echo "(stubbed c10/cuda/impl/cuda_cmake_macros.h: CPU-only torch headers)"
-fi
-# ATen/cuda/CUDAContext.h includes the cuBLAS/cuSPARSE/cuSOLVER headers for handle types only: stub
-# them when the toolkit here lacks those libraries (compile check only; nothing is linked)
-if ! echo '#include <cusparse.h>' | "$NVCC" -x cu -E - -o /dev/null >/dev/null 2>&1; then
-  mkdir -p "$OUT/stub"
-  echo 'typedef void* cusparseHandle_t;' > "$OUT/stub/cusparse.h"
-  echo 'typedef void* cublasHandle_t; typedef int cublasStatus_t;' > "$OUT/stub/cublas_v2.h"
-  echo 'typedef void* cublasLtHandle_t;' > "$OUT/stub/cublasLt.h"
-  echo 'typedef void* cusolverDnHandle_t; typedef int cusolverStatus_t;' > "$OUT/stub/cusolverDn.h"
-  : > "$OUT/stub/cusolver_common.h"
-  : > "$OUT/stub/cublas.h"
-  INC="$INC -I$OUT/stub"
-  echo "(stubbed the cuSPARSE/cuBLAS/cuSOLVER headers: toolkit without those libraries)"
-fi
 echo "== 2. torch bindings"
 # torch's headers warn under -std=c++17 (setup.py's flag): show the log only on failure
 "$NVCC" "${FLAGS[@]}" $INC -DTORCH_EXTENSION_NAME=_C -c csrc/exl3/exl3_ops.cu -o "$OUT/ops.o" > "$OUT/ops.log" 2>&1 \

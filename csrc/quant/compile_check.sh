@@ -7,24 +7,13 @@
 # Flags follow setup.py (--use_fast_math included: the kernel must be exact under it).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-OUT=$(mktemp -d)
-trap 'rm -rf "$OUT"' EXIT
-NVCC=${NVCC:-nvcc}
-FLAGS=(-std=c++17 -arch=sm_90 -O3 --use_fast_math -lineinfo --expt-relaxed-constexpr -Icsrc)
-INC=$(python -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))")
+source csrc/compile_env.sh  # $OUT, $NVCC, $FLAGS, $INC (torch include paths, stubs where needed)
 
 echo "== 1. viterbi_cuda.cuh standalone"
 "$NVCC" "${FLAGS[@]}" -Xptxas -v -x cu -c csrc/quant/viterbi_cuda.cuh -o "$OUT/vk.o" 2>&1 \
   | grep -E "error|Used|spill|Compiling entry" | sed -E 's/ptxas info *: //' \
   | paste - - - | sed -E 's/Compiling entry function .(_ZN7exl3vit14viterbi_kernelILi([0-9])EEEvNS_4ArgsE)./K=\2/; s/Function properties for \S+//'
 echo "== 2. torch bindings"
-# A CPU-only torch wheel lacks the generated c10 CUDA config header: stub it (compile check only).
-if ! python -c "import torch, os, sys; sys.exit(not os.path.exists(os.path.join(os.path.dirname(torch.__file__), 'include/c10/cuda/impl/cuda_cmake_macros.h')))"; then
-  mkdir -p "$OUT/stub/c10/cuda/impl"
-  echo '#define C10_CUDA_BUILD_SHARED_LIBS' > "$OUT/stub/c10/cuda/impl/cuda_cmake_macros.h"
-  INC="$INC -I$OUT/stub"
-  echo "(stubbed c10/cuda/impl/cuda_cmake_macros.h: CPU-only torch headers)"
-fi
 for f in csrc/quant/viterbi_cuda.cu csrc/quant/hessian_cuda.cu; do
   "$NVCC" "${FLAGS[@]}" $INC -DTORCH_EXTENSION_NAME=_C -c "$f" -o "$OUT/$(basename "$f").o"
   echo "ok $f"
