@@ -9,12 +9,7 @@ import torch
 from exl3_core.cache import Cache, CacheExhausted, PageAllocator, page_hashes
 from exl3_core.cache.kv import KVCacheLayer
 from exl3_core.generator.toy import ToyModel
-from exl3_core.plugins import RegistryError, load_plugins
-
-
-@pytest.fixture(scope="module")
-def plugins():
-    return load_plugins(autoload=False)
+from exl3_core.plugins import RegistryError
 
 
 def test_allocate_release_and_exhaustion() -> None:

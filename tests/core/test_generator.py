@@ -11,21 +11,10 @@ from exl3_core.cache import Cache, CacheExhausted
 from exl3_core.generator import Generator, Job, JobError
 from exl3_core.generator.batching import Chunk, build_batch
 from exl3_core.generator.toy import ByteTokenizer, ToyModel
-from exl3_core.plugins import load_plugins
 from exl3_core.sampling import SamplerValueError
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def plugins():
-    return load_plugins(autoload=False)
-
-
-@pytest.fixture(scope="module")
-def model() -> ToyModel:
-    return ToyModel(vocab_size=264, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, seed=1)
 
 
 def make_gen(model, plugins, *, tokens: int = 4096, page_size: int = 16, **kw) -> Generator:

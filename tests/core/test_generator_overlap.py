@@ -16,22 +16,11 @@ from exl3_core.generator import Generator, Job
 from exl3_core.generator import generator as generator_mod
 from exl3_core.generator.overlap import HostRead
 from exl3_core.generator.toy import ByteTokenizer, ToyModel
-from exl3_core.plugins import load_plugins
 
 VOCAB = 264
 TOK = ByteTokenizer(VOCAB)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def plugins():
-    return load_plugins(autoload=False)
-
-
-@pytest.fixture(scope="module")
-def model() -> ToyModel:
-    return ToyModel(vocab_size=VOCAB, hidden=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, seed=1)
 
 
 def prompt(seed: int, n: int = 20) -> list[int]:

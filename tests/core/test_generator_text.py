@@ -12,17 +12,11 @@ from exl3_core.cache import Cache
 from exl3_core.filters import Filter, unpack_bitmask
 from exl3_core.generator import AsyncGenerator, Generator, Job
 from exl3_core.generator.toy import ByteTokenizer, ToyModel, _ToyAttention, _ToyConfig
-from exl3_core.plugins import load_plugins
 
 TOK = ByteTokenizer(264)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def plugins():
-    return load_plugins(autoload=False)
 
 
 class ScriptedModel:
