@@ -13,6 +13,7 @@ def _run(args: argparse.Namespace) -> int:
                   shard_mib=args.shard_size, work_dir=args.work_dir, resume=args.resume, seed=args.seed,
                   text=args.cal_text, cal_random=args.cal_random, propagate=args.propagate,
                   refit_scales=args.refit_scales, refit_propagate=args.refit_propagate, tf32=args.tf32,
+                  sequential=args.sequential,
                   progress=not args.no_progress)
     return 0 if res.completed else 1
 
@@ -47,6 +48,9 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--refit-propagate", type=float, default=0.0,
                    help="with --refit-scales: aim the refit at the error-propagated target of this strength "
                         "0..1 (the output error including the quantized inputs; default 0)")
+    p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=False,
+                   help="quantize a block's input groups in forward order, each from a Hessian captured with "
+                        "the earlier groups already quantized (one extra calibration pass per group)")
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                    help="on CUDA, TF32 tensor cores for the fp32 calibration matmuls (default on; --no-tf32 for "
                         "exact fp32)")

@@ -84,6 +84,7 @@ class ConvertArgs:
     refit_scales: bool = False  # closed-form refit of suh/svh for the final codes (quant/exl3/scale_refit.py)
     refit_propagate: float = 0.0  # β: the refit aims at W + β·(W* − W), the output metric with quantized inputs
     tf32: bool = True  # CUDA: fp32 matmuls of the calibration forwards and Hessians on TF32 tensor cores
+    sequential: bool = False  # re-capture each input group of a block after the groups before it are quantized
 
     def validate(self) -> None:
         if not 1.0 <= self.bpw <= 8.0:
@@ -121,6 +122,10 @@ class ConvertResult:
     bits: float = 0.0
     stages: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
+
+
+#: blocks with more input groups than this (MoE: two per expert) are captured once, not per group
+SEQUENTIAL_MAX_GROUPS = 8
 
 
 class StopAfterModule(Exception):
@@ -327,7 +332,9 @@ class Converter:
                         targets: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
                         ) -> dict[str, QuantizedLinear]:
         out: dict[str, QuantizedLinear] = {}
-        ordinal = 0
+        # the sign-pattern seed of a tensor: its place among the stage's quantized linears, so that
+        # quantizing a stage's groups one call at a time (sequential) draws the same seeds
+        ordinals = {x.key: i for i, x in enumerate(x for x in self.slots[st.index] if x.quantize)}
         for s in slots:
             if not s.quantize:
                 continue
@@ -348,11 +355,10 @@ class Converter:
             b = getattr(s.module, "bias", None)
             t0 = time.monotonic()
             q = quantize_linear(w, hinfos.get(s.group or s.key), K=K, codebook=self.args.codebook,
-                                out_scales=self.args.out_scales, seed=self._seed(st) * 4096 + ordinal,
+                                out_scales=self.args.out_scales, seed=self._seed(st) * 4096 + ordinals[s.key],
                                 bias=None if b is None else b.detach(), in_features=s.in_features,
                                 out_features=s.out_features, name=s.key, refit_scales=self.args.refit_scales,
                                 refit_target=aim)
-            ordinal += 1
             out[s.key] = q
             if self.on_quantized is not None:
                 self.on_quantized(s.key, q)
@@ -360,6 +366,29 @@ class Converter:
             if bar is not None:
                 bar.advance(1, s.key)
         return out
+
+    def _quantize_sequential(self, st: Stage, qslots: list[LinearSlot], order: list[str],
+                             hinfos: dict[str, HessianInfo | None], bits: dict[str, int], bar: Any,
+                             x: torch.Tensor, ids: torch.Tensor) -> dict[str, QuantizedLinear]:
+        """Quantize a block's input groups in forward order, each from a Hessian captured with every
+        earlier group already quantized (o_proj sees quantized q/k/v, the MLP a quantized attention
+        output, down_proj quantized gate/up): the "true sequential" order of GPTQ-style quantizers.
+        One extra calibration pass through the block per group after the first."""
+        dev = self.device
+        quantized: dict[str, QuantizedLinear] = {}
+        for i, leader in enumerate(order):
+            group = [s for s in qslots if s.group == leader]
+            if i > 0:
+                with torch.no_grad(), HessianCapture(st.module, group) as cap:
+                    for c in _chunks(*ids.shape):
+                        cap.next_batch()
+                        forward_stage(self.model, st, x[c].to(dev), ids[c].to(dev))
+                acc = cap.accumulators.get(leader)
+                hinfos[leader] = acc.finalize(seed=self._seed(st)) if acc is not None else None
+            q = self._quantize_slots(st, group, hinfos, bits, bar)
+            self._install(st, group, q)
+            quantized.update(q)
+        return quantized
 
     def _install(self, st: Stage, slots: list[LinearSlot], quantized: dict[str, QuantizedLinear]) -> None:
         for s in slots:
@@ -426,8 +455,13 @@ class Converter:
             h_sum = accumulators[leader].h_sum if leader in accumulators else None
             if cr.valid and cr.c_sum is not None and h_sum is not None:
                 targets[leader] = (h_sum, cr.c_sum)
-        quantized = self._quantize_slots(st, slots, hinfos, job.bits, bar, targets) if qslots else {}
-        self._install(st, slots, quantized)
+        order = [leader for leader in accumulators if any(s.group == leader for s in qslots)]
+        if (st.kind == "block" and self.args.sequential and x_fp is None
+                and 1 < len(order) <= SEQUENTIAL_MAX_GROUPS):
+            quantized = self._quantize_sequential(st, qslots, order, hinfos, job.bits, bar, x, ids)
+        else:
+            quantized = self._quantize_slots(st, slots, hinfos, job.bits, bar, targets) if qslots else {}
+            self._install(st, slots, quantized)
 
         metrics: dict[str, float] = {}
         if st.kind == "head":
@@ -554,7 +588,8 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
             out_scales: str = "always", cal_rows: int = 250, cal_cols: int = 2048, device: str = "cpu",
             shard_mib: int = 8192, work_dir: str | Path | None = None, resume: bool = False, seed: int = 0,
             text: str | Path | None = None, cal_random: float = RANDOM_FRACTION, propagate: float | None = None,
-            refit_scales: bool = False, refit_propagate: float = 0.0, tf32: bool = True, report: Report | None = None,
+            refit_scales: bool = False, refit_propagate: float = 0.0, tf32: bool = True, sequential: bool = False,
+            report: Report | None = None,
             progress: bool = True,
             on_quantized: Callable[[str, QuantizedLinear], None] | None = None,
             _stop_after_module: int | None = None) -> ConvertResult:
@@ -577,6 +612,9 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
         target of strength β in [0, 1]: the output error including the quantized inputs.
     :param tf32: on CUDA, run the fp32 matmuls of the calibration forwards and Hessians on TF32
                  tensor cores (default; ~8x faster, statistics unchanged to ~1e-3).
+    :param sequential: quantize a block's input groups one at a time in forward order, each from a
+        Hessian captured with the earlier groups already quantized (blocks with few groups, no error
+        propagation); one extra calibration pass per group.
     :param report: receives the per-tensor and per-module report lines (default: stderr).
     :param on_quantized: called with ``(key, QuantizedLinear)`` for every tensor quantized in this run.
     :param _stop_after_module: testing hook, return (unfinished) after checkpointing that stage index.
@@ -587,6 +625,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
                        shard_mib=shard_mib, work_dir=None if work_dir is None else str(work_dir), seed=seed,
                        text=None if text is None else str(text), cal_random=cal_random,
                        propagate=default_strength(float(bpw)) if propagate is None else float(propagate),
-                       refit_scales=bool(refit_scales), refit_propagate=float(refit_propagate), tf32=bool(tf32))
+                       refit_scales=bool(refit_scales), refit_propagate=float(refit_propagate), tf32=bool(tf32),
+                       sequential=bool(sequential))
     conv = Converter(args, report=report, progress=progress, on_quantized=on_quantized)
     return conv.run(resume=resume, _stop_after_module=_stop_after_module)
