@@ -448,16 +448,19 @@ class Converter:
             for key in cap.unseen():
                 self.report(f"    warning: {key} received no input during capture; quantized without a Hessian")
             accumulators = cap.accumulators
-            for leader, acc in accumulators.items():
-                hinfos[leader] = acc.finalize(seed=self._seed(st))
+        order = [leader for leader in accumulators if any(s.group == leader for s in qslots)]
+        sequential = (st.kind == "block" and self.args.sequential and x_fp is None
+                      and 1 < len(order) <= SEQUENTIAL_MAX_GROUPS)
+        if st.kind != "head":
+            # sequential: only the first group quantizes from this pass (the others are re-captured)
+            for leader in order[:1] if sequential else accumulators:
+                hinfos[leader] = accumulators[leader].finalize(seed=self._seed(st))
         targets = {}
         for leader, cr in crosses.items():
             h_sum = accumulators[leader].h_sum if leader in accumulators else None
             if cr.valid and cr.c_sum is not None and h_sum is not None:
                 targets[leader] = (h_sum, cr.c_sum)
-        order = [leader for leader in accumulators if any(s.group == leader for s in qslots)]
-        if (st.kind == "block" and self.args.sequential and x_fp is None
-                and 1 < len(order) <= SEQUENTIAL_MAX_GROUPS):
+        if sequential:
             quantized = self._quantize_sequential(st, qslots, order, hinfos, job.bits, bar, x, ids)
         else:
             quantized = self._quantize_slots(st, slots, hinfos, job.bits, bar, targets) if qslots else {}
@@ -512,7 +515,6 @@ class Converter:
         if x.dim() == 4:  # error propagation checkpoints [quantized, unquantized] states together
             x, self.x_fp = x[0], self._states_home(x[1])
         x = self._states_home(x)
-        last_commit = time.monotonic()
         todo = [st for st in self.stages if st.index >= job.done]
         n_lin = sum(1 for st in todo for s in self.slots[st.index] if s.quantize)
         bar = None
@@ -522,7 +524,7 @@ class Converter:
             bar = Progress(n_lin, f"quantizing {self.in_dir.name}", unit=" tensors")
         try:
             with _tf32(self.args.tf32 and self.device.type == "cuda"):
-                self._run_stages(todo, x, ids, job, bar, last_commit, _stop_after_module)
+                self._run_stages(todo, x, ids, job, bar, _stop_after_module)
         except StopAfterModule:
             return ConvertResult(self.out_dir, False, stages=job.stages, seconds=time.monotonic() - t_start)
         finally:
@@ -531,7 +533,8 @@ class Converter:
         return self._finish(job, t_start)
 
     def _run_stages(self, todo: list[Stage], x: torch.Tensor, ids: torch.Tensor, job: Job, bar: Any,
-                    last_commit: float, _stop_after_module: int | None) -> None:
+                    _stop_after_module: int | None) -> None:
+        last_commit = time.monotonic()
         for st in todo:
             t0 = time.monotonic()
             x = self._run_stage(st, x, ids, job, bar)
