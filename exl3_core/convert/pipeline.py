@@ -42,7 +42,7 @@ from exl3_core.convert.stages import (
     replace_linear,
     source_fingerprint,
 )
-from exl3_core.convert.workdir import Job, ResumeError, WorkDir
+from exl3_core.convert.workdir import Job, ResumeError, StatesCommitter, WorkDir
 from exl3_core.quant.exl3.allocation import AllocItem, allocate_bits, average_bits
 from exl3_core.quant.exl3.hessian import HessianAccumulator, HessianInfo, padded_size
 from exl3_core.quant.exl3.linear import EXL3Linear
@@ -442,8 +442,8 @@ class Converter:
                         partner = rec.inputs
                     cap.next_batch()
                     y = forward_stage(self.model, st, x[c].to(dev), ids[c].to(dev))
-                    if c.start < n_metric:
-                        ref_rows.append(y[: n_metric - c.start].cpu())
+                    if c.start < n_metric:  # kept where they are: compared on the device after quantizing
+                        ref_rows.append(y[: n_metric - c.start].clone())
             ref = torch.cat(ref_rows)
             for key in cap.unseen():
                 self.report(f"    warning: {key} received no input during capture; quantized without a Hessian")
@@ -476,9 +476,13 @@ class Converter:
                 metrics = error_metrics(y, ref)
         else:
             outs = []
+            home = x.device if x.is_floating_point() else None
             with torch.no_grad():
                 for c in chunks:
-                    outs.append(forward_stage(self.model, st, x[c].to(dev), ids[c].to(dev)).float().to(x.device))
+                    y = forward_stage(self.model, st, x[c].to(dev), ids[c].to(dev)).float()
+                    if home is None:  # the embedding (input: host token ids): straight to the states' home
+                        home = self._home(x.numel() * y.shape[-1] * y.element_size())
+                    outs.append(y.to(home))
             new_x = torch.cat(outs)
             if x_fp is not None:  # advance the unquantized model's states too
                 if not fp_outs:
@@ -487,21 +491,26 @@ class Converter:
                                    .to(x_fp.device) for c in chunks]
                 self.x_fp = torch.cat(fp_outs)
             if quantized:
-                metrics = error_metrics(new_x[:n_metric].cpu(), ref)
+                metrics = error_metrics(new_x[:n_metric], ref.to(new_x.device))
         tensors, storage = _stage_tensors(st, slots, quantized, self.source)
         self.work.save_stage(st.index, tensors)
         job.stages.append({"name": st.name, "storage": storage, "metrics": metrics,
                            "bits": {k: q.K for k, q in quantized.items()}})
         return new_x
 
-    def _states_home(self, x: torch.Tensor) -> torch.Tensor:
-        """Where the calibration states live between stages: on the GPU when they fit with room to
-        spare (no host round trip per chunk and stage), else in host memory."""
+    def _home(self, nbytes: int) -> torch.device:
+        """Where ``nbytes`` of calibration states live between stages: on the GPU when they fit with
+        room to spare (no host round trip per chunk and stage), else in host memory."""
         dev = self.device
-        if dev.type != "cuda" or not x.is_floating_point() or x.device.type == "cuda":
-            return x
+        if dev.type != "cuda":
+            return torch.device("cpu")
         free, _ = torch.cuda.mem_get_info(dev)
-        return x.to(dev) if 3 * x.nbytes < free else x
+        return dev if 3 * nbytes < free else torch.device("cpu")
+
+    def _states_home(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point() or x.device.type == "cuda":
+            return x
+        return x.to(self._home(x.nbytes))
 
     def run(self, *, resume: bool = False, _stop_after_module: int | None = None) -> ConvertResult:
         t_start = time.monotonic()
@@ -534,6 +543,14 @@ class Converter:
 
     def _run_stages(self, todo: list[Stage], x: torch.Tensor, ids: torch.Tensor, job: Job, bar: Any,
                     _stop_after_module: int | None) -> None:
+        committer = StatesCommitter(self.work)
+        try:
+            self._stage_loop(todo, x, ids, job, bar, _stop_after_module, committer)
+        finally:
+            committer.wait()  # a commit in flight completes (or reports its error) before we return
+
+    def _stage_loop(self, todo: list[Stage], x: torch.Tensor, ids: torch.Tensor, job: Job, bar: Any,
+                    _stop_after_module: int | None, committer: StatesCommitter) -> None:
         last_commit = time.monotonic()
         for st in todo:
             t0 = time.monotonic()
@@ -550,13 +567,12 @@ class Converter:
                 self.x_fp = x  # up to the first quantized stage both models agree
             if (last or stop or x.nbytes <= SMALL_STATES_BYTES
                     or time.monotonic() - last_commit >= STATE_CHECKPOINT_S):
-                # stacked on the host: a device-side stack would need twice the states' memory there
-                keep = x.cpu() if self.x_fp is None else torch.stack([x.cpu(), self.x_fp.cpu()])
-                states = None if last else self.work.save_states(st.index, keep)
-                job.done, job.states = st.index + 1, states
-                self.work.save_job(job)  # the commit point of this stage
-                self.work.drop_old_states(states)
+                job.done = st.index + 1
+                # stacked on the host, never on the device (that would need twice the states' memory there)
+                committer.submit(job, None if last else st.index, [x] if self.x_fp is None else [x, self.x_fp])
                 last_commit = time.monotonic()
+                if last or stop:
+                    committer.wait()
             if stop:
                 raise StopAfterModule
 
