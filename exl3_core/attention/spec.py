@@ -8,7 +8,9 @@ Layout contract shared by every backend (packed "varlen" layout, one row per tok
   the same tokens as q (a full forward).
 * With a paged cache: the new keys/values were already written into the cache by the cache
   layer; ``k_cache``/``v_cache`` are ``[num_pages, page_size, num_kv_heads, head_dim(_v)]`` and
-  ``page_table[b, i]`` is the page holding tokens ``i*page_size ..`` of sequence b.
+  ``page_table[b, i]`` is the page holding tokens ``i*page_size ..`` of sequence b. ``k``/``v``
+  may also be given then: the same new rows, packed like q (a backend may use them instead of the
+  cache for a sequence with no earlier tokens, or ignore them).
   For ``"mla/*"`` caches ``v_cache`` is None: values are the first ``head_dim_v`` channels of
   the keys (the compressed latent), so per-token cache reads are the latent only.
 * ``seq_lens_k[b]``: keys visible to sequence b including its new tokens, so query i of

@@ -142,7 +142,7 @@ class Attention(Module):
             spec = self.attn_spec(q.dtype, q.device, layer.views()[0], meta.phase)
             args = AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
                             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=self.scale,
-                            k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table)
+                            k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table, k=k, v=v)
         backend = get_dispatcher(state.plugins).select(spec, state.allowed_backends)
         o = backend.forward(args)
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim_v))

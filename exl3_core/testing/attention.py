@@ -107,8 +107,12 @@ def make_args(case: Case, device: torch.device | str = "cpu", seed: int = 0) -> 
             k_cache[page, off] = rnd(s.num_kv_heads, s.head_dim)
             if v_cache is not None:
                 v_cache[page, off] = rnd(s.num_kv_heads, s.v_dim)
+    # the new tokens' keys/values as the layer passes them beside the cache (the rows it just wrote)
+    slots = [(int(table[b, t // ps]), t % ps) for b, n in enumerate(lens) for t in range(past[b], n)]
+    k_new = torch.stack([k_cache[p, o] for p, o in slots])
+    v_new = k_new[..., :s.v_dim] if v_cache is None else torch.stack([v_cache[p, o] for p, o in slots])
     return AttnArgs(seq_lens_k=torch.tensor(lens, dtype=torch.int32, device=dev), max_seqlen_k=max(lens),
-                    k_cache=k_cache, v_cache=v_cache, page_table=table.to(dev), **common)
+                    k_cache=k_cache, v_cache=v_cache, page_table=table.to(dev), k=k_new, v=v_new, **common)
 
 
 def tolerance(dtype: torch.dtype) -> float:

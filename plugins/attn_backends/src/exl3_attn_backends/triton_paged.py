@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from exl3_attn_backends.dense import dense_causal, fresh_single_sequence
 from exl3_core.attention.spec import AttnArgs, AttnSpec
 
 
@@ -269,6 +270,8 @@ class TritonPagedAttention:
         #: force the split count of paged decode calls (None: :func:`choose_num_splits`); 1 = the
         #: single-pass kernel. For tests and benchmarks.
         self.decode_num_splits: int | None = None
+        #: a fresh single-sequence prefill goes to torch's fused SDPA (dense.py); False: always Triton
+        self.dense_prefill = True
 
     def priority(self, spec: AttnSpec) -> int:
         # Under the CPU interpreter the kernel is correct but slow: available, never preferred.
@@ -303,6 +306,8 @@ class TritonPagedAttention:
 
     def forward(self, args: AttnArgs) -> torch.Tensor:
         spec = args.spec
+        if self.dense_prefill and args.q.is_cuda and fresh_single_sequence(args):
+            return dense_causal(args)  # torch's fused kernels: 8B shape, 2048 tokens, docs/performance.md
         if spec.phase == "decode" and spec.cache is not None and args.max_seqlen_q == 1:
             splits = self.decode_num_splits if self.decode_num_splits is not None else choose_num_splits(args)
             if splits > 1:

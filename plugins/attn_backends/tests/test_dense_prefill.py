@@ -1,0 +1,47 @@
+"""The dense (torch SDPA) fast path for a fresh single-sequence prefill: when it applies, and that
+it equals the torch reference (on the CPU here; through the Triton backend on a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl3_attn_backends.dense import dense_causal, fresh_single_sequence
+
+from exl3_core.attention import AttnSpec
+from exl3_core.testing.attention import Case, make_args, reference_attention, tolerance
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _spec(dtype: torch.dtype = torch.float16, heads: tuple[int, int] = (8, 2), **kw: object) -> AttnSpec:
+    return AttnSpec(head_dim=64, num_q_heads=heads[0], num_kv_heads=heads[1], dtype=dtype,
+                    device_type=DEVICE, **kw)  # type: ignore[arg-type]
+
+
+def test_applies_only_to_one_sequence_without_a_prefix() -> None:
+    paged = dict(cache="kv/fp16", page_size=32)
+    assert fresh_single_sequence(make_args(Case(_spec(**paged), (40,), (0,)), DEVICE))
+    assert fresh_single_sequence(make_args(Case(_spec(), (40,)), DEVICE))  # no cache at all
+    assert not fresh_single_sequence(make_args(Case(_spec(**paged), (40,), (5,)), DEVICE))  # cached prefix
+    assert not fresh_single_sequence(make_args(Case(_spec(**paged), (40, 30), (0, 0)), DEVICE))  # two sequences
+    assert not fresh_single_sequence(make_args(Case(_spec(torch.float32), (40,)), DEVICE))
+    assert not fresh_single_sequence(make_args(Case(_spec(window=8), (40,)), DEVICE))
+    assert not fresh_single_sequence(make_args(Case(_spec(softcap=30.0), (40,)), DEVICE))
+    assert not fresh_single_sequence(make_args(Case(_spec(phase="decode", **paged), (1,), (0,)), DEVICE))
+    args = make_args(Case(_spec(**paged), (40,), (0,)), DEVICE)
+    assert not fresh_single_sequence(args._replace(k=None, v=None))  # a caller that passes the cache only
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)])
+@pytest.mark.parametrize("n", [2, 37, 300])
+def test_dense_equals_reference(dtype: torch.dtype, heads: tuple[int, int], n: int) -> None:
+    case = Case(_spec(dtype, heads, cache="kv/fp16" if dtype == torch.float16 else "kv/bf16", page_size=32),
+                (n,), (0,))
+    args = make_args(case, DEVICE, seed=n)
+    assert fresh_single_sequence(args)
+    ref = reference_attention(args).float()
+    out = dense_causal(args)
+    assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < tolerance(dtype), err
