@@ -13,7 +13,7 @@ def _run(args: argparse.Namespace) -> int:
                   shard_mib=args.shard_size, work_dir=args.work_dir, resume=args.resume, seed=args.seed,
                   text=args.cal_text, cal_random=args.cal_random, propagate=args.propagate,
                   refit_scales=args.refit_scales, refit_propagate=args.refit_propagate, tf32=args.tf32,
-                  sequential=args.sequential,
+                  sequential=args.sequential, refit_final=args.refit_final,
                   progress=not args.no_progress)
     return 0 if res.completed else 1
 
@@ -51,6 +51,10 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=False,
                    help="quantize a block's input groups in forward order, each from a Hessian captured with "
                         "the earlier groups already quantized (one extra calibration pass per group)")
+    p.add_argument("--refit-final", type=float, default=0.0, metavar="BETA",
+                   help="after quantizing, refit every stored fp16 scale for the final codes from the finished "
+                        "model's inputs, aiming at the error-propagated target of strength BETA 0..1 (three extra "
+                        "calibration passes; format unchanged; default 0 = off)")
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                    help="on CUDA, TF32 tensor cores for the fp32 calibration matmuls (default on; --no-tf32 for "
                         "exact fp32)")

@@ -85,6 +85,7 @@ class ConvertArgs:
     refit_propagate: float = 0.0  # β: the refit aims at W + β·(W* − W), the output metric with quantized inputs
     tf32: bool = True  # CUDA: fp32 matmuls of the calibration forwards and Hessians on TF32 tensor cores
     sequential: bool = False  # re-capture each input group of a block after the groups before it are quantized
+    refit_final: float = 0.0  # β of the post-pass scale refit from the finished model (0: off; convert/postpass.py)
 
     def validate(self) -> None:
         if not 1.0 <= self.bpw <= 8.0:
@@ -105,6 +106,8 @@ class ConvertArgs:
             raise ValueError(f"--refit-propagate {self.refit_propagate}: the strength must be in [0, 1]")
         if self.refit_propagate > 0 and not self.refit_scales:
             raise ValueError(f"--refit-propagate {self.refit_propagate} only applies with --refit-scales")
+        if not 0.0 <= self.refit_final <= 1.0:
+            raise ValueError(f"--refit-final {self.refit_final}: the strength must be in [0, 1] (0: off)")
         if self.shard_mib < 1:
             raise ValueError(f"--shard-size {self.shard_mib}: must be at least 1 MiB")
 
@@ -576,6 +579,21 @@ class Converter:
             if stop:
                 raise StopAfterModule
 
+    def _refit_final(self, files: list[Path]) -> list[Path]:
+        from exl3_core.convert.postpass import final_refit
+
+        self.x_fp = None  # the stage loop's states are done with; the post-pass keeps its own two sets
+        ids = self.work.load_calibration()
+        assert ids is not None  # run() checked it
+        t0 = time.monotonic()
+        with _tf32(self.args.tf32 and self.device.type == "cuda"):
+            files, recs = final_refit(self.model, self.stages, self.slots, files, ids, self.args.refit_final,
+                                      self.device, chunks=_chunks(*ids.shape), work_path=self.work.path,
+                                      home=self._home, report=self.report)
+        kept = sum(r.accepted for r in recs)
+        self.report(f"refit-final: {kept} of {len(recs)} tensors' scales refit ({time.monotonic() - t0:.1f} s)")
+        return files
+
     def _finish(self, job: Job, t_start: float) -> ConvertResult:
         a = self.args
         items = []  # the budgeted ("bits") tensors; the head is reported separately (spec 1.7)
@@ -592,6 +610,8 @@ class Converter:
                                  cal_rows=a.cal_rows, cal_cols=a.cal_cols, out_scales=a.out_scales,
                                  codebook=a.codebook)
         files = [self.work.stage_file(st.index) for st in self.stages]
+        if a.refit_final > 0:  # post-pass: refit every scale from the finished model (reruns whole on resume)
+            files = self._refit_final(files)
         storage = [[(leaf, names) for leaf, names in st_info["storage"]] for st_info in job.stages]
         write_output(self.out_dir, self.in_dir, files, storage, qc, a.shard_mib)
         self.source.close()
@@ -608,6 +628,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
             shard_mib: int = 8192, work_dir: str | Path | None = None, resume: bool = False, seed: int = 0,
             text: str | Path | None = None, cal_random: float = RANDOM_FRACTION, propagate: float | None = None,
             refit_scales: bool = False, refit_propagate: float = 0.0, tf32: bool = True, sequential: bool = False,
+            refit_final: float = 0.0,
             report: Report | None = None,
             progress: bool = True,
             on_quantized: Callable[[str, QuantizedLinear], None] | None = None,
@@ -634,6 +655,10 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
     :param sequential: quantize a block's input groups one at a time in forward order, each from a
         Hessian captured with the earlier groups already quantized (blocks with few groups, no error
         propagation); one extra calibration pass per group.
+    :param refit_final: β in [0, 1] (0: off): after every stage is quantized, refit all ``suh``/``svh``
+        once more for the fixed codes from the finished model's own inputs, aiming at the
+        error-propagated target of strength β (``convert/postpass.py``; three extra calibration passes
+        per stage, the unquantized model's states kept beside the quantized ones).
     :param report: receives the per-tensor and per-module report lines (default: stderr).
     :param on_quantized: called with ``(key, QuantizedLinear)`` for every tensor quantized in this run.
     :param _stop_after_module: testing hook, return (unfinished) after checkpointing that stage index.
@@ -645,6 +670,6 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
                        text=None if text is None else str(text), cal_random=cal_random,
                        propagate=default_strength(float(bpw)) if propagate is None else float(propagate),
                        refit_scales=bool(refit_scales), refit_propagate=float(refit_propagate), tf32=bool(tf32),
-                       sequential=bool(sequential))
+                       sequential=bool(sequential), refit_final=float(refit_final))
     conv = Converter(args, report=report, progress=progress, on_quantized=on_quantized)
     return conv.run(resume=resume, _stop_after_module=_stop_after_module)

@@ -31,7 +31,8 @@ JOB_FORMAT = 1
 #: arguments that change the quantized tensors; a resumed job must use the same values
 RESULT_ARGS = ("in_dir", "bpw", "head_bits", "codebook", "out_scales", "cal_rows", "cal_cols", "device", "seed",
                "text", "cal_random", "propagate", "refit_scales",
-               "refit_propagate", "tf32", "sequential")
+               "refit_propagate", "tf32", "sequential",
+               "refit_final")
 
 
 class ResumeError(ValueError):
