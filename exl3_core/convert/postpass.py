@@ -218,19 +218,22 @@ def _capture(model: Any, st: Stage, fslots: list[LinearSlot], qlins: dict[str, E
 
     qcap = HessianCapture(st.module, qslots, observer=observe)
     fp_outs: list[torch.Tensor] = []
+    where: torch.device | None = x_f.device if x_f.is_floating_point() else None
     for c in chunks:
         _swap(st, fslots, originals, dev)
         # a paused capture only for its MoE hook: every expert sees every token, as in the quantized pass
         with HessianCapture(st.module, fslots, paused=True), InputRecorder(fslots) as rec:
-            fp_outs.append(forward_stage(model, st, x_f[c].to(dev), ids[c].to(dev)).float())
+            y = forward_stage(model, st, x_f[c].to(dev), ids[c].to(dev)).float()
+        if where is None:  # token ids in: the states' home is chosen by their size
+            where = home(x_f.numel() * y.shape[-1] * y.element_size())
+        fp_outs.append(y.to(where))  # the chunk goes home at once: never a whole state set extra on the device
         partner = rec.inputs
         _swap(st, fslots, qlins, dev)
         with qcap:  # entered per chunk: its hooks must only ever see the quantized modules
             qcap.next_batch()
             forward_stage(model, st, x_q[c].to(dev), ids[c].to(dev))
         partner = {}
-    where = x_f.device if x_f.is_floating_point() else home(sum(y.nbytes for y in fp_outs))
-    fp_out = torch.cat([y.to(where) for y in fp_outs])
+    fp_out = torch.cat(fp_outs)
     by_key: dict[str, CrossAccumulator] = {}
     for s in qslots:  # every linear of a group shares its leader's sums
         leader = s.group or s.key
