@@ -29,6 +29,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1, help="sequences per call (no cache: the conversion's shape)")
     ap.add_argument("--split-only", action="store_true",
                     help="only compare the built-in launch with the unmasked-chunk loop forced on and off")
+    ap.add_argument("--dense", action="store_true",
+                    help="only compare the built-in Triton launch with the dense SDPA path (dense.py)")
     a = ap.parse_args()
     import exl3_attn_backends.triton_paged as tp
 
@@ -45,24 +47,32 @@ def main() -> None:
                                             for m, n, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3))]
     if a.split_only:
         configs = [{"split": 0}, {"split": 1}]
+    if a.dense:
+        from exl3_attn_backends.dense import dense_causal
+
+        configs = [{}, {"dense": 1}]
+
+    def attend(cfg: dict[str, int]) -> torch.Tensor:
+        return dense_causal(args) if cfg.get("dense") else tp.attention_single_pass(args)
+
     rows = []
     for cfg in configs:
         tp.PREFILL_TUNING.clear()
-        tp.PREFILL_TUNING.update(cfg)
+        tp.PREFILL_TUNING.update({k: v for k, v in cfg.items() if k != "dense"})
         try:
-            out = tp.attention_single_pass(args)
+            out = attend(cfg)
             err = ((out.float() - ref).norm() / ref.norm()).item()
             if not err < (2e-3 if dtype == torch.float16 else 1e-5):
                 rows.append((cfg, None, f"WRONG rel.err {err:.2e}"))
                 continue
             for _ in range(3):
-                tp.attention_single_pass(args)
+                attend(cfg)
             torch.cuda.synchronize()
             ts = []
             for _ in range(20):
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
-                tp.attention_single_pass(args)
+                attend(cfg)
                 e1.record()
                 e1.synchronize()
                 ts.append(e0.elapsed_time(e1) / 1e3)

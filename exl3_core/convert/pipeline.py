@@ -32,6 +32,7 @@ import torch
 from exl3_core.convert.calibration import RANDOM_FRACTION, calibration_ids
 from exl3_core.convert.capture import HessianCapture, LinearSlot, find_linears
 from exl3_core.convert.compile import quantization_config, write_output
+from exl3_core.convert.concurrent import run_on_streams
 from exl3_core.convert.propagation import CrossAccumulator, InputRecorder, default_strength, propagated_weight
 from exl3_core.convert.stages import (
     Stage,
@@ -338,6 +339,7 @@ class Converter:
         # the sign-pattern seed of a tensor: its place among the stage's quantized linears, so that
         # quantizing a stage's groups one call at a time (sequential) draws the same seeds
         ordinals = {x.key: i for i, x in enumerate(x for x in self.slots[st.index] if x.quantize)}
+        jobs: list[tuple[LinearSlot, Callable[[], tuple[QuantizedLinear, float]]]] = []
         for s in slots:
             if not s.quantize:
                 continue
@@ -356,16 +358,24 @@ class Converter:
                 if self.args.propagate > 0:
                     w = propagated_weight(w, sums[0], sums[1], self.args.propagate)
             b = getattr(s.module, "bias", None)
-            t0 = time.monotonic()
-            q = quantize_linear(w, hinfos.get(s.group or s.key), K=K, codebook=self.args.codebook,
-                                out_scales=self.args.out_scales, seed=self._seed(st) * 4096 + ordinals[s.key],
-                                bias=None if b is None else b.detach(), in_features=s.in_features,
-                                out_features=s.out_features, name=s.key, refit_scales=self.args.refit_scales,
-                                refit_target=aim)
+            kw = dict(K=K, codebook=self.args.codebook, out_scales=self.args.out_scales,
+                      seed=self._seed(st) * 4096 + ordinals[s.key], bias=None if b is None else b.detach(),
+                      in_features=s.in_features, out_features=s.out_features, name=s.key,
+                      refit_scales=self.args.refit_scales, refit_target=aim)
+
+            def job(w: torch.Tensor = w, h: HessianInfo | None = hinfos.get(s.group or s.key),
+                    kw: dict[str, Any] = kw) -> tuple[QuantizedLinear, float]:
+                t0 = time.monotonic()
+                return quantize_linear(w, h, **kw), time.monotonic() - t0
+
+            jobs.append((s, job))
+        # on a GPU the stage's linears are quantized side by side (bit-identical: concurrent.py)
+        results = run_on_streams([j for _, j in jobs], self.device)
+        for (s, _), (q, secs) in zip(jobs, results, strict=True):
             out[s.key] = q
             if self.on_quantized is not None:
                 self.on_quantized(s.key, q)
-            self.report(f"    {s.key:<52} {q.summary()}  {time.monotonic() - t0:5.1f} s")
+            self.report(f"    {s.key:<52} {q.summary()}  {secs:5.1f} s")
             if bar is not None:
                 bar.advance(1, s.key)
         return out
