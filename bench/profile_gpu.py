@@ -55,7 +55,48 @@ def profile_prefill(shape_name: str, tokens: int, out: Path | None, device: str 
         _sync(model.device)
     table = prof.key_averages().table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=30, max_name_column_width=90)
     head = f"prefill {shape_name} {tokens} tokens: {r['tok_s']:.0f} tok/s ({r['seconds'] * 1e3:.2f} ms per forward); 3 forwards profiled\n"
+    if cuda:
+        head += _host_vs_device(model, cache, meta, out)
     _emit(head + table, out, f"profile_prefill_{shape_name}.txt")
+
+
+def _host_vs_device(model: object, cache: object, meta: object, out: Path | None) -> str:
+    """Why a forward's wall time exceeds its kernels' sum: host enqueue time vs device time, the
+    synchronising calls made during one forward (torch's sync debug mode), and a Chrome trace."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fwd = model.forward_batch  # type: ignore[attr-defined]
+    _sync(torch.device("cuda"))
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t = time.perf_counter()
+    e0.record()
+    fwd(meta, cache)
+    enqueue = time.perf_counter() - t
+    e1.record()
+    e1.synchronize()
+    lines = [f"host enqueue of one forward {enqueue * 1e3:.2f} ms; device (events) {e0.elapsed_time(e1):.2f} ms\n"]
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fwd(meta, cache)
+            _sync(torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    sites: dict[str, int] = {}
+    for w in caught:
+        key = f"{w.filename}:{w.lineno}: {str(w.message)[:90]}"
+        sites[key] = sites.get(key, 0) + 1
+    lines.append(f"synchronising calls during one forward: {len(caught)}\n")
+    lines += [f"  {n:4d} x {k}\n" for k, n in sorted(sites.items(), key=lambda kv: -kv[1])[:12]]
+    if out is not None:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+            fwd(meta, cache)
+            _sync(torch.device("cuda"))
+        prof.export_chrome_trace(str(out / "prefill_trace.json"))
+    return "".join(lines)
 
 
 def profile_host(shape_name: str, tokens: int, out: Path | None, device: str = "cuda") -> None:
