@@ -15,7 +15,7 @@ cat > "$OUT/rf.cu" <<'CU'
 #include "exl3/exl3_recon_full.cuh"
 namespace exl3 {
 #define RF_INST(CB) template cudaError_t dispatch_recon_full<CB>(int, const uint32_t*, const __half*, const __half*, \
-                                                                  __half*, int, int, cudaStream_t);
+                                                                  __half*, int, int, long, cudaStream_t);
 RF_INST(0) RF_INST(1) RF_INST(2)
 }
 CU

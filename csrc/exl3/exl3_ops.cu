@@ -21,10 +21,10 @@ int launch_fused(int cb, int K, const FusedArgs& a, cudaStream_t st) {
     return launch_fused_cb2(K, a, st);
 }
 cudaError_t launch_recon_full(int cb, int K, const uint32_t* trellis, const __half* suh, const __half* svh, __half* out,
-                              int k_tiles, int n_tiles, cudaStream_t st) {
-    if (cb == 0) return launch_recon_full_cb0(K, trellis, suh, svh, out, k_tiles, n_tiles, st);
-    if (cb == 1) return launch_recon_full_cb1(K, trellis, suh, svh, out, k_tiles, n_tiles, st);
-    return launch_recon_full_cb2(K, trellis, suh, svh, out, k_tiles, n_tiles, st);
+                              int k_tiles, int n_tiles, long ldo, cudaStream_t st) {
+    if (cb == 0) return launch_recon_full_cb0(K, trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+    if (cb == 1) return launch_recon_full_cb1(K, trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+    return launch_recon_full_cb2(K, trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
 }
 }  // namespace exl3
 
@@ -76,6 +76,36 @@ Tensor aligned16(const Tensor& t) {
 
 // W = diag(suh) · BD_k · Ŵ · BD_n · diag(svh) as fp16 [k, n] (spec 4.2; exl3_recon_full.cuh). suh/svh
 // are used as fp16 (their storage type); the rest is fp32 with one final rounding to fp16.
+// Writes W into `out`: fp16 [k, n] with unit column stride and a row stride that is a multiple of 8
+// (a column block of a wider matrix: q/k/v or gate/up side by side for one prefill GEMM).
+void reconstruct_full_into(const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t K, int64_t codebook,
+                           Tensor out) {
+    const char* op = "exl3::reconstruct_full_into";
+    const int k = check_trellis(trellis, K, codebook, op);
+    const int kt = (int)trellis.size(0), nt = (int)trellis.size(1);
+    TORCH_CHECK(kt % 8 == 0 && nt % 8 == 0, op, ": k = ", kt * 16L, " and n = ", nt * 16L,
+                " must be multiples of 128 (EXL3 pads to 128)");
+    TORCH_CHECK(suh.is_cuda() && svh.is_cuda() && suh.device() == trellis.device() && svh.device() == trellis.device() &&
+                    suh.numel() == kt * 16L && svh.numel() == nt * 16L,
+                op, ": suh/svh must be vectors of ", kt * 16L, "/", nt * 16L, " elements on the trellis' device, got ",
+                suh.numel(), "/", svh.numel());
+    TORCH_CHECK(out.is_cuda() && out.device() == trellis.device() && out.scalar_type() == at::kHalf && out.dim() == 2 &&
+                    out.size(0) == kt * 16L && out.size(1) == nt * 16L && out.stride(1) == 1 &&
+                    out.stride(0) % 8 == 0 && out.stride(0) <= INT32_MAX &&
+                    reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+                op, ": out must be a CUDA fp16 [", kt * 16L, ", ", nt * 16L, "] view with unit column stride, a row "
+                "stride that is a multiple of 8 and a 16-byte aligned start; got ", out.scalar_type(), " ", out.sizes(),
+                " strides ", out.strides());
+    c10::cuda::CUDAGuard guard(trellis.device());
+    Tensor su = suh.to(at::kHalf).contiguous(), sv = aligned16(svh.to(at::kHalf).contiguous());
+    if (out.numel() == 0) return;
+    C10_CUDA_CHECK(exl3::launch_recon_full((int)codebook, k, reinterpret_cast<const uint32_t*>(trellis.data_ptr()),
+                                           reinterpret_cast<const __half*>(su.data_ptr()),
+                                           reinterpret_cast<const __half*>(sv.data_ptr()),
+                                           reinterpret_cast<__half*>(out.data_ptr()), kt, nt, out.stride(0),
+                                           at::cuda::getCurrentCUDAStream()));
+}
+
 Tensor reconstruct_full(const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t K, int64_t codebook) {
     const char* op = "exl3::reconstruct_full";
     const int k = check_trellis(trellis, K, codebook, op);
@@ -93,7 +123,7 @@ Tensor reconstruct_full(const Tensor& trellis, const Tensor& suh, const Tensor& 
     C10_CUDA_CHECK(exl3::launch_recon_full((int)codebook, k, reinterpret_cast<const uint32_t*>(trellis.data_ptr()),
                                            reinterpret_cast<const __half*>(su.data_ptr()),
                                            reinterpret_cast<const __half*>(sv.data_ptr()),
-                                           reinterpret_cast<__half*>(out.data_ptr()), kt, nt,
+                                           reinterpret_cast<__half*>(out.data_ptr()), kt, nt, nt * 16L,
                                            at::cuda::getCurrentCUDAStream()));
     return out;
 }
@@ -372,6 +402,7 @@ Tensor decode_bench(const Tensor& trellis, int64_t K, int64_t codebook, int64_t 
 TORCH_LIBRARY_FRAGMENT(exl3, m) {
     m.def("reconstruct(Tensor trellis, int K, int codebook) -> Tensor");
     m.def("reconstruct_full(Tensor trellis, Tensor suh, Tensor svh, int K, int codebook) -> Tensor");
+    m.def("reconstruct_full_into(Tensor trellis, Tensor suh, Tensor svh, int K, int codebook, Tensor(a!) out) -> ()");
     m.def("exl3_gemm(Tensor x, Tensor trellis, Tensor suh, Tensor svh, int codebook) -> Tensor");
     m.def("exl3_gemm_xh(Tensor xh, Tensor trellis, int K, int codebook, int kt_per_warp=0) -> Tensor");
     m.def("had128(Tensor x, Tensor? pre_scale=None, Tensor? post_scale=None, bool out_fp16=True) -> Tensor");
@@ -385,6 +416,7 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
 TORCH_LIBRARY_IMPL(exl3, CUDA, m) {
     m.impl("reconstruct", &reconstruct);
     m.impl("reconstruct_full", &reconstruct_full);
+    m.impl("reconstruct_full_into", &reconstruct_full_into);
     m.impl("exl3_gemm", &gemm);
     m.impl("exl3_gemm_xh", &gemm_xh);
     m.impl("had128", &had128);

@@ -49,11 +49,12 @@ __device__ __forceinline__ void rf_wht128(float (&v)[128]) {
     }
 }
 
-// grid (n/128, k/128); out row-major [k, n] fp16; suh [k], svh [n] fp16 (svh 16-byte aligned)
+// grid (n/128, k/128); out row-major [k, n] fp16 with row stride ldo (a multiple of 8: the stores are
+// 16-byte; ldo > n writes a column block of a wider matrix); suh [k], svh [n] fp16 (svh 16-byte aligned)
 template <int K, int CB>
 __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
     recon_full_kernel(const uint32_t* __restrict__ trellis, const __half* __restrict__ suh,
-                      const __half* __restrict__ svh, __half* __restrict__ out, int n_tiles) {
+                      const __half* __restrict__ svh, __half* __restrict__ out, int n_tiles, int ldo) {
     extern __shared__ __align__(16) float rf_smem[];
     using W = LaneWindow<K>;
     const int lane = threadIdx.x & 31;
@@ -128,7 +129,6 @@ __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
 
     // ---- scale and store: (v * suh/128) * svh, as the fp32 reference's (w * suh) * svh (1/128 exact),
     // rounded once to fp16; 16-byte stores of 8 contiguous columns
-    const long ndim = (long)n_tiles * 16;
     const long row0 = (long)kblk * 128 + rowbase;
     const long col0 = (long)nblk * 128 + colbase;
     float su[4];
@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
                 const float y1 = (v[e + 1] * su[rr]) * sv[2 * i + 1];
                 o[i] = h2_bits(__floats2half2_rn(y0, y1));
             }
-            rf_st16(out + (row0 + 2 * rr) * ndim + col0 + 32 * j, o);
+            rf_st16(out + (row0 + 2 * rr) * (long)ldo + col0 + 32 * j, o);
         }
     }
 }
@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
 // k_tiles and n_tiles multiples of 8 (dims multiples of 128); returns the launch error, if any
 template <int K, int CB>
 cudaError_t launch_recon_full_t(const uint32_t* trellis, const __half* suh, const __half* svh, __half* out,
-                                int k_tiles, int n_tiles, cudaStream_t st) {
+                                int k_tiles, int n_tiles, long ldo, cudaStream_t st) {
     auto kern = recon_full_kernel<K, CB>;
     // > 48 KB of dynamic shared memory needs an opt-in per function and device (host-side, legal
     // during graph capture); done once per device for this instantiation
@@ -178,22 +178,22 @@ cudaError_t launch_recon_full_t(const uint32_t* trellis, const __half* suh, cons
         ready |= bit;
     }
     dim3 grid((unsigned)(n_tiles / 8), (unsigned)(k_tiles / 8));
-    kern<<<grid, RF_THREADS, RF_SMEM, st>>>(trellis, suh, svh, out, n_tiles);
+    kern<<<grid, RF_THREADS, RF_SMEM, st>>>(trellis, suh, svh, out, n_tiles, (int)ldo);
     return cudaGetLastError();
 }
 
 template <int CB>
 cudaError_t dispatch_recon_full(int K, const uint32_t* trellis, const __half* suh, const __half* svh, __half* out,
-                                int k_tiles, int n_tiles, cudaStream_t st) {
+                                int k_tiles, int n_tiles, long ldo, cudaStream_t st) {
     switch (K) {
-        case 1: return launch_recon_full_t<1, CB>(trellis, suh, svh, out, k_tiles, n_tiles, st);
-        case 2: return launch_recon_full_t<2, CB>(trellis, suh, svh, out, k_tiles, n_tiles, st);
-        case 3: return launch_recon_full_t<3, CB>(trellis, suh, svh, out, k_tiles, n_tiles, st);
-        case 4: return launch_recon_full_t<4, CB>(trellis, suh, svh, out, k_tiles, n_tiles, st);
-        case 5: return launch_recon_full_t<5, CB>(trellis, suh, svh, out, k_tiles, n_tiles, st);
-        case 6: return launch_recon_full_t<6, CB>(trellis, suh, svh, out, k_tiles, n_tiles, st);
-        case 7: return launch_recon_full_t<7, CB>(trellis, suh, svh, out, k_tiles, n_tiles, st);
-        case 8: return launch_recon_full_t<8, CB>(trellis, suh, svh, out, k_tiles, n_tiles, st);
+        case 1: return launch_recon_full_t<1, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+        case 2: return launch_recon_full_t<2, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+        case 3: return launch_recon_full_t<3, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+        case 4: return launch_recon_full_t<4, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+        case 5: return launch_recon_full_t<5, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+        case 6: return launch_recon_full_t<6, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+        case 7: return launch_recon_full_t<7, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+        case 8: return launch_recon_full_t<8, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
         default: return cudaErrorInvalidValue;
     }
 }

@@ -143,3 +143,44 @@ def test_wrapper_rejects_bad_arguments(exl3_ops) -> None:
         f(trellis, suh.cpu(), svh, 3, CB_MUL1)
     with pytest.raises(ValueError, match="int16"):
         f(trellis.to(torch.int32), suh, svh, 3, CB_MUL1)
+
+
+@pytest.mark.parametrize("cb", CBS)
+@pytest.mark.parametrize("K", [2, 4, 6])
+def test_into_a_column_block_is_bit_identical(exl3_ops, K: int, cb: int) -> None:
+    """reconstruct_full_into writes exactly reconstruct_full's W into a strided column block and
+    nothing outside it."""
+    k, n, left, right = 512, 384, 256, 128
+    trellis, (suh, svh) = rand_trellis(k, n, K).to(DEV), rand_scales(k, n)
+    suh, svh = suh.to(DEV), svh.to(DEV)
+    want = exl3_ops.reconstruct_full(trellis, suh, svh, K, cb)
+    wide = torch.full((k, left + n + right), float("nan"), dtype=torch.float16, device=DEV)
+    cuda_ops.reconstruct_full_into_cuda(trellis, suh, svh, K, cb, wide[:, left:left + n])
+    assert torch.equal(wide[:, left:left + n], want)
+    assert wide[:, :left].isnan().all() and wide[:, left + n:].isnan().all()
+    with pytest.raises(ValueError, match="row stride"):
+        cuda_ops.reconstruct_full_into_cuda(trellis, suh, svh, K, cb, wide[:, 4:4 + n])  # misaligned start
+    with pytest.raises(ValueError, match="fp16"):
+        cuda_ops.reconstruct_full_into_cuda(trellis, suh, svh, K, cb, wide[:, :n - 128])
+
+
+def test_project_group_big_m_is_one_gemm_and_matches_the_layers(exl3_ops) -> None:
+    """From 65 rows, linears sharing x (q/k/v, gate/up; K and codebook may differ) are rebuilt side
+    by side and multiplied by one GEMM; outputs equal each layer's own exl3_gemm forward."""
+    from exl3_core.quant.exl3.linear import GROUP_GEMM_MIN_ROWS, EXL3Linear, project_group
+
+    def layer(k_true: int, n_true: int, K: int, cb: int, bias: bool) -> EXL3Linear:
+        k, n = -(-k_true // 128) * 128, -(-n_true // 128) * 128
+        suh, svh = rand_scales(k, n)
+        b = torch.randn(n_true, device=DEV).half() if bias else None
+        return EXL3Linear(rand_trellis(k, n, K).to(DEV), suh.to(DEV), svh.to(DEV), cb, k_true, n_true, bias=b)
+
+    qkv = (layer(576, 576, 4, CB_MUL1, True), layer(576, 192, 3, CB_MCG, False), layer(576, 192, 4, CB_MUL1, True))
+    for m in (GROUP_GEMM_MIN_ROWS, 300):
+        for dtype in (torch.float16, torch.bfloat16):
+            x = torch.randn(m, 576, device=DEV).to(dtype)
+            got = project_group(x, qkv)
+            for i, (g, lay) in enumerate(zip(got, qkv)):
+                want = lay(x)
+                assert g.dtype == dtype and g.shape == want.shape == (m, lay.out_features)
+                assert rel_err(g, want) < 2e-3, f"m={m} {dtype} output {i}"

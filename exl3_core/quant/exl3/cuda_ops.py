@@ -6,6 +6,7 @@ The compiled ops live under ``torch.ops.exl3`` when ``exl3_core._C`` was built w
 * ``reconstruct_full(trellis, suh, svh, K, codebook) -> fp16 W [k, n]``: the weight in the original
   basis, ``diag(suh)·BD_k·Ŵ·BD_n·diag(svh)`` (spec 4.2), fp32 inside, rounded once; ``exl3_gemm``
   multiplies by it with one cuBLAS GEMM for m > 64
+* ``reconstruct_full_into(trellis, suh, svh, K, codebook, out)``: the same into a strided fp16 view
 * ``exl3_gemm(x fp16 [m, k], trellis, suh, svh, codebook) -> fp16 [m, n]`` (spec 4.3, the
   ``linear.exl3_matmul`` seam): Hadamard-in, on-the-fly-decode GEMM, Hadamard-out
 * ``exl3_gemm_xh(xh fp16 [m, k], trellis, K, codebook, kt_per_warp=0) -> fp32 [m, n]`` (z = xh @ Ŵ)
@@ -84,6 +85,34 @@ def reconstruct_full_cuda(
     from exl3_core.quant.exl3.quantize import dequantize_padded  # heavy module, needed only here
 
     return dequantize_padded(trellis, suh, svh, K, codebook).to(torch.float16)
+
+
+def reconstruct_full_into_cuda(
+    trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, K: int | None, codebook: int, out: torch.Tensor
+) -> None:
+    """:func:`reconstruct_full_cuda` written into ``out``: an fp16 ``[k, n]`` view with unit column
+    stride, e.g. a column block of a wider matrix (linears that share an input, side by side, for
+    one GEMM). On CUDA the row stride must be a multiple of 8 and the view 16-byte aligned."""
+    what = "reconstruct_full_into_cuda"
+    k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float16 or tuple(out.shape) != (k, n):
+        got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"{what}: out must be an fp16 [{k}, {n}] tensor for this trellis, got {got}")
+    if out.device != trellis.device:
+        raise ValueError(f"{what}: out is on {out.device}, the trellis on {trellis.device}; move them together")
+    if _compiled("reconstruct_full_into", trellis, suh, svh):
+        if out.stride(1) != 1 or out.stride(0) % 8 or out.data_ptr() % 16 or out.stride(0) >= 2**31:
+            raise ValueError(f"{what}: out needs a unit column stride, a row stride that is a multiple of 8 "
+                             f"(got strides {out.stride()}) and a 16-byte aligned start")
+        K = _check(trellis, K, codebook, what)
+        for name, sc, size in (("suh", suh, k), ("svh", svh, n)):
+            if sc.dim() != 1 or sc.numel() != size or sc.device != trellis.device:
+                raise ValueError(f"{what}: {name} must be a vector of {size} elements on {trellis.device}")
+        if k % 128 or n % 128:
+            raise ValueError(f"{what}: trellis {tuple(trellis.shape)} gives k={k}, n={n}; both must be multiples of 128")
+        ext.op("reconstruct_full_into")(trellis.contiguous(), suh, svh, K, codebook, out)
+        return
+    out.copy_(reconstruct_full_cuda(trellis, suh, svh, K, codebook))
 
 
 def had128_cuda(

@@ -14,6 +14,7 @@ from exl3_core import ext
 from exl3_core.quant.exl3 import codebook as _cb
 from exl3_core.quant.exl3.dequant import apply_scales_and_rotations, codebook_from_markers
 from exl3_core.quant.exl3.hadamard import EXL3_BLOCK, had_blockwise
+from exl3_core.quant.exl3.cuda_ops import reconstruct_full_into_cuda
 from exl3_core.quant.exl3.trellis import MAX_K, decode_inner
 
 PAD = EXL3_BLOCK  # quantized in/out features are zero-padded to multiples of 128 (spec 1.4)
@@ -249,23 +250,59 @@ def _groupable(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> bool:
                and m.in_features == first.in_features and m.trellis.device == x.device for m in layers)
 
 
+#: rows from which exl3_gemm multiplies by W rebuilt in the original basis (csrc FULL_MIN_M); from
+#: there, linears that share x are rebuilt side by side into one W and multiplied by one GEMM
+GROUP_GEMM_MIN_ROWS = 65
+
+
+def _group_gemm_ok(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> bool:
+    if not (x.is_cuda and len(layers) >= 2 and ext.has_op("reconstruct_full_into")):
+        return False
+    first = layers[0]
+    if not isinstance(first, EXL3Linear) or x.numel() // max(x.shape[-1], 1) < GROUP_GEMM_MIN_ROWS:
+        return False
+    return all(isinstance(m, EXL3Linear) and m.padded_in_features == first.padded_in_features
+               and m.padded_in_features % 128 == 0 and m.trellis.shape[1] % 8 == 0 and m.trellis.device == x.device
+               for m in layers)
+
+
+def group_gemm(x2: torch.Tensor, lins: list[EXL3Linear]) -> list[torch.Tensor]:
+    """``[x2 @ W_i]`` (padded output widths, fp16, no bias) for linears sharing ``x2 [m, k_pad]``: every
+    W_i rebuilt into its column block of one ``[k, Σ n_i]`` matrix, then one GEMM. At prefill sizes
+    this is one cuBLAS call instead of 2-3 (each costs tens of us of host time, and k/v alone are
+    narrow), and the outputs are column views of one result."""
+    widths = [m.trellis.shape[1] * 16 for m in lins]
+    w = torch.empty((x2.shape[-1], sum(widths)), dtype=torch.float16, device=x2.device)
+    off = 0
+    for m, n in zip(lins, widths, strict=True):
+        reconstruct_full_into_cuda(m.trellis, m.suh, m.svh, m.K, m.codebook, w[:, off:off + n])
+        off += n
+    y = x2.to(torch.float16) @ w
+    return list(y.split(widths, dim=1))
+
+
 def project_group(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> list[torch.Tensor]:
     """``[layer(x) for layer in layers]``; one kernel launch for 2-3 EXL3 linears sharing ``x``.
 
     q/k/v and gate/up read the same input; at decode sizes a launch per linear costs more than the
     small ones' work (measured: q/k/v of the 8B shape 25.4 us as three launches, 14.7 us as one).
-    Falls back to separate calls whenever the layers cannot share a launch (other linear types, K
-    or codebook differ, CPU, many rows).
+    From 65 rows (prefill) EXL3 linears sharing x are rebuilt side by side and multiplied by one
+    GEMM (:func:`group_gemm`; K and codebook may differ). Falls back to separate calls whenever the
+    layers cannot share a launch (other linear types, K or codebook differ at decode sizes, CPU).
     """
-    if not _groupable(x, layers):
+    big = _group_gemm_ok(x, layers)
+    if not big and not _groupable(x, layers):
         return [m(x) for m in layers]
     lins: list[EXL3Linear] = list(layers)  # type: ignore[arg-type]
     first = lins[0]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[-1] < first.padded_in_features:
         x2 = torch.nn.functional.pad(x2, (0, first.padded_in_features - x2.shape[-1]))
-    ys = ext.op("exl3_linear_group")(x2.to(torch.float16).contiguous(), [m.trellis for m in lins],
-                                     [m.suh for m in lins], [m.svh for m in lins], first.codebook, 0)
+    if big:
+        ys = group_gemm(x2, lins)
+    else:
+        ys = ext.op("exl3_linear_group")(x2.to(torch.float16).contiguous(), [m.trellis for m in lins],
+                                         [m.suh for m in lins], [m.svh for m in lins], first.codebook, 0)
     out = []
     for m, y in zip(lins, ys):
         if m.bias is not None:
