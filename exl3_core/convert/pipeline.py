@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -307,7 +307,8 @@ class Converter:
                 state = "a finished" if job.done >= len(self.stages) else "an unfinished"
                 raise ResumeError(f"the work directory {self.work.path} holds {state} conversion; pass --resume "
                                   f"to continue (or rewrite) it, or delete it (or choose another with -w) to start over")
-            self.work.check_resume(job, job_args, source)
+            defaults = {f.name: f.default for f in fields(ConvertArgs) if f.default is not MISSING}
+            self.work.check_resume(job, job_args, source, defaults)
             self.report(f"resuming {self.work.path}: {job.done} of {len(self.stages)} modules done")
             return job
         probe_groups(self.model, self.stages, self.slots, self.vocab)

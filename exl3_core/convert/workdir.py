@@ -89,10 +89,14 @@ class WorkDir:
         self.path.mkdir(parents=True, exist_ok=True)
         write_json_atomic(job.to_json(), self.job_file, indent=1)
 
-    def check_resume(self, job: Job, args: dict[str, Any], source: dict[str, int]) -> None:
-        """Raise :class:`ResumeError` naming every argument that differs from the interrupted run."""
-        diffs = [f"{k}: was {job.args.get(k)!r}, now {args.get(k)!r}" for k in RESULT_ARGS
-                 if job.args.get(k) != args.get(k)]
+    def check_resume(self, job: Job, args: dict[str, Any], source: dict[str, int],
+                     defaults: dict[str, Any] | None = None) -> None:
+        """Raise :class:`ResumeError` naming every argument that differs from the interrupted run.
+
+        An argument the interrupted run's ``job.json`` does not record (an option added since) counts
+        as its ``defaults`` value, which is what that run used."""
+        was = {k: job.args[k] if k in job.args else (defaults or {}).get(k) for k in RESULT_ARGS}
+        diffs = [f"{k}: was {was[k]!r}, now {args.get(k)!r}" for k in RESULT_ARGS if was[k] != args.get(k)]
         if diffs:
             raise ResumeError(f"cannot resume the conversion in {self.path} with different arguments ("
                               + "; ".join(diffs) + "). Rerun with the original arguments, or without --resume and "

@@ -68,3 +68,17 @@ def test_a_failed_write_is_raised_by_wait_and_keeps_the_old_commit(tmp_path: Pat
     assert saved["done"] == 1 and saved["states"] == "states-0000.safetensors"
     assert torch.equal(work.load_states(saved["states"]), torch.zeros(2, 2))
     c.wait()  # the error is reported once
+
+
+def test_resume_check_reads_options_missing_from_an_older_job_as_their_defaults(tmp_path: Path) -> None:
+    from exl3_core.convert.workdir import RESULT_ARGS, ResumeError
+
+    work = WorkDir(tmp_path)
+    now = {k: None for k in RESULT_ARGS} | {"bpw": 4.0, "refit_final": 0.0}
+    old = {k: v for k, v in now.items() if k != "refit_final"}  # written before the option existed
+    job = Job(args=old, source={"a": 1})
+    work.check_resume(job, now, {"a": 1}, defaults={"refit_final": 0.0})
+    with pytest.raises(ResumeError, match="refit_final: was 0.0, now 0.5"):
+        work.check_resume(job, now | {"refit_final": 0.5}, {"a": 1}, defaults={"refit_final": 0.0})
+    with pytest.raises(ResumeError, match="bpw: was 4.0, now 3.0"):
+        work.check_resume(job, now | {"bpw": 3.0}, {"a": 1}, defaults={"refit_final": 0.0})
