@@ -69,6 +69,8 @@ def main() -> None:
     ap.add_argument("--verbose", action="store_true", help="print every report line (per-tensor times)")
     ap.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                     help="TF32 calibration matmuls (the converter's default on CUDA); --no-tf32 for exact fp32")
+    ap.add_argument("--refit-final", type=float, default=None,
+                    help="the converter's --refit-final β (post-pass scale refit; default: the converter's)")
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler over the embedding stage and the first block only (kernels and host ops)")
     a = ap.parse_args()
@@ -98,8 +100,9 @@ def main() -> None:
         print(avg.table(sort_by="device_time_total", row_limit=25, max_name_column_width=70))
         print(avg.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
         return
+    extra = {} if a.refit_final is None else {"refit_final": a.refit_final}
     convert(src, out, a.bpw, device=a.device, cal_rows=a.cal_rows, cal_cols=a.cal_cols, progress=False,
-            report=report, cal_random=1.0, tf32=a.tf32)
+            report=report, cal_random=1.0, tf32=a.tf32, **extra)
     total = time.monotonic() - t0
     mod = [(ln, t) for ln, t in stamps if re.match(r"\[\d+/\d+\]", ln)]
     blocks = [t1 - t0_ for (l0, t0_), (l1, t1) in zip(mod, mod[1:]) if "layers." in l1]
