@@ -184,3 +184,25 @@ def test_project_group_big_m_is_one_gemm_and_matches_the_layers(exl3_ops) -> Non
                 want = lay(x)
                 assert g.dtype == dtype and g.shape == want.shape == (m, lay.out_features)
                 assert rel_err(g, want) < 2e-3, f"m={m} {dtype} output {i}"
+
+
+def test_project_group_calls_hooked_layers_one_by_one(exl3_ops) -> None:
+    """Forward hooks (the converter's input capture) must see every layer's input: with a hook on
+    any layer, project_group calls each layer instead of one grouped launch, at any row count."""
+    from exl3_core.quant.exl3.linear import EXL3Linear, project_group
+
+    lays = []
+    for n in (256, 128):
+        suh, svh = rand_scales(256, n)
+        lays.append(EXL3Linear(rand_trellis(256, n, 4).to(DEV), suh.to(DEV), svh.to(DEV), CB_MUL1, 256, n))
+    seen: list[int] = []
+    h = lays[1].register_forward_pre_hook(lambda mod, inp: seen.append(inp[0].shape[0]))
+    try:
+        for m in (1, 300):
+            x = torch.randn(m, 256, device=DEV).half()
+            seen.clear()
+            got = project_group(x, tuple(lays))
+            assert seen == [m]  # the hooked layer's own forward ran, once
+            assert all(rel_err(g, lay(x)) < 2e-3 for g, lay in zip(got, lays))
+    finally:
+        h.remove()

@@ -241,7 +241,7 @@ FUSED_GROUP_MAX_ROWS = 4
 
 
 def _groupable(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> bool:
-    if not (x.is_cuda and 2 <= len(layers) <= 3 and ext.has_op("exl3_linear_group")):
+    if not (x.is_cuda and 2 <= len(layers) <= 3 and ext.has_op("exl3_linear_group")) or _hooked(layers):
         return False
     first = layers[0]
     if not isinstance(first, EXL3Linear) or x.numel() // max(x.shape[-1], 1) > FUSED_GROUP_MAX_ROWS:
@@ -255,8 +255,14 @@ def _groupable(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> bool:
 GROUP_GEMM_MIN_ROWS = 65
 
 
+def _hooked(layers: tuple[torch.nn.Module, ...]) -> bool:
+    """A grouped launch never calls the layers' own forward, so their hooks (the converter's input
+    capture) would see nothing: layers with hooks are called one by one."""
+    return any(m._forward_pre_hooks or m._forward_hooks for m in layers)
+
+
 def _group_gemm_ok(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> bool:
-    if not (x.is_cuda and len(layers) >= 2 and ext.has_op("reconstruct_full_into")):
+    if not (x.is_cuda and len(layers) >= 2 and ext.has_op("reconstruct_full_into")) or _hooked(layers):
         return False
     first = layers[0]
     if not isinstance(first, EXL3Linear) or x.numel() // max(x.shape[-1], 1) < GROUP_GEMM_MIN_ROWS:
