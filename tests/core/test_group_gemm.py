@@ -39,3 +39,19 @@ def test_into_rejects_a_wrong_view() -> None:
     out = torch.full((128, 512), float("nan")).half()
     reconstruct_full_into_cuda(lay.trellis, lay.suh, lay.svh, 2, CB_MUL1, out[:, 128:384])
     assert not out[:, 128:384].isnan().any() and out[:, :128].isnan().all() and out[:, 384:].isnan().all()
+
+
+def test_layers_with_hooks_are_never_grouped() -> None:
+    """The converter's input capture hooks the linears: a grouped launch would bypass them."""
+    from exl3_core.quant.exl3.linear import _hooked
+
+    g = torch.Generator().manual_seed(5)
+    lays = (_layer(g, 128, 128, 2, CB_MUL1), _layer(g, 128, 256, 2, CB_MUL1))
+    assert not _hooked(lays)
+    h = lays[1].register_forward_pre_hook(lambda mod, inp: None)
+    assert _hooked(lays)
+    h.remove()
+    h = lays[0].register_forward_hook(lambda mod, inp, out: None)
+    assert _hooked(lays)
+    h.remove()
+    assert not _hooked(lays)
