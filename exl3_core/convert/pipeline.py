@@ -22,7 +22,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -560,8 +560,11 @@ class Converter:
         committer = StatesCommitter(self.work)
         try:
             self._stage_loop(todo, x, ids, job, bar, _stop_after_module, committer)
-        finally:
-            committer.wait()  # a commit in flight completes (or reports its error) before we return
+        except BaseException:
+            with suppress(BaseException):  # let a commit in flight finish; the loop's error is the one to report
+                committer.wait()
+            raise
+        committer.wait()  # a commit in flight completes (or reports its error) before we return
 
     def _stage_loop(self, todo: list[Stage], x: torch.Tensor, ids: torch.Tensor, job: Job, bar: Any,
                     _stop_after_module: int | None, committer: StatesCommitter) -> None:
