@@ -75,12 +75,11 @@ Tensor aligned16(const Tensor& t) {
 }
 
 // W = diag(suh) · BD_k · Ŵ · BD_n · diag(svh) as fp16 [k, n] (spec 4.2; exl3_recon_full.cuh). suh/svh
-// are used as fp16 (their storage type); the rest is fp32 with one final rounding to fp16.
-// Writes W into `out`: fp16 [k, n] with unit column stride and a row stride that is a multiple of 8
-// (a column block of a wider matrix: q/k/v or gate/up side by side for one prefill GEMM).
-void reconstruct_full_into(const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t K, int64_t codebook,
-                           Tensor out) {
-    const char* op = "exl3::reconstruct_full_into";
+// are used as fp16 (their storage type); the rest is fp32 with one final rounding to fp16. Into `out`
+// when defined: fp16 [k, n] with unit column stride and a row stride that is a multiple of 8 (a column
+// block of a wider matrix: q/k/v or gate/up side by side for one prefill GEMM); else a new tensor.
+static Tensor recon_full(const char* op, const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t K,
+                         int64_t codebook, Tensor out) {
     const int k = check_trellis(trellis, K, codebook, op);
     const int kt = (int)trellis.size(0), nt = (int)trellis.size(1);
     TORCH_CHECK(kt % 8 == 0 && nt % 8 == 0, op, ": k = ", kt * 16L, " and n = ", nt * 16L,
@@ -89,43 +88,33 @@ void reconstruct_full_into(const Tensor& trellis, const Tensor& suh, const Tenso
                     suh.numel() == kt * 16L && svh.numel() == nt * 16L,
                 op, ": suh/svh must be vectors of ", kt * 16L, "/", nt * 16L, " elements on the trellis' device, got ",
                 suh.numel(), "/", svh.numel());
-    TORCH_CHECK(out.is_cuda() && out.device() == trellis.device() && out.scalar_type() == at::kHalf && out.dim() == 2 &&
-                    out.size(0) == kt * 16L && out.size(1) == nt * 16L && out.stride(1) == 1 &&
-                    out.stride(0) % 8 == 0 && out.stride(0) <= INT32_MAX &&
-                    reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
-                op, ": out must be a CUDA fp16 [", kt * 16L, ", ", nt * 16L, "] view with unit column stride, a row "
-                "stride that is a multiple of 8 and a 16-byte aligned start; got ", out.scalar_type(), " ", out.sizes(),
-                " strides ", out.strides());
+    if (out.defined())
+        TORCH_CHECK(out.is_cuda() && out.device() == trellis.device() && out.scalar_type() == at::kHalf &&
+                        out.dim() == 2 && out.size(0) == kt * 16L && out.size(1) == nt * 16L && out.stride(1) == 1 &&
+                        out.stride(0) % 8 == 0 && out.stride(0) <= INT32_MAX &&
+                        reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
+                    op, ": out must be a CUDA fp16 [", kt * 16L, ", ", nt * 16L, "] view with unit column stride, a "
+                    "row stride that is a multiple of 8 and a 16-byte aligned start; got ", out.scalar_type(), " ",
+                    out.sizes(), " strides ", out.strides());
     c10::cuda::CUDAGuard guard(trellis.device());
     Tensor su = suh.to(at::kHalf).contiguous(), sv = aligned16(svh.to(at::kHalf).contiguous());
-    if (out.numel() == 0) return;
+    if (!out.defined()) out = at::empty({kt * 16L, nt * 16L}, trellis.options().dtype(at::kHalf));
+    if (out.numel() == 0) return out;
     C10_CUDA_CHECK(exl3::launch_recon_full((int)codebook, k, reinterpret_cast<const uint32_t*>(trellis.data_ptr()),
                                            reinterpret_cast<const __half*>(su.data_ptr()),
                                            reinterpret_cast<const __half*>(sv.data_ptr()),
                                            reinterpret_cast<__half*>(out.data_ptr()), kt, nt, out.stride(0),
                                            at::cuda::getCurrentCUDAStream()));
+    return out;
 }
 
 Tensor reconstruct_full(const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t K, int64_t codebook) {
-    const char* op = "exl3::reconstruct_full";
-    const int k = check_trellis(trellis, K, codebook, op);
-    const int kt = (int)trellis.size(0), nt = (int)trellis.size(1);
-    TORCH_CHECK(kt % 8 == 0 && nt % 8 == 0, op, ": k = ", kt * 16L, " and n = ", nt * 16L,
-                " must be multiples of 128 (EXL3 pads to 128)");
-    TORCH_CHECK(suh.is_cuda() && svh.is_cuda() && suh.device() == trellis.device() && svh.device() == trellis.device() &&
-                    suh.numel() == kt * 16L && svh.numel() == nt * 16L,
-                op, ": suh/svh must be vectors of ", kt * 16L, "/", nt * 16L, " elements on the trellis' device, got ",
-                suh.numel(), "/", svh.numel());
-    c10::cuda::CUDAGuard guard(trellis.device());
-    Tensor su = suh.to(at::kHalf).contiguous(), sv = aligned16(svh.to(at::kHalf).contiguous());
-    Tensor out = at::empty({kt * 16L, nt * 16L}, trellis.options().dtype(at::kHalf));
-    if (out.numel() == 0) return out;
-    C10_CUDA_CHECK(exl3::launch_recon_full((int)codebook, k, reinterpret_cast<const uint32_t*>(trellis.data_ptr()),
-                                           reinterpret_cast<const __half*>(su.data_ptr()),
-                                           reinterpret_cast<const __half*>(sv.data_ptr()),
-                                           reinterpret_cast<__half*>(out.data_ptr()), kt, nt, nt * 16L,
-                                           at::cuda::getCurrentCUDAStream()));
-    return out;
+    return recon_full("exl3::reconstruct_full", trellis, suh, svh, K, codebook, Tensor());
+}
+
+void reconstruct_full_into(const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t K, int64_t codebook,
+                           Tensor out) {
+    recon_full("exl3::reconstruct_full_into", trellis, suh, svh, K, codebook, out);
 }
 
 // z = xh @ Ŵ in fp32, Ŵ decoded on the fly (no Hadamard, no scales)

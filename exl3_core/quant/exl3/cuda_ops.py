@@ -60,16 +60,9 @@ def reconstruct_cuda(trellis: torch.Tensor, K: int | None, codebook: int) -> tor
     return decode_inner(trellis, K, codebook)
 
 
-def reconstruct_full_cuda(
-    trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, K: int | None, codebook: int
-) -> torch.Tensor:
-    """fp16 ``W = diag(suh)·BD_k·Ŵ·BD_n·diag(svh)`` ``[k, n]`` (spec 4.2, padded ``(in, out)``).
-
-    ``k`` and ``n`` (16 x the trellis' first two dims) must be multiples of 128. The CUDA op reads
-    ``suh``/``svh`` as fp16 (their storage type) and computes in fp32 with one final rounding; the
-    fallback rounds the fp32 oracle ``dequantize_padded`` once, so both paths return fp16.
-    """
-    what = "reconstruct_full_cuda"
+def _check_full(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, K: int | None, codebook: int,
+                what: str) -> int:
+    """:func:`_check` plus the full reconstruction's own rules: k, n multiples of 128, scale vectors."""
     K = _check(trellis, K, codebook, what)
     k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
     if k % 128 or n % 128:
@@ -80,6 +73,19 @@ def reconstruct_full_cuda(
             raise ValueError(f"{what}: {name} must be a floating-point vector of {size} elements, got {got}")
         if s.device != trellis.device:
             raise ValueError(f"{what}: {name} is on {s.device}, the trellis on {trellis.device}; move them together")
+    return K
+
+
+def reconstruct_full_cuda(
+    trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, K: int | None, codebook: int
+) -> torch.Tensor:
+    """fp16 ``W = diag(suh)·BD_k·Ŵ·BD_n·diag(svh)`` ``[k, n]`` (spec 4.2, padded ``(in, out)``).
+
+    ``k`` and ``n`` (16 x the trellis' first two dims) must be multiples of 128. The CUDA op reads
+    ``suh``/``svh`` as fp16 (their storage type) and computes in fp32 with one final rounding; the
+    fallback rounds the fp32 oracle ``dequantize_padded`` once, so both paths return fp16.
+    """
+    K = _check_full(trellis, suh, svh, K, codebook, "reconstruct_full_cuda")
     if _compiled("reconstruct_full", trellis, suh, svh):
         return ext.op("reconstruct_full")(trellis.contiguous(), suh, svh, K, codebook)
     from exl3_core.quant.exl3.quantize import dequantize_padded  # heavy module, needed only here
@@ -104,12 +110,7 @@ def reconstruct_full_into_cuda(
         if out.stride(1) != 1 or out.stride(0) % 8 or out.data_ptr() % 16 or out.stride(0) >= 2**31:
             raise ValueError(f"{what}: out needs a unit column stride, a row stride that is a multiple of 8 "
                              f"(got strides {out.stride()}) and a 16-byte aligned start")
-        K = _check(trellis, K, codebook, what)
-        for name, sc, size in (("suh", suh, k), ("svh", svh, n)):
-            if sc.dim() != 1 or sc.numel() != size or sc.device != trellis.device:
-                raise ValueError(f"{what}: {name} must be a vector of {size} elements on {trellis.device}")
-        if k % 128 or n % 128:
-            raise ValueError(f"{what}: trellis {tuple(trellis.shape)} gives k={k}, n={n}; both must be multiples of 128")
+        K = _check_full(trellis, suh, svh, K, codebook, what)
         ext.op("reconstruct_full_into")(trellis.contiguous(), suh, svh, K, codebook, out)
         return
     out.copy_(reconstruct_full_cuda(trellis, suh, svh, K, codebook))
