@@ -5,7 +5,7 @@
 //   nvcc -std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -Icsrc [-D...] \
 //        bench/gemv_tune.cu -o gemv_tune && ./gemv_tune [kt ...]
 //
-// Per shape (4096x14336 and 14336x4096, K=4, codebook TUNE_CB): the fused op at m=1 for each k
+// Per shape (4096x14336, 14336x4096 and 4096x28672 = the 8B gate/up pair, K=4, codebook TUNE_CB): the fused op at m=1 for each k
 // chunk size given (0 = the launcher's one-wave choice), the decode-only kernel on the SAME shape
 // (the integer-pipeline ceiling for these weights, launch and tail included) and the inner split-k
 // GEMM. Timing: CUDA graph of 32 launches over rotating trellis copies (> 3x L2), CUDA events,
@@ -103,9 +103,9 @@ static float h2f(__half h) { return __half2float(h); }
 int main(int argc, char** argv) {
     std::vector<int> kts;
     for (int i = 1; i < argc; ++i) kts.push_back(std::atoi(argv[i]));
-    if (kts.empty()) kts = {0, 8, 16, 24, 32};
+    if (kts.empty()) kts = {0, 8, 16, 24, 25, 26, 32};
     constexpr int K = TUNE_K, CB = TUNE_CB;
-    const int shapes[2][2] = {{4096, 14336}, {14336, 4096}};
+    const int shapes[3][2] = {{4096, 14336}, {14336, 4096}, {4096, 28672}};  // the last: gate/up as one problem
     int dev = 0, sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     int occ_f = 0, occ_d = 0;

@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
 # Device script: compile and time variants of the one-launch EXL3 linear (bench/gemv_tune.cu; each
 # build takes seconds), then ncu of the baseline fused kernel and of the decode-only kernel
-# (stall reasons, pipe utilisation, occupancy). Usage: bash bench/gemv_tune.sh [S[:B] ...]
-# (S or S:B: EXL3_RING_STAGES = k tiles in flight per warp, B = EXL3_FUSED_MINB; default: 3 4 6 8). Tables go to stdout and
-# $OUT/gemv_tune.txt, ncu to $OUT/ncu_*.txt.
+# (stall reasons, pipe utilisation, occupancy). Usage: bash bench/gemv_tune.sh [S[:B[:F[:W]]] ...]
+# (S: EXL3_RING_STAGES = k tiles in flight per warp, B = EXL3_FUSED_MINB, F = EXL3_MUL1_FOLD (default 1),
+# W = EXL3_GEMM_WARPS (4 or 8; n tiles per warp = 8 / W);
+# default variants: 3 4 6 8). Tables go to stdout and $OUT/gemv_tune.txt, ncu to $OUT/ncu_*.txt, the
+# fused kernel's SASS to $OUT/sass_<variant>.txt. NCU_VARIANT=S:B:F picks the binary ncu looks at.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 FLAGS=(-std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -Icsrc)
 variants=("$@")
 [ ${#variants[@]} -eq 0 ] && variants=(3 4 6 8)
+binof() {  # variant S[:B[:F[:W]]] -> "S B F W binary"
+  IFS=: read -r S B F W <<< "$1"; B=${B:-0}; F=${F:-1}; W=${W:-4}
+  echo "$S $B $F $W /tmp/gemv_tune_${S}_${B}_${F}_${W}"
+}
 for v in "${variants[@]}"; do
-  S=${v%%:*}; B=0; [ "$v" != "$S" ] && B=${v##*:}
-  bin=/tmp/gemv_tune_$S; [ "$B" != 0 ] && bin=${bin}_$B
-  nvcc "${FLAGS[@]}" -DEXL3_RING_STAGES=$S -DEXL3_FUSED_MINB=$B bench/gemv_tune.cu -o $bin 2> /tmp/nvcc_err.txt \
-    || { cat /tmp/nvcc_err.txt | tee -a "$OUT/gemv_tune.txt"; continue; }
-  echo "== EXL3_RING_STAGES=$S EXL3_FUSED_MINB=$B" | tee -a "$OUT/gemv_tune.txt"
+  read -r S B F W bin <<< "$(binof "$v")"
+  nvcc "${FLAGS[@]}" -DEXL3_RING_STAGES=$S -DEXL3_FUSED_MINB=$B -DEXL3_MUL1_FOLD=$F -DEXL3_GEMM_WARPS=$W bench/gemv_tune.cu \
+    -o $bin 2> /tmp/nvcc_err.txt || { cat /tmp/nvcc_err.txt | tee -a "$OUT/gemv_tune.txt"; continue; }
+  echo "== EXL3_RING_STAGES=$S EXL3_FUSED_MINB=$B EXL3_MUL1_FOLD=$F EXL3_GEMM_WARPS=$W" | tee -a "$OUT/gemv_tune.txt"
   timeout 60 $bin 0 8 16 24 32 2>&1 | tee -a "$OUT/gemv_tune.txt"
+  command -v cuobjdump > /dev/null && cuobjdump -sass $bin > "$OUT/sass_${S}_${B}_${F}_${W}.txt" 2>&1
 done
-NCU_BIN=/tmp/gemv_tune_${NCU_STAGES:-6}
+read -r _ _ _ _ NCU_BIN <<< "$(binof "${NCU_VARIANT:-6}")"
 if command -v ncu > /dev/null && [ -x $NCU_BIN ]; then
   M='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
   P='smsp__issue_active.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active,sm__pipe_fmaheavy_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__registers_per_thread,launch__occupancy_limit_registers,sm__maximum_warps_per_active_cycle_pct'

@@ -31,7 +31,8 @@ def _emit(text: str, out: Path | None, name: str) -> None:
         (out / name).write_text(text)
 
 
-def profile_prefill(shape_name: str, tokens: int, out: Path | None, device: str = "cuda") -> None:
+def profile_prefill(shape_name: str, tokens: int, out: Path | None, device: str = "cuda",
+                    small_tokens: int = 128) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from exl3_core.archkit.batch import BatchMeta
@@ -57,7 +58,50 @@ def profile_prefill(shape_name: str, tokens: int, out: Path | None, device: str 
     head = f"prefill {shape_name} {tokens} tokens: {r['tok_s']:.0f} tok/s ({r['seconds'] * 1e3:.2f} ms per forward); 3 forwards profiled\n"
     if cuda:
         head += _host_vs_device(model, cache, meta, out)
+        head += _host_small(model, cache, small_tokens)
     _emit(head + table, out, f"profile_prefill_{shape_name}.txt")
+
+
+def _host_small(model: object, cache: object, tokens: int) -> str:
+    """The host's own cost of a forward: a ``tokens``-long prefill (same op path as 2048 once above
+    64 rows, but little GPU work) timed host-side with the GPU idle at the start, plus a cProfile of
+    it by own time. If this enqueue time is far below the 2048-token device time, the host is not
+    what bounds the long prefill."""
+    from exl3_core.archkit.batch import BatchMeta
+
+    ps = cache.page_size  # type: ignore[attr-defined]
+    pages = cache.allocator.allocate(-(-tokens // ps))  # type: ignore[attr-defined]
+    try:
+        ids = torch.randint(0, model.config.hf.vocab_size, (tokens,)).tolist()  # type: ignore[attr-defined]
+        meta = BatchMeta.from_lists([ids], [0], device=model.device,  # type: ignore[attr-defined]
+                                    page_table=torch.tensor([pages], dtype=torch.int32), page_size=ps,
+                                    logits_indices=torch.tensor([tokens - 1], device=model.device))  # type: ignore[attr-defined]
+        fwd = model.forward_batch  # type: ignore[attr-defined]
+        enq, dev = [], []
+        for _ in range(6):
+            _sync(torch.device("cuda"))
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t = time.perf_counter()
+            e0.record()
+            fwd(meta, cache)
+            enq.append(time.perf_counter() - t)
+            e1.record()
+            e1.synchronize()
+            dev.append(e0.elapsed_time(e1) / 1e3)
+        enq.sort()
+        dev.sort()
+        pr = cProfile.Profile()
+        _sync(torch.device("cuda"))
+        pr.enable()
+        fwd(meta, cache)
+        pr.disable()
+        _sync(torch.device("cuda"))
+        s = io.StringIO()
+        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+    finally:
+        cache.allocator.release(pages)  # type: ignore[attr-defined]
+    return (f"{tokens}-token forward: host enqueue median {enq[3] * 1e3:.2f} ms, device {dev[3] * 1e3:.2f} ms "
+            f"(GPU idle at the start)\n" + s.getvalue())
 
 
 def _host_vs_device(model: object, cache: object, meta: object, out: Path | None) -> str:

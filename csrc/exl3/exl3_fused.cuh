@@ -3,8 +3,8 @@
 // had128 -> gemm_xh -> had128 chain). Included by exl3_cb{0,1,2}.cu (one codebook per file).
 //
 // Grid: each block covers 128 output columns (GEMM_WARPS warps x GEMM_NT n tiles x 16) of one
-// problem and one k chunk of kt_per_chunk k tiles (a multiple of 8, so a chunk is whole 128-column
-// Hadamard blocks of x). Up to FUSED_MAX_PROBLEMS independent problems sharing x, K and codebook
+// problem and one k chunk of kt_per_chunk k tiles (any count: the prologue transforms each 128-column
+// Hadamard block of x the chunk overlaps and keeps the chunk's part). Up to FUSED_MAX_PROBLEMS independent problems sharing x, K and codebook
 // (q/k/v, gate/up) run in one launch, each owning a contiguous range of blocks.
 //
 // Workspace protocol (what makes the op CUDA-graph capturable with no memset node): z (fp32) and
@@ -36,7 +36,6 @@ constexpr int FUSED_MAX_PROBLEMS = 3;
 #endif
 constexpr int FUSED_COLS = GEMM_WARPS * GEMM_NT * 16;  // output columns per block
 static_assert(FUSED_COLS == 128, "the fused epilogue Hadamard needs blocks of exactly 128 columns");
-static_assert(GEMM_KT_MAX % 8 == 0, "k chunks are whole 128-column Hadamard blocks");
 
 struct FusedProblem {
     const uint32_t* trellis;  // [k/16, n/16, 8K] uint32
@@ -52,7 +51,7 @@ struct FusedProblem {
 struct FusedArgs {
     const __half* x;  // [m, k] fp16, row-major
     int m, k_tiles;
-    int kt_per_chunk;  // k tiles per block (multiple of 8); <= 0: the launcher picks one wave
+    int kt_per_chunk;  // k tiles per block (1..GEMM_KT_MAX); <= 0: the launcher picks (pick_kt_per_chunk)
     int n_problems;
     FusedProblem p[FUSED_MAX_PROBLEMS];
 };
@@ -104,11 +103,16 @@ __global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
     __shared__ __align__(16) __half xs[16 * XS];
     __shared__ int s_last;
     {
-        const int cols = (kt1 - kt0) * 16;  // a multiple of 128
-        const int hb = cols / 128;
+        // the chunk need not start or end on a 128-column Hadamard block (any k tiles per chunk): every
+        // block it overlaps is transformed whole and only the chunk's columns are kept
+        const int cols = (kt1 - kt0) * 16;
+        const int c0 = kt0 * 16;
+        const int hb0 = c0 / 128;
+        const int hb = (c0 + cols + 127) / 128 - hb0;
         for (int i = warp; i < a.m * hb; i += GEMM_WARPS) {
-            const int r = i / hb, c = (i % hb) * 128 + 4 * lane;
-            const long gc = (long)kt0 * 16 + c;
+            const int r = i / hb;
+            const long gc = (long)(hb0 + i % hb) * 128 + 4 * lane;
+            const int c = (int)(gc - c0);  // a lane's 4 columns are in or out of the chunk together
             const uint2 xu = __ldg(reinterpret_cast<const uint2*>(a.x + (long)r * kdim + gc));
             const uint2 su = __ldg(reinterpret_cast<const uint2*>(P.suh + gc));
             const __half2 p0 = __hmul2(bits_h2(xu.x), bits_h2(su.x));  // fp16 product, as had128's pre-scale
@@ -118,7 +122,7 @@ __global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
             __half h[4];
 #pragma unroll
             for (int j = 0; j < 4; ++j) h[j] = __float2half_rn(v[j]);
-            *reinterpret_cast<uint2*>(&xs[r * XS + c]) = pack_half4(h);
+            if (c >= 0 && c < cols) *reinterpret_cast<uint2*>(&xs[r * XS + c]) = pack_half4(h);
         }
         __syncthreads();
     }
@@ -188,16 +192,27 @@ __global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
 
 // ------------------------------------------------------------------ host side
 
-// k tiles per block: a multiple of 8 (whole Hadamard blocks) and at most GEMM_KT_MAX, splitting k
-// so that the grid is about one wave of resident blocks (as pick_kt_per_warp does for the GEMM).
+// k tiles per block (any count up to GEMM_KT_MAX): the one minimising a simple cost model, waves of
+// resident blocks x (k tiles + a fixed per-block cost of ~4 k tiles for the x prologue and the split-k
+// epilogue). A ragged last wave costs a whole wave (its blocks take as long as a full wave's), so
+// e.g. 4096x14336 gets 26 k tiles (1,120 blocks, one wave of 1,188) where whole Hadamard blocks only
+// allowed 32 (896 blocks, 75% of the slots) or 24 (1,232 blocks: a second wave of 44).
 inline int pick_kt_per_chunk(int k_tiles, long col_blocks, long resident_blocks) {
-    long chunks = resident_blocks / (col_blocks > 0 ? col_blocks : 1);
-    if (chunks < 1) chunks = 1;
-    long kt = (k_tiles + chunks - 1) / chunks;
-    kt = (kt + 7) / 8 * 8;
-    if (kt < 8) kt = 8;
-    if (kt > GEMM_KT_MAX) kt = GEMM_KT_MAX;
-    return (int)kt;
+    if (resident_blocks < 1) resident_blocks = 1;
+    const int lo = k_tiles < 8 ? (k_tiles > 0 ? k_tiles : 1) : 8;
+    const int hi = k_tiles < GEMM_KT_MAX ? (k_tiles > 0 ? k_tiles : 1) : GEMM_KT_MAX;
+    int best = hi;
+    long best_cost = -1;
+    for (int kt = hi; kt >= lo; --kt) {  // ties go to the larger chunk (fewer atomics, less x re-reading)
+        const long chunks = (k_tiles + kt - 1) / kt;
+        const long waves = (col_blocks * chunks + resident_blocks - 1) / resident_blocks;
+        const long cost = waves * (kt + 4);
+        if (best_cost < 0 || cost < best_cost) {
+            best_cost = cost;
+            best = kt;
+        }
+    }
+    return best;
 }
 
 // Fills a.kt_per_chunk (when <= 0) and the problems' block0, launches; returns the k tiles per chunk.
@@ -218,7 +233,6 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
         a.kt_per_chunk = pick_kt_per_chunk(a.k_tiles, col_blocks, (long)sms * occ);
     }
-    a.kt_per_chunk = (a.kt_per_chunk + 7) / 8 * 8;
     if (a.kt_per_chunk > GEMM_KT_MAX) a.kt_per_chunk = GEMM_KT_MAX;
     const long chunks = (a.k_tiles + a.kt_per_chunk - 1) / a.kt_per_chunk;
     long blocks = 0;

@@ -107,9 +107,15 @@ struct GemmArgs {
     int m0;                  // first row of this launch's row chunk
 };
 
-constexpr int GEMM_WARPS = 4;
+// Tuning knobs (bench/gemv_tune.cu builds variants): warps per block and n tiles per warp; the fused
+// linear needs GEMM_WARPS * GEMM_NT * 16 = 128 (one output Hadamard block per block). 8 warps x 1 tile
+// measured 24-38% slower than 4 x 2 at m=1 (2026-11-30, docs/performance.md run 6).
+#ifndef EXL3_GEMM_WARPS
+#define EXL3_GEMM_WARPS 4
+#endif
+constexpr int GEMM_WARPS = EXL3_GEMM_WARPS;
 #ifndef EXL3_GEMM_NT
-#define EXL3_GEMM_NT 2
+#define EXL3_GEMM_NT (8 / EXL3_GEMM_WARPS)
 #endif
 constexpr int GEMM_NT = EXL3_GEMM_NT;  // n tiles (16 cols each) per warp: the A fragments are reused across them
 #ifndef EXL3_RING_STAGES

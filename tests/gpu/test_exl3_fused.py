@@ -133,8 +133,9 @@ def test_bit_exact_vs_unfused_chain(fused_ops, k: int, K: int, cb: int) -> None:
         assert diff == 0, f"K={K} cb={cb} k={k} m={m}: {diff} of {y.numel()} fp16 values differ from the 4-kernel chain"
 
 
-@pytest.mark.parametrize("kt", [0, 8, 16, 24, 32])
+@pytest.mark.parametrize("kt", [0, 1, 5, 8, 13, 16, 24, 26, 32])
 def test_split_k_chunks(fused_ops, kt: int) -> None:
+    """Chunks of any k-tile count: 1, 5, 13 and 26 start and end inside 128-column Hadamard blocks of x."""
     p = Problem(4096, 1024, 4, CB_MUL1)
     for m in (1, 16):
         x = xin(m, 4096)
