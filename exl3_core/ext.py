@@ -33,6 +33,8 @@ def load() -> bool:
         except (OSError, RuntimeError) as e2:
             load_error.append(f"{e}; torch.ops.load_library: {e2}")
             return False
+    if hasattr(torch.ops.exl3, "set_pdl"):
+        torch.ops.exl3.set_pdl(settings.get().pdl)
     return True
 
 

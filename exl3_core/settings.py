@@ -18,6 +18,7 @@ them (tests use it after changing the environment).
 | ``EXL3_PAGE_SIZE`` | KV-cache page size in tokens (default 256) |
 | ``EXL3_CUDA_GRAPHS`` | ``0`` disables CUDA-graph decode |
 | ``EXL3_OVERLAP_DECODE`` | ``0`` disables the generator's one-step-ahead greedy decode loop (debugging) |
+| ``EXL3_PDL`` | ``0`` disables programmatic dependent launch (Hopper) of the decode-size EXL3 linear and the early launch signal of the kernels before it |
 | ``EXL3_LOG_LEVEL`` | log level for the ``exl3`` logger (default ``WARNING``) |
 | ``EXL3_NO_PROGRESS`` | ``1``: never draw progress bars |
 """
@@ -71,6 +72,7 @@ class Settings:
     page_size: int = 256
     cuda_graphs: bool = True
     overlap_decode: bool = True
+    pdl: bool = True
     log_level: str = "WARNING"
     no_progress: bool = False
 
@@ -106,6 +108,7 @@ class Settings:
             page_size=page_size,
             cuda_graphs=flag("CUDA_GRAPHS", True),
             overlap_decode=flag("OVERLAP_DECODE", True),
+            pdl=flag("PDL", True),
             log_level=(g("LOG_LEVEL") or "WARNING").upper(),
             no_progress=flag("NO_PROGRESS"),
         )

@@ -54,6 +54,10 @@ struct FusedArgs {
     int kt_per_chunk;  // k tiles per block (1..GEMM_KT_MAX); <= 0: the launcher picks (pick_kt_per_chunk)
     int n_problems;
     FusedProblem p[FUSED_MAX_PROBLEMS];
+    // programmatic dependent launch (Hopper): the grid may start while the previous kernel on the
+    // stream is still finishing; it prefetches trellis words (which nothing before it writes), then
+    // waits (griddepcontrol.wait) before touching x or the workspace
+    bool pdl;
 };
 
 __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
@@ -96,6 +100,11 @@ __global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
                                               (long)P.n_tiles * tile_words, kt1 - kt0, ring + warp * R::WARP_WORDS,
                                               lane};
     loop.start();
+    // Everything below may read what the previous kernel on the stream wrote (x, the workspace that
+    // the previous fused launch cleaned): wait for it. A no-op when not launched as a dependent.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 
     // ---- prologue: xs = fp16(Had128(fp16(x * suh))) for this k chunk. Rows m..15 are left as they
     // are: row r of the mma's A only reaches output row r, and rows >= m are never stored.
@@ -240,7 +249,22 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         a.p[i].block0 = (int)blocks;
         blocks += (long)(a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS)) * chunks;
     }
-    if (blocks > 0) kern<<<(unsigned)blocks, GEMM_WARPS * 32, 0, st>>>(a);
+    if (blocks <= 0) return a.kt_per_chunk;
+    if (!a.pdl) {
+        kern<<<(unsigned)blocks, GEMM_WARPS * 32, 0, st>>>(a);
+        return a.kt_per_chunk;
+    }
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3((unsigned)blocks);
+    cfg.blockDim = dim3(GEMM_WARPS * 32);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    cudaLaunchKernelEx(&cfg, kern, a);  // errors surface through cudaGetLastError at the caller
     return a.kt_per_chunk;
 }
 

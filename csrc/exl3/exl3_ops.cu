@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -258,6 +259,12 @@ Tensor gemm_4kernel(const Tensor& x, const Tensor& trellis, const Tensor& su, co
     return had128(z, c10::nullopt, sv, true);
 }
 
+// Programmatic dependent launch of the fused linear (exl3_fused.cuh), set from Python (EXL3_PDL,
+// exl3_core/ext.py) through exl3::set_pdl; read at each launch (a captured graph keeps what it saw)
+std::atomic<bool> g_pdl{true};
+
+bool set_pdl(bool on) { return g_pdl.exchange(on); }
+
 // One launch for up to 3 problems sharing x (same K, codebook); returns false (nothing launched)
 // when the workspace cannot be had during capture.
 bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std::vector<Tensor>& su,
@@ -274,6 +281,7 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
     a.k_tiles = (int)trellis[0].size(0);
     a.kt_per_chunk = (int)kt_per_chunk;
     a.n_problems = (int)trellis.size();
+    a.pdl = g_pdl.load(std::memory_order_relaxed);
     int64_t n_off = 0;
     for (size_t i = 0; i < trellis.size(); ++i) {
         exl3::FusedProblem& p = a.p[i];
@@ -400,6 +408,8 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
     m.def("exl3_linear_group(Tensor x, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, "
           "int kt_per_chunk=0) -> Tensor[]");
     m.def("exl3_linear_workspace(Tensor like) -> (Tensor, Tensor)");
+    // no tensor argument: a catch-all kernel. Returns the previous setting.
+    m.def("set_pdl(bool on) -> bool", &set_pdl);
 }
 
 TORCH_LIBRARY_IMPL(exl3, CUDA, m) {

@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from exl3_core.kernels.pdl import early_launch, gdc_launch_dependents
+
 # -- RMSNorm (+ residual add) -----------------------------------------------------------------------
 
 
@@ -19,8 +21,10 @@ def _rms_norm_kernel(
     X, R, W, Out, ResOut,
     stride_x, stride_r, stride_o, stride_ro,
     N, eps, offset,
-    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr, EARLY: tl.constexpr,
 ):
+    if EARLY:  # the linear after this norm may start prefetching its weights now (kernels/pdl.py)
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
     ok = cols < N
@@ -68,7 +72,8 @@ def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor | None, weight: to
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, w, o2, ro2, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
             N, float(eps), float(offset),
-            HAS_RES=residual is not None, HAS_W=weight is not None, BLOCK_N=block, num_warps=_norm_warps(block),
+            HAS_RES=residual is not None, HAS_W=weight is not None, BLOCK_N=block, EARLY=early_launch(x2),
+            num_warps=_norm_warps(block),
         )
     return out, res_out
 
@@ -79,7 +84,10 @@ ACTS = {"silu": 0, "gelu_tanh": 1}
 
 
 @triton.jit
-def _act_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, N, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _act_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, N, ACT: tl.constexpr, BLOCK: tl.constexpr,
+                    EARLY: tl.constexpr):
+    if EARLY:  # down_proj may start prefetching its weights now (kernels/pdl.py)
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
@@ -105,7 +113,7 @@ def act_mul(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if g2.shape[0]:
         _act_mul_kernel[(g2.shape[0], triton.cdiv(N, block))](
             g2, u2, o2, g2.stride(0), u2.stride(0), o2.stride(0), N, ACT=ACTS[act], BLOCK=block,
-            num_warps=4 if block >= 1024 else 2,
+            EARLY=early_launch(g2), num_warps=4 if block >= 1024 else 2,
         )
     return out
 

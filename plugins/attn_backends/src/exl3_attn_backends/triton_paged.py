@@ -28,6 +28,7 @@ import triton.language as tl
 
 from exl3_attn_backends.dense import dense_causal, fresh_single_sequence
 from exl3_core.attention.spec import AttnArgs, AttnSpec
+from exl3_core.kernels.pdl import early_launch, gdc_launch_dependents
 
 
 @triton.jit
@@ -227,9 +228,11 @@ def _decode_combine(
     PartM, PartL, PartAcc, Out, CuQ,
     stride_ot, stride_oh, NUM_SPLITS,
     NUM_HEADS: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, EARLY: tl.constexpr,
 ):
     # grid (batch, q_heads, cdiv(HEAD_DIM_V, BLOCK_DV)): softmax-weighted sum of the split partials
+    if EARLY:  # o_proj may start prefetching its weights now (exl3_core/kernels/pdl.py)
+        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
@@ -402,7 +405,7 @@ def decode_split_kv(args: AttnArgs, num_splits: int) -> torch.Tensor:
     _decode_combine[(B, Hq, triton.cdiv(spec.v_dim, block_dv_c))](
         part_m, part_l, part_acc, out, args.cu_seqlens_q,
         out.stride(0), out.stride(1), num_splits,
-        NUM_HEADS=Hq, BLOCK_S=block_s, HEAD_DIM_V=spec.v_dim, BLOCK_DV=block_dv_c,
+        NUM_HEADS=Hq, BLOCK_S=block_s, HEAD_DIM_V=spec.v_dim, BLOCK_DV=block_dv_c, EARLY=early_launch(out),
         num_warps=8 if block_s * block_dv_c >= 8192 else 4,  # the [splits, dv] partial tile sits in registers
     )
     return out
