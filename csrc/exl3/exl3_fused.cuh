@@ -56,7 +56,8 @@ struct FusedArgs {
     FusedProblem p[FUSED_MAX_PROBLEMS];
     // programmatic dependent launch (Hopper): the grid may start while the previous kernel on the
     // stream is still finishing; it prefetches trellis words (which nothing before it writes), then
-    // waits (griddepcontrol.wait) before touching x or the workspace
+    // waits (griddepcontrol.wait) before touching x or the workspace. The kernel always signals its
+    // own dependents at its start (a no-op when none is launched as one).
     bool pdl;
 };
 
@@ -99,6 +100,11 @@ __global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
     const DecodeMmaLoop<K, CB, 1, false> loop{P.trellis + ((long)kt0 * P.n_tiles + (long)ng * NT) * tile_words,
                                               (long)P.n_tiles * tile_words, kt1 - kt0, ring + warp * R::WARP_WORDS,
                                               lane};
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // a programmatic dependent launched after this grid (exl3_core/kernels/pdl.py) may start now;
+    // it waits for this grid's completion before it reads y
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
     loop.start();
     // Everything below may read what the previous kernel on the stream wrote (x, the workspace that
     // the previous fused launch cleaned): wait for it. A no-op when not launched as a dependent.

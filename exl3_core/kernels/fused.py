@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exl3_core.kernels.pdl import early_launch, gdc_launch_dependents
+from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
 
 # -- RMSNorm (+ residual add) -----------------------------------------------------------------------
 
@@ -21,9 +21,10 @@ def _rms_norm_kernel(
     X, R, W, Out, ResOut,
     stride_x, stride_r, stride_o, stride_ro,
     N, eps, offset,
-    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr, EARLY: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_W: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
-    if EARLY:  # the linear after this norm may start prefetching its weights now (kernels/pdl.py)
+    if PDL:  # launched as a programmatic dependent: wait for the producer of X, let the next start
+        gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_N)
@@ -72,8 +73,8 @@ def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor | None, weight: to
         _rms_norm_kernel[(x2.shape[0],)](
             x2, r2, w, o2, ro2, x2.stride(0), r2.stride(0), o2.stride(0), ro2.stride(0),
             N, float(eps), float(offset),
-            HAS_RES=residual is not None, HAS_W=weight is not None, BLOCK_N=block, EARLY=early_launch(x2),
-            num_warps=_norm_warps(block),
+            HAS_RES=residual is not None, HAS_W=weight is not None, BLOCK_N=block,
+            num_warps=_norm_warps(block), **launch_opts(x2),
         )
     return out, res_out
 
@@ -85,8 +86,9 @@ ACTS = {"silu": 0, "gelu_tanh": 1}
 
 @triton.jit
 def _act_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, N, ACT: tl.constexpr, BLOCK: tl.constexpr,
-                    EARLY: tl.constexpr):
-    if EARLY:  # down_proj may start prefetching its weights now (kernels/pdl.py)
+                    PDL: tl.constexpr):
+    if PDL:  # see _rms_norm_kernel
+        gdc_wait()
         gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -113,7 +115,7 @@ def act_mul(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if g2.shape[0]:
         _act_mul_kernel[(g2.shape[0], triton.cdiv(N, block))](
             g2, u2, o2, g2.stride(0), u2.stride(0), o2.stride(0), N, ACT=ACTS[act], BLOCK=block,
-            EARLY=early_launch(g2), num_warps=4 if block >= 1024 else 2,
+            num_warps=4 if block >= 1024 else 2, **launch_opts(g2),
         )
     return out
 
@@ -145,8 +147,11 @@ def _rope_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st,
     HQ, HK,
     HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    BLOCK_R: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # see _rms_norm_kernel
+        gdc_wait()
+        gdc_launch_dependents()
     # one program per token: the cos/sin row is loaded once for every q and k head
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, BLOCK_R)
@@ -178,5 +183,5 @@ def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         q.shape[1], k.shape[1],
         HALF=half, INTERLEAVED=interleaved, BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
         BLOCK_HK=triton.next_power_of_2(k.shape[1]), BLOCK_R=triton.next_power_of_2(max(half, 1)),
-        num_warps=4 if q.shape[1] * half >= 1024 else 2,
+        num_warps=4 if q.shape[1] * half >= 1024 else 2, **launch_opts(q),
     )

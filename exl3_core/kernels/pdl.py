@@ -1,13 +1,19 @@
-"""Early launch of dependent kernels (programmatic dependent launch, Hopper and newer).
+"""Programmatic dependent launch (PDL, Hopper and newer) across the decode step's kernels.
 
-The decode-size EXL3 linear is launched as a *programmatic dependent* of the kernel before it
-(``exl3_fused.cuh``): its blocks may start before that kernel has finished, prefetch their trellis
-words and wait (``griddepcontrol.wait``) before reading the activations. A kernel that signals
-``griddepcontrol.launch_dependents`` at its start lets that happen right away instead of after its
-last block exits. The Triton kernels that feed a linear at decode (RMSNorm, the gated activation,
-the attention combine) call :func:`gdc_launch_dependents` when their ``EARLY`` flag is set; the
-signal is only a hint and is harmless when nothing dependent follows. ``EXL3_PDL=0`` turns both
-sides off.
+A kernel launched as a *programmatic dependent* of the one before it on the stream may start before
+that kernel has finished; it must execute ``griddepcontrol.wait`` before reading anything the
+earlier kernel wrote. A kernel that executes ``griddepcontrol.launch_dependents`` early lets its
+dependent start right away instead of after its last block exits. At b=1 decode every kernel is a
+few microseconds long, so the launch gap between two kernels is a visible share of the step.
+
+* The decode-size EXL3 linear (``csrc/exl3/exl3_fused.cuh``) is always launched as a dependent; it
+  signals its own dependents at once, prefetches its trellis words (which no earlier kernel
+  writes), then waits before touching x or its workspace.
+* The Triton kernels of the step (RMSNorm, the gated activation, RoPE, the attention split and
+  combine) take a ``PDL`` flag: launched with ``launch_pdl``, they wait first, then signal.
+
+Both signals are hints and harmless when nothing dependent follows. ``EXL3_PDL=0`` turns every
+part off (the C++ side through ``exl3::set_pdl``, see ``exl3_core/ext.py``).
 """
 from __future__ import annotations
 
@@ -17,13 +23,19 @@ import torch
 import triton
 
 try:
-    from triton.language.extra.cuda import gdc_launch_dependents
-    HAS_GDC = True
-except ImportError:  # Triton without grid dependency control: the flag stays off
+    from triton.backends.nvidia.compiler import CUDAOptions
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_GDC = "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+except ImportError:  # Triton without grid dependency control: PDL stays off
     HAS_GDC = False
 
+if not HAS_GDC:
     @triton.jit
     def gdc_launch_dependents():  # type: ignore[no-redef]
+        pass
+
+    @triton.jit
+    def gdc_wait():  # type: ignore[no-redef]
         pass
 
 
@@ -38,3 +50,10 @@ def early_launch(t: torch.Tensor) -> bool:
 
     return bool(t.is_cuda and HAS_GDC and settings.get().pdl
                 and _sm90_or_newer(t.device.index if t.device.index is not None else torch.cuda.current_device()))
+
+
+def launch_opts(t: torch.Tensor) -> dict[str, bool]:
+    """Launch keywords and the kernel's ``PDL`` flag for a Triton kernel writing ``t``: launched as a
+    programmatic dependent (``launch_pdl``) that waits for its predecessor, then signals its own."""
+    on = early_launch(t)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}

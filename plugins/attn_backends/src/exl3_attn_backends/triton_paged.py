@@ -28,7 +28,7 @@ import triton.language as tl
 
 from exl3_attn_backends.dense import dense_causal, fresh_single_sequence
 from exl3_core.attention.spec import AttnArgs, AttnSpec
-from exl3_core.kernels.pdl import early_launch, gdc_launch_dependents
+from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
 
 
 @triton.jit
@@ -162,9 +162,12 @@ def _decode_split(
     HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid (batch, kv_heads * HEAD_BLOCKS, NUM_SPLITS); rows = BLOCK_H heads of one GQA group
+    if PDL:  # a programmatic dependent of the cache write (exl3_core/kernels/pdl.py)
+        gdc_wait()
+        gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
     hblk = tl.program_id(1) % HEAD_BLOCKS
@@ -228,10 +231,11 @@ def _decode_combine(
     PartM, PartL, PartAcc, Out, CuQ,
     stride_ot, stride_oh, NUM_SPLITS,
     NUM_HEADS: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, EARLY: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
 ):
     # grid (batch, q_heads, cdiv(HEAD_DIM_V, BLOCK_DV)): softmax-weighted sum of the split partials
-    if EARLY:  # o_proj may start prefetching its weights now (exl3_core/kernels/pdl.py)
+    if PDL:  # a programmatic dependent of the split kernel; o_proj may start prefetching (kernels/pdl.py)
+        gdc_wait()
         gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -398,15 +402,15 @@ def decode_split_kv(args: AttnArgs, num_splits: int) -> torch.Tensor:
         NUM_HEADS=Hq, PAGE_SIZE=k.shape[1], GROUP=group, HEAD_BLOCKS=head_blocks,
         HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.v_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_H=block_h, BLOCK_N=block_n,
-        WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0, DOT_PREC=_dot_precision(spec.dtype),
+        WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0, DOT_PREC=_dot_precision(spec.dtype), **launch_opts(out),
     )
     block_s = max(2, triton.next_power_of_2(num_splits))
     block_dv_c = min(block_dv, 128)
     _decode_combine[(B, Hq, triton.cdiv(spec.v_dim, block_dv_c))](
         part_m, part_l, part_acc, out, args.cu_seqlens_q,
         out.stride(0), out.stride(1), num_splits,
-        NUM_HEADS=Hq, BLOCK_S=block_s, HEAD_DIM_V=spec.v_dim, BLOCK_DV=block_dv_c, EARLY=early_launch(out),
-        num_warps=8 if block_s * block_dv_c >= 8192 else 4,  # the [splits, dv] partial tile sits in registers
+        NUM_HEADS=Hq, BLOCK_S=block_s, HEAD_DIM_V=spec.v_dim, BLOCK_DV=block_dv_c,
+        num_warps=8 if block_s * block_dv_c >= 8192 else 4, **launch_opts(out),  # the [splits, dv] partial tile sits in registers
     )
     return out
 
