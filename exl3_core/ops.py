@@ -130,3 +130,15 @@ def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         kernels().rope_apply(q, k, cos, sin, rotary_dim, interleaved)  # type: ignore[union-attr]
         return
     _ref.rope_apply(q, k, cos, sin, rotary_dim, interleaved)
+
+
+def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, *, impl: Impl = "auto") -> None:
+    """Write ``k [T, Hk, D]`` and ``v [T, Hk, Dv]`` into the paged caches ``[pages, page_size, Hk, D(v)]``
+    at the flat slots ``slot_mapping [T]`` (int64, on the cache's device), cast to the cache dtype.
+    One launch for both tensors on CUDA (the decode step's cache write), no host sync either way."""
+    if (_use_triton(impl, k, "kv_write") and k.stride(-1) == 1 and v.stride(-1) == 1
+            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        kernels().kv_write(k_cache, v_cache, k, v, slot_mapping)  # type: ignore[union-attr]
+        return
+    _ref.kv_write(k_cache, v_cache, k, v, slot_mapping)

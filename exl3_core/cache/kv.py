@@ -5,6 +5,7 @@ from typing import ClassVar
 
 import torch
 
+from exl3_core import ops
 from exl3_core.cache.layer import CacheLayer
 
 _VIEW = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -34,9 +35,9 @@ class KVCacheLayer(CacheLayer):
     def write(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
         if v is None:
             raise ValueError("KVCacheLayer.write: v is None; a 'kv' cache stores values (latent caches use kind 'mla')")
-        # one scatter per tensor over the flattened [pages*page_size] slot axis: no host sync
-        self.k.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slot_mapping, k.to(self.dtype))
-        self.v.view(-1, self.num_kv_heads, self.head_dim_v).index_copy_(0, slot_mapping, v.to(self.dtype))
+        # a scatter over the flattened [pages*page_size] slot axis, k and v in one launch on CUDA: no
+        # host sync
+        ops.kv_write(self.k, self.v, k, v, slot_mapping)
 
     def attn_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.k, self.v

@@ -185,3 +185,51 @@ def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
         BLOCK_HK=triton.next_power_of_2(k.shape[1]), BLOCK_R=triton.next_power_of_2(max(half, 1)),
         num_warps=4 if q.shape[1] * half >= 1024 else 2, **launch_opts(q),
     )
+
+
+# -- paged KV-cache write ---------------------------------------------------------------------------
+
+
+@triton.jit
+def _kv_write_kernel(
+    K, V, KC, VC, Slots,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    HK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:  # see _rms_norm_kernel
+        gdc_wait()
+        gdc_launch_dependents()
+    # one program per token: its k and v rows go to one cache slot
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Slots + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    ok = (h < HK) & (d < D)
+    x = tl.load(K + t * stride_kt + h * stride_kh + d, mask=ok, other=0.0)
+    tl.store(KC + slot * (HK * D) + h * D + d, x.to(KC.dtype.element_ty), mask=ok)
+    dv = tl.arange(0, BLOCK_DV)[None, :]
+    okv = (h < HK) & (dv < DV)
+    y = tl.load(V + t * stride_vt + h * stride_vh + dv, mask=okv, other=0.0)
+    tl.store(VC + slot * (HK * DV) + h * DV + dv, y.to(VC.dtype.element_ty), mask=okv)
+
+
+def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """``k [T, Hk, D]``/``v [T, Hk, Dv]`` (unit last stride) into contiguous paged caches
+    ``[pages, page_size, Hk, D(v)]`` at the flat slots ``slot_mapping [T]``, in one launch."""
+    T, hk, d = k.shape
+    dv = v.shape[-1]
+    if v.shape[:2] != (T, hk) or k_cache.shape[2:] != (hk, d) or v_cache.shape[2:] != (hk, dv):
+        raise ValueError(f"kv_write: k {tuple(k.shape)}, v {tuple(v.shape)} do not fit the caches "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if slot_mapping.shape != (T,):
+        raise ValueError(f"kv_write: slot_mapping {tuple(slot_mapping.shape)} needs one slot per token ({T})")
+    if T == 0:
+        return
+    _kv_write_kernel[(T,)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        HK=hk, D=d, DV=dv, BLOCK_H=triton.next_power_of_2(hk), BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_DV=triton.next_power_of_2(dv), num_warps=4 if hk * max(d, dv) >= 1024 else 2,
+        **launch_opts(k_cache),
+    )

@@ -76,3 +76,11 @@ def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     ``cos``/``sin`` are ``[T, rotary_dim/2]`` (fp32)."""
     _rotate(q, cos, sin, rotary_dim, interleaved)
     _rotate(k, cos, sin, rotary_dim, interleaved)
+
+
+def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Paged KV-cache write: ``k_cache.view(-1, Hk, D)[slot_mapping[t]] = k[t]`` (and v), cast to the
+    cache dtype. Caches ``[pages, page_size, Hk, D(v)]`` contiguous; ``k [T, Hk, D]``, ``v [T, Hk, Dv]``."""
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -114,6 +114,42 @@ def test_rope_apply(T: int, hq: int, hk: int, d: int, rot: int, interleaved: boo
         assert torch.equal(q[..., rot:], q_ref[..., rot:])  # pass-through channels untouched
 
 
+# -- paged KV-cache write ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache_dtype,in_dtype", [(torch.float16, torch.float16), (torch.float32, torch.float32),
+                                                  (torch.float16, torch.float32)])
+@pytest.mark.parametrize("T,hk,d,dv", [(1, 8, 128, 128), (7, 2, 64, 32), (3, 3, 80, 80)])
+def test_kv_write(T: int, hk: int, d: int, dv: int, cache_dtype: torch.dtype, in_dtype: torch.dtype) -> None:
+    pages, page = 5, 16
+    # k and v as column views into one q|k|v projection row (row stride wider than the heads)
+    hq = 2 * hk
+    buf = torch.randn(T, hq * d + hk * d + hk * dv).to(in_dtype).to(DEVICE)
+    k = buf[:, hq * d:(hq + hk) * d].view(T, hk, d)
+    v = buf[:, (hq + hk) * d:].view(T, hk, dv)
+    slots = torch.randperm(pages * page)[:T]
+    slots[0] = pages * page - 1  # the very last slot: a write past the cache would show
+    slots = slots.to(DEVICE)
+    kc = torch.full((pages, page, hk, d), 7.0, dtype=cache_dtype, device=DEVICE)
+    vc = torch.full((pages, page, hk, dv), 7.0, dtype=cache_dtype, device=DEVICE)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref.kv_write(kc_ref, vc_ref, k, v, slots)
+    ops.kv_write(kc, vc, k, v, slots, impl="triton")
+    torch.testing.assert_close(kc, kc_ref, atol=0, rtol=0)  # a copy with one cast: exact
+    torch.testing.assert_close(vc, vc_ref, atol=0, rtol=0)
+    flat = kc.view(-1, hk, d)
+    torch.testing.assert_close(flat[slots[0]], k[0].to(cache_dtype), atol=0, rtol=0)
+    untouched = torch.ones(pages * page, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert (flat[untouched] == 7.0).all() and (vc.view(-1, hk, dv)[untouched] == 7.0).all()
+
+
+def test_kv_write_rejects_mismatched_shapes() -> None:
+    kc = torch.zeros(2, 16, 2, 64, device=DEVICE)
+    k = torch.zeros(3, 4, 64, device=DEVICE)  # 4 heads for a 2-head cache
+    with pytest.raises(ValueError, match="do not fit the caches"):
+        ops.kv_write(kc, kc.clone(), k, k.clone(), torch.zeros(3, dtype=torch.long, device=DEVICE), impl="triton")
+
+
 def test_triton_refused_on_plain_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ops, "_interpreting", lambda: False)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
