@@ -4,8 +4,9 @@
 //
 // Grid: each block covers 128 output columns (GEMM_WARPS warps x GEMM_NT n tiles x 16) of one
 // problem and one k chunk of kt_per_chunk k tiles (any count: the prologue transforms each 128-column
-// Hadamard block of x the chunk overlaps and keeps the chunk's part). Up to FUSED_MAX_PROBLEMS independent problems sharing x, K and codebook
-// (q/k/v, gate/up) run in one launch, each owning a contiguous range of blocks.
+// Hadamard block of x the chunk overlaps and keeps the chunk's part). Up to FUSED_MAX_PROBLEMS
+// independent problems sharing x, K and codebook (q/k/v, gate/up) run in one launch, each owning a
+// contiguous range of blocks.
 //
 // Workspace protocol (what makes the op CUDA-graph capturable with no memset node): z (fp32) and
 // the per-128-column arrival counters are all zero between launches. Every block adds its partial
@@ -211,7 +212,8 @@ __global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
 // resident blocks x (k tiles + a fixed per-block cost of ~4 k tiles for the x prologue and the split-k
 // epilogue). A ragged last wave costs a whole wave (its blocks take as long as a full wave's), so
 // e.g. 4096x14336 gets 26 k tiles (1,120 blocks, one wave of 1,188) where whole Hadamard blocks only
-// allowed 32 (896 blocks, 75% of the slots) or 24 (1,232 blocks: a second wave of 44).
+// allowed 32 (896 blocks, 75% of the slots) or 24 (1,232 blocks: a second wave of 44). Measured on the
+// H200: 4096x28672 (gate/up) -2.7%, the single 8B shapes within noise (docs/performance.md, run 6).
 inline int pick_kt_per_chunk(int k_tiles, long col_blocks, long resident_blocks) {
     if (resident_blocks < 1) resident_blocks = 1;
     const int lo = k_tiles < 8 ? (k_tiles > 0 ? k_tiles : 1) : 8;
