@@ -258,7 +258,10 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         blocks += (long)(a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS)) * chunks;
     }
     if (blocks <= 0) return a.kt_per_chunk;
-    if (!a.pdl) {
+    int dev = 0, major = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    if (!a.pdl || major < 9) {  // programmatic dependent launch needs sm_90 or newer
         kern<<<(unsigned)blocks, GEMM_WARPS * 32, 0, st>>>(a);
         return a.kt_per_chunk;
     }
