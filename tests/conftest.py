@@ -46,6 +46,23 @@ def _seed() -> None:
 
 
 @pytest.fixture
+def broken_plugin(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]:
+    """An installed-looking ``exl3`` plugin whose import fails (tests/plugins/exl3_broken_plugin), for
+    this test only: a dist-info with its entry point in a temporary directory on ``sys.path``, the
+    package source beside it. Returns the environment a subprocess needs to see it too. (It is not
+    installed by scripts/install.sh, so users' ``exl3`` commands never warn about it.)"""
+    dist = tmp_path / "exl3_broken_plugin-0.0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: exl3-broken-plugin\nVersion: 0.0.1\n")
+    (dist / "entry_points.txt").write_text("[exl3]\nbroken = exl3_broken_plugin\n")
+    src = TESTS / "plugins" / "exl3_broken_plugin" / "src"
+    for d in (str(src), str(tmp_path)):
+        monkeypatch.syspath_prepend(d)
+    path = os.pathsep.join([str(tmp_path), str(src), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {**os.environ, "PYTHONPATH": path}
+
+
+@pytest.fixture
 def clean_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
     """Drop every EXL3_* variable for the test and re-read settings before and after."""
     from exl3_core import settings

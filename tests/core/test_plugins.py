@@ -135,7 +135,7 @@ def test_allow_list_by_env(clean_settings) -> None:
     assert p.infos["llama"].blocked
 
 
-def test_broken_plugin_does_not_stop_others(clean_settings) -> None:
+def test_broken_plugin_does_not_stop_others(clean_settings, broken_plugin) -> None:
     p = load_plugins()
     assert "broken" in p.load_errors
     assert "DummyForCausalLM" in p.architectures()
@@ -144,16 +144,16 @@ def test_broken_plugin_does_not_stop_others(clean_settings) -> None:
     assert "broken" in str(ei.value) and "exl3_nonexistent_dependency_for_tests" in str(ei.value)
 
 
-def test_cli_plugins_lists_dummy_and_error() -> None:
+def test_cli_plugins_lists_dummy_and_error(broken_plugin: dict[str, str]) -> None:
     out = subprocess.run([sys.executable, "-m", "exl3_core", "plugins", "--json"], capture_output=True,
-                         text=True, check=True, env={**__import__("os").environ, "EXL3_LOG_LEVEL": "ERROR"})
+                         text=True, check=True, env={**broken_plugin, "EXL3_LOG_LEVEL": "ERROR"})
     rows = {r["name"]: r for r in json.loads(out.stdout)}
     assert rows["dummy"]["provides"]["architectures"] == ["DummyForCausalLM"]
     assert rows["dummy"]["distribution"] == "exl3-dummy-arch"
     assert "exl3_nonexistent_dependency_for_tests" in rows["broken"]["error"]
     assert rows["exl3_core.builtins.attn_torch"]["builtin"]
     text = subprocess.run([sys.executable, "-m", "exl3_core", "plugins"], capture_output=True, text=True,
-                          check=True).stdout
+                          check=True, env=broken_plugin).stdout
     assert "DummyForCausalLM" in text and "LOAD ERROR" in text
 
 
