@@ -51,10 +51,11 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=False,
                    help="quantize a block's input groups in forward order, each from a Hessian captured with "
                         "the earlier groups already quantized (one extra calibration pass per group)")
-    p.add_argument("--refit-final", type=float, default=0.0, metavar="BETA",
+    p.add_argument("--refit-final", type=float, default=None, metavar="BETA",
                    help="after quantizing, refit every stored fp16 scale for the final codes from the finished "
                         "model's inputs, aiming at the error-propagated target of strength BETA 0..1 (three extra "
-                        "calibration passes; format unchanged; default 0 = off)")
+                        "calibration passes; format unchanged; 0 = off; default: 0.5 on CUDA below 3.5 bpw, "
+                        "where it measured 6-8%% lower KL, else off)")
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                    help="on CUDA, TF32 tensor cores for the fp32 calibration matmuls (default on; --no-tf32 for "
                         "exact fp32)")

@@ -637,12 +637,25 @@ class Converter:
         return ConvertResult(self.out_dir, True, bits=bits, stages=job.stages, seconds=secs)
 
 
+def _recorded_arg(out_dir: str | Path, work_dir: str | Path | None, name: str, missing: Any) -> Any:
+    """``name`` as the interrupted job in the work directory recorded it (``missing`` when the job
+    predates the option); None when there is no readable job to resume."""
+    work = WorkDir(Path(work_dir).expanduser() if work_dir else
+                   Path(out_dir).expanduser().with_name(Path(out_dir).expanduser().name + ".work"))
+    if not work.exists():
+        return None
+    try:
+        return work.load_job().args.get(name, missing)
+    except (ResumeError, OSError, ValueError):
+        return None  # the resume itself reports what is wrong with the job file
+
+
 def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: int = 6, codebook: str = "mul1",
             out_scales: str = "always", cal_rows: int = 250, cal_cols: int = 2048, device: str = "cpu",
             shard_mib: int = 8192, work_dir: str | Path | None = None, resume: bool = False, seed: int = 0,
             text: str | Path | None = None, cal_random: float = RANDOM_FRACTION, propagate: float | None = None,
             refit_scales: bool = False, refit_propagate: float = 0.0, tf32: bool = True, sequential: bool = False,
-            refit_final: float = 0.0,
+            refit_final: float | None = None,
             report: Report | None = None,
             progress: bool = True,
             on_quantized: Callable[[str, QuantizedLinear], None] | None = None,
@@ -672,12 +685,20 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
     :param refit_final: β in [0, 1] (0: off): after every stage is quantized, refit all ``suh``/``svh``
         once more for the fixed codes from the finished model's own inputs, aiming at the
         error-propagated target of strength β (``convert/postpass.py``; three extra calibration passes
-        per stage, the unquantized model's states kept beside the quantized ones).
+        per stage, the unquantized model's states kept beside the quantized ones). None: the measured
+        default (``postpass.default_beta``: 0.5 for CUDA conversions below 3.5 bpw, else off).
     :param report: receives the per-tensor and per-module report lines (default: stderr).
     :param on_quantized: called with ``(key, QuantizedLinear)`` for every tensor quantized in this run.
     :param _stop_after_module: testing hook, return (unfinished) after checkpointing that stage index.
     :raises ResumeError: the work directory cannot be resumed with these arguments.
     """
+    from exl3_core.convert.postpass import default_beta
+
+    if refit_final is None:
+        # a resumed job keeps the post-pass setting it started with (the default depends on the device
+        # and changed over versions: jobs that do not record it ran without it)
+        recorded = _recorded_arg(out_dir, work_dir, "refit_final", 0.0) if resume else None
+        refit_final = default_beta(float(bpw), device) if recorded is None else float(recorded)
     args = ConvertArgs(in_dir=str(in_dir), out_dir=str(out_dir), bpw=float(bpw), head_bits=head_bits,
                        codebook=codebook, out_scales=out_scales, cal_rows=cal_rows, cal_cols=cal_cols, device=device,
                        shard_mib=shard_mib, work_dir=None if work_dir is None else str(work_dir), seed=seed,

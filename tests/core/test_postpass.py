@@ -4,7 +4,8 @@ On a tiny random 2-block Llama: the post-pass changes only suh/svh (every trelli
 an independent oracle (the loaded checkpoints run by ``Model.forward``, inputs caught by plain
 hooks, the target and the objective written out in fp64) shows the objective against the
 error-propagated target, measured with the fully quantized model's inputs, drops for every linear;
-β = 0 never runs the post-pass; stop/resume and a kill inside the post-pass stay byte-identical.
+β = 0 (the CPU default) never runs the post-pass; stop/resume and a kill inside the post-pass stay
+byte-identical.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     with pytest.MonkeyPatch.context() as mp:  # off: the post-pass must not even be called
         mp.setattr(postpass, "final_refit", boom)
-        _convert(src, tmp / "off", refit_final=0.0, work_dir=tmp / "off.work")
+        # no refit_final given: on the CPU the default is off (postpass.default_beta), like an explicit 0
+        _convert(src, tmp / "off", work_dir=tmp / "off.work")
     _convert(src, tmp / "on", refit_final=BETA, work_dir=tmp / "on.work")  # kept: its calibration ids
     return {"src": src, "off": tmp / "off", "on": tmp / "on", "work": tmp / "on.work", "off_work": tmp / "off.work"}
 
@@ -181,3 +183,20 @@ def test_stop_resume_and_kill_inside_the_post_pass_stay_byte_identical(
     assert res.completed and _files(out) == _files(runs["on"])
     with pytest.raises(ValueError, match="refit_final: was 0.5, now 0.25"):
         _convert(runs["src"], tmp_path / "o2", refit_final=0.25, work_dir=work, resume=True)
+
+
+def test_default_beta_is_on_for_cuda_below_3_5_bpw() -> None:
+    assert postpass.default_beta(3.0, "cuda") == postpass.DEFAULT_BETA == 0.5
+    assert postpass.default_beta(2.0, "cuda:1") == 0.5
+    assert postpass.default_beta(3.5, "cuda") == 0.0  # 4.0-class conversions keep the 8-minute budget
+    assert postpass.default_beta(4.0, "cuda") == 0.0
+    assert postpass.default_beta(3.0, "cpu") == 0.0  # on a CPU it costs about a second conversion
+
+
+def test_resume_keeps_the_recorded_setting(runs: dict[str, Path], tmp_path: Path) -> None:
+    """convert(resume=True) without refit_final adopts what the job file recorded, not today's default."""
+    from exl3_core.convert.pipeline import _recorded_arg
+
+    assert _recorded_arg(runs["on"], runs["work"], "refit_final", 0.0) == BETA
+    assert _recorded_arg(runs["off"], runs["off_work"], "refit_final", 0.0) == 0.0
+    assert _recorded_arg(tmp_path / "none", None, "refit_final", 0.0) is None  # nothing to resume
