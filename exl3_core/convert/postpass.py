@@ -34,7 +34,7 @@ from exl3_core.convert.capture import HessianCapture, LinearSlot
 from exl3_core.convert.propagation import CrossAccumulator, InputRecorder, propagated_weight
 from exl3_core.convert.stages import Stage, forward_stage, refresh_derived, replace_linear
 from exl3_core.loader import save_tensors
-from exl3_core.quant.exl3.hessian import HessianAccumulator, padded_size
+from exl3_core.quant.exl3.hessian import HessianAccumulator
 from exl3_core.quant.exl3.linear import EXL3Linear
 from exl3_core.quant.exl3.regularize import rotate
 from exl3_core.quant.exl3.scale_refit import refit_scales
