@@ -41,7 +41,8 @@ if not HAS_GDC:
 
 @functools.cache
 def _sm90_or_newer(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    # NVIDIA only: a ROCm build also reports is_cuda, with gfx9 parts as "capability 9.x"
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def early_launch(t: torch.Tensor) -> bool:
