@@ -8,7 +8,8 @@
 // Per shape (4096x14336, 14336x4096 and 4096x28672 = the 8B gate/up pair, K=4, codebook TUNE_CB): the fused op at m=1 for each k
 // chunk size given (0 = the launcher's one-wave choice), the decode-only kernel on the SAME shape
 // (the integer-pipeline ceiling for these weights, launch and tail included) and the inner split-k
-// GEMM. Timing: CUDA graph of 32 launches over rotating trellis copies (> 3x L2), CUDA events,
+// GEMM, and both the fused op and the decode-only kernel as programmatic dependents (back-to-back
+// launches overlapping, as the engine launches the linear with EXL3_PDL). Timing: CUDA graph of 32 launches over rotating trellis copies (> 3x L2), CUDA events,
 // median of 9 replays. Correctness: the fused output against an fp64 host reference built from
 // the reconstruct kernel's Ŵ (relative L2 error printed; must be < 1e-3).
 #include <cuda_fp16.h>
@@ -100,6 +101,29 @@ static void had128_host(double* v) {  // in place, normalized, as the kernels' b
 
 static float h2f(__half h) { return __half2float(h); }
 
+// The decode-only kernel launched as a programmatic dependent (same grid as launch_gemm_t picks). It
+// reads nothing an earlier launch writes, so it needs no griddepcontrol.wait.
+template <int K, int CB>
+static void decode_only_pdl_t(exl3::GemmArgs a, cudaStream_t st) {
+    auto kern = exl3::gemm_kernel<K, CB, 1, true>;
+    static int occ = -1;
+    if (occ < 0) CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, exl3::GEMM_WARPS * 32, 0));
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    a.kt_per_warp = exl3::pick_kt_per_warp(a.k_tiles, a.n_tiles, (long)sms * occ * exl3::GEMM_WARPS);
+    const long warps = (long)(a.n_tiles / exl3::GEMM_NT) * ((a.k_tiles + a.kt_per_warp - 1) / a.kt_per_warp);
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3((unsigned)((warps + exl3::GEMM_WARPS - 1) / exl3::GEMM_WARPS));
+    cfg.blockDim = dim3(exl3::GEMM_WARPS * 32);
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    CK(cudaLaunchKernelEx(&cfg, kern, a));
+}
+
 int main(int argc, char** argv) {
     std::vector<int> kts;
     for (int i = 1; i < argc; ++i) kts.push_back(std::atoi(argv[i]));
@@ -148,8 +172,9 @@ int main(int argc, char** argv) {
         CK(cudaMemset(z, 0, 16L * n * 4));
         CK(cudaMemset(cnt, 0, n / 128 * 4));
 
-        auto fused = [&](int kt_chunk, int i, cudaStream_t st) {
+        auto fused = [&](int kt_chunk, int i, cudaStream_t st, bool pdl = false) {
             exl3::FusedArgs a{};
+            a.pdl = pdl;
             a.x = x;
             a.m = 1;
             a.k_tiles = kt;
@@ -157,6 +182,19 @@ int main(int argc, char** argv) {
             a.n_problems = 1;
             a.p[0] = exl3::FusedProblem{tr + (long)(i % copies) * words, su, sv, y, z, cnt, nt, 0};
             return exl3::launch_fused_t<K, CB>(a, st);
+        };
+        auto gemm_args = [&](int i) {
+            exl3::GemmArgs g{};
+            g.x = x;
+            g.trellis = tr + (long)(i % copies) * words;
+            g.z = z;
+            g.sink = sink;
+            g.m = 1;
+            g.k_tiles = kt;
+            g.n_tiles = nt;
+            g.kt_per_warp = 0;
+            g.m0 = 0;
+            return g;
         };
         auto gemm = [&](bool dec, int i, cudaStream_t st) {
             exl3::GemmArgs g{};
@@ -208,6 +246,13 @@ int main(int argc, char** argv) {
         const float t_inner = time_graph([&](int i, cudaStream_t st) { gemm(false, i, st); });
         std::printf("%5dx%-5d  rel.err %.2e | decode-only (same shape) %.2f us = %.2f Tw/s | inner split-k GEMM %.2f us (%.0f%%)\n",
                     k, n, rel, t_dec * 1e6, weights / t_dec / 1e12, t_inner * 1e6, 100 * t_dec / t_inner);
+        // In the engine the linear runs as a programmatic dependent (EXL3_PDL): its blocks start while the
+        // kernel before it drains. Back-to-back launches, both kernels as dependents, show what is left of
+        // the per-launch fixed cost once the launches overlap.
+        const float t_dec_pdl = time_graph([&](int i, cudaStream_t st) { decode_only_pdl_t<K, CB>(gemm_args(i), st); });
+        const float t_pdl = time_graph([&](int i, cudaStream_t st) { fused(0, i, st, true); });
+        std::printf("   with PDL: decode-only %.2f us, fused kt=0 %.2f us -> %.1f%% of decode-only with PDL, %.1f%% of "
+                    "plain decode-only\n", t_dec_pdl * 1e6, t_pdl * 1e6, 100 * t_dec_pdl / t_pdl, 100 * t_dec / t_pdl);
         for (int c : kts) {
             int used = 0;
             const float t = time_graph([&](int i, cudaStream_t st) { used = fused(c, i, st); });
