@@ -5,11 +5,12 @@
 //   nvcc -std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -Icsrc [-D...] \
 //        bench/gemv_tune.cu -o gemv_tune && ./gemv_tune [kt ...]
 //
-// Per shape (4096x14336, 14336x4096 and 4096x28672 = the 8B gate/up pair, K=4, codebook TUNE_CB): the fused op at m=1 for each k
-// chunk size given (0 = the launcher's one-wave choice), the decode-only kernel on the SAME shape
-// (the integer-pipeline ceiling for these weights, launch and tail included) and the inner split-k
-// GEMM, and both the fused op and the decode-only kernel as programmatic dependents (back-to-back
-// launches overlapping, as the engine launches the linear with EXL3_PDL). Timing: CUDA graph of 32 launches over rotating trellis copies (> 3x L2), CUDA events,
+// Per shape (4096x14336, 14336x4096 and 4096x28672 = the 8B gate/up pair; K=4, codebook TUNE_CB):
+// the fused op at m=1 for each k chunk size given (0 = the launcher's choice), the decode-only kernel
+// on the SAME shape (the integer-pipeline ceiling for these weights, launch and tail included), the
+// inner split-k GEMM, and the fused op and the decode-only kernel as programmatic dependents
+// (back-to-back launches overlapping, as the engine launches the linear with EXL3_PDL).
+// Timing: CUDA graph of 32 launches over rotating trellis copies (> 3x L2), CUDA events,
 // median of 9 replays. Correctness: the fused output against an fp64 host reference built from
 // the reconstruct kernel's Ŵ (relative L2 error printed; must be < 1e-3).
 #include <cuda_fp16.h>
