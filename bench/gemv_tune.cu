@@ -113,16 +113,8 @@ static void decode_only_pdl_t(exl3::GemmArgs a, cudaStream_t st) {
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     a.kt_per_warp = exl3::pick_kt_per_warp(a.k_tiles, a.n_tiles, (long)sms * occ * exl3::GEMM_WARPS);
     const long warps = (long)(a.n_tiles / exl3::GEMM_NT) * ((a.k_tiles + a.kt_per_warp - 1) / a.kt_per_warp);
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3((unsigned)((warps + exl3::GEMM_WARPS - 1) / exl3::GEMM_WARPS));
-    cfg.blockDim = dim3(exl3::GEMM_WARPS * 32);
-    cfg.stream = st;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    CK(cudaLaunchKernelEx(&cfg, kern, a));
+    CK(exl3::launch_as_dependent(kern, (unsigned)((warps + exl3::GEMM_WARPS - 1) / exl3::GEMM_WARPS),
+                                 exl3::GEMM_WARPS * 32, st, a));
 }
 
 int main(int argc, char** argv) {
@@ -198,16 +190,7 @@ int main(int argc, char** argv) {
             return g;
         };
         auto gemm = [&](bool dec, int i, cudaStream_t st) {
-            exl3::GemmArgs g{};
-            g.x = x;
-            g.trellis = tr + (long)(i % copies) * words;
-            g.z = z;
-            g.sink = sink;
-            g.m = 1;
-            g.k_tiles = kt;
-            g.n_tiles = nt;
-            g.kt_per_warp = 0;
-            g.m0 = 0;
+            const exl3::GemmArgs g = gemm_args(i);
             return dec ? exl3::launch_gemm_t<K, CB, 1, true>(g, st) : exl3::launch_gemm_t<K, CB, 1, false>(g, st);
         };
 

@@ -265,17 +265,7 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         kern<<<(unsigned)blocks, GEMM_WARPS * 32, 0, st>>>(a);
         return a.kt_per_chunk;
     }
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3((unsigned)blocks);
-    cfg.blockDim = dim3(GEMM_WARPS * 32);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = st;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    cudaLaunchKernelEx(&cfg, kern, a);  // errors surface through cudaGetLastError at the caller
+    launch_as_dependent(kern, (unsigned)blocks, GEMM_WARPS * 32, st, a);  // errors: cudaGetLastError at the caller
     return a.kt_per_chunk;
 }
 

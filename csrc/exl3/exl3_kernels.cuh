@@ -318,6 +318,23 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(GemmArgs p) {
 
 // ------------------------------------------------------------------ host-side launchers
 
+// Launch kern<<<grid, block, 0, st>>>(a) as a programmatic dependent of the previous kernel on the
+// stream (Hopper PDL: it may start before that kernel completes; exl3_core/kernels/pdl.py)
+template <class Kern, class Arg>
+inline cudaError_t launch_as_dependent(Kern kern, unsigned grid, unsigned block, cudaStream_t st, const Arg& a) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(grid);
+    cfg.blockDim = dim3(block);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kern, a);
+}
+
 // k tiles per warp so that the grid is about one full wave of resident warps (all warps of a GEMM
 // do equal work, so a single wave has no tail); the x rows are re-read once per k chunk.
 inline int pick_kt_per_warp(int k_tiles, int n_tiles, long resident_warps) {
