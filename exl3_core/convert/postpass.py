@@ -44,9 +44,9 @@ SIGMA_REG = 0.025  # the damping LDLQ's Hessian carries (finalize_hessian's sigm
 REFIT_DIR = "refit"
 # The default (``exl3 convert`` without --refit-final): β = 0.5 for CUDA conversions below 3.5 bpw.
 # Measured (docs/quality.md): model_a 3.0 bpw, 4 seeds, mean KL 0.07960 -> 0.07500, every seed better;
-# SmolLM2-135M 3.0 bpw KLD 0.1108 -> 0.1024; 4.0 bpw gains less (model_a -3.5%). Cost: ~5.5 s per 8B
-# block on an H200 (+~3 min for the 8B shape), but about as long as the conversion itself on a 2-core
-# CPU, hence off there.
+# the embedded 135M default model at 3.0 bpw KLD 0.1108 -> 0.1024; 4.0 bpw gains less (model_a
+# -3.5%). Cost: ~5.5 s per 8B block on an H200 (+~3 min for the 8B shape), but about as long as the
+# conversion itself on a 2-core CPU, hence off there.
 DEFAULT_BETA = 0.5
 DEFAULT_BELOW_BPW = 3.5
 
