@@ -36,6 +36,7 @@ from exl3_core.convert.concurrent import run_on_streams
 from exl3_core.convert.propagation import CrossAccumulator, InputRecorder, default_strength, propagated_weight
 from exl3_core.convert.stages import (
     Stage,
+    advance_states,
     conversion_stages,
     forward_stage,
     load_recording,
@@ -489,15 +490,7 @@ class Converter:
                                       ids[:n_metric, :HEAD_METRIC_COLS]).cpu()
                 metrics = error_metrics(y, ref)
         else:
-            outs = []
-            home = x.device if x.is_floating_point() else None
-            with torch.no_grad():
-                for c in chunks:
-                    y = forward_stage(self.model, st, x[c].to(dev), ids[c].to(dev)).float()
-                    if home is None:  # the embedding (input: host token ids): straight to the states' home
-                        home = self._home(x.numel() * y.shape[-1] * y.element_size())
-                    outs.append(y.to(home))
-            new_x = torch.cat(outs)
+            new_x = advance_states(self.model, st, x, ids, chunks, dev, self._home)
             if x_fp is not None:  # advance the unquantized model's states too
                 if not fp_outs:
                     with torch.no_grad():

@@ -32,7 +32,7 @@ import torch
 
 from exl3_core.convert.capture import HessianCapture, LinearSlot
 from exl3_core.convert.propagation import CrossAccumulator, InputRecorder, propagated_weight
-from exl3_core.convert.stages import Stage, forward_stage, refresh_derived, replace_linear
+from exl3_core.convert.stages import Stage, advance_states, forward_stage, refresh_derived, replace_linear
 from exl3_core.loader import save_tensors
 from exl3_core.quant.exl3.hessian import HessianAccumulator
 from exl3_core.quant.exl3.linear import EXL3Linear
@@ -125,19 +125,6 @@ def _refit_linear(key: str, stage: int, lin: EXL3Linear, weight: torch.Tensor, a
     return rec, r.su.to(torch.float16), r.sv.to(torch.float16)
 
 
-def _advance(model: Any, st: Stage, x: torch.Tensor, ids: torch.Tensor, chunks: Sequence[slice],
-             device: torch.device, home: Callable[[int], torch.device]) -> torch.Tensor:
-    """``x`` through stage ``st`` as it is installed now, chunk by chunk (fp32 states)."""
-    outs: list[torch.Tensor] = []
-    where: torch.device | None = x.device if x.is_floating_point() else None
-    for c in chunks:
-        y = forward_stage(model, st, x[c].to(device), ids[c].to(device)).float()
-        if where is None:  # token ids in: the states' home is chosen by their size
-            where = home(x.numel() * y.shape[-1] * y.element_size())
-        outs.append(y.to(where))
-    return torch.cat(outs)
-
-
 def final_refit(model: Any, stages: Sequence[Stage], slots: dict[int, list[LinearSlot]], files: Sequence[Path],
                 ids: torch.Tensor, beta: float, device: torch.device | str, *, chunks: Sequence[slice],
                 work_path: Path, home: Callable[[int], torch.device] | None = None,
@@ -171,8 +158,8 @@ def final_refit(model: Any, stages: Sequence[Stage], slots: dict[int, list[Linea
             fslots = [s for s in slots[st.index] if f"{s.key}.trellis" in tensors]
             if not fslots:  # nothing quantized here: both models run the same module
                 if st.kind != "head":
-                    x_q = _advance(model, st, x_q, ids, chunks, dev, home)
-                    x_f = None if x_f is None else _advance(model, st, x_f, ids, chunks, dev, home)
+                    x_q = advance_states(model, st, x_q, ids, chunks, dev, home)
+                    x_f = None if x_f is None else advance_states(model, st, x_f, ids, chunks, dev, home)
                 continue
             if x_f is None:
                 x_f = x_q
@@ -198,7 +185,7 @@ def final_refit(model: Any, stages: Sequence[Stage], slots: dict[int, list[Linea
                 out_files[st.index].parent.mkdir(parents=True, exist_ok=True)
                 save_tensors(tensors, out_files[st.index])
             if st.kind != "head":
-                x_q = _advance(model, st, x_q, ids, chunks, dev, home)
+                x_q = advance_states(model, st, x_q, ids, chunks, dev, home)
                 x_f = fp_out
     return out_files, records
 

@@ -17,7 +17,7 @@ stage's modules read: those are exactly the tensors the stage owns in the output
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -150,6 +150,22 @@ def forward_stage(model: Any, stage: Stage, inp: torch.Tensor, ids: torch.Tensor
     else:
         y = m(inp.reshape(B * S, -1))
     return y.reshape(B, S, -1)
+
+
+def advance_states(model: Any, stage: Stage, x: torch.Tensor, ids: torch.Tensor, chunks: Sequence[slice],
+                   device: torch.device, home: Callable[[int], torch.device]) -> torch.Tensor:
+    """``x`` through ``stage`` as it is installed now, chunk by chunk, as fp32 states. Float states stay
+    on their device; from token ids (the embedding) the states go where ``home(nbytes)`` puts a set of
+    their size, chunk by chunk, so a whole set never sits on the compute device twice."""
+    outs: list[torch.Tensor] = []
+    where: torch.device | None = x.device if x.is_floating_point() else None
+    with torch.no_grad():
+        for c in chunks:
+            y = forward_stage(model, stage, x[c].to(device), ids[c].to(device)).float()
+            if where is None:
+                where = home(x.numel() * y.shape[-1] * y.element_size())
+            outs.append(y.to(where))
+    return torch.cat(outs)
 
 
 def _refresh_moe(m: Any, dtype: torch.dtype, device: torch.device) -> None:
