@@ -271,8 +271,7 @@ class Converter:
         self.in_dir = Path(args.in_dir).expanduser()
         self.out_dir = Path(args.out_dir).expanduser()
         default_work = args.work_dir is None
-        self.work = WorkDir(Path(args.work_dir).expanduser() if args.work_dir else
-                            self.out_dir.with_name(self.out_dir.name + ".work"))
+        self.work = WorkDir.for_output(self.out_dir, args.work_dir)
         self.remove_work_when_done = default_work
         self.device = torch.device(args.device)
         self.x_fp: torch.Tensor | None = None  # unquantized-model states (error propagation only)
@@ -633,8 +632,7 @@ class Converter:
 def _recorded_arg(out_dir: str | Path, work_dir: str | Path | None, name: str, missing: Any) -> Any:
     """``name`` as the interrupted job in the work directory recorded it (``missing`` when the job
     predates the option); None when there is no readable job to resume."""
-    work = WorkDir(Path(work_dir).expanduser() if work_dir else
-                   Path(out_dir).expanduser().with_name(Path(out_dir).expanduser().name + ".work"))
+    work = WorkDir.for_output(out_dir, work_dir)
     if not work.exists():
         return None
     try:

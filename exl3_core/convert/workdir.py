@@ -59,6 +59,14 @@ class WorkDir:
     def __init__(self, path: Path) -> None:
         self.path = path
 
+    @classmethod
+    def for_output(cls, out_dir: str | Path, work_dir: str | Path | None) -> WorkDir:
+        """The work directory of a conversion into ``out_dir``: ``work_dir``, or ``<out_dir>.work``."""
+        if work_dir:
+            return cls(Path(work_dir).expanduser())
+        out = Path(out_dir).expanduser()
+        return cls(out.with_name(out.name + ".work"))
+
     @property
     def job_file(self) -> Path:
         return self.path / JOB_FILE
@@ -68,9 +76,6 @@ class WorkDir:
 
     def stage_file(self, index: int) -> Path:
         return self.path / "stages" / f"{index:04d}.safetensors"
-
-    def states_file(self, name: str) -> Path:
-        return self.path / name
 
     # -- job --------------------------------------------------------------------------------------
     def load_job(self) -> Job:
@@ -213,7 +218,7 @@ class StatesCommitter:
             if event is not None:
                 event.synchronize()
             if index is not None and host is not None:
-                save_tensors({"states": host.contiguous()}, self.work.states_file(job.states or ""))
+                self.work.save_states(index, host)
             self.work.save_job(job)  # the commit point
             self.work.drop_old_states(job.states)
         except BaseException as e:  # noqa: BLE001 - handed to the main thread by wait()
