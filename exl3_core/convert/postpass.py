@@ -34,7 +34,7 @@ from exl3_core.convert.capture import HessianCapture, LinearSlot
 from exl3_core.convert.propagation import CrossAccumulator, InputRecorder, propagated_weight
 from exl3_core.convert.stages import Stage, advance_states, forward_stage, refresh_derived, replace_linear
 from exl3_core.loader import save_tensors
-from exl3_core.quant.exl3.hessian import HessianAccumulator
+from exl3_core.quant.exl3.hessian import HessianAccumulator, mean_hessian64
 from exl3_core.quant.exl3.linear import EXL3Linear
 from exl3_core.quant.exl3.regularize import rotate
 from exl3_core.quant.exl3.scale_refit import refit_scales
@@ -80,9 +80,7 @@ def refit_file(work_path: Path, index: int) -> Path:
 def damped_hessian(h_sum: torch.Tensor, count: int, k: int) -> torch.Tensor:
     """``Σ XᵀX / count`` zero-padded to ``k`` and damped like LDLQ's (``SIGMA_REG``·mean diag), fp64."""
     kt = h_sum.shape[0]
-    h = torch.zeros(k, k, dtype=torch.float64, device=h_sum.device)
-    h[:kt, :kt] = h_sum.to(torch.float64) / max(count, 1)
-    h = 0.5 * (h + h.T)
+    h = mean_hessian64(h_sum, max(count, 1), k)
     h.diagonal()[:kt].add_(SIGMA_REG * float(h.diagonal()[:kt].mean()))
     return h
 

@@ -103,6 +103,15 @@ def fallback_hessian(in_features: int, *, seed: int = 0, reason: str = "no calib
     return _fallback(k, sign_pattern(k, seed), 0, reason, seed)
 
 
+def mean_hessian64(h_sum: torch.Tensor, count: int, k: int) -> torch.Tensor:
+    """``Σ XᵀX / count`` in fp64 on the sum's device, zero-padded to ``[k, k]`` and symmetrised (fp32
+    accumulation leaves tiny asymmetries). ``count`` > 0."""
+    kt = h_sum.shape[0]
+    h = torch.zeros(k, k, dtype=torch.float64, device=h_sum.device)
+    h[:kt, :kt] = h_sum.detach().to(torch.float64) / count
+    return 0.5 * (h + h.T)
+
+
 def finalize_hessian(
     h_sum: torch.Tensor,
     count: int,
@@ -130,9 +139,7 @@ def finalize_hessian(
         return _fallback(k, su0, 0, "no calibration rows (count=0)", seed)
     # fp64 on the sum's device: a GPU factorises a 14336-wide H in well under a second, a CPU in tens
     dev = h_sum.device
-    h = torch.zeros(k, k, dtype=torch.float64, device=dev)
-    h[:k_true, :k_true] = h_sum.detach().to(torch.float64) / count
-    h = 0.5 * (h + h.T)  # fp32 accumulation leaves tiny asymmetries
+    h = mean_hessian64(h_sum, count, k)
     diag = h.diagonal().clone()
     mean_diag = float(diag.mean())
     if not math.isfinite(mean_diag) or not bool(torch.isfinite(h).all()):
