@@ -58,7 +58,7 @@ struct FusedArgs {
     // programmatic dependent launch (Hopper): the grid may start while the previous kernel on the
     // stream is still finishing; it prefetches trellis words (which nothing before it writes), then
     // waits (griddepcontrol.wait) before touching x or the workspace. The kernel always signals its
-    // own dependents at its start (a no-op when none is launched as one).
+    // own dependents at its start (a no-op when none is launched as one). sm_90 or newer only.
     bool pdl;
 };
 
@@ -258,10 +258,7 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         blocks += (long)(a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS)) * chunks;
     }
     if (blocks <= 0) return a.kt_per_chunk;
-    int dev = 0, major = 0;
-    cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
-    if (!a.pdl || major < 9) {  // programmatic dependent launch needs sm_90 or newer
+    if (!a.pdl) {
         kern<<<(unsigned)blocks, GEMM_WARPS * 32, 0, st>>>(a);
         return a.kt_per_chunk;
     }

@@ -281,7 +281,8 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
     a.k_tiles = (int)trellis[0].size(0);
     a.kt_per_chunk = (int)kt_per_chunk;
     a.n_problems = (int)trellis.size();
-    a.pdl = g_pdl.load(std::memory_order_relaxed);
+    // programmatic dependent launch is Hopper's (sm_90+); torch caches the device properties
+    a.pdl = g_pdl.load(std::memory_order_relaxed) && at::cuda::getDeviceProperties(x.device().index())->major >= 9;
     int64_t n_off = 0;
     for (size_t i = 0; i < trellis.size(); ++i) {
         exl3::FusedProblem& p = a.p[i];
