@@ -17,11 +17,12 @@ import io
 import pstats
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from exl3_core.bench.models import build_model, parse_shape
-from exl3_core.bench.run import _sync, bench_prefill, graph_step_time
+from exl3_core.bench.run import _sync, bench_prefill, graph_step_time, prefill_meta
 
 
 def _emit(text: str, out: Path | None, name: str) -> None:
@@ -35,17 +36,12 @@ def profile_prefill(shape_name: str, tokens: int, out: Path | None, device: str 
                     small_tokens: int = 128) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from exl3_core.archkit.batch import BatchMeta
-
     shape = parse_shape(shape_name)
     model, cache = build_model(shape, bpw=4.0, head_bits=6, codebook="mul1", device=device,
                                cache_tokens=2 * tokens + 1024)
     r = bench_prefill(model, cache, tokens=tokens)
-    ps = cache.page_size
-    pages = cache.allocator.allocate(-(-tokens // ps))
-    ids = torch.randint(0, shape.vocab, (tokens,)).tolist()
-    meta = BatchMeta.from_lists([ids], [0], device=model.device, page_table=torch.tensor([pages], dtype=torch.int32),
-                                page_size=ps, logits_indices=torch.tensor([tokens - 1], device=model.device))
+    pages = cache.allocator.allocate(-(-tokens // cache.page_size))
+    meta = prefill_meta(model, cache, tokens, pages, seed=1)
     model.forward_batch(meta, cache)
     _sync(model.device)
     cuda = model.device.type == "cuda"
@@ -67,29 +63,13 @@ def _host_small(model: object, cache: object, tokens: int) -> str:
     64 rows, but little GPU work) timed host-side with the GPU idle at the start, plus a cProfile of
     it by own time. If this enqueue time is far below the 2048-token device time, the host is not
     what bounds the long prefill."""
-    from exl3_core.archkit.batch import BatchMeta
-
-    ps = cache.page_size  # type: ignore[attr-defined]
-    pages = cache.allocator.allocate(-(-tokens // ps))  # type: ignore[attr-defined]
+    pages = cache.allocator.allocate(-(-tokens // cache.page_size))  # type: ignore[attr-defined]
     try:
-        ids = torch.randint(0, model.config.hf.vocab_size, (tokens,)).tolist()  # type: ignore[attr-defined]
-        meta = BatchMeta.from_lists([ids], [0], device=model.device,  # type: ignore[attr-defined]
-                                    page_table=torch.tensor([pages], dtype=torch.int32), page_size=ps,
-                                    logits_indices=torch.tensor([tokens - 1], device=model.device))  # type: ignore[attr-defined]
+        meta = prefill_meta(model, cache, tokens, pages, seed=2)
         fwd = model.forward_batch  # type: ignore[attr-defined]
-        enq, dev = [], []
-        for _ in range(6):
-            _sync(torch.device("cuda"))
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            t = time.perf_counter()
-            e0.record()
-            fwd(meta, cache)
-            enq.append(time.perf_counter() - t)
-            e1.record()
-            e1.synchronize()
-            dev.append(e0.elapsed_time(e1) / 1e3)
-        enq.sort()
-        dev.sort()
+        runs = [_enqueue_vs_device(fwd, meta, cache) for _ in range(6)]
+        enq = sorted(e for e, _ in runs)
+        dev = sorted(d for _, d in runs)
         pr = cProfile.Profile()
         _sync(torch.device("cuda"))
         pr.enable()
@@ -104,14 +84,9 @@ def _host_small(model: object, cache: object, tokens: int) -> str:
             f"(GPU idle at the start)\n" + s.getvalue())
 
 
-def _host_vs_device(model: object, cache: object, meta: object, out: Path | None) -> str:
-    """Why a forward's wall time exceeds its kernels' sum: host enqueue time vs device time, the
-    synchronising calls made during one forward (torch's sync debug mode), and a Chrome trace."""
-    import warnings
-
-    from torch.profiler import ProfilerActivity, profile
-
-    fwd = model.forward_batch  # type: ignore[attr-defined]
+def _enqueue_vs_device(fwd: Any, meta: object, cache: object) -> tuple[float, float]:
+    """Seconds the host takes to enqueue one forward, and its device time by CUDA events, starting
+    from an idle GPU."""
     _sync(torch.device("cuda"))
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t = time.perf_counter()
@@ -120,7 +95,19 @@ def _host_vs_device(model: object, cache: object, meta: object, out: Path | None
     enqueue = time.perf_counter() - t
     e1.record()
     e1.synchronize()
-    lines = [f"host enqueue of one forward {enqueue * 1e3:.2f} ms; device (events) {e0.elapsed_time(e1):.2f} ms\n"]
+    return enqueue, e0.elapsed_time(e1) / 1e3
+
+
+def _host_vs_device(model: object, cache: object, meta: object, out: Path | None) -> str:
+    """Why a forward's wall time exceeds its kernels' sum: host enqueue time vs device time, the
+    synchronising calls made during one forward (torch's sync debug mode), and a Chrome trace."""
+    import warnings
+
+    from torch.profiler import ProfilerActivity, profile
+
+    fwd = model.forward_batch  # type: ignore[attr-defined]
+    enqueue, device = _enqueue_vs_device(fwd, meta, cache)
+    lines = [f"host enqueue of one forward {enqueue * 1e3:.2f} ms; device (events) {device * 1e3:.2f} ms\n"]
     torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:

@@ -183,19 +183,22 @@ def graph_step_time(model: Any, cache: Any, *, batch: int, ctx: int) -> float | 
         graphs.reset()
 
 
-def bench_prefill(model: Any, cache: Any, *, tokens: int, seed: int = 0) -> dict[str, Any]:
-    """Tokens/s of one ``tokens``-long prefill forward over the paged cache (logits of the last row only)."""
+def prefill_meta(model: Any, cache: Any, tokens: int, pages: list[int], seed: int = 0) -> Any:
+    """BatchMeta of one fresh sequence of ``tokens`` random ids over the cache ``pages`` (enough for
+    them), asking for the logits of the last row only."""
     from exl3_core.archkit.batch import BatchMeta
 
-    ps = cache.page_size
-    n_pages = -(-tokens // ps)
-    pages = cache.allocator.allocate(n_pages)
+    vocab = model.config.hf.vocab_size
+    ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return BatchMeta.from_lists([ids], [0], device=model.device, page_table=torch.tensor([pages], dtype=torch.int32),
+                                page_size=cache.page_size, logits_indices=torch.tensor([tokens - 1], device=model.device))
+
+
+def bench_prefill(model: Any, cache: Any, *, tokens: int, seed: int = 0) -> dict[str, Any]:
+    """Tokens/s of one ``tokens``-long prefill forward over the paged cache (logits of the last row only)."""
+    pages = cache.allocator.allocate(-(-tokens // cache.page_size))
     try:
-        vocab = model.config.hf.vocab_size
-        ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
-        table = torch.tensor([pages], dtype=torch.int32)
-        meta = BatchMeta.from_lists([ids], [0], device=model.device, page_table=table, page_size=ps,
-                                    logits_indices=torch.tensor([tokens - 1], device=model.device))
+        meta = prefill_meta(model, cache, tokens, pages, seed)
         t = time_median(lambda: model.forward_batch(meta, cache), model.device, warmup=2, iters=5)
     finally:
         cache.allocator.release(pages)
