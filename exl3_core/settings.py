@@ -16,7 +16,8 @@ them (tests use it after changing the environment).
 | ``EXL3_DISABLE_EXT`` | ``1``: never load the compiled extension (pure torch everywhere) |
 | ``EXL3_NUM_THREADS`` | CPU threads for the compiled CPU ops (0 = torch's default) |
 | ``EXL3_PAGE_SIZE`` | KV-cache page size in tokens (default 256) |
-| ``EXL3_CUDA_GRAPHS`` | ``0`` disables CUDA-graph decode |
+| ``EXL3_CUDA_GRAPHS`` | ``0`` disables CUDA graphs (decode steps and prefill chunks) |
+| ``EXL3_PREFILL_GRAPH_MAX`` | largest prefill chunk (tokens) run as a CUDA graph (default 2048; ``0``: prefill always eager) |
 | ``EXL3_OVERLAP_DECODE`` | ``0`` disables the generator's one-step-ahead greedy decode loop (debugging) |
 | ``EXL3_PDL`` | ``0`` disables programmatic dependent launch (Hopper) of the decode-size EXL3 linear and the early launch signal of the kernels before it |
 | ``EXL3_LOG_LEVEL`` | log level for the ``exl3`` logger (default ``WARNING``) |
@@ -71,6 +72,7 @@ class Settings:
     num_threads: int = 0
     page_size: int = 256
     cuda_graphs: bool = True
+    prefill_graph_max: int = 2048
     overlap_decode: bool = True
     pdl: bool = True
     log_level: str = "WARNING"
@@ -94,6 +96,9 @@ class Settings:
         page_size = _int("PAGE_SIZE", g("PAGE_SIZE"), 256)
         if page_size <= 0 or page_size % 16:
             raise ValueError(f"{PREFIX}PAGE_SIZE={page_size} must be a positive multiple of 16")
+        prefill_graph_max = _int("PREFILL_GRAPH_MAX", g("PREFILL_GRAPH_MAX"), 2048)
+        if prefill_graph_max < 0:
+            raise ValueError(f"{PREFIX}PREFILL_GRAPH_MAX={prefill_graph_max} must be >= 0 (0 disables prefill graphs)")
         dm = g("DEFAULT_MODEL")
         return cls(
             plugins=_list(g("PLUGINS")),
@@ -107,6 +112,7 @@ class Settings:
             num_threads=_int("NUM_THREADS", g("NUM_THREADS"), 0),
             page_size=page_size,
             cuda_graphs=flag("CUDA_GRAPHS", True),
+            prefill_graph_max=prefill_graph_max,
             overlap_decode=flag("OVERLAP_DECODE", True),
             pdl=flag("PDL", True),
             log_level=(g("LOG_LEVEL") or "WARNING").upper(),

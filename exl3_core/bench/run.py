@@ -5,7 +5,10 @@ Figures (each from the same process, so the bounds are measured on the same card
 * ``decode``: generator tokens/s for b=1 at context 256 and 4096 and for b=8, b=32 at 256
   (greedy, CUDA-graph decode where available, the whole engine loop including host work), and
   ``graph_step_ms``: the replayed decode step alone (GPU time per step, events);
-* ``prefill``: tokens/s of one 2048-token forward over the paged cache;
+* ``prefill``: tokens/s of one 2048-token prefill of a fresh sequence over the paged cache, as the
+  generator runs it (a replayed CUDA graph where :mod:`exl3_core.generator.graphs` accepts it) and
+  eagerly; ``prefills`` holds the same for every length asked for (short prompts show the per-forward
+  host cost that the graph removes);
 * bounds: ``roofline`` = bytes read per decode token (weights + KV at that context) / measured
   device-to-device copy bandwidth (read + written bytes), and ``decode_ceiling`` = time to decode
   every quantized weight once at the ``exl3::decode_bench`` rate of its own shape, K and codebook
@@ -195,14 +198,28 @@ def prefill_meta(model: Any, cache: Any, tokens: int, pages: list[int], seed: in
 
 
 def bench_prefill(model: Any, cache: Any, *, tokens: int, seed: int = 0) -> dict[str, Any]:
-    """Tokens/s of one ``tokens``-long prefill forward over the paged cache (logits of the last row only)."""
+    """Tokens/s of one ``tokens``-long prefill of a fresh sequence over the paged cache (logits of the
+    last row only): eager, and replayed as the generator runs it (a CUDA graph of the padded bucket,
+    inputs staged from the host each call) when :class:`~exl3_core.generator.graphs.PrefillGraphs`
+    accepts it. ``seconds``/``tok_s`` are the generator's path."""
+    from exl3_core.generator.graphs import PrefillGraphs
+
     pages = cache.allocator.allocate(-(-tokens // cache.page_size))
     try:
         meta = prefill_meta(model, cache, tokens, pages, seed)
-        t = time_median(lambda: model.forward_batch(meta, cache), model.device, warmup=2, iters=5)
+        eager = time_median(lambda: model.forward_batch(meta, cache), model.device, warmup=2, iters=5)
+        out: dict[str, Any] = {"tokens": tokens, "eager_seconds": eager, "eager_tok_s": tokens / eager,
+                               "path": "eager", "seconds": eager, "tok_s": tokens / eager}
+        graphs = PrefillGraphs.create(model, cache, len(pages), tokens)
+        bucket = graphs.bucket(tokens, 0, len(pages)) if graphs is not None else None
+        if graphs is not None and bucket is not None:
+            ids = meta.input_ids.tolist()
+            t = time_median(lambda: graphs.run(ids, pages), model.device, warmup=2, iters=5)
+            graphs.reset()
+            out.update(path="graph", bucket=bucket, graph_seconds=t, seconds=t, tok_s=tokens / t)
     finally:
         cache.allocator.release(pages)
-    return {"tokens": tokens, "seconds": t, "tok_s": tokens / t}
+    return out
 
 
 def profile_decode(model: Any, cache: Any, *, ctx: int = 256, steps: int = 5, rows: int = 18) -> str:
@@ -237,10 +254,12 @@ def profile_decode(model: Any, cache: Any, *, ctx: int = 256, steps: int = 5, ro
 
 def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6, codebook: str = "mcg",
               device: str | torch.device | None = None, contexts: tuple[int, ...] = (256, 4096),
-              batches: tuple[int, ...] = (8, 32), prefill_tokens: int = 2048, new_tokens: int = 128,
+              batches: tuple[int, ...] = (8, 32), prefill_tokens: int | tuple[int, ...] = 2048, new_tokens: int = 128,
               profile: bool = False, vs_transformers: bool = False,
               log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every figure of the module docstring as one dict (see ``exl3 bench --help``)."""
+    prefills = tuple(t for t in ((prefill_tokens,) if isinstance(prefill_tokens, int) else prefill_tokens) if t > 0)
+    longest = max(prefills, default=0)
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     out: dict[str, Any] = {"shape": shape_dict(shape), "bpw": bpw, "head_bits": head_bits, "codebook": codebook,
                            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
@@ -257,7 +276,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
 
     # every bench run at once, in whole pages, twice over (prefix-cached pages stay resident)
     need = pages(max(contexts) + new_tokens + 8) + max(batches, default=1) * pages(min(contexts) + new_tokens + 8)
-    cache_tokens = 2 * ps * (need + pages(prefill_tokens))
+    cache_tokens = 2 * ps * (need + pages(longest))
     t0 = time.perf_counter()
     model, cache = build_model(shape, bpw=bpw, head_bits=head_bits, codebook=codebook, device=dev,
                                cache_tokens=cache_tokens)
@@ -298,10 +317,15 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
     b1 = [r for r in decode if r["batch"] == 1 and r["ctx"] == min(contexts)]
     if b1:
         out["batch_scaling"] = {str(r["batch"]): r["tok_s"] / b1[0]["tok_s"] for r in decode if r["ctx"] == min(contexts)}
-    if prefill_tokens:
-        p = bench_prefill(model, cache, tokens=prefill_tokens)
-        out["prefill"] = p
-        log(f"prefill {prefill_tokens} tokens: {p['tok_s']:.0f} tok/s ({p['seconds'] * 1e3:.1f} ms)")
+    if prefills:
+        out["prefills"] = []
+        for n in prefills:
+            p = bench_prefill(model, cache, tokens=n)
+            out["prefills"].append(p)
+            if n == longest:
+                out["prefill"] = p
+            extra = f"; eager {p['eager_tok_s']:.0f} tok/s ({p['eager_seconds'] * 1e3:.2f} ms)" if p["path"] == "graph" else ""
+            log(f"prefill {n} tokens ({p['path']}): {p['tok_s']:.0f} tok/s ({p['seconds'] * 1e3:.2f} ms){extra}")
     if profile:
         out["profile_b1"] = profile_decode(model, cache, ctx=min(contexts))
         log(out["profile_b1"])
@@ -311,7 +335,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
 
         try:
             out["transformers"] = transformers_decode(shape, dev, ctx=min(contexts), new_tokens=min(new_tokens, 64),
-                                                      prefill_tokens=prefill_tokens)
+                                                      prefill_tokens=longest)
         except Exception as e:  # noqa: BLE001 - the comparison is optional; keep the exl3 figures
             out["transformers"] = {"error": f"{type(e).__name__}: {e}"}
         log(f"transformers bf16: {out['transformers']}")

@@ -23,6 +23,7 @@ raising) ends that job with ``eos_reason="error"`` and leaves the others running
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -40,6 +41,8 @@ from exl3_core.generator.job import Job
 from exl3_core.generator.overlap import DecodePipeline
 from exl3_core.generator.stop import HeldText, TextStream
 from exl3_core.sampling.sampler import sample
+
+log = logging.getLogger(__name__)
 
 Result = dict[str, Any]
 
@@ -88,11 +91,14 @@ class Generator:
         self._pool: ThreadPoolExecutor | None = None
         self.tokens_computed = 0  # tokens run through the model (prefix-cache hits are not)
         self.forward_calls = 0
-        from exl3_core.generator.graphs import DecodeGraphs
+        from exl3_core.generator.graphs import DecodeGraphs, PrefillGraphs
 
+        graphable = hasattr(model, "attention_layers")
         #: CUDA-graph decode runner (None: eager; see exl3_core.generator.graphs for when)
-        self.graphs: DecodeGraphs | None = DecodeGraphs.create(model, cache, self.table_width) \
-            if hasattr(model, "attention_layers") else None
+        self.graphs: DecodeGraphs | None = DecodeGraphs.create(model, cache, self.table_width) if graphable else None
+        #: CUDA-graph runner for the prefill chunk of one fresh sequence (None: eager)
+        self.prefill_graphs: PrefillGraphs | None = PrefillGraphs.create(
+            model, cache, self.table_width, max_chunk_tokens) if graphable else None
         if overlap_decode is None:
             from exl3_core import settings
 
@@ -307,15 +313,26 @@ class Generator:
         decode = all(len(c.tokens) == 1 for _, c in work)
         if decode and self.pipeline is not None and self.pipeline.start(work, results):
             return
-        meta, rows = build_batch([c for _, c in work], page_size=self.page_size, table_width=self.table_width,
-                                 scratch_page=self.cache.scratch_page, device=self.device, decode=decode)
         sampling = [j for j, c in work if c.want_logits]
         masks = self._start_masks(sampling)
         packed = None
-        if decode and self.graphs is not None and self.graphs.accepts(meta):
-            logits, packed = self.graphs.run(meta)
-        else:
-            logits = self.model.forward_batch(meta, self.cache)
+        first = work[0][1]
+        logits = None
+        if (not decode and len(work) == 1 and self.prefill_graphs is not None
+                and self.prefill_graphs.bucket(len(first.tokens), first.past, len(first.pages)) is not None):
+            try:
+                logits = self.prefill_graphs.run(first.tokens, first.pages)  # padded to a bucket, one replay
+                rows = [0] if first.want_logits else []
+            except RuntimeError as e:  # a capture the model's ops do not support: prefill eagerly from now on
+                log.warning("CUDA-graph prefill failed (%s); prefill runs eagerly from now on", e)
+                self.prefill_graphs = None
+        if logits is None:
+            meta, rows = build_batch([c for _, c in work], page_size=self.page_size, table_width=self.table_width,
+                                     scratch_page=self.cache.scratch_page, device=self.device, decode=decode)
+            if decode and self.graphs is not None and self.graphs.accepts(meta):
+                logits, packed = self.graphs.run(meta)
+            else:
+                logits = self.model.forward_batch(meta, self.cache)
         self.forward_calls += 1
         self.tokens_computed += sum(len(c.tokens) for _, c in work)
         for job, c in work:

@@ -13,11 +13,20 @@ The replay leaves ``logits [B, V]`` and ``packed [2, B]`` (greedy ids, ok flags)
 output buffers; for all-greedy steps without filters the generator reads only ``packed`` back.
 Other samplers run eagerly on the static logits.
 
+:class:`PrefillGraphs` does the same for the prefill chunk of one fresh sequence (no cached
+prefix), padded to a token bucket (:func:`prefill_bucket`): a prompt's forward launches ~25
+kernels per layer whose host cost (~1 ms per layer for an 8B-shape model, cuBLAS and SDPA calls
+included) exceeds their device time below ~1k tokens, so without a graph the time to first token
+is host-bound. Padded rows sit after the real ones (causal attention: the real rows never see
+them), write their keys/values into the cache's scratch page, and only the last real row's
+logits are computed.
+
 Graphs are declined (the generator runs eagerly) when the model is not on CUDA, when
-``EXL3_CUDA_GRAPHS=0`` (``settings.get().cuda_graphs``), or when the attention backend chosen
-for a decode step does not declare ``graph_safe = True`` (see
-:class:`~exl3_core.attention.backend.AttentionBackend`). Steps that are not pure decode, or
-whose bucket exceeds ``max_bucket``, run eagerly too.
+``EXL3_CUDA_GRAPHS=0`` (``settings.get().cuda_graphs``; ``EXL3_PREFILL_GRAPH_MAX=0`` for prefill
+alone), when the attention backend chosen for the phase does not declare ``graph_safe = True``
+(see :class:`~exl3_core.attention.backend.AttentionBackend`), or when a module says through a
+``graph_capturable()`` method that its forward reads back to the host. Steps of another shape,
+or beyond the largest bucket, run eagerly too.
 """
 from __future__ import annotations
 
@@ -25,6 +34,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from exl3_core.archkit.batch import BatchMeta
@@ -35,12 +45,35 @@ log = logging.getLogger(__name__)
 MAX_GRAPH_BUCKET = 32
 
 
-def decline_reason(model: Any, cache: Any) -> str | None:
-    """Why decode steps of ``model`` over ``cache`` cannot be graphed, or None when they can."""
+#: token buckets of graphed prefill chunks (a chunk runs padded to the smallest that holds it)
+PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+#: above this many tokens the forward is no longer host-bound, so padding costs device time that
+#: the graph does not win back: a longer chunk is graphed only when it fills its bucket to
+#: PREFILL_MIN_FILL (docs/performance.md, run 7)
+PREFILL_LOOSE_MAX = 512
+PREFILL_MIN_FILL = 0.9
+
+
+def prefill_bucket(n: int, max_tokens: int) -> int | None:
+    """The token bucket a prefill chunk of ``n`` tokens is padded to, or None to run it eagerly."""
+    for b in PREFILL_BUCKETS:
+        if b > max_tokens:
+            return None
+        if n <= b:
+            return b if b <= PREFILL_LOOSE_MAX or n >= PREFILL_MIN_FILL * b else None
+    return None
+
+
+def decline_reason(model: Any, cache: Any, phase: str = "decode") -> str | None:
+    """Why ``phase`` ("decode" or "prefill") forwards of ``model`` over ``cache`` cannot be graphed,
+    or None when they can."""
     from exl3_core import settings
 
-    if not settings.get().cuda_graphs:
+    cfg = settings.get()
+    if not cfg.cuda_graphs:
         return "disabled by EXL3_CUDA_GRAPHS=0"
+    if phase == "prefill" and cfg.prefill_graph_max <= 0:
+        return "disabled by EXL3_PREFILL_GRAPH_MAX=0"
     device = torch.device(getattr(model, "device", "cpu"))
     if device.type != "cuda" or not torch.cuda.is_available():
         return f"model is on {device}, not CUDA"
@@ -58,10 +91,15 @@ def decline_reason(model: Any, cache: Any) -> str | None:
         if spec_of is None:
             return f"{type(attn).__name__} exposes no attn_spec(); its backend's graph safety is unknown"
         layer = cache.layers[attn.cache_index]
-        spec = spec_of(model.dtype, device, layer.views()[0], "decode")
+        spec = spec_of(model.dtype, device, layer.views()[0], phase)
         backend = dispatcher.select(spec, allowed)
         if not getattr(type(backend), "graph_safe", False):
-            return f"attention backend {backend.name!r} is not graph-safe"
+            return f"attention backend {backend.name!r} ({phase}) is not graph-safe"
+    for m in model.modules():
+        check = getattr(m, "graph_capturable", None)
+        why = check() if callable(check) else None
+        if why:
+            return why
     return None
 
 
@@ -79,10 +117,68 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     meta: BatchMeta  # static inputs
     logits: torch.Tensor  # static outputs
-    packed: torch.Tensor  # float64 [2, B]: greedy ids, ok flags
+    packed: torch.Tensor | None  # float64 [2, B]: greedy ids, ok flags (decode graphs)
 
 
-class DecodeGraphs:
+class _GraphSet:
+    """Graphs of one model over one cache keyed by bucket, sharing one memory pool (they replay one
+    at a time, and each graph's intermediates are dead once its replay ends)."""
+
+    def __init__(self, model: Any, cache: Any, table_width: int) -> None:
+        self.model, self.cache = model, cache
+        self.table_width = table_width
+        self.page_size = cache.page_size
+        self.device = torch.device(model.device)
+        self._graphs: dict[int, _Graph] = {}
+        self._pool: Any = None
+        self._key = self._state_key()
+        self.replays = 0
+
+    def _state_key(self) -> tuple[Any, ...]:
+        # the graph holds raw pointers: a reload of the weights or the cache invalidates it
+        return (id(self.model), self.model.loaded, tuple(id(layer) for layer in self.cache.layers))
+
+    def reset(self) -> None:
+        """Drop every captured graph (and its memory pool)."""
+        self._graphs.clear()
+        self._pool = None
+
+    def _graph(self, bucket: int) -> _Graph:
+        key = self._state_key()
+        if key != self._key:
+            self.reset()
+            self._key = key
+        g = self._graphs.get(bucket)
+        if g is None:
+            g = self._graphs[bucket] = self._capture(bucket)
+        return g
+
+    def _static_meta(self, bucket: int) -> BatchMeta:
+        raise NotImplementedError
+
+    def _step(self, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        raise NotImplementedError
+
+    def _capture(self, bucket: int) -> _Graph:
+        meta = self._static_meta(bucket)
+        cur = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(cur)
+        # warm-up off the capture: Triton compiles, backends get chosen, workspaces get allocated
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step(meta)
+        cur.wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, packed = self._step(meta)
+        log.debug("captured %s graph for bucket %d", type(self).__name__, bucket)
+        return _Graph(graph, meta, logits, packed)
+
+
+class DecodeGraphs(_GraphSet):
     """Captures and replays decode steps of ``model`` over ``cache``.
 
     :param model: loaded model on CUDA.
@@ -92,15 +188,8 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: Any, cache: Any, table_width: int, max_bucket: int = MAX_GRAPH_BUCKET) -> None:
-        self.model, self.cache = model, cache
-        self.table_width = table_width
-        self.page_size = cache.page_size
+        super().__init__(model, cache, table_width)
         self.max_bucket = max_bucket
-        self.device = torch.device(model.device)
-        self._graphs: dict[int, _Graph] = {}
-        self._pool: Any = None
-        self._key = self._state_key()
-        self.replays = 0
 
     @classmethod
     def create(cls, model: Any, cache: Any, table_width: int, max_bucket: int = MAX_GRAPH_BUCKET) -> DecodeGraphs | None:
@@ -110,10 +199,6 @@ class DecodeGraphs:
             log.info("CUDA-graph decode off: %s", why)
             return None
         return cls(model, cache, table_width, max_bucket)
-
-    def _state_key(self) -> tuple[Any, ...]:
-        # the graph holds raw pointers: a reload of the weights or the cache invalidates it
-        return (id(self.model), self.model.loaded, tuple(id(layer) for layer in self.cache.layers))
 
     def accepts(self, meta: BatchMeta, *, staged: bool = False) -> bool:
         """Whether ``meta`` can be replayed; ``staged``: its tensors are (pinned) host tensors that
@@ -131,14 +216,7 @@ class DecodeGraphs:
             replay's stream after ``meta``'s copies and before the replay, so the next step's inputs
             never travel through the host.
         """
-        key = self._state_key()
-        if key != self._key:
-            self.reset()
-            self._key = key
-        B = meta.batch_size
-        g = self._graphs.get(B)
-        if g is None:
-            g = self._graphs[B] = self._capture(B)
+        g = self._graph(meta.batch_size)
         s = g.meta
         s.input_ids.copy_(meta.input_ids, non_blocking=True)
         s.positions.copy_(meta.positions, non_blocking=True)
@@ -150,12 +228,8 @@ class DecodeGraphs:
             s.input_ids[:ids.shape[0]].copy_(ids, non_blocking=True)
         g.graph.replay()
         self.replays += 1
+        assert g.packed is not None
         return g.logits, g.packed
-
-    def reset(self) -> None:
-        """Drop every captured graph (and its memory pool)."""
-        self._graphs.clear()
-        self._pool = None
 
     def _static_meta(self, B: int) -> BatchMeta:
         dev, W, ps = self.device, self.table_width, self.page_size
@@ -172,24 +246,110 @@ class DecodeGraphs:
             logits_indices=None,
         )
 
-    def _step(self, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor]:
+    def _step(self, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = self.model.forward_batch(meta, self.cache)
         return logits, greedy_pack(logits)
 
-    def _capture(self, B: int) -> _Graph:
-        meta = self._static_meta(B)
-        cur = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(cur)
-        # warm-up off the capture: Triton compiles, backends get chosen, workspaces get allocated
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._step(meta)
-        cur.wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits, packed = self._step(meta)
-        log.debug("captured decode graph for bucket %d", B)
-        return _Graph(graph, meta, logits, packed)
+
+class PrefillGraphs(_GraphSet):
+    """Captures and replays the prefill chunk of one fresh sequence, padded to a token bucket.
+
+    Static inputs per bucket ``T`` live in one int64 device buffer ``[3T + 1]`` (ids, positions,
+    cache slots, the logits row) plus the page-table row, so a replay costs two host-to-device
+    copies from pinned staging memory. The output is the fp32 logits ``[1, V]`` of the chunk's last
+    real token.
+
+    :param max_tokens: largest bucket to capture (``EXL3_PREFILL_GRAPH_MAX``, at most the
+        generator's chunk size).
+    """
+
+    def __init__(self, model: Any, cache: Any, table_width: int, max_tokens: int) -> None:
+        super().__init__(model, cache, table_width)
+        self.max_tokens = max_tokens
+        self._staging: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}
+        self._inputs: dict[int, torch.Tensor] = {}  # bucket -> its static int64 input buffer
+
+    @classmethod
+    def create(cls, model: Any, cache: Any, table_width: int, max_tokens: int) -> PrefillGraphs | None:
+        """A runner, or None (logged) when :func:`decline_reason` says no for the prefill phase."""
+        from exl3_core import settings
+
+        why = decline_reason(model, cache, "prefill")
+        if why is not None:
+            log.info("CUDA-graph prefill off: %s", why)
+            return None
+        return cls(model, cache, table_width, min(max_tokens, settings.get().prefill_graph_max))
+
+    def bucket(self, tokens: int, past: int, pages: int) -> int | None:
+        """The bucket a chunk of ``tokens`` new tokens after ``past`` cached ones (``pages`` pages)
+        replays in, or None when it runs eagerly (a cached prefix, a page list wider than the table,
+        no bucket)."""
+        if past != 0 or pages > self.table_width:
+            return None
+        return prefill_bucket(tokens, self.max_tokens)
+
+    def run(self, tokens: list[int], pages: list[int]) -> torch.Tensor:
+        """Replay the chunk ``tokens`` (a fresh sequence whose cache pages are ``pages``):
+        logits ``[1, V]`` of its last token, a static buffer valid until the next replay."""
+        n, ps = len(tokens), self.page_size
+        T = self.bucket(n, 0, len(pages))
+        if T is None:
+            raise ValueError(f"prefill graph: no bucket for {n} tokens over {len(pages)} pages "
+                             f"(largest {self.max_tokens} tokens, table width {self.table_width})")
+        if len(pages) * ps < n:
+            raise ValueError(f"prefill graph: {len(pages)} pages of {ps} tokens cannot hold {n} tokens")
+        g = self._graph(T)
+        host, table, dev_buf, done = self._stage(T)
+        done.synchronize()  # the previous replay's copies have read the staging buffers
+        h = host.numpy()
+        h[:n] = tokens
+        h[n:T] = 0
+        pos = np.arange(T, dtype=np.int64)
+        h[T:2 * T] = pos
+        real = np.asarray(pages, dtype=np.int64)[pos[:n] // ps] * ps + pos[:n] % ps
+        h[2 * T:2 * T + n] = real
+        h[2 * T + n:3 * T] = self.cache.scratch_page * ps  # padded rows write the scratch page only
+        h[3 * T] = n - 1
+        t = table.numpy()
+        t[:len(pages)] = pages
+        t[len(pages):] = self.cache.scratch_page
+        dev_buf.copy_(host, non_blocking=True)
+        assert g.meta.page_table is not None
+        g.meta.page_table[0].copy_(table, non_blocking=True)
+        done.record()
+        g.graph.replay()
+        self.replays += 1
+        return g.logits
+
+    def _stage(self, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event]:
+        st = self._staging.get(T)
+        if st is None:
+            host = torch.empty(3 * T + 1, dtype=torch.int64, pin_memory=True)
+            table = torch.empty(self.table_width, dtype=torch.int32, pin_memory=True)
+            st = self._staging[T] = (host, table, self._inputs[T], torch.cuda.Event())
+        return st
+
+    def reset(self) -> None:
+        super().reset()
+        self._staging.clear()
+        self._inputs.clear()
+
+    def _static_meta(self, T: int) -> BatchMeta:
+        dev, W, ps = self.device, self.table_width, self.page_size
+        scratch = self.cache.scratch_page
+        buf = torch.zeros(3 * T + 1, dtype=torch.int64, device=dev)  # ids | positions | slots | logits row
+        buf[T:2 * T] = torch.arange(T, device=dev)
+        buf[2 * T:3 * T] = scratch * ps  # warm-up and capture write the scratch page only
+        buf[3 * T] = T - 1
+        self._inputs[T] = buf
+        return BatchMeta(
+            input_ids=buf[:T], positions=buf[T:2 * T],
+            cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32, device=dev),
+            seq_lens_k=torch.tensor([T], dtype=torch.int32, device=dev),
+            max_seqlen_q=T, max_seqlen_k=T, phase="prefill",
+            page_table=torch.full((1, W), scratch, dtype=torch.int32, device=dev),
+            slot_mapping=buf[2 * T:3 * T], logits_indices=buf[3 * T:],
+        )
+
+    def _step(self, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.model.forward_batch(meta, self.cache), None

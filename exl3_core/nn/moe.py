@@ -285,6 +285,13 @@ class MoE(Module):
             y = y + s
         return y.to(x.dtype).reshape(shape)
 
+    def graph_capturable(self) -> str | None:
+        """None when a forward can be captured in a CUDA graph, else why not (the sliced expert
+        path reads per-expert row counts back to the host)."""
+        if self.gate_up_t is None or self.down_t is None:
+            return f"{self.prefix}: quantized or unstacked experts take the sliced path (one host read per forward)"
+        return None
+
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each token's selected experts, fp32 ``[T, H]``."""
         assert self.experts is not None, f"{self.prefix}: MoE is not loaded"

@@ -1,0 +1,127 @@
+"""CUDA-graph prefill (one fresh sequence padded to a token bucket) equals the eager forward."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from exl3_core.archkit.batch import BatchMeta
+from exl3_core.bench.models import bench_plugins, build_model, parse_shape
+from exl3_core.generator import Generator, Job
+from exl3_core.generator.graphs import PrefillGraphs, decline_reason, prefill_bucket
+
+SHAPE = "custom(512,1024,3,8,2,2000)"
+PAGE = 64
+TOL = 1e-2  # fp16 activations; cuBLAS picks other kernels for other row counts (see test_graph_decode)
+
+
+@pytest.fixture(scope="module")
+def model_cache():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    model, cache = build_model(parse_shape(SHAPE), bpw=4.0, head_bits=6, device="cuda", cache_tokens=8192,
+                               page_size=PAGE, plugins=bench_plugins())
+    yield model, cache
+    model.unload()
+
+
+def _eager(model, cache, ids: list[int], pages: list[int]) -> torch.Tensor:
+    meta = BatchMeta.from_lists([ids], [0], device="cuda", page_table=torch.tensor([pages], dtype=torch.int32),
+                                page_size=PAGE, logits_indices=torch.tensor([len(ids) - 1], device="cuda"))
+    return model.forward_batch(meta, cache)
+
+
+def _kv(cache, pages: list[int], n: int) -> list[torch.Tensor]:
+    """Keys and values of the first ``n`` positions of a sequence on ``pages``, every layer."""
+    out = []
+    idx = torch.tensor([pages[p // PAGE] * PAGE + p % PAGE for p in range(n)], device="cuda")
+    for layer in cache.layers:
+        for t in layer.attn_tensors():
+            out.append(t.reshape(-1, *t.shape[2:]).index_select(0, idx).float())
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / a.abs().max()).item()
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 100, 130, 500])
+def test_graph_prefill_equals_eager(model_cache, n: int) -> None:
+    """Logits of the last token and every real position's cache entries match the eager forward on
+    the same pages; two different prompts in one bucket replay with their own inputs."""
+    model, cache = model_cache
+    assert decline_reason(model, cache, "prefill") is None
+    width = 16
+    graphs = PrefillGraphs.create(model, cache, width, 2048)
+    assert graphs is not None
+    bucket = graphs.bucket(n, 0, -(-n // PAGE))
+    assert bucket == prefill_bucket(n, 2048) and bucket is not None and bucket >= n
+    g = torch.Generator().manual_seed(n)
+    pages = cache.allocator.allocate(-(-n // PAGE))
+    try:
+        for rep in range(2):
+            ids = torch.randint(0, 2000, (n,), generator=g).tolist()
+            ref = _eager(model, cache, ids, pages)
+            kv_ref = _kv(cache, pages, n)
+            cache_before = [t.clone() for layer in cache.layers for t in layer.attn_tensors()]
+            for layer in cache.layers:
+                for t in layer.attn_tensors():
+                    t[pages] = 0  # wipe the sequence's pages: the graph must write them itself
+            got = graphs.run(ids, pages).clone()
+            assert got.shape == ref.shape == (1, 2000)
+            assert _rel(ref, got) < TOL, (rep, _rel(ref, got))
+            for a, b in zip(kv_ref, _kv(cache, pages, n)):
+                assert _rel(a, b) < TOL
+            # nothing outside the sequence's pages and the scratch page changed
+            scratch = cache.scratch_page
+            after = [t for layer in cache.layers for t in layer.attn_tensors()]
+            for a, b in zip(cache_before, after):
+                keep = [p for p in range(a.shape[0]) if p not in pages and p != scratch]
+                assert torch.equal(a[keep], b[keep])
+        assert graphs.replays == 2
+    finally:
+        cache.allocator.release(pages)
+        graphs.reset()
+
+
+def test_generator_uses_prefill_graph(model_cache) -> None:
+    """A fresh prompt's first token comes from the replayed prefill; the whole greedy continuation
+    matches an eager generator up to a near-tie."""
+    model, cache = model_cache
+    prompt = torch.randint(0, 2000, (77,), generator=torch.Generator().manual_seed(5)).tolist()
+    outs = []
+    for graphed in (False, True):
+        gen = Generator(model, cache, None, max_batch_size=2, max_seq_len=512)
+        if not graphed:
+            gen.prefill_graphs = None
+        else:
+            assert gen.prefill_graphs is not None
+        job = Job(prompt, max_new_tokens=8, stop_at_eos=False, return_logits=True)
+        gen.enqueue(job)
+        toks, logits = [], []
+        while gen.num_remaining():
+            for r in gen.iterate():
+                toks += r["token_ids"]
+                if len(r.get("logits", [])):
+                    logits.append(r["logits"])
+        outs.append((toks, torch.cat(logits)))
+        if graphed:
+            assert gen.prefill_graphs is not None and gen.prefill_graphs.replays == 1
+    (ta, la), (tb, lb) = outs
+    assert _rel(la[0], lb[0]) < TOL  # the first token's logits: prefill graph vs eager prefill
+    if ta[0] != tb[0]:
+        top = la[0].topk(2).values
+        assert top[0] - top[1] <= TOL * la[0].abs().max(), "graph and eager prefill pick different tokens at a clear margin"
+
+
+def test_long_or_cached_chunks_run_eagerly(model_cache) -> None:
+    model, cache = model_cache
+    graphs = PrefillGraphs.create(model, cache, 16, 1024)
+    assert graphs is not None
+    assert graphs.bucket(100, 0, 2) == 128
+    assert graphs.bucket(100, 64, 3) is None  # a cached prefix: paged attention over it, eager
+    assert graphs.bucket(100, 0, 17) is None  # wider than the page table
+    assert graphs.bucket(1025, 0, 17) is None  # beyond max_tokens
+    assert graphs.bucket(600, 0, 10) is None  # would pad 600 -> 768 (< 90% full above 512 tokens)
+    assert graphs.bucket(700, 0, 11) == 768
+    with pytest.raises(ValueError, match="no bucket"):
+        graphs.run([1] * 1025, list(range(17)))
