@@ -90,6 +90,7 @@ def test_generator_uses_prefill_graph(model_cache) -> None:
     prompt = torch.randint(0, 2000, (77,), generator=torch.Generator().manual_seed(5)).tolist()
     outs = []
     for graphed in (False, True):
+        cache.allocator.clear_prefix_cache()  # else the second run would reuse the first one's pages
         gen = Generator(model, cache, None, max_batch_size=2, max_seq_len=512)
         if not graphed:
             gen.prefill_graphs = None
@@ -106,6 +107,13 @@ def test_generator_uses_prefill_graph(model_cache) -> None:
         outs.append((toks, torch.cat(logits)))
         if graphed:
             assert gen.prefill_graphs is not None and gen.prefill_graphs.replays == 1
+            # the same prompt again: its first full page comes from the prefix cache, so the rest is a
+            # chunk after a cached prefix, which runs eagerly (paged attention over the prefix)
+            again = Job(prompt, max_new_tokens=1, stop_at_eos=False)
+            gen.enqueue(again)
+            while gen.num_remaining():
+                gen.iterate()
+            assert again.cached_tokens >= PAGE and gen.prefill_graphs.replays == 1
     (ta, la), (tb, lb) = outs
     assert _rel(la[0], lb[0]) < TOL  # the first token's logits: prefill graph vs eager prefill
     if ta[0] != tb[0]:
