@@ -25,6 +25,8 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--batches", default="8,32", help="decode batch sizes at the smallest context")
     p.add_argument("--prefill", default="2048",
                    help="prefill lengths, comma-separated (0 or empty = skip); the longest is the headline figure")
+    p.add_argument("--prefill-past", type=int, default=0,
+                   help="also time each prefill length as a chunk after this many cached tokens (a prefix-cache hit)")
     p.add_argument("--new-tokens", type=int, default=128, help="decode tokens timed per run")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of eager b=1 decode steps")
     p.add_argument("--vs-transformers", action="store_true", help="also time the shape in bf16 through transformers")
@@ -49,7 +51,8 @@ def _bench_cmd(args: argparse.Namespace) -> int:
         raise ValueError("--contexts needs at least one context length")
     res = run_bench(shape, bpw=args.bpw, head_bits=args.head_bits or None, codebook=args.codebook,
                     device=args.device, contexts=contexts, batches=_ints(args.batches, "--batches"),
-                    prefill_tokens=_ints(args.prefill, "--prefill"), new_tokens=args.new_tokens, profile=args.profile,
+                    prefill_tokens=_ints(args.prefill, "--prefill"), prefill_past=args.prefill_past,
+                    new_tokens=args.new_tokens, profile=args.profile,
                     vs_transformers=args.vs_transformers)
     if args.json is not None:
         args.json.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")

@@ -186,35 +186,38 @@ def graph_step_time(model: Any, cache: Any, *, batch: int, ctx: int) -> float | 
         graphs.reset()
 
 
-def prefill_meta(model: Any, cache: Any, tokens: int, pages: list[int], seed: int = 0) -> Any:
-    """BatchMeta of one fresh sequence of ``tokens`` random ids over the cache ``pages`` (enough for
-    them), asking for the logits of the last row only."""
+def prefill_meta(model: Any, cache: Any, tokens: int, pages: list[int], seed: int = 0, past: int = 0) -> Any:
+    """BatchMeta of ``tokens`` random ids after ``past`` cached ones, over the cache ``pages`` (enough
+    for both), asking for the logits of the last row only."""
     from exl3_core.archkit.batch import BatchMeta
 
     vocab = model.config.hf.vocab_size
     ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(seed)).tolist()
-    return BatchMeta.from_lists([ids], [0], device=model.device, page_table=torch.tensor([pages], dtype=torch.int32),
+    return BatchMeta.from_lists([ids], [past], device=model.device, page_table=torch.tensor([pages], dtype=torch.int32),
                                 page_size=cache.page_size, logits_indices=torch.tensor([tokens - 1], device=model.device))
 
 
-def bench_prefill(model: Any, cache: Any, *, tokens: int, seed: int = 0) -> dict[str, Any]:
-    """Tokens/s of one ``tokens``-long prefill of a fresh sequence over the paged cache (logits of the
-    last row only): eager, and replayed as the generator runs it (a CUDA graph of the padded bucket,
+def bench_prefill(model: Any, cache: Any, *, tokens: int, seed: int = 0, past: int = 0) -> dict[str, Any]:
+    """Tokens/s of one ``tokens``-long prefill chunk over the paged cache (logits of the last row
+    only), of a fresh sequence or after ``past`` cached tokens (a prefix-cache hit: paged attention
+    over them): eager, and replayed as the generator runs it (a CUDA graph of the padded bucket,
     inputs staged from the host each call) when :class:`~exl3_core.generator.graphs.PrefillGraphs`
     accepts it. ``seconds``/``tok_s`` are the generator's path."""
     from exl3_core.generator.graphs import PrefillGraphs
 
-    pages = cache.allocator.allocate(-(-tokens // cache.page_size))
+    pages = cache.allocator.allocate(-(-(past + tokens) // cache.page_size))
     try:
-        meta = prefill_meta(model, cache, tokens, pages, seed)
+        if past:
+            model.forward_batch(prefill_meta(model, cache, past, pages, seed + 1), cache)  # the cached prefix
+        meta = prefill_meta(model, cache, tokens, pages, seed, past)
         eager = time_median(lambda: model.forward_batch(meta, cache), model.device, warmup=2, iters=5)
-        out: dict[str, Any] = {"tokens": tokens, "eager_seconds": eager, "eager_tok_s": tokens / eager,
+        out: dict[str, Any] = {"tokens": tokens, "past": past, "eager_seconds": eager, "eager_tok_s": tokens / eager,
                                "path": "eager", "seconds": eager, "tok_s": tokens / eager}
         graphs = PrefillGraphs.create(model, cache, len(pages), tokens)
-        bucket = graphs.bucket(tokens, 0, len(pages)) if graphs is not None else None
+        bucket = graphs.bucket(tokens, past, len(pages)) if graphs is not None else None
         if graphs is not None and bucket is not None:
             ids = meta.input_ids.tolist()
-            t = time_median(lambda: graphs.run(ids, pages), model.device, warmup=2, iters=5)
+            t = time_median(lambda: graphs.run(ids, pages, past), model.device, warmup=2, iters=5)
             graphs.reset()
             out.update(path="graph", bucket=bucket, graph_seconds=t, seconds=t, tok_s=tokens / t)
     finally:
@@ -254,7 +257,8 @@ def profile_decode(model: Any, cache: Any, *, ctx: int = 256, steps: int = 5, ro
 
 def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6, codebook: str = "mcg",
               device: str | torch.device | None = None, contexts: tuple[int, ...] = (256, 4096),
-              batches: tuple[int, ...] = (8, 32), prefill_tokens: int | tuple[int, ...] = 2048, new_tokens: int = 128,
+              batches: tuple[int, ...] = (8, 32), prefill_tokens: int | tuple[int, ...] = 2048, prefill_past: int = 0,
+              new_tokens: int = 128,
               profile: bool = False, vs_transformers: bool = False,
               log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every figure of the module docstring as one dict (see ``exl3 bench --help``)."""
@@ -276,7 +280,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
 
     # every bench run at once, in whole pages, twice over (prefix-cached pages stay resident)
     need = pages(max(contexts) + new_tokens + 8) + max(batches, default=1) * pages(min(contexts) + new_tokens + 8)
-    cache_tokens = 2 * ps * (need + pages(longest))
+    cache_tokens = 2 * ps * (need + pages(longest + prefill_past))
     t0 = time.perf_counter()
     model, cache = build_model(shape, bpw=bpw, head_bits=head_bits, codebook=codebook, device=dev,
                                cache_tokens=cache_tokens)
@@ -320,12 +324,14 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
     if prefills:
         out["prefills"] = []
         for n in prefills:
-            p = bench_prefill(model, cache, tokens=n)
-            out["prefills"].append(p)
-            if n == longest:
-                out["prefill"] = p
-            extra = f"; eager {p['eager_tok_s']:.0f} tok/s ({p['eager_seconds'] * 1e3:.2f} ms)" if p["path"] == "graph" else ""
-            log(f"prefill {n} tokens ({p['path']}): {p['tok_s']:.0f} tok/s ({p['seconds'] * 1e3:.2f} ms){extra}")
+            for past in (0, prefill_past) if prefill_past else (0,):
+                p = bench_prefill(model, cache, tokens=n, past=past)
+                out["prefills"].append(p)
+                if n == longest and not past:
+                    out["prefill"] = p
+                extra = f"; eager {p['eager_tok_s']:.0f} tok/s ({p['eager_seconds'] * 1e3:.2f} ms)" if p["path"] == "graph" else ""
+                after = f" after {past} cached" if past else ""
+                log(f"prefill {n} tokens{after} ({p['path']}): {p['tok_s']:.0f} tok/s ({p['seconds'] * 1e3:.2f} ms){extra}")
     if profile:
         out["profile_b1"] = profile_decode(model, cache, ctx=min(contexts))
         log(out["profile_b1"])

@@ -321,7 +321,7 @@ class Generator:
         if (not decode and len(work) == 1 and self.prefill_graphs is not None
                 and self.prefill_graphs.bucket(len(first.tokens), first.past, len(first.pages)) is not None):
             try:
-                logits = self.prefill_graphs.run(first.tokens, first.pages)  # padded to a bucket, one replay
+                logits = self.prefill_graphs.run(first.tokens, first.pages, first.past)  # padded to a bucket
                 rows = [0] if first.want_logits else []
             except RuntimeError as e:  # a capture the model's ops do not support: prefill eagerly from now on
                 log.warning("CUDA-graph prefill failed (%s); prefill runs eagerly from now on", e)

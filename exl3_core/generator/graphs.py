@@ -13,13 +13,13 @@ The replay leaves ``logits [B, V]`` and ``packed [2, B]`` (greedy ids, ok flags)
 output buffers; for all-greedy steps without filters the generator reads only ``packed`` back.
 Other samplers run eagerly on the static logits.
 
-:class:`PrefillGraphs` does the same for the prefill chunk of one fresh sequence (no cached
-prefix), padded to a token bucket (:func:`prefill_bucket`): a prompt's forward launches ~25
-kernels per layer whose host cost (~1 ms per layer for an 8B-shape model, cuBLAS and SDPA calls
-included) exceeds their device time below ~1k tokens, so without a graph the time to first token
-is host-bound. Padded rows sit after the real ones (causal attention: the real rows never see
-them), write their keys/values into the cache's scratch page, and only the last real row's
-logits are computed.
+:class:`PrefillGraphs` does the same for a prefill step that is one sequence's chunk (a fresh
+prompt, or the new tokens after a prefix-cache hit), padded to a token bucket
+(:func:`prefill_bucket`): a prompt's forward launches ~25 kernels per layer whose host cost (~1 ms
+per layer for an 8B-shape model, cuBLAS and SDPA calls included) exceeds their device time below
+~1k tokens, so without a graph the time to first token is host-bound. Padded rows sit after the
+real ones (causal attention: the real rows never see them), write their keys/values into the
+cache's scratch page, and only the last real row's logits are computed.
 
 Graphs are declined (the generator runs eagerly) when the model is not on CUDA, when
 ``EXL3_CUDA_GRAPHS=0`` (``settings.get().cuda_graphs``; ``EXL3_PREFILL_GRAPH_MAX=0`` for prefill
@@ -121,8 +121,9 @@ class _Graph:
 
 
 class _GraphSet:
-    """Graphs of one model over one cache keyed by bucket, sharing one memory pool (they replay one
-    at a time, and each graph's intermediates are dead once its replay ends)."""
+    """Graphs of one model over one cache keyed by an int (the decode batch bucket; for prefill the
+    token bucket and variant), sharing one memory pool (they replay one at a time, and each graph's
+    intermediates are dead once its replay ends)."""
 
     def __init__(self, model: Any, cache: Any, table_width: int) -> None:
         self.model, self.cache = model, cache
@@ -252,10 +253,13 @@ class DecodeGraphs(_GraphSet):
 
 
 class PrefillGraphs(_GraphSet):
-    """Captures and replays the prefill chunk of one fresh sequence, padded to a token bucket.
+    """Captures and replays the prefill chunk of one sequence, padded to a token bucket.
 
-    Static inputs per bucket ``T`` live in one int64 device buffer ``[3T + 1]`` (ids, positions,
-    cache slots, the logits row) plus the page-table row, so a replay costs two host-to-device
+    Two graphs per bucket ``T``: a *fresh* sequence (no cached prefix; its attention may take the
+    dense fused path) and a chunk *after a cached prefix* (prefix-cache hit, or the later chunks of
+    a long prompt: paged attention over the cache, key count read from the device). Their inputs
+    live in two static device buffers, int64 ``[3T + 1]`` (ids, positions, cache slots, the logits
+    row) and int32 ``[W + 1]`` (page-table row, key count), so a replay costs two host-to-device
     copies from pinned staging memory. The output is the fp32 logits ``[1, V]`` of the chunk's last
     real token.
 
@@ -266,8 +270,8 @@ class PrefillGraphs(_GraphSet):
     def __init__(self, model: Any, cache: Any, table_width: int, max_tokens: int) -> None:
         super().__init__(model, cache, table_width)
         self.max_tokens = max_tokens
-        self._staging: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}
-        self._inputs: dict[int, torch.Tensor] = {}  # bucket -> its static int64 input buffer
+        self._staging: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}
+        self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # graph key -> static input buffers
 
     @classmethod
     def create(cls, model: Any, cache: Any, table_width: int, max_tokens: int) -> PrefillGraphs | None:
@@ -281,52 +285,55 @@ class PrefillGraphs(_GraphSet):
         return cls(model, cache, table_width, min(max_tokens, settings.get().prefill_graph_max))
 
     def bucket(self, tokens: int, past: int, pages: int) -> int | None:
-        """The bucket a chunk of ``tokens`` new tokens after ``past`` cached ones (``pages`` pages)
-        replays in, or None when it runs eagerly (a cached prefix, a page list wider than the table,
-        no bucket)."""
-        if past != 0 or pages > self.table_width:
+        """The bucket a chunk of ``tokens`` new tokens after ``past`` cached ones (over ``pages``
+        pages) replays in, or None when it runs eagerly (no bucket, a page list wider than the
+        table, or padded positions that would run past the table)."""
+        T = prefill_bucket(tokens, self.max_tokens)
+        if T is None or pages > self.table_width or past + T > self.table_width * self.page_size:
             return None
-        return prefill_bucket(tokens, self.max_tokens)
+        return T
 
-    def run(self, tokens: list[int], pages: list[int]) -> torch.Tensor:
-        """Replay the chunk ``tokens`` (a fresh sequence whose cache pages are ``pages``):
-        logits ``[1, V]`` of its last token, a static buffer valid until the next replay."""
-        n, ps = len(tokens), self.page_size
-        T = self.bucket(n, 0, len(pages))
+    def run(self, tokens: list[int], pages: list[int], past: int = 0) -> torch.Tensor:
+        """Replay the chunk ``tokens`` that follows ``past`` cached tokens of a sequence whose cache
+        pages are ``pages``: logits ``[1, V]`` of its last token, a static buffer valid until the
+        next replay."""
+        n, ps, W = len(tokens), self.page_size, self.table_width
+        T = self.bucket(n, past, len(pages))
         if T is None:
-            raise ValueError(f"prefill graph: no bucket for {n} tokens over {len(pages)} pages "
-                             f"(largest {self.max_tokens} tokens, table width {self.table_width})")
-        if len(pages) * ps < n:
-            raise ValueError(f"prefill graph: {len(pages)} pages of {ps} tokens cannot hold {n} tokens")
-        g = self._graph(T)
-        host, table, dev_buf, done = self._stage(T)
+            raise ValueError(f"prefill graph: no bucket for {n} tokens after {past} over {len(pages)} pages "
+                             f"(largest {self.max_tokens} tokens, table of {W} pages of {ps})")
+        if len(pages) * ps < past + n:
+            raise ValueError(f"prefill graph: {len(pages)} pages of {ps} tokens cannot hold {past + n} tokens")
+        key = 2 * T + (past > 0)
+        g = self._graph(key)
+        big, small = self._inputs[key]
+        host, host32, done = self._stage(key, T)
         done.synchronize()  # the previous replay's copies have read the staging buffers
         h = host.numpy()
         h[:n] = tokens
         h[n:T] = 0
-        pos = np.arange(T, dtype=np.int64)
+        pos = np.arange(past, past + T, dtype=np.int64)
         h[T:2 * T] = pos
-        real = np.asarray(pages, dtype=np.int64)[pos[:n] // ps] * ps + pos[:n] % ps
-        h[2 * T:2 * T + n] = real
+        h[2 * T:2 * T + n] = np.asarray(pages, dtype=np.int64)[pos[:n] // ps] * ps + pos[:n] % ps
         h[2 * T + n:3 * T] = self.cache.scratch_page * ps  # padded rows write the scratch page only
         h[3 * T] = n - 1
-        t = table.numpy()
+        t = host32.numpy()
         t[:len(pages)] = pages
-        t[len(pages):] = self.cache.scratch_page
-        dev_buf.copy_(host, non_blocking=True)
-        assert g.meta.page_table is not None
-        g.meta.page_table[0].copy_(table, non_blocking=True)
+        t[len(pages):W] = self.cache.scratch_page
+        t[W] = past + T  # keys visible to the last (padded) row; real row i sees past + i + 1 (causal)
+        big.copy_(host, non_blocking=True)
+        small.copy_(host32, non_blocking=True)
         done.record()
         g.graph.replay()
         self.replays += 1
         return g.logits
 
-    def _stage(self, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.cuda.Event]:
-        st = self._staging.get(T)
+    def _stage(self, key: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]:
+        st = self._staging.get(key)
         if st is None:
-            host = torch.empty(3 * T + 1, dtype=torch.int64, pin_memory=True)
-            table = torch.empty(self.table_width, dtype=torch.int32, pin_memory=True)
-            st = self._staging[T] = (host, table, self._inputs[T], torch.cuda.Event())
+            st = self._staging[key] = (torch.empty(3 * T + 1, dtype=torch.int64, pin_memory=True),
+                                       torch.empty(self.table_width + 1, dtype=torch.int32, pin_memory=True),
+                                       torch.cuda.Event())
         return st
 
     def reset(self) -> None:
@@ -334,21 +341,25 @@ class PrefillGraphs(_GraphSet):
         self._staging.clear()
         self._inputs.clear()
 
-    def _static_meta(self, T: int) -> BatchMeta:
+    def _static_meta(self, key: int) -> BatchMeta:
+        T, prefix = key // 2, bool(key & 1)
         dev, W, ps = self.device, self.table_width, self.page_size
         scratch = self.cache.scratch_page
-        buf = torch.zeros(3 * T + 1, dtype=torch.int64, device=dev)  # ids | positions | slots | logits row
-        buf[T:2 * T] = torch.arange(T, device=dev)
-        buf[2 * T:3 * T] = scratch * ps  # warm-up and capture write the scratch page only
-        buf[3 * T] = T - 1
-        self._inputs[T] = buf
+        big = torch.zeros(3 * T + 1, dtype=torch.int64, device=dev)  # ids | positions | slots | logits row
+        big[T:2 * T] = torch.arange(T, device=dev)
+        big[2 * T:3 * T] = scratch * ps  # warm-up and capture write the scratch page only
+        big[3 * T] = T - 1
+        small = torch.full((W + 1,), scratch, dtype=torch.int32, device=dev)  # page-table row | key count
+        small[W] = T
+        self._inputs[key] = (big, small)
         return BatchMeta(
-            input_ids=buf[:T], positions=buf[T:2 * T],
+            input_ids=big[:T], positions=big[T:2 * T],
             cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32, device=dev),
-            seq_lens_k=torch.tensor([T], dtype=torch.int32, device=dev),
-            max_seqlen_q=T, max_seqlen_k=T, phase="prefill",
-            page_table=torch.full((1, W), scratch, dtype=torch.int32, device=dev),
-            slot_mapping=buf[2 * T:3 * T], logits_indices=buf[3 * T:],
+            seq_lens_k=small[W:], max_seqlen_q=T,
+            # fresh: the keys are exactly the new rows (the dense path's condition); after a prefix
+            # the bound is the table's capacity and the kernels read the true count from seq_lens_k
+            max_seqlen_k=W * ps if prefix else T, phase="prefill",
+            page_table=small[:W].view(1, W), slot_mapping=big[2 * T:3 * T], logits_indices=big[3 * T:],
         )
 
     def _step(self, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:

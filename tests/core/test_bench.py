@@ -66,8 +66,8 @@ def test_random_source_is_deterministic() -> None:
 
 def test_run_bench_cpu_eager(tmp_path) -> None:
     shape = parse_shape(TINY)
-    res = run_bench(shape, bpw=4.0, head_bits=6, device="cpu", contexts=(16, 40), batches=(3,), prefill_tokens=32,
-                    new_tokens=4, profile=True, log=lambda s: None)
+    res = run_bench(shape, bpw=4.0, head_bits=6, device="cpu", contexts=(16, 40), batches=(3,), prefill_tokens=(8, 32),
+                    prefill_past=20, new_tokens=4, profile=True, log=lambda s: None)
     dec = {(r["batch"], r["ctx"]): r for r in res["decode"]}
     assert set(dec) == {(1, 16), (1, 40), (3, 16)}
     for (b, ctx), r in dec.items():
@@ -76,6 +76,9 @@ def test_run_bench_cpu_eager(tmp_path) -> None:
         assert r["bytes_per_step"] == expect
         assert r["roofline_tok_s"] == pytest.approx(b * res["copy_bandwidth_Bps"] / expect)
     assert res["prefill"]["tok_s"] > 0 and res["decode_ceiling"] is None
+    # every length fresh and after the cached prefix; the headline is the longest fresh one; no graphs on CPU
+    assert [(p["tokens"], p["past"]) for p in res["prefills"]] == [(8, 0), (8, 20), (32, 0), (32, 20)]
+    assert res["prefill"] is res["prefills"][2] and all(p["path"] == "eager" and p["tok_s"] > 0 for p in res["prefills"])
     assert "aten::" in res["profile_b1"]
     assert res["memory"]["planned"]["total"] == res["memory"]["allocated"]["total"]
     json.dumps(res, default=str)

@@ -108,12 +108,12 @@ def test_generator_uses_prefill_graph(model_cache) -> None:
         if graphed:
             assert gen.prefill_graphs is not None and gen.prefill_graphs.replays == 1
             # the same prompt again: its first full page comes from the prefix cache, so the rest is a
-            # chunk after a cached prefix, which runs eagerly (paged attention over the prefix)
+            # chunk after a cached prefix, replayed by the prefix variant (paged attention)
             again = Job(prompt, max_new_tokens=1, stop_at_eos=False)
             gen.enqueue(again)
             while gen.num_remaining():
                 gen.iterate()
-            assert again.cached_tokens >= PAGE and gen.prefill_graphs.replays == 1
+            assert again.cached_tokens >= PAGE and gen.prefill_graphs.replays == 2  # after a cached prefix
     (ta, la), (tb, lb) = outs
     assert _rel(la[0], lb[0]) < TOL  # the first token's logits: prefill graph vs eager prefill
     if ta[0] != tb[0]:
@@ -121,12 +121,46 @@ def test_generator_uses_prefill_graph(model_cache) -> None:
         assert top[0] - top[1] <= TOL * la[0].abs().max(), "graph and eager prefill pick different tokens at a clear margin"
 
 
-def test_long_or_cached_chunks_run_eagerly(model_cache) -> None:
+@pytest.mark.parametrize("past,n", [(64, 1), (64, 40), (128, 200), (300, 77)])
+def test_graph_chunk_after_prefix_equals_eager(model_cache, past: int, n: int) -> None:
+    """A chunk after ``past`` cached tokens (paged attention over them) replays like the eager
+    forward of the same chunk over the same cache."""
+    model, cache = model_cache
+    width = 16
+    graphs = PrefillGraphs.create(model, cache, width, 2048)
+    assert graphs is not None and graphs.bucket(n, past, -(-(past + n) // PAGE)) is not None
+    g = torch.Generator().manual_seed(past + n)
+    pages = cache.allocator.allocate(-(-(past + n) // PAGE))
+    try:
+        prefix = torch.randint(0, 2000, (past,), generator=g).tolist()
+        _eager(model, cache, prefix, pages)  # the cached prefix
+        for rep in range(2):
+            ids = torch.randint(0, 2000, (n,), generator=g).tolist()
+            meta = BatchMeta.from_lists([ids], [past], device="cuda", page_table=torch.tensor([pages], dtype=torch.int32),
+                                        page_size=PAGE, logits_indices=torch.tensor([n - 1], device="cuda"))
+            ref = model.forward_batch(meta, cache)
+            kv_ref = _kv(cache, pages, past + n)
+            slots = torch.tensor([pages[p // PAGE] * PAGE + p % PAGE for p in range(past, past + n)], device="cuda")
+            for layer in cache.layers:
+                for t in layer.attn_tensors():
+                    t.view(-1, *t.shape[2:])[slots] = 0  # the graph must write the chunk's entries itself
+            got = graphs.run(ids, pages, past).clone()
+            assert _rel(ref, got) < TOL, (rep, _rel(ref, got))
+            for a, b in zip(kv_ref, _kv(cache, pages, past + n)):
+                assert _rel(a, b) < TOL  # the prefix untouched, the chunk's keys/values rewritten alike
+        assert graphs.replays == 2
+    finally:
+        cache.allocator.release(pages)
+        graphs.reset()
+
+
+def test_long_chunks_run_eagerly(model_cache) -> None:
     model, cache = model_cache
     graphs = PrefillGraphs.create(model, cache, 16, 1024)
     assert graphs is not None
     assert graphs.bucket(100, 0, 2) == 128
-    assert graphs.bucket(100, 64, 3) is None  # a cached prefix: paged attention over it, eager
+    assert graphs.bucket(100, 64, 3) == 128  # after a cached prefix
+    assert graphs.bucket(100, 16 * PAGE - 100, 16) is None  # padded to 128, positions would run past the table
     assert graphs.bucket(100, 0, 17) is None  # wider than the page table
     assert graphs.bucket(1025, 0, 17) is None  # beyond max_tokens
     assert graphs.bucket(600, 0, 10) is None  # would pad 600 -> 768 (< 90% full above 512 tokens)
