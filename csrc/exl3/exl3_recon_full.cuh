@@ -14,6 +14,10 @@
 // No shuffles; fp32 butterflies (the exact 1/128 is folded into the row scale). Shared memory is a
 // fp32 [128][132] tile: the 4-float row pad makes the pass-1 scalar stores and the pass-2 float4
 // loads bank-conflict free. csrc/exl3/recon_full_emu.py models this index math on the CPU.
+//
+// EXL3_RF_HALF=1 (compile time; default 0 = the fp32 kernel above) does the butterflies in packed
+// half2 (HADD2/HSUB2, two elements per instruction; 64 registers for the 128 values) through an fp16
+// [128][136] tile (half the smem): 5-6 CTAs per SM instead of 3. Details at recon_full_kernel below.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -22,12 +26,29 @@
 
 #include "exl3_decode.cuh"
 
+#ifndef EXL3_RF_HALF
+#define EXL3_RF_HALF 0
+#endif
+
 namespace exl3 {
 
 constexpr int RF_THREADS = 128;
+#if EXL3_RF_HALF
+constexpr int RF_RS = 136;                       // smem row stride in halves (17 16-byte chunks)
+constexpr int RF_TILE = 128 * RF_RS;              // tile halves; the block's suh, svh follow (2 x 128)
+constexpr int RF_SMEM = (RF_TILE + 256) * 2;      // 35,328 B: room for 6 CTAs per SM (6 x (34.5 + 1 reserved) KB < 228 KB)
+// 5 CTAs per SM: register cap 65536 / (5 * 128) -> 96 per thread, no spills (ptxas wants ~94 for the
+// 64 values plus addresses and scales). 6 (cap 80) fits the smem but spills ~40 B per thread around the
+// pass-2 butterflies: EXL3_RF_HALF_MINB=6 builds that for a timing comparison (bench/recon_tune.sh)
+#ifndef EXL3_RF_HALF_MINB
+#define EXL3_RF_HALF_MINB 5
+#endif
+constexpr int RF_MIN_BLOCKS = EXL3_RF_HALF_MINB;
+#else
 constexpr int RF_RS = 132;                       // smem row stride in floats
 constexpr int RF_SMEM = 128 * RF_RS * 4;          // 67,584 B: 3 CTAs per SM on sm_90 (227 KB)
 constexpr int RF_MIN_BLOCKS = 3;                  // register cap 65536 / (3 * 128) -> 168 per thread
+#endif
 
 // 16-byte global store; inline asm because nvcc split some uint4 stores of this kernel into 4 x u32
 __device__ __forceinline__ void rf_st16(__half* p, const uint32_t (&o)[4]) {
@@ -49,6 +70,157 @@ __device__ __forceinline__ void rf_wht128(float (&v)[128]) {
     }
 }
 
+#if EXL3_RF_HALF
+// ---- half2 variant. Same grid, block, pass-1 decode layout and output contract as the fp32 kernel;
+// the 7 register bits of each pass are one pair bit (the two halves of a half2) + 6 half2-index bits.
+//   pass 1: pair = row bit 0 (decode_lane's half2), p = e >> 1 = h | nb<<1 | tcl<<2 | tr<<3
+//   pass 2: pair = col bit 0 (the two halves are adjacent columns), p = c>>1 | rr<<2 | j<<4;
+//           threads: lane bit 0,1 = col bits 3,4; lane bit 2 = row bit 3; lane bit 3 = row bit 0;
+//           lane bit 4 = row bit 4; warp = row bits 5,6 (row bits 0 and 3 swapped vs the fp32 kernel)
+// Scaling: the exact 2^-7 (the two Hadamards' 1/sqrt(128)^2) multiplies the decoded values BEFORE any
+// butterfly. Every codebook value has |v| < 4 (3INST/MCG: sum of two halves below 2; MUL1: within
+// +-3.46), and a stage at most doubles the largest magnitude, so after s stages |x| < 4 * 2^-7 * 2^s
+// <= 512 (s = 14): far from fp16's 65504. The typical magnitude starts at rms(v)/128 ~ 2^-7 and grows
+// by sqrt(2) per stage, so only values already below 2^-7 of the block's typical size touch fp16's
+// subnormals (< 2^-14), where the absolute error 2^-25 is negligible against the normal-range roundings.
+// Rounding: each of the 14 stages rounds to fp16 (relative 2^-11 per stage on values of the running
+// size; the errors are independent and the remaining stages are orthogonal up to scale, so they add in
+// quadrature: expected rel-L2 ~ sqrt(16) * 2^-11 / sqrt(3) ~ 6e-4 of the output's RMS, vs ~2e-4 for the
+// fp32 kernel); the epilogue rounds (a +- b), then * suh, then * svh, each to fp16 (HFMA2, HMUL2, HMUL2).
+// Smem: fp16 [128][136], physical 16-byte chunk = (col >> 3) ^ (row bit 3 << 2). Pass-1 STS.U16 of one
+// register: lanes cover rows r + 2q (q = 0..3) and 8 columns of one chunk (4 words, two lanes per word:
+// same-word writes do not conflict); the 17-chunk row stride puts row r + 2q at bank (8q + c) mod 32,
+// so 16 distinct words in 16 distinct banks. Pass-2 LDS.128 (quarter-warp phases of 8 lanes): lane bits
+// 0,1 pick chunk bits 0,1, lane bit 2 (row bit 3) flips chunk bit 2 through the XOR while its row offset
+// 8 * 17 chunks is 0 mod 8 chunks: 8 distinct chunks of the 128-byte bank window. A plain pad cannot do
+// both: pass 1 needs an odd chunk stride, pass 2 with row bit 0 on lane bit 2 needs a stride = 4 mod 8.
+// The XOR's row bit 3 is register index h in pass 1 (two per-thread base pointers) and lane bit 2 in pass 2.
+__device__ __forceinline__ void rf_wht64h(__half2 (&v)[64]) {
+#pragma unroll
+    for (int s = 1; s < 64; s <<= 1) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) {
+            if (!(i & s)) {
+                const __half2 a = v[i], b = v[i | s];
+                v[i] = __hadd2(a, b);
+                v[i | s] = __hsub2(a, b);
+            }
+        }
+    }
+}
+
+// grid (n/128, k/128); out row-major [k, n] fp16 with row stride ldo (a multiple of 8: the stores are
+// 16-byte; ldo > n writes a column block of a wider matrix); suh [k], svh [n] fp16 (svh 16-byte aligned)
+template <int K, int CB>
+__global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
+    recon_full_kernel(const uint32_t* __restrict__ trellis, const __half* __restrict__ suh,
+                      const __half* __restrict__ svh, __half* __restrict__ out, int n_tiles, int ldo) {
+    extern __shared__ __align__(16) __half rf_smem_h[];
+    using W = LaneWindow<K>;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int nblk = blockIdx.x, kblk = blockIdx.y;
+
+    // the block's 128 suh and 128 svh behind the tile, for the epilogue
+    rf_smem_h[RF_TILE + threadIdx.x] = suh[kblk * 128 + threadIdx.x];
+    rf_smem_h[RF_TILE + 128 + threadIdx.x] = svh[nblk * 128 + threadIdx.x];
+
+    __half2 v[64];
+    {
+        // ---- pass 1, as the fp32 kernel: tile columns 2*warp + tcl, tile rows 0..7, all words first
+        uint32_t wd[16][W::NW];
+        const long tile_words = 8 * K;
+#pragma unroll
+        for (int tr = 0; tr < 8; ++tr)
+#pragma unroll
+            for (int tcl = 0; tcl < 2; ++tcl) {
+                const long tile = (long)(kblk * 8 + tr) * n_tiles + nblk * 8 + 2 * warp + tcl;
+                W::load(trellis + tile * tile_words, lane, wd[tr * 2 + tcl]);
+            }
+        const __half2 s7 = __float2half2_rn(0.0078125f);  // 2^-7, exact
+#pragma unroll
+        for (int tr = 0; tr < 8; ++tr)
+#pragma unroll
+            for (int tcl = 0; tcl < 2; ++tcl) {
+                W::align(lane, wd[tr * 2 + tcl]);
+                __half2 f[4];
+                decode_lane<K, CB>(wd[tr * 2 + tcl], f);
+#pragma unroll
+                for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) v[h | (nb << 1) | (tcl << 2) | (tr << 3)] = __hmul2(f[nb * 2 + h], s7);
+            }
+    }
+    rf_wht64h(v);
+    {
+        // last pass-1 stage (row bit 0, inside each half2) fused with the stores: low + high and
+        // low - high as scalar fp16 ops (operand half selectors, no unpacking), one STS.U16 each
+        const int q = lane & 3, g = lane >> 2;
+        const __half2 pm = __floats2half2_rn(1.0f, -1.0f);
+        __half* s[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) s[h] = rf_smem_h + (2 * q) * RF_RS + g + 32 * (warp ^ h);  // chunk bit 2 ^= h
+#pragma unroll
+        for (int p = 0; p < 64; ++p) {
+            const int h = p & 1, nb = (p >> 1) & 1, tcl = (p >> 2) & 1, tr = p >> 3;
+            const __half2 y = __hfma2(__high2half2(v[p]), pm, __low2half2(v[p]));  // (a + b, a - b)
+            __half* d = s[h] + (8 * h + 16 * tr) * RF_RS + 8 * nb + 16 * tcl;
+            d[0] = __low2half(y);
+            d[RF_RS] = __high2half(y);
+        }
+    }
+    __syncthreads();
+
+    // ---- pass 2: p = c>>1 | rr<<2 | j<<4 for block row rowbase + 2rr, block cols colbase + c + 32j
+    const int row3 = (lane >> 2) & 1;
+    const int rowbase = ((lane >> 3) & 1) + 8 * row3 + 16 * ((lane >> 4) & 1) + 32 * warp;
+    const int colbase = 8 * (lane & 1) + 16 * ((lane >> 1) & 1);
+    {
+        // physical chunk bit 2 = j bit 0 ^ row bit 3: even j at +32 * row3 halves, odd j at -32 * row3
+        const __half* s0 = rf_smem_h + rowbase * RF_RS + colbase + 32 * row3;
+        const __half* s1 = s0 - 64 * row3;
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int rr = 0; rr < 4; ++rr) {
+                const uint4 u = *reinterpret_cast<const uint4*>((j & 1 ? s1 : s0) + 2 * rr * RF_RS + 32 * j);
+                const int p = (rr << 2) | (j << 4);
+                v[p] = bits_h2(u.x);
+                v[p + 1] = bits_h2(u.y);
+                v[p + 2] = bits_h2(u.z);
+                v[p + 3] = bits_h2(u.w);
+            }
+    }
+    rf_wht64h(v);
+
+    // ---- last stage (col bit 0) and scales: ((a + b, a - b) * suh) * svh, three fp16 roundings
+    // (HFMA2 with operand half selectors, HMUL2, HMUL2); 16-byte stores of 8 contiguous columns.
+    // The block's scales come from the smem copy made in pass 1 (global loads here were hoisted
+    // above the butterflies by the scheduler: 20 more live registers, spills under the 80 cap)
+    const __half* ssu = rf_smem_h + RF_TILE + rowbase;
+    const __half* ssv = rf_smem_h + RF_TILE + 128 + colbase;
+    const __half2 pm = __floats2half2_rn(1.0f, -1.0f);
+    __half* o = out + ((long)kblk * 128 + rowbase) * ldo + (long)nblk * 128 + colbase;
+#pragma unroll
+    for (int rr = 0; rr < 4; ++rr) {
+        const __half2 su = __half2half2(ssu[2 * rr]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint4 sv8 = *reinterpret_cast<const uint4*>(ssv + 32 * j);
+            const uint32_t svw[4] = {sv8.x, sv8.y, sv8.z, sv8.w};
+            uint32_t ov[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const __half2 x = v[i | (rr << 2) | (j << 4)];
+                const __half2 y = __hfma2(__high2half2(x), pm, __low2half2(x));  // (a + b, a - b)
+                ov[i] = h2_bits(__hmul2(__hmul2(y, su), bits_h2(svw[i])));
+            }
+            rf_st16(o + 32 * j, ov);
+        }
+        o += 2 * (long)ldo;
+    }
+}
+#else
 // grid (n/128, k/128); out row-major [k, n] fp16 with row stride ldo (a multiple of 8: the stores are
 // 16-byte; ldo > n writes a column block of a wider matrix); suh [k], svh [n] fp16 (svh 16-byte aligned)
 template <int K, int CB>
@@ -159,6 +331,8 @@ __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
         }
     }
 }
+
+#endif  // EXL3_RF_HALF
 
 // k_tiles and n_tiles multiples of 8 (dims multiples of 128); returns the launch error, if any
 template <int K, int CB>
