@@ -126,10 +126,10 @@ int main(int argc, char** argv) {
     int dev = 0, sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     int occ_f = 0, occ_d = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_f, exl3::fused_linear_kernel<K, CB>, exl3::GEMM_WARPS * 32, 0));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_f, exl3::fused_linear_kernel<K, CB, (bool)EXL3_FUSED_TR>, exl3::GEMM_WARPS * 32, 0));
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_d, exl3::gemm_kernel<K, CB, 1, true>, exl3::GEMM_WARPS * 32, 0));
     cudaFuncAttributes fa{};
-    CK(cudaFuncGetAttributes(&fa, exl3::fused_linear_kernel<K, CB>));
+    CK(cudaFuncGetAttributes(&fa, exl3::fused_linear_kernel<K, CB, (bool)EXL3_FUSED_TR>));
     cudaFuncAttributes fd{};
     CK(cudaFuncGetAttributes(&fd, exl3::gemm_kernel<K, CB, 1, true>));
     std::printf("variant: ring stages %d | fused regs %d, smem %zu B, blocks/SM %d | decode-only regs %d, blocks/SM %d\n",

@@ -1,4 +1,5 @@
-// One-launch EXL3 linear for decode (m <= 16, one m16 row block): input Hadamard, on-the-fly-decode
+// One-launch EXL3 linear for decode (m <= 16, one m16 row block; m <= 8 takes the transposed main loop,
+// one mma per tile, see exl3_kernels.cuh): input Hadamard, on-the-fly-decode
 // split-k GEMM and output Hadamard in a single kernel (format spec 4.3, same rounding as the
 // had128 -> gemm_xh -> had128 chain). Included by exl3_cb{0,1,2}.cu (one codebook per file).
 //
@@ -29,11 +30,6 @@ constexpr int FUSED_MAX_PROBLEMS = 3;
 // the register allocator (0: none, ptxas decides).
 #ifndef EXL3_FUSED_MINB
 #define EXL3_FUSED_MINB 0
-#endif
-#if EXL3_FUSED_MINB > 0
-#define EXL3_FUSED_BOUNDS __launch_bounds__(GEMM_WARPS * 32, EXL3_FUSED_MINB)
-#else
-#define EXL3_FUSED_BOUNDS __launch_bounds__(GEMM_WARPS * 32)
 #endif
 constexpr int FUSED_COLS = GEMM_WARPS * GEMM_NT * 16;  // output columns per block
 static_assert(FUSED_COLS == 128, "the fused epilogue Hadamard needs blocks of exactly 128 columns");
@@ -69,8 +65,32 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
     return u;
 }
 
-template <int K, int CB>
-__global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
+// Tuning knob (bench/gemv_tune.cu): 0 never uses the transposed main loop (exl3_kernels.cuh) for m <= 8
+#ifndef EXL3_FUSED_TR
+#define EXL3_FUSED_TR 1
+#endif
+
+// Resident blocks per SM asked of the register allocator for the transposed kernel: its x staging
+// holds 8 rows instead of 16, so shared memory allows ~15 blocks (K=4) where the m16 kernel's allowed
+// 9, and 12 blocks (40 registers) compile without spills. Capped by what shared memory admits at K.
+#ifndef EXL3_FUSED_TR_MINB
+#define EXL3_FUSED_TR_MINB 12
+#endif
+constexpr int FUSED_XS = GEMM_KT_MAX * 16 + 8;  // x staging row stride in halves; +8 staggers banks for ldmatrix
+template <int K, bool TR>
+constexpr int fused_smem_bytes() {
+    return GEMM_WARPS * Ring<K>::WARP_WORDS * 4 + (TR ? 8 : 16) * FUSED_XS * 2 + 16;
+}
+template <int K, bool TR>
+constexpr int fused_min_blocks() {
+    if (!TR) return EXL3_FUSED_MINB > 0 ? EXL3_FUSED_MINB : 1;
+    const int by_smem = (228 * 1024) / (fused_smem_bytes<K, TR>() + 1024);  // 1 KB reserved per block
+    return by_smem < EXL3_FUSED_TR_MINB ? by_smem : EXL3_FUSED_TR_MINB;
+}
+
+// TR: m <= 8, transposed main loop (one mma per tile; exl3_kernels.cuh)
+template <int K, int CB, bool TR>
+__global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) fused_linear_kernel(FusedArgs a) {
     constexpr int NT = GEMM_NT;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -98,7 +118,7 @@ __global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
     __shared__ __align__(16) uint32_t ring[GEMM_WARPS * R::WARP_WORDS];
     const int ng = cblk * GEMM_WARPS + warp;  // this warp's NT-tile group
     const long tile_words = 8 * K;
-    const DecodeMmaLoop<K, CB, 1, false> loop{P.trellis + ((long)kt0 * P.n_tiles + (long)ng * NT) * tile_words,
+    const DecodeMmaLoop<K, CB, 1, false, TR> loop{P.trellis + ((long)kt0 * P.n_tiles + (long)ng * NT) * tile_words,
                                               (long)P.n_tiles * tile_words, kt1 - kt0, ring + warp * R::WARP_WORDS,
                                               lane};
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -115,8 +135,8 @@ __global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
 
     // ---- prologue: xs = fp16(Had128(fp16(x * suh))) for this k chunk. Rows m..15 are left as they
     // are: row r of the mma's A only reaches output row r, and rows >= m are never stored.
-    constexpr int XS = GEMM_KT_MAX * 16 + 8;  // row stride in halves; +8 staggers banks for ldmatrix
-    __shared__ __align__(16) __half xs[16 * XS];
+    constexpr int XS = FUSED_XS;
+    __shared__ __align__(16) __half xs[(TR ? 8 : 16) * XS];  // TR: only rows < m <= 8 are read
     __shared__ int s_last;
     {
         // the chunk need not start or end on a 128-column Hadamard block (any k tiles per chunk): every
@@ -142,7 +162,10 @@ __global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
         }
         __syncthreads();
     }
-    const uint32_t xs_lane = (uint32_t)__cvta_generic_to_shared(&xs[(lane & 15) * XS + (lane >> 4) * 8]);
+    // ldmatrix row addresses: x4 (A = x): lane -> row lane%16, column half lane/16; x2 (TR, B = xᵀ):
+    // lanes 0-15 -> row lane%8, column half (lane/8)%2
+    const uint32_t xs_lane = (uint32_t)__cvta_generic_to_shared(
+        TR ? &xs[(lane & 7) * XS + ((lane >> 3) & 1) * 8] : &xs[(lane & 15) * XS + (lane >> 4) * 8]);
 
     float acc[1][NT][2][4];
 #pragma unroll
@@ -155,23 +178,39 @@ __global__ void EXL3_FUSED_BOUNDS fused_linear_kernel(FusedArgs a) {
     loop.run(xs_lane, 0, acc, unused);
 
     // ---- split-k partials into z (fp32 atomics at L2)
+    if constexpr (TR) {
+        // lane: rows 2q, 2q+1; columns g, g+8 of each of its n tiles
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int row = g + 8 * h;
-        if (row >= a.m) continue;
+        for (int j = 0; j < 2; ++j) {
+            const int row = 2 * q + j;
+            if (row >= a.m) continue;
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int nb = 0; nb < 2; ++nb) {
-                const long col = ((long)ng * NT + nt) * 16 + nb * 8 + 2 * q;
-                float* dst = P.z + (long)row * ndim + col;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-                atomicAdd(reinterpret_cast<float2*>(dst), make_float2(acc[0][nt][nb][2 * h], acc[0][nt][nb][2 * h + 1]));
-#else
-                atomicAdd(dst, acc[0][nt][nb][2 * h]);
-                atomicAdd(dst + 1, acc[0][nt][nb][2 * h + 1]);
-#endif
+            for (int nt = 0; nt < NT; ++nt) {
+                float* dst = P.z + (long)row * ndim + ((long)ng * NT + nt) * 16 + g;
+                atomicAdd(dst, acc[0][nt][0][j]);
+                atomicAdd(dst + 8, acc[0][nt][0][2 + j]);
             }
+        }
+    } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = g + 8 * h;
+            if (row >= a.m) continue;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int nb = 0; nb < 2; ++nb) {
+                    const long col = ((long)ng * NT + nt) * 16 + nb * 8 + 2 * q;
+                    float* dst = P.z + (long)row * ndim + col;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+                    atomicAdd(reinterpret_cast<float2*>(dst),
+                              make_float2(acc[0][nt][nb][2 * h], acc[0][nt][nb][2 * h + 1]));
+#else
+                    atomicAdd(dst, acc[0][nt][nb][2 * h]);
+                    atomicAdd(dst + 1, acc[0][nt][nb][2 * h + 1]);
+#endif
+                }
+        }
     }
 
     // ---- last-arriving block of this column block: output Hadamard, then leave the workspace clean.
@@ -233,18 +272,26 @@ inline int pick_kt_per_chunk(int k_tiles, long col_blocks, long resident_blocks)
 }
 
 // Fills a.kt_per_chunk (when <= 0) and the problems' block0, launches; returns the k tiles per chunk.
+// resident blocks per SM of one fused instantiation (same on every H-class device; queried once)
+template <int K, int CB, bool TR>
+inline int fused_occupancy() {
+    static int occ = -1;
+    if (occ < 0) {
+        int o = 0;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, fused_linear_kernel<K, CB, TR>, GEMM_WARPS * 32, 0);
+        occ = o > 0 ? o : 1;
+    }
+    return occ;
+}
+
 template <int K, int CB>
 int launch_fused_t(FusedArgs a, cudaStream_t st) {
-    auto kern = fused_linear_kernel<K, CB>;
+    const bool tr = EXL3_FUSED_TR && a.m <= 8;
+    auto kern = tr ? fused_linear_kernel<K, CB, true> : fused_linear_kernel<K, CB, false>;
     long col_blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) col_blocks += a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS);
     if (a.kt_per_chunk <= 0) {
-        static int occ = -1;  // resident blocks per SM for this instantiation
-        if (occ < 0) {
-            int o = 0;
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, kern, GEMM_WARPS * 32, 0);
-            occ = o > 0 ? o : 1;
-        }
+        const int occ = tr ? fused_occupancy<K, CB, true>() : fused_occupancy<K, CB, false>();
         int dev = 0, sms = 0;
         cudaGetDevice(&dev);
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);

@@ -132,6 +132,12 @@ constexpr int RING_STAGES = EXL3_RING_STAGES;  // k tiles of trellis words in fl
 // ring: ncu, 2026-11-30) and the kernel keeps more warps resident. A lane then reads the 2-3 words
 // of its tile window from shared memory (conflict-free for K <= 4: the lanes' first words are
 // distinct), decodes 8 weights per tile and feeds two mma.m16n8k16 per tile and m16 block.
+//
+// Transposed form (TR, m <= 8 rows): the decoded tile is the mma's A operand (Ŵᵀ, 16 output
+// columns x 16 k) and x the B operand (k x 8 rows), so one mma covers a whole 16x16 tile: a lane's
+// four decoded half2 are exactly Ŵᵀ's A fragment, reordered {f0, f2, f1, f3}. Half the mma issues,
+// half the accumulators (a lane holds rows 2q, 2q+1 of output columns g and g+8) and a two-register
+// B fragment: fewer registers, more resident warps for the decode-bound GEMV.
 template <int K>
 struct Ring {
     static constexpr int S = RING_STAGES;
@@ -149,8 +155,9 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-template <int K, int CB, int MB, bool DECODE_ONLY>
+template <int K, int CB, int MB, bool DECODE_ONLY, bool TR = false>
 struct DecodeMmaLoop {
+    static_assert(!TR || (MB == 1 && !DECODE_ONLY), "the transposed form serves one block of <= 8 rows");
     using W = LaneWindow<K>;
     using R = Ring<K>;
     static constexpr int NT = GEMM_NT;
@@ -179,6 +186,8 @@ struct DecodeMmaLoop {
 
     // xs_lane: ldmatrix address (shared, bytes) of this lane's row of k tile 0 of m16 block 0;
     // xs_mb_bytes: bytes between m16 blocks. Accumulates into acc (or dsum when DECODE_ONLY).
+    // TR: xs_lane addresses row lane&7, column half (lane>>3)&1 (ldmatrix.x2), and only
+    // acc[0][nt][0] is used: {row 2q col g, row 2q+1 col g, row 2q col g+8, row 2q+1 col g+8}.
     __device__ __forceinline__ void run(uint32_t xs_lane, uint32_t xs_mb_bytes, float (&acc)[MB][NT][2][4],
                                         __half2& dsum) const {
         int off[W::NW];  // the lane's word offsets in a tile (circular: the stream is tail-biting)
@@ -199,7 +208,12 @@ struct DecodeMmaLoop {
 #pragma unroll
                 for (int i = 0; i < W::NW; ++i) w[nt][i] = st[nt * R::TILE_WORDS + off[i]];
             uint32_t a[MB][4];
-            if constexpr (!DECODE_ONLY) {
+            if constexpr (TR) {
+                const uint32_t addr = xs_lane + (uint32_t)step * 32u;
+                asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                             : "=r"(a[0][0]), "=r"(a[0][1])
+                             : "r"(addr));
+            } else if constexpr (!DECODE_ONLY) {
 #pragma unroll
                 for (int mb = 0; mb < MB; ++mb) {
                     const uint32_t addr = xs_lane + (uint32_t)mb * xs_mb_bytes + (uint32_t)step * 32u;
@@ -217,6 +231,9 @@ struct DecodeMmaLoop {
                     const __half2 one = __float2half2_rn(1.f);
 #pragma unroll
                     for (int i = 0; i < 4; ++i) dsum = __hfma2(f[i], one, dsum);
+                } else if constexpr (TR) {
+                    const uint32_t wt[4] = {h2_bits(f[0]), h2_bits(f[2]), h2_bits(f[1]), h2_bits(f[3])};
+                    mma_16816(acc[0][nt][0], wt, a[0][0], a[0][1]);
                 } else {
 #pragma unroll
                     for (int mb = 0; mb < MB; ++mb) {
