@@ -1,9 +1,9 @@
 // Standalone timing + accuracy harness for recon_full_kernel (csrc/exl3/exl3_recon_full.cuh), the
 // prefill path's weight rebuild W = diag(suh) · BD · Ŵ · BD · diag(svh), fp16 [k, n]. No torch: builds
-// in seconds, so bench/recon_tune.sh compiles and runs the fp32 (EXL3_RF_HALF=0) and the half2
-// (EXL3_RF_HALF=1) kernels in one device call.
+// in seconds, so bench/recon_tune.sh compiles and runs the fp32 (EXL3_RF_HALF_MAX_K=0) and the half2
+// (EXL3_RF_HALF_MAX_K=8) kernels at K=4 in one device call.
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -Icsrc -DEXL3_RF_HALF=1 \
+//   nvcc -std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -Icsrc -DEXL3_RF_HALF_MAX_K=8 \
 //        bench/recon_tune.cu -o recon_tune && ./recon_tune [k n]   (k n: that shape, MUL1 only)
 //
 // Per shape (4096x14336, 14336x4096, 4096x4096; K=4) and codebook (MUL1, 3INST): random trellis words
@@ -174,14 +174,17 @@ int main(int argc, char** argv) {
     cudaDeviceProp prop{};
     CK(cudaGetDeviceProperties(&prop, dev));
     // attributes of the K=4 MUL1 kernel (the launcher has set its smem opt-in by the first shape's launch)
-    auto kern = exl3::recon_full_kernel<K, exl3::CB_MUL1>;
-    CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, exl3::RF_SMEM));
+    constexpr bool half = K <= EXL3_RF_HALF_MAX_K;
+    constexpr int smem = half ? exl3::RFH_SMEM : exl3::RF_SMEM;
+    auto kern = exl3::recon_full_pick<K, exl3::CB_MUL1>();
+    CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     cudaFuncAttributes fa{};
     CK(cudaFuncGetAttributes(&fa, kern));
     int occ = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, exl3::RF_THREADS, exl3::RF_SMEM));
-    std::printf("%s, %d SMs | EXL3_RF_HALF=%d: K=4 MUL1 kernel %d regs, %d B local, %d B dynamic smem, %d CTAs/SM\n",
-                prop.name, prop.multiProcessorCount, EXL3_RF_HALF, fa.numRegs, (int)fa.localSizeBytes, exl3::RF_SMEM, occ);
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, exl3::RF_THREADS, smem));
+    std::printf("%s, %d SMs | %s kernel (EXL3_RF_HALF_MAX_K=%d): K=4 MUL1 %d regs, %d B local, %d B dynamic smem, %d CTAs/SM\n",
+                prop.name, prop.multiProcessorCount, half ? "half2" : "fp32", EXL3_RF_HALF_MAX_K, fa.numRegs,
+                (int)fa.localSizeBytes, smem, occ);
     if (argc == 3) {  // one shape, MUL1 only (for ncu)
         run_shape<exl3::CB_MUL1>(std::atoi(argv[1]), std::atoi(argv[2]), "MUL1");
         return 0;

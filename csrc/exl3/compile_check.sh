@@ -21,8 +21,8 @@ RF_INST(0) RF_INST(1) RF_INST(2)
 CU
 "$NVCC" "${FLAGS[@]}" -Xptxas -v -c "$OUT/rf.cu" -o "$OUT/rf.o" 2>&1 \
   | grep -E "error|Used|spill|Compiling entry" | sed -E 's/ptxas info *: //' \
-  | paste - - - | sed -E "s/Compiling entry function .?_ZN4exl317recon_full_kernelILi([0-9])ELi([0-9])EE\S*/K=\1 cb=\2/; s/Function properties for \S+//"
-echo "(dynamic shared memory per CTA: 67584 bytes, set at launch)"
+  | paste - - - | sed -E "s/Compiling entry function .?_ZN4exl3[0-9]+recon_full_(half_)?kernelILi([0-9])ELi([0-9])EE\S*/\1K=\2 cb=\3/; s/Function properties for \S+//"
+echo "(dynamic shared memory per CTA, set at launch: 67584 bytes fp32 kernel, 35328 bytes half_ kernel)"
 
 echo "== 2. torch bindings"
 # torch's headers warn under -std=c++17 (setup.py's flag): show the log only on failure

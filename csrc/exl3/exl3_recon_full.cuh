@@ -15,9 +15,12 @@
 // fp32 [128][132] tile: the 4-float row pad makes the pass-1 scalar stores and the pass-2 float4
 // loads bank-conflict free. csrc/exl3/recon_full_emu.py models this index math on the CPU.
 //
-// EXL3_RF_HALF=1 (compile time; default 0 = the fp32 kernel above) does the butterflies in packed
-// half2 (HADD2/HSUB2, two elements per instruction; 64 registers for the 128 values) through an fp16
-// [128][136] tile (half the smem): 5-6 CTAs per SM instead of 3. Details at recon_full_kernel below.
+// For K <= EXL3_RF_HALF_MAX_K (default 6) the launcher uses recon_full_half_kernel instead: the same
+// transform with the butterflies in packed half2 (HADD2/HSUB2, two elements per instruction; 64
+// registers for the 128 values) through an fp16 [128][136] tile (half the smem): 5 CTAs per SM instead
+// of 3, ~35% faster on an H200 (docs/performance.md, run 7), at a relative error of ~8.9e-4 instead of
+// ~2.1e-4. That is < 0.3% of the quantization error's energy up to K = 6 (and would be ~5% at K = 8),
+// hence the default. Details at recon_full_half_kernel below.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -26,29 +29,28 @@
 
 #include "exl3_decode.cuh"
 
-#ifndef EXL3_RF_HALF
-#define EXL3_RF_HALF 0
+#ifndef EXL3_RF_HALF_MAX_K
+#define EXL3_RF_HALF_MAX_K 6  // 0: always the fp32 kernel, 8: always the half2 kernel (bench/recon_tune.sh)
 #endif
 
 namespace exl3 {
 
 constexpr int RF_THREADS = 128;
-#if EXL3_RF_HALF
-constexpr int RF_RS = 136;                       // smem row stride in halves (17 16-byte chunks)
-constexpr int RF_TILE = 128 * RF_RS;              // tile halves; the block's suh, svh follow (2 x 128)
-constexpr int RF_SMEM = (RF_TILE + 256) * 2;      // 35,328 B: room for 6 CTAs per SM (6 x (34.5 + 1 reserved) KB < 228 KB)
-// 5 CTAs per SM: register cap 65536 / (5 * 128) -> 96 per thread, no spills (ptxas wants ~94 for the
-// 64 values plus addresses and scales). 6 (cap 80) fits the smem but spills ~40 B per thread around the
-// pass-2 butterflies: EXL3_RF_HALF_MINB=6 builds that for a timing comparison (bench/recon_tune.sh)
-#ifndef EXL3_RF_HALF_MINB
-#define EXL3_RF_HALF_MINB 5
-#endif
-constexpr int RF_MIN_BLOCKS = EXL3_RF_HALF_MINB;
-#else
+// fp32 kernel
 constexpr int RF_RS = 132;                       // smem row stride in floats
 constexpr int RF_SMEM = 128 * RF_RS * 4;          // 67,584 B: 3 CTAs per SM on sm_90 (227 KB)
 constexpr int RF_MIN_BLOCKS = 3;                  // register cap 65536 / (3 * 128) -> 168 per thread
+// half2 kernel
+constexpr int RFH_RS = 136;                       // smem row stride in halves (17 16-byte chunks)
+constexpr int RFH_TILE = 128 * RFH_RS;            // tile halves; the block's suh, svh follow (2 x 128)
+constexpr int RFH_SMEM = (RFH_TILE + 256) * 2;    // 35,328 B: room for 6 CTAs per SM (6 x (34.5 + 1 reserved) KB < 228 KB)
+// 5 CTAs per SM: register cap 65536 / (5 * 128) -> 96 per thread, no spills (ptxas wants ~94 for the
+// 64 values plus addresses and scales). 6 (cap 80) fits the smem but spills ~40 B per thread around the
+// pass-2 butterflies and measured 4-7% slower (run 7); EXL3_RF_HALF_MINB=6 builds it for comparison
+#ifndef EXL3_RF_HALF_MINB
+#define EXL3_RF_HALF_MINB 5
 #endif
+constexpr int RFH_MIN_BLOCKS = EXL3_RF_HALF_MINB;
 
 // 16-byte global store; inline asm because nvcc split some uint4 stores of this kernel into 4 x u32
 __device__ __forceinline__ void rf_st16(__half* p, const uint32_t (&o)[4]) {
@@ -70,7 +72,6 @@ __device__ __forceinline__ void rf_wht128(float (&v)[128]) {
     }
 }
 
-#if EXL3_RF_HALF
 // ---- half2 variant. Same grid, block, pass-1 decode layout and output contract as the fp32 kernel;
 // the 7 register bits of each pass are one pair bit (the two halves of a half2) + 6 half2-index bits.
 //   pass 1: pair = row bit 0 (decode_lane's half2), p = e >> 1 = h | nb<<1 | tcl<<2 | tr<<3
@@ -112,8 +113,8 @@ __device__ __forceinline__ void rf_wht64h(__half2 (&v)[64]) {
 // grid (n/128, k/128); out row-major [k, n] fp16 with row stride ldo (a multiple of 8: the stores are
 // 16-byte; ldo > n writes a column block of a wider matrix); suh [k], svh [n] fp16 (svh 16-byte aligned)
 template <int K, int CB>
-__global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
-    recon_full_kernel(const uint32_t* __restrict__ trellis, const __half* __restrict__ suh,
+__global__ void __launch_bounds__(RF_THREADS, RFH_MIN_BLOCKS)
+    recon_full_half_kernel(const uint32_t* __restrict__ trellis, const __half* __restrict__ suh,
                       const __half* __restrict__ svh, __half* __restrict__ out, int n_tiles, int ldo) {
     extern __shared__ __align__(16) __half rf_smem_h[];
     using W = LaneWindow<K>;
@@ -122,8 +123,8 @@ __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
     const int nblk = blockIdx.x, kblk = blockIdx.y;
 
     // the block's 128 suh and 128 svh behind the tile, for the epilogue
-    rf_smem_h[RF_TILE + threadIdx.x] = suh[kblk * 128 + threadIdx.x];
-    rf_smem_h[RF_TILE + 128 + threadIdx.x] = svh[nblk * 128 + threadIdx.x];
+    rf_smem_h[RFH_TILE + threadIdx.x] = suh[kblk * 128 + threadIdx.x];
+    rf_smem_h[RFH_TILE + 128 + threadIdx.x] = svh[nblk * 128 + threadIdx.x];
 
     __half2 v[64];
     {
@@ -159,14 +160,14 @@ __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
         const __half2 pm = __floats2half2_rn(1.0f, -1.0f);
         __half* s[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) s[h] = rf_smem_h + (2 * q) * RF_RS + g + 32 * (warp ^ h);  // chunk bit 2 ^= h
+        for (int h = 0; h < 2; ++h) s[h] = rf_smem_h + (2 * q) * RFH_RS + g + 32 * (warp ^ h);  // chunk bit 2 ^= h
 #pragma unroll
         for (int p = 0; p < 64; ++p) {
             const int h = p & 1, nb = (p >> 1) & 1, tcl = (p >> 2) & 1, tr = p >> 3;
             const __half2 y = __hfma2(__high2half2(v[p]), pm, __low2half2(v[p]));  // (a + b, a - b)
-            __half* d = s[h] + (8 * h + 16 * tr) * RF_RS + 8 * nb + 16 * tcl;
+            __half* d = s[h] + (8 * h + 16 * tr) * RFH_RS + 8 * nb + 16 * tcl;
             d[0] = __low2half(y);
-            d[RF_RS] = __high2half(y);
+            d[RFH_RS] = __high2half(y);
         }
     }
     __syncthreads();
@@ -177,13 +178,13 @@ __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
     const int colbase = 8 * (lane & 1) + 16 * ((lane >> 1) & 1);
     {
         // physical chunk bit 2 = j bit 0 ^ row bit 3: even j at +32 * row3 halves, odd j at -32 * row3
-        const __half* s0 = rf_smem_h + rowbase * RF_RS + colbase + 32 * row3;
+        const __half* s0 = rf_smem_h + rowbase * RFH_RS + colbase + 32 * row3;
         const __half* s1 = s0 - 64 * row3;
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int rr = 0; rr < 4; ++rr) {
-                const uint4 u = *reinterpret_cast<const uint4*>((j & 1 ? s1 : s0) + 2 * rr * RF_RS + 32 * j);
+                const uint4 u = *reinterpret_cast<const uint4*>((j & 1 ? s1 : s0) + 2 * rr * RFH_RS + 32 * j);
                 const int p = (rr << 2) | (j << 4);
                 v[p] = bits_h2(u.x);
                 v[p + 1] = bits_h2(u.y);
@@ -197,8 +198,8 @@ __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
     // (HFMA2 with operand half selectors, HMUL2, HMUL2); 16-byte stores of 8 contiguous columns.
     // The block's scales come from the smem copy made in pass 1 (global loads here were hoisted
     // above the butterflies by the scheduler: 20 more live registers, spills under the 80 cap)
-    const __half* ssu = rf_smem_h + RF_TILE + rowbase;
-    const __half* ssv = rf_smem_h + RF_TILE + 128 + colbase;
+    const __half* ssu = rf_smem_h + RFH_TILE + rowbase;
+    const __half* ssv = rf_smem_h + RFH_TILE + 128 + colbase;
     const __half2 pm = __floats2half2_rn(1.0f, -1.0f);
     __half* o = out + ((long)kblk * 128 + rowbase) * ldo + (long)nblk * 128 + colbase;
 #pragma unroll
@@ -220,7 +221,6 @@ __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
         o += 2 * (long)ldo;
     }
 }
-#else
 // grid (n/128, k/128); out row-major [k, n] fp16 with row stride ldo (a multiple of 8: the stores are
 // 16-byte; ldo > n writes a column block of a wider matrix); suh [k], svh [n] fp16 (svh 16-byte aligned)
 template <int K, int CB>
@@ -332,13 +332,21 @@ __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
     }
 }
 
-#endif  // EXL3_RF_HALF
+
+// the kernel for K (only that one is instantiated)
+template <int K, int CB>
+inline auto recon_full_pick() {
+    if constexpr (K <= EXL3_RF_HALF_MAX_K) return recon_full_half_kernel<K, CB>;
+    else return recon_full_kernel<K, CB>;
+}
 
 // k_tiles and n_tiles multiples of 8 (dims multiples of 128); returns the launch error, if any
 template <int K, int CB>
 cudaError_t launch_recon_full_t(const uint32_t* trellis, const __half* suh, const __half* svh, __half* out,
                                 int k_tiles, int n_tiles, long ldo, cudaStream_t st) {
-    auto kern = recon_full_kernel<K, CB>;
+    constexpr bool half = K <= EXL3_RF_HALF_MAX_K;
+    constexpr int smem = half ? RFH_SMEM : RF_SMEM;
+    auto kern = recon_full_pick<K, CB>();
     // > 48 KB of dynamic shared memory needs an opt-in per function and device (host-side, legal
     // during graph capture); done once per device for this instantiation
     static unsigned long long ready = 0;  // bit d: attributes set on device d (benign race: idempotent)
@@ -346,13 +354,13 @@ cudaError_t launch_recon_full_t(const uint32_t* trellis, const __half* suh, cons
     cudaGetDevice(&dev);
     const unsigned long long bit = 1ull << (dev & 63);
     if (!(ready & bit)) {
-        cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, RF_SMEM);
+        cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
         if (e != cudaSuccess) return e;
         cudaFuncSetAttribute(kern, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
         ready |= bit;
     }
     dim3 grid((unsigned)(n_tiles / 8), (unsigned)(k_tiles / 8));
-    kern<<<grid, RF_THREADS, RF_SMEM, st>>>(trellis, suh, svh, out, n_tiles, (int)ldo);
+    kern<<<grid, RF_THREADS, smem, st>>>(trellis, suh, svh, out, n_tiles, (int)ldo);
     return cudaGetLastError();
 }
 

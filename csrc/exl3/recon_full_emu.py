@@ -1,6 +1,6 @@
 """CPU model of recon_full_kernel (exl3_recon_full.cuh): the same thread/register index math and the
 same operation order, so its output should equal the kernel's bit for bit. ``half=False`` models the
-default fp32 kernel, ``half=True`` the EXL3_RF_HALF=1 variant (half2 butterflies, every stage rounded
+default fp32 kernel, ``half=True`` the half2 kernel used for K <= EXL3_RF_HALF_MAX_K (half2 butterflies, every stage rounded
 to fp16, swizzled fp16 smem tile, pass-2 lane bits for row bits 0 and 3 swapped).
 
 Checks (python3 csrc/exl3/recon_full_emu.py): each pass covers every element of a 128x128 block
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 RS = 132  # smem row stride in floats (RF_RS)
-RS_H = 136  # half variant: smem row stride in halves (RF_RS with EXL3_RF_HALF=1)
+RS_H = 136  # half variant: smem row stride in halves (RFH_RS)
 
 
 def rnd16(x: torch.Tensor) -> torch.Tensor:
@@ -118,7 +118,7 @@ def emulate(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, K: int,
 
 
 def _emulate_half(trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, K: int, cb: int) -> torch.Tensor:
-    """EXL3_RF_HALF=1: decoded values * 2^-7, 14 fp16-rounded stages, then ((a +- b) * suh) * svh with
+    """recon_full_half_kernel: decoded values * 2^-7, 14 fp16-rounded stages, then ((a +- b) * suh) * svh with
     each product rounded to fp16. The smem transpose only moves values, so it is modelled by the maps
     (check_layout verifies that the swizzled addresses are a bijection)."""
     from exl3_core.quant.exl3.trellis import decode_inner
@@ -199,9 +199,10 @@ if __name__ == "__main__":
         for cb in (0, 1, 2):
             tr = trf.rand_trellis(256, 384, K)
             suh, svh = trf.rand_scales(256, 384)
-            trf.check_against_oracle(emulate(tr, suh, svh, K, cb), tr, suh, svh, K, cb, f"emulated K={K} cb={cb}")
-            out_h = emulate(tr, suh, svh, K, cb, half=True)
-            trf.check_against_oracle(out_h, tr, suh, svh, K, cb, f"emulated half K={K} cb={cb}")
-            worst = max(worst, trf.rel_err(out_h, trf.dequantize_padded(tr, suh, svh, K, cb)))
-    print("emulated kernel output (fp32 and half variants) within the GPU test's tolerances for K=1..8 x 3 "
-          f"codebooks; half variant worst rel-L2 {worst:.2e}")
+            half = K <= trf.RF_HALF_MAX_K  # the kernel the launcher picks for this K
+            out = emulate(tr, suh, svh, K, cb, half=half)
+            trf.check_against_oracle(out, tr, suh, svh, K, cb, f"emulated {'half' if half else 'fp32'} K={K} cb={cb}")
+            if half:
+                worst = max(worst, trf.rel_err(out, trf.dequantize_padded(tr, suh, svh, K, cb)))
+    print(f"emulated kernel output (half2 for K <= {trf.RF_HALF_MAX_K}, fp32 above) within the GPU test's tolerances "
+          f"for K=1..8 x 3 codebooks; half2 worst rel-L2 {worst:.2e}")
