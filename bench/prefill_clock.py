@@ -1,0 +1,104 @@
+"""Device script: does a long prefill run slower back to back than from an idle GPU (clock/power)?
+
+Times one replayed 2048-token prefill of the random-weight 8B-shape model (the generator's graph
+path, as ``exl3 bench``) two ways: back to back (20 replays after 2 warm-ups; `exl3 bench` takes the median of 5)
+and each replay after ``--idle`` seconds of an idle GPU. ``nvidia-smi`` samples the SM clock and power
+draw every 50 ms meanwhile; the script prints the median SM clock and power seen during each phase.
+
+    python bench/prefill_clock.py [--shape 8b] [--tokens 2048] [--idle 1.0]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from exl3_core.bench.models import build_model, parse_shape
+from exl3_core.bench.run import prefill_meta
+from exl3_core.generator.graphs import PrefillGraphs
+
+
+def _replay_ms(run: object) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    run()  # type: ignore[operator]
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b)
+
+
+def _samples(path: Path, windows: list[tuple[float, float]]) -> tuple[float, float]:
+    """Median SM clock (MHz) and power (W) of the nvidia-smi rows logged inside any of ``windows``
+    (epoch seconds)."""
+    from datetime import datetime
+
+    rows = []
+    for line in path.read_text().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        try:
+            ts = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+            clk, pw = float(parts[1].split()[0]), float(parts[2].split()[0])
+        except (ValueError, IndexError):
+            continue
+        if any(a <= ts <= b for a, b in windows):
+            rows.append((clk, pw))
+    if not rows:
+        return float("nan"), float("nan")
+    return statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="8b")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--idle", type=float, default=1.0)
+    args = ap.parse_args()
+    model, cache = build_model(parse_shape(args.shape), bpw=4.0, head_bits=6, codebook="mul1", device="cuda",
+                               cache_tokens=2 * args.tokens + 1024)
+    pages = cache.allocator.allocate(-(-args.tokens // cache.page_size))
+    meta = prefill_meta(model, cache, args.tokens, pages)
+    graphs = PrefillGraphs.create(model, cache, len(pages), args.tokens)
+    assert graphs is not None, "prefill graphs declined"
+    ids = meta.input_ids.tolist()
+
+    def run() -> None:
+        graphs.run(ids, pages)
+
+    log = Path(tempfile.mkdtemp()) / "smi.csv"
+    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader",
+                            "-lms", "50"], stdout=log.open("w"), stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(2):
+            _replay_ms(run)
+        t0 = time.time()
+        b2b = [_replay_ms(run) for _ in range(20)]
+        t1 = time.time()
+        time.sleep(3.0)
+        idle_ms, idle_windows = [], []
+        for _ in range(7):
+            time.sleep(args.idle)
+            s = time.time()
+            idle_ms.append(_replay_ms(run))
+            idle_windows.append((s, time.time()))
+        time.sleep(0.2)
+    finally:
+        smi.terminate()
+        smi.wait()
+    clk_b, pw_b = _samples(log, [(t0, t1)])
+    clk_i, pw_i = _samples(log, idle_windows)
+    n = args.tokens
+    for name, ms, clk, pw in (("back to back", b2b, clk_b, pw_b), (f"after {args.idle:.1f} s idle", idle_ms, clk_i, pw_i)):
+        med = statistics.median(ms)
+        print(f"{args.shape} prefill {n} (graph) {name}: median {med:.2f} ms = {n / med * 1e3:,.0f} tok/s "
+              f"(min {min(ms):.2f}, max {max(ms):.2f}); nvidia-smi median over the phase: SM {clk:.0f} MHz, {pw:.0f} W")
+    cache.allocator.release(pages)
+    model.unload()
+
+
+if __name__ == "__main__":
+    main()
