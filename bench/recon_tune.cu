@@ -24,78 +24,10 @@
 
 #include "exl3/exl3_kernels.cuh"
 #include "exl3/exl3_recon_full.cuh"
-
-#define CK(x)                                                                                  \
-    do {                                                                                       \
-        cudaError_t e_ = (x);                                                                  \
-        if (e_ != cudaSuccess) {                                                               \
-            std::fprintf(stderr, "CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-            std::exit(1);                                                                      \
-        }                                                                                      \
-    } while (0)
+#include "tune_common.cuh"
 
 constexpr int K = 4;
 constexpr double HBM_BPS = 4.3e12;  // H200 HBM3e, achievable order of magnitude for the floor
-
-__global__ void fill_random(uint32_t* p, long n, uint32_t seed) {
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        uint32_t x = (uint32_t)i * 2654435761u ^ seed;
-        x ^= x << 13; x ^= x >> 17; x ^= x << 5; x *= 0x9E3779B1u; x ^= x >> 16;
-        p[i] = x;
-    }
-}
-
-static float median(std::vector<float> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-}
-
-// seconds per launch of fn(i, stream), i = 0..calls-1, captured as one graph; warm-up first
-template <class F>
-static float time_graph(F fn, int calls = 16, int reps = 9) {
-    cudaStream_t st;
-    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    for (int i = 0; i < calls; ++i) fn(i, st);
-    CK(cudaStreamSynchronize(st));
-    CK(cudaGetLastError());
-    cudaGraph_t g;
-    cudaGraphExec_t ge;
-    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < calls; ++i) fn(i, st);
-    CK(cudaStreamEndCapture(st, &g));
-    CK(cudaGraphInstantiate(&ge, g, 0));
-    CK(cudaGraphLaunch(ge, st));
-    CK(cudaStreamSynchronize(st));
-    cudaEvent_t a, b;
-    CK(cudaEventCreate(&a));
-    CK(cudaEventCreate(&b));
-    std::vector<float> t;
-    for (int r = 0; r < reps; ++r) {
-        CK(cudaEventRecord(a, st));
-        CK(cudaGraphLaunch(ge, st));
-        CK(cudaEventRecord(b, st));
-        CK(cudaEventSynchronize(b));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, a, b));
-        t.push_back(ms * 1e-3f / calls);
-    }
-    CK(cudaEventDestroy(a));
-    CK(cudaEventDestroy(b));
-    CK(cudaGraphExecDestroy(ge));
-    CK(cudaGraphDestroy(g));
-    CK(cudaStreamDestroy(st));
-    return median(t);
-}
-
-static void wht128(double* v, long stride) {  // unnormalized, in place, on v[0], v[stride], ...
-    for (int h = 1; h < 128; h <<= 1)
-        for (int i = 0; i < 128; i += 2 * h)
-            for (int j = i; j < i + h; ++j) {
-                const double a = v[j * stride], b = v[(j + h) * stride];
-                v[j * stride] = a + b;
-                v[(j + h) * stride] = a - b;
-            }
-}
 
 template <int CB>
 static void run_shape(int k, int n, const char* cbname) {
@@ -159,7 +91,7 @@ static void run_shape(int k, int n, const char* cbname) {
         }
     const double rms = std::sqrt(den / ((double)kc * n));
 
-    const float t = time_graph(launch);
+    const float t = time_graph(launch, 16);
     const double floor_s = (double)(tbytes + obytes) / HBM_BPS;
     std::printf("%5dx%-5d %-5s %7.2f us | floor %6.2f us (%4.1f%% reached) | max|err| %.2e = %.2f x 2^-11 RMS(W), rel-L2 %.2e\n",
                 k, n, cbname, t * 1e6, floor_s * 1e6, 100 * floor_s / t, maxe, maxe / rms * 2048, std::sqrt(num / den));

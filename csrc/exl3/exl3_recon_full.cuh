@@ -57,6 +57,34 @@ __device__ __forceinline__ void rf_st16(__half* p, const uint32_t (&o)[4]) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3]));
 }
 
+// Pass 1 of both kernels: decode the 16 trellis tiles of this warp's share of one 128x128 block, tile
+// rows tr 0..7 and tile columns 2*warp + tcl (tcl 0..1), all 16 tiles' words requested before any
+// decode (memory-level parallelism). put(tr, tcl, f) receives decode_lane's four half2: f[nb*2 + h] =
+// block rows (2q + 8h + 16tr, +1), block column g + 8nb + 16(2warp + tcl).
+template <int K, int CB, class Put>
+__device__ __forceinline__ void rf_decode_block(const uint32_t* __restrict__ trellis, int kblk, int nblk, int n_tiles,
+                                                int warp, int lane, Put put) {
+    using W = LaneWindow<K>;
+    uint32_t wd[16][W::NW];
+    const long tile_words = 8 * K;
+#pragma unroll
+    for (int tr = 0; tr < 8; ++tr)
+#pragma unroll
+        for (int tcl = 0; tcl < 2; ++tcl) {
+            const long tile = (long)(kblk * 8 + tr) * n_tiles + nblk * 8 + 2 * warp + tcl;
+            W::load(trellis + tile * tile_words, lane, wd[tr * 2 + tcl]);
+        }
+#pragma unroll
+    for (int tr = 0; tr < 8; ++tr)
+#pragma unroll
+        for (int tcl = 0; tcl < 2; ++tcl) {
+            W::align(lane, wd[tr * 2 + tcl]);
+            __half2 f[4];
+            decode_lane<K, CB>(wd[tr * 2 + tcl], f);
+            put(tr, tcl, f);
+        }
+}
+
 // In-place unnormalized WHT over the 7 bits of the register index (fully unrolled: constant indices)
 __device__ __forceinline__ void rf_wht128(float (&v)[128]) {
 #pragma unroll
@@ -117,7 +145,6 @@ __global__ void __launch_bounds__(RF_THREADS, RFH_MIN_BLOCKS)
     recon_full_half_kernel(const uint32_t* __restrict__ trellis, const __half* __restrict__ suh,
                       const __half* __restrict__ svh, __half* __restrict__ out, int n_tiles, int ldo) {
     extern __shared__ __align__(16) __half rf_smem_h[];
-    using W = LaneWindow<K>;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int nblk = blockIdx.x, kblk = blockIdx.y;
@@ -128,29 +155,14 @@ __global__ void __launch_bounds__(RF_THREADS, RFH_MIN_BLOCKS)
 
     __half2 v[64];
     {
-        // ---- pass 1, as the fp32 kernel: tile columns 2*warp + tcl, tile rows 0..7, all words first
-        uint32_t wd[16][W::NW];
-        const long tile_words = 8 * K;
+        // ---- pass 1, as the fp32 kernel; the exact 2^-7 first (no overflow, see above)
+        const __half2 s7 = __float2half2_rn(0.0078125f);
+        rf_decode_block<K, CB>(trellis, kblk, nblk, n_tiles, warp, lane, [&](int tr, int tcl, const __half2 (&f)[4]) {
 #pragma unroll
-        for (int tr = 0; tr < 8; ++tr)
+            for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
-            for (int tcl = 0; tcl < 2; ++tcl) {
-                const long tile = (long)(kblk * 8 + tr) * n_tiles + nblk * 8 + 2 * warp + tcl;
-                W::load(trellis + tile * tile_words, lane, wd[tr * 2 + tcl]);
-            }
-        const __half2 s7 = __float2half2_rn(0.0078125f);  // 2^-7, exact
-#pragma unroll
-        for (int tr = 0; tr < 8; ++tr)
-#pragma unroll
-            for (int tcl = 0; tcl < 2; ++tcl) {
-                W::align(lane, wd[tr * 2 + tcl]);
-                __half2 f[4];
-                decode_lane<K, CB>(wd[tr * 2 + tcl], f);
-#pragma unroll
-                for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) v[h | (nb << 1) | (tcl << 2) | (tr << 3)] = __hmul2(f[nb * 2 + h], s7);
-            }
+                for (int h = 0; h < 2; ++h) v[h | (nb << 1) | (tcl << 2) | (tr << 3)] = __hmul2(f[nb * 2 + h], s7);
+        });
     }
     rf_wht64h(v);
     {
@@ -228,44 +240,24 @@ __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
     recon_full_kernel(const uint32_t* __restrict__ trellis, const __half* __restrict__ suh,
                       const __half* __restrict__ svh, __half* __restrict__ out, int n_tiles, int ldo) {
     extern __shared__ __align__(16) float rf_smem[];
-    using W = LaneWindow<K>;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int nblk = blockIdx.x, kblk = blockIdx.y;
 
     float v[128];
-    {
-        // ---- pass 1: this warp decodes tile columns tc = 2*warp + tcl (tcl 0..1), tile rows tr 0..7.
-        // All 16 tiles' words are requested before any decode (memory-level parallelism).
-        uint32_t wd[16][W::NW];
-        const long tile_words = 8 * K;
+    // ---- pass 1: register index e = b | h<<1 | nb<<2 | tcl<<3 | tr<<4 for block row b + 2q + 8h + 16tr
+    // and block col g + 8nb + 16(2warp + tcl); decode_lane's f[nb*2 + h] holds rows (b = 0, 1)
+    rf_decode_block<K, CB>(trellis, kblk, nblk, n_tiles, warp, lane, [&](int tr, int tcl, const __half2 (&f)[4]) {
 #pragma unroll
-        for (int tr = 0; tr < 8; ++tr)
+        for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
-            for (int tcl = 0; tcl < 2; ++tcl) {
-                const long tile = (long)(kblk * 8 + tr) * n_tiles + nblk * 8 + 2 * warp + tcl;
-                W::load(trellis + tile * tile_words, lane, wd[tr * 2 + tcl]);
+            for (int h = 0; h < 2; ++h) {
+                const float2 p = __half22float2(f[nb * 2 + h]);
+                const int e = (h << 1) | (nb << 2) | (tcl << 3) | (tr << 4);
+                v[e] = p.x;
+                v[e | 1] = p.y;
             }
-        // register index e = b | h<<1 | nb<<2 | tcl<<3 | tr<<4 for block row b + 2q + 8h + 16tr and
-        // block col g + 8nb + 16(2warp + tcl); decode_lane's f[nb*2 + h] holds rows (b = 0, 1)
-#pragma unroll
-        for (int tr = 0; tr < 8; ++tr)
-#pragma unroll
-            for (int tcl = 0; tcl < 2; ++tcl) {
-                W::align(lane, wd[tr * 2 + tcl]);
-                __half2 f[4];
-                decode_lane<K, CB>(wd[tr * 2 + tcl], f);
-#pragma unroll
-                for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const float2 p = __half22float2(f[nb * 2 + h]);
-                        const int e = (h << 1) | (nb << 2) | (tcl << 3) | (tr << 4);
-                        v[e] = p.x;
-                        v[e | 1] = p.y;
-                    }
-            }
-    }
+    });
     rf_wht128(v);
     {
         const int q = lane & 3, g = lane >> 2;
