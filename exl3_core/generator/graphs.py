@@ -19,7 +19,9 @@ prompt, or the new tokens after a prefix-cache hit), padded to a token bucket
 per layer for an 8B-shape model, cuBLAS and SDPA calls included) exceeds their device time below
 ~1k tokens, so without a graph the time to first token is host-bound. Padded rows sit after the
 real ones (causal attention: the real rows never see them), write their keys/values into the
-cache's scratch page, and only the last real row's logits are computed.
+cache's scratch page, and only the last real row's logits are computed. The graphs keep their
+intermediate activations in one memory pool for the generator's lifetime (as large as the largest
+captured bucket's forward needs); ``EXL3_PREFILL_GRAPH_MAX`` bounds it.
 
 Graphs are declined (the generator runs eagerly) when the model is not on CUDA, when
 ``EXL3_CUDA_GRAPHS=0`` (``settings.get().cuda_graphs``; ``EXL3_PREFILL_GRAPH_MAX=0`` for prefill
