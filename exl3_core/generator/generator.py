@@ -313,6 +313,28 @@ class Generator:
         decode = all(len(c.tokens) == 1 for _, c in work)
         if decode and self.pipeline is not None and self.pipeline.start(work, results):
             return
+        for part in self._graph_parts(work, decode):
+            self._run(part, all(len(c.tokens) == 1 for _, c in part), results)
+
+    def _graph_parts(self, work: list[tuple[Job, Chunk]], decode: bool) -> list[list[tuple[Job, Chunk]]]:
+        """``work`` as one forward, or split into its decode rows and its one prefill chunk, run one
+        after the other, when each part replays a CUDA graph: an eager mixed forward pays the host's
+        launch cost of every kernel (~30 ms for an 8B-shape model, whatever the chunk's length), two
+        replays only their device time (docs/performance.md, run 7). The price is one more pass over
+        the weights, a few percent of a long chunk's forward."""
+        if decode or self.graphs is None or self.prefill_graphs is None:
+            return [work]
+        rows = [(j, c) for j, c in work if j.prefill_done]
+        chunk = [(j, c) for j, c in work if not j.prefill_done]
+        if not rows or len(chunk) != 1 or len(rows) > self.graphs.max_bucket:
+            return [work]
+        c = chunk[0][1]
+        if self.prefill_graphs.bucket(len(c.tokens), c.past, len(c.pages)) is None:
+            return [work]
+        return [rows, chunk]
+
+    def _run(self, work: list[tuple[Job, Chunk]], decode: bool, results: list[Result]) -> None:
+        """One forward over ``work`` (a replayed graph where one applies), then sampling."""
         sampling = [j for j, c in work if c.want_logits]
         masks = self._start_masks(sampling)
         packed = None

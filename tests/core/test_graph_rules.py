@@ -63,3 +63,43 @@ def test_cpu_generator_runs_prefill_eagerly(clean_settings: pytest.MonkeyPatch) 
         assert n == 3
     finally:
         model.unload()
+
+
+def test_mixed_steps_split_only_when_both_parts_replay(clean_settings: pytest.MonkeyPatch) -> None:
+    """The generator's split of a mixed step (decode rows + a prefill chunk) into two graph replays:
+    only when the rows fit a decode bucket and the chunk has a prefill bucket (stub runners here)."""
+    from types import SimpleNamespace
+
+    from exl3_core.bench.models import bench_plugins, build_model, parse_shape
+    from exl3_core.generator import Generator, Job
+    from exl3_core.generator.batching import Chunk
+
+    model, cache = build_model(parse_shape("custom(64,128,2,4,2,300)"), bpw=4.0, head_bits=6, device="cpu",
+                               cache_tokens=512, page_size=64, plugins=bench_plugins())
+    try:
+        gen = Generator(model, cache, None, max_batch_size=4, max_seq_len=256)
+
+        def row(n: int) -> tuple[Job, Chunk]:
+            j = Job(list(range(1, n + 1)), max_new_tokens=4)
+            j.cached = n - 1  # prompt done: the next chunk is one decode token
+            return j, Chunk([n], n - 1, [0], True)
+
+        def chunk(n: int) -> tuple[Job, Chunk]:
+            j = Job(list(range(1, n + 1)), max_new_tokens=4)
+            return j, Chunk(list(range(1, n + 1)), 0, [1], True)
+
+        d1, d2, d3, c10, c20, c12 = row(5), row(6), row(7), chunk(10), chunk(20), chunk(12)
+        assert gen._graph_parts([d1, c10], False) == [[d1, c10]]  # on CPU there are no graph runners
+        gen.graphs = SimpleNamespace(max_bucket=2)
+        gen.prefill_graphs = SimpleNamespace(bucket=lambda n, past, pages: 16 if n <= 16 else None)
+        assert gen._graph_parts([d1, c10], False) == [[d1], [c10]]
+        assert gen._graph_parts([d1, d2, c10], False) == [[d1, d2], [c10]]
+        assert gen._graph_parts([d1, d2], True) == [[d1, d2]]  # pure decode: one step
+        assert gen._graph_parts([c10], False) == [[c10]]  # a lone chunk: one step
+        assert gen._graph_parts([d1, c20], False) == [[d1, c20]]  # the chunk has no bucket
+        assert gen._graph_parts([d1, d2, d3, c10], False) == [[d1, d2, d3, c10]]  # rows beyond the decode bucket
+        assert gen._graph_parts([d1, c10, c12], False) == [[d1, c10, c12]]  # two chunks
+        gen.prefill_graphs = None
+        assert gen._graph_parts([d1, c10], False) == [[d1, c10]]
+    finally:
+        model.unload()

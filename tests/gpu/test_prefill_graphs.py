@@ -167,3 +167,48 @@ def test_long_chunks_run_eagerly(model_cache) -> None:
     assert graphs.bucket(700, 0, 11) == 768
     with pytest.raises(ValueError, match="no bucket"):
         graphs.run([1] * 1025, list(range(17)))
+
+
+def test_mixed_step_splits_into_two_replays(model_cache) -> None:
+    """A prompt arriving while another job decodes: the mixed step runs as a decode replay plus a
+    prefill replay, and both jobs' tokens match an all-eager generator up to a near-tie."""
+    model, cache = model_cache
+    g = torch.Generator().manual_seed(11)
+    first, second = (torch.randint(0, 2000, (n,), generator=g).tolist() for n in (40, 100))
+    outs = []
+    for graphed in (False, True):
+        cache.allocator.clear_prefix_cache()
+        gen = Generator(model, cache, None, max_batch_size=4, max_seq_len=512, overlap_decode=False)
+        if not graphed:
+            gen.graphs = gen.prefill_graphs = None
+        a = Job(first, max_new_tokens=12, stop_at_eos=False, identifier="a", return_logits=True)
+        b = Job(second, max_new_tokens=6, stop_at_eos=False, identifier="b", return_logits=True)
+        toks: dict[str, list[int]] = {"a": [], "b": []}
+        logits: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
+        gen.enqueue(a)
+        steps = 0
+        while gen.num_remaining():
+            if steps == 3:
+                gen.enqueue(b)  # a is decoding now: b's prompt makes a mixed step
+                before = (gen.graphs.replays, gen.prefill_graphs.replays) if graphed else None
+                calls = gen.forward_calls
+            for r in gen.iterate():
+                toks[r["identifier"]] += r["token_ids"]
+                if len(r.get("logits", [])):
+                    logits[r["identifier"]].append(r["logits"])
+            if steps == 3:
+                if graphed:
+                    assert (gen.graphs.replays, gen.prefill_graphs.replays) == (before[0] + 1, before[1] + 1)
+                    assert gen.forward_calls == calls + 2  # two forwards: the decode rows, then b's chunk
+                else:
+                    assert gen.forward_calls == calls + 1  # one mixed eager forward
+            steps += 1
+        outs.append((toks, {k: torch.cat(v) for k, v in logits.items()}))
+    (ta, la), (tb, lb) = outs
+    for k in ("a", "b"):
+        assert len(ta[k]) == len(tb[k])
+        n = next((i for i in range(len(ta[k])) if ta[k][i] != tb[k][i]), len(ta[k]))
+        if n < len(ta[k]):
+            top = la[k][n].topk(2).values
+            assert top[0] - top[1] <= TOL * la[k][n].abs().max(), f"{k}: graph and eager part at {n} with a clear margin"
+        assert n >= 1 and _rel(la[k][:n], lb[k][:n]) < TOL
