@@ -106,8 +106,8 @@ int main(int argc, char** argv) {
     cudaDeviceProp prop{};
     CK(cudaGetDeviceProperties(&prop, dev));
     // attributes of the K=4 MUL1 kernel (the launcher has set its smem opt-in by the first shape's launch)
-    constexpr bool half = K <= EXL3_RF_HALF_MAX_K;
-    constexpr int smem = half ? exl3::RFH_SMEM : exl3::RF_SMEM;
+    constexpr bool half = exl3::rf_uses_half<K>;
+    constexpr int smem = exl3::rf_smem_bytes<K>;
     auto kern = exl3::recon_full_pick<K, exl3::CB_MUL1>();
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     cudaFuncAttributes fa{};

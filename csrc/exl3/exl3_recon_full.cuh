@@ -325,10 +325,14 @@ __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
 }
 
 
-// the kernel for K (only that one is instantiated)
+// the kernel for K (only that one is instantiated) and its dynamic shared memory
+template <int K>
+constexpr bool rf_uses_half = K <= EXL3_RF_HALF_MAX_K;
+template <int K>
+constexpr int rf_smem_bytes = rf_uses_half<K> ? RFH_SMEM : RF_SMEM;
 template <int K, int CB>
 inline auto recon_full_pick() {
-    if constexpr (K <= EXL3_RF_HALF_MAX_K) return recon_full_half_kernel<K, CB>;
+    if constexpr (rf_uses_half<K>) return recon_full_half_kernel<K, CB>;
     else return recon_full_kernel<K, CB>;
 }
 
@@ -336,8 +340,7 @@ inline auto recon_full_pick() {
 template <int K, int CB>
 cudaError_t launch_recon_full_t(const uint32_t* trellis, const __half* suh, const __half* svh, __half* out,
                                 int k_tiles, int n_tiles, long ldo, cudaStream_t st) {
-    constexpr bool half = K <= EXL3_RF_HALF_MAX_K;
-    constexpr int smem = half ? RFH_SMEM : RF_SMEM;
+    constexpr int smem = rf_smem_bytes<K>;
     auto kern = recon_full_pick<K, CB>();
     // > 48 KB of dynamic shared memory needs an opt-in per function and device (host-side, legal
     // during graph capture); done once per device for this instantiation
