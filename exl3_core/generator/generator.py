@@ -96,7 +96,7 @@ class Generator:
         graphable = hasattr(model, "attention_layers")
         #: CUDA-graph decode runner (None: eager; see exl3_core.generator.graphs for when)
         self.graphs: DecodeGraphs | None = DecodeGraphs.create(model, cache, self.table_width) if graphable else None
-        #: CUDA-graph runner for the prefill chunk of one fresh sequence (None: eager)
+        #: CUDA-graph runner for a step that is one sequence's prefill chunk (None: eager)
         self.prefill_graphs: PrefillGraphs | None = PrefillGraphs.create(
             model, cache, self.table_width, max_chunk_tokens) if graphable else None
         if overlap_decode is None:
@@ -322,16 +322,18 @@ class Generator:
         launch cost of every kernel (~30 ms for an 8B-shape model, whatever the chunk's length), two
         replays only their device time (docs/performance.md, run 7). The price is one more pass over
         the weights, a few percent of a long chunk's forward."""
-        if decode or self.graphs is None or self.prefill_graphs is None:
+        if decode or self.graphs is None:
             return [work]
         rows = [(j, c) for j, c in work if j.prefill_done]
         chunk = [(j, c) for j, c in work if not j.prefill_done]
         if not rows or len(chunk) != 1 or len(rows) > self.graphs.max_bucket:
             return [work]
-        c = chunk[0][1]
-        if self.prefill_graphs.bucket(len(c.tokens), c.past, len(c.pages)) is None:
-            return [work]
-        return [rows, chunk]
+        return [rows, chunk] if self._prefill_replays(chunk[0][1]) else [work]
+
+    def _prefill_replays(self, c: Chunk) -> bool:
+        """Whether the prefill chunk ``c``, run alone, replays a prefill graph."""
+        g = self.prefill_graphs
+        return g is not None and g.bucket(len(c.tokens), c.past, len(c.pages)) is not None
 
     def _run(self, work: list[tuple[Job, Chunk]], decode: bool, results: list[Result]) -> None:
         """One forward over ``work`` (a replayed graph where one applies), then sampling."""
@@ -340,8 +342,8 @@ class Generator:
         packed = None
         first = work[0][1]
         logits = None
-        if (not decode and len(work) == 1 and self.prefill_graphs is not None
-                and self.prefill_graphs.bucket(len(first.tokens), first.past, len(first.pages)) is not None):
+        if not decode and len(work) == 1 and self._prefill_replays(first):
+            assert self.prefill_graphs is not None
             try:
                 logits = self.prefill_graphs.run(first.tokens, first.pages, first.past)  # padded to a bucket
                 rows = [0] if first.want_logits else []
