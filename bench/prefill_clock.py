@@ -19,17 +19,8 @@ from pathlib import Path
 import torch
 
 from exl3_core.bench.models import build_model, parse_shape
-from exl3_core.bench.run import prefill_meta
+from exl3_core.bench.run import prefill_meta, time_median
 from exl3_core.generator.graphs import PrefillGraphs
-
-
-def _replay_ms(run: object) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    run()  # type: ignore[operator]
-    b.record()
-    b.synchronize()
-    return a.elapsed_time(b)
 
 
 def _samples(path: Path, windows: list[tuple[float, float]]) -> tuple[float, float]:
@@ -69,21 +60,24 @@ def main() -> None:
     def run() -> None:
         graphs.run(ids, pages)
 
+    def replay_ms() -> float:  # one replay by CUDA events
+        return time_median(run, model.device, warmup=0, iters=1) * 1e3
+
     log = Path(tempfile.mkdtemp()) / "smi.csv"
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader",
                             "-lms", "50"], stdout=log.open("w"), stderr=subprocess.DEVNULL)
     try:
         for _ in range(2):
-            _replay_ms(run)
+            replay_ms()
         t0 = time.time()
-        b2b = [_replay_ms(run) for _ in range(20)]
+        b2b = [replay_ms() for _ in range(20)]
         t1 = time.time()
         time.sleep(3.0)
         idle_ms, idle_windows = [], []
         for _ in range(7):
             time.sleep(args.idle)
             s = time.time()
-            idle_ms.append(_replay_ms(run))
+            idle_ms.append(replay_ms())
             idle_windows.append((s, time.time()))
         time.sleep(0.2)
     finally:

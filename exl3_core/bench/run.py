@@ -223,13 +223,17 @@ def bench_prefill(model: Any, cache: Any, *, tokens: int, seed: int = 0, past: i
         bucket = graphs.bucket(tokens, past, len(pages)) if graphs is not None else None
         if graphs is not None and bucket is not None:
             ids = meta.input_ids.tolist()
-            t = time_median(lambda: graphs.run(ids, pages, past), model.device, warmup=2, iters=5)
+
+            def replay() -> None:
+                graphs.run(ids, pages, past)
+
+            t = time_median(replay, model.device, warmup=2, iters=5)
             # the same replay from an idle GPU (a user's prompt): back to back, a long prefill holds the
             # tensor cores busy long enough for the card to lower its clock (docs/performance.md, run 7)
             idle = []
             for _ in range(IDLE_REPEATS):
                 time.sleep(IDLE_SECONDS)
-                idle.append(time_median(lambda: graphs.run(ids, pages, past), model.device, warmup=0, iters=1))
+                idle.append(time_median(replay, model.device, warmup=0, iters=1))
             graphs.reset()
             t_idle = statistics.median(idle)
             out.update(path="graph", bucket=bucket, graph_seconds=t, seconds=t, tok_s=tokens / t,
