@@ -76,10 +76,9 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 #ifndef EXL3_FUSED_TR_MINB
 #define EXL3_FUSED_TR_MINB 12
 #endif
-constexpr int FUSED_XS = GEMM_KT_MAX * 16 + 8;  // x staging row stride in halves; +8 staggers banks for ldmatrix
 template <int K, bool TR>
 constexpr int fused_smem_bytes() {
-    return GEMM_WARPS * Ring<K>::WARP_WORDS * 4 + (TR ? 8 : 16) * FUSED_XS * 2 + 16;
+    return GEMM_WARPS * Ring<K>::WARP_WORDS * 4 + (TR ? 8 : 16) * X_STAGE_STRIDE * 2 + 16;
 }
 template <int K, bool TR>
 constexpr int fused_min_blocks() {
@@ -135,7 +134,7 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
 
     // ---- prologue: xs = fp16(Had128(fp16(x * suh))) for this k chunk. Rows m..15 are left as they
     // are: row r of the mma's A only reaches output row r, and rows >= m are never stored.
-    constexpr int XS = FUSED_XS;
+    constexpr int XS = X_STAGE_STRIDE;
     __shared__ __align__(16) __half xs[(TR ? 8 : 16) * XS];  // TR: only rows < m <= 8 are read
     __shared__ int s_last;
     {

@@ -122,6 +122,7 @@ constexpr int GEMM_NT = EXL3_GEMM_NT;  // n tiles (16 cols each) per warp: the A
 #define EXL3_RING_STAGES 6
 #endif
 constexpr int GEMM_KT_MAX = 32;  // k tiles per warp at most: bounds the x staging buffer
+constexpr int X_STAGE_STRIDE = GEMM_KT_MAX * 16 + 8;  // x staging row stride in halves; +8 staggers banks for ldmatrix
 constexpr int RING_STAGES = EXL3_RING_STAGES;  // k tiles of trellis words in flight per warp
 
 // ---- the decode + mma main loop shared by gemm_kernel and fused_linear_kernel
@@ -287,7 +288,7 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(GemmArgs p) {
     // The block's warps share one k chunk (n_groups is a multiple of GEMM_WARPS): stage the x rows
     // of this launch's row chunk for that k range in shared memory once (rows past m as zeros), so
     // the loop reads its A fragments with ldmatrix instead of global loads.
-    constexpr int XS = GEMM_KT_MAX * 16 + 8;  // row stride in halves; +8 staggers banks for ldmatrix
+    constexpr int XS = X_STAGE_STRIDE;
     __shared__ __align__(16) __half xs[DECODE_ONLY ? 8 : MB * 16 * XS];
     if constexpr (!DECODE_ONLY) {
         const int cols = (kt1 - kt0) * 16;
