@@ -21,7 +21,7 @@ from exl3_core.generator import Generator, Job
 
 def mixed_step_ms(gen: Generator, decoding: int, prompt: int, vocab: int, seed: int) -> float:
     g = torch.Generator().manual_seed(seed)
-    for i in range(decoding):
+    for _ in range(decoding):
         gen.enqueue(Job(torch.randint(0, vocab, (256,), generator=g).tolist(), max_new_tokens=64, stop_at_eos=False))
     for _ in range(4):  # prefill, then decode steps
         gen.iterate()
