@@ -56,6 +56,24 @@ __device__ __forceinline__ uint32_t state_at(const uint32_t (&w)[NW]) {
     }
 }
 
+// The 32 bits starting MSB-first at bit O: two states 16 bits apart (the high half is the one at O)
+template <int O, int NW>
+__device__ __forceinline__ uint32_t window_at(const uint32_t (&w)[NW]) {
+    constexpr int a = O >> 5;
+    constexpr int b = O & 31;
+    static_assert(a < NW && (b == 0 || a + 1 < NW), "state window runs past the loaded words");
+    if constexpr (b == 0) {
+        return w[a];
+    } else {
+        return __funnelshift_l(w[a + 1], w[a], b);
+    }
+}
+
+// States 16 bits apart share one 32-bit window (K = 4: i and i+4; K = 8: i and i+2): one funnel
+// shift, then a shift and a mask, instead of a shift and a mask each. 0 when no two of a lane's 8
+// states are 16 bits apart.
+__host__ __device__ constexpr int pair_distance(int K) { return (16 % K == 0 && 16 / K < 8) ? 16 / K : 0; }
+
 // Load lane's raw words (circularly) and return them aligned so that bit 0 (MSB of w[0]) is the
 // lane's first window bit, or left as-is with the constant offset when the window is aligned.
 template <int K>
@@ -137,14 +155,35 @@ __device__ __forceinline__ __half2 cb_pair(uint32_t s0, uint32_t s1) {
 // Decode lane's 8 positions into 4 half2: f[0] = (j0, j1), f[1] = (j2, j3) are the B fragment of
 // n-block 0 (rows 2q, 2q+1 | 2q+8, 2q+9; col g), f[2], f[3] the same for n-block 1 (col g+8),
 // with q = lane & 3, g = lane >> 2.
+// State I of a lane's 8 (and, when it heads a pair, its partner I + pair_distance(K)) into s.
+template <int K, int I>
+__device__ __forceinline__ void lane_state(const uint32_t (&w)[LaneWindow<K>::NW], uint32_t (&s)[8]) {
+    constexpr int O = LaneWindow<K>::OFF + I * K;
+    constexpr int D = pair_distance(K);
+    if constexpr (D == 0) {
+        s[I] = state_at<O, LaneWindow<K>::NW>(w);
+    } else if constexpr (I % (2 * D) < D) {
+        const uint32_t win = window_at<O, LaneWindow<K>::NW>(w);
+        s[I] = win >> 16;
+        s[I + D] = win & 0xFFFFu;
+    }  // else: filled by its partner I - D
+}
+
 template <int K, int CB>
 __device__ __forceinline__ void decode_lane(const uint32_t (&w)[LaneWindow<K>::NW], __half2 (&f)[4]) {
-    constexpr int O = LaneWindow<K>::OFF;
-    constexpr int NW = LaneWindow<K>::NW;
-    f[0] = cb_pair<CB>(state_at<O + 0 * K, NW>(w), state_at<O + 1 * K, NW>(w));
-    f[1] = cb_pair<CB>(state_at<O + 2 * K, NW>(w), state_at<O + 3 * K, NW>(w));
-    f[2] = cb_pair<CB>(state_at<O + 4 * K, NW>(w), state_at<O + 5 * K, NW>(w));
-    f[3] = cb_pair<CB>(state_at<O + 6 * K, NW>(w), state_at<O + 7 * K, NW>(w));
+    uint32_t s[8];
+    lane_state<K, 0>(w, s);
+    lane_state<K, 1>(w, s);
+    lane_state<K, 2>(w, s);
+    lane_state<K, 3>(w, s);
+    lane_state<K, 4>(w, s);
+    lane_state<K, 5>(w, s);
+    lane_state<K, 6>(w, s);
+    lane_state<K, 7>(w, s);
+    f[0] = cb_pair<CB>(s[0], s[1]);
+    f[1] = cb_pair<CB>(s[2], s[3]);
+    f[2] = cb_pair<CB>(s[4], s[5]);
+    f[3] = cb_pair<CB>(s[6], s[7]);
 }
 
 }  // namespace exl3

@@ -71,10 +71,12 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 #endif
 
 // Resident blocks per SM asked of the register allocator for the transposed kernel: its x staging
-// holds 8 rows instead of 16, so shared memory allows ~15 blocks (K=4) where the m16 kernel's allowed
-// 9, and 12 blocks (40 registers) compile without spills. Capped by what shared memory admits at K.
+// holds 8 rows instead of 16, so shared memory allows 14-15 blocks (K <= 5) where the m16 kernel's
+// allowed 9; 32 registers, no spills at any K. Capped by what shared memory admits at K (K >= 6 keep
+// 39-48 registers). 14 blocks/SM measured 0.4-2.4% faster than 12 (40 registers) on the 8B shapes
+// (docs/performance.md, run 8).
 #ifndef EXL3_FUSED_TR_MINB
-#define EXL3_FUSED_TR_MINB 12
+#define EXL3_FUSED_TR_MINB 15
 #endif
 template <int K, bool TR>
 constexpr int fused_smem_bytes() {

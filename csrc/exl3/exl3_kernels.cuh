@@ -154,7 +154,7 @@ __device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gptr)
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
 template <int K, int CB, int MB, bool DECODE_ONLY, bool TR = false>
 struct DecodeMmaLoop {
@@ -185,65 +185,83 @@ struct DecodeMmaLoop {
         for (int s = 0; s < R::S - 1; ++s) issue(s, s);
     }
 
+    // Decode the NT tiles of k tile `step` (the lane's window words w) and feed them to the mma.
+    __device__ __forceinline__ void step_mma(int step, uint32_t (&w)[NT][W::NW], uint32_t xs_lane, uint32_t xs_mb_bytes,
+                                             float (&acc)[MB][NT][2][4], __half2& dsum) const {
+        uint32_t a[MB][4];
+        if constexpr (TR) {
+            const uint32_t addr = xs_lane + (uint32_t)step * 32u;
+            asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                         : "=r"(a[0][0]), "=r"(a[0][1])
+                         : "r"(addr));
+        } else if constexpr (!DECODE_ONLY) {
+#pragma unroll
+            for (int mb = 0; mb < MB; ++mb) {
+                const uint32_t addr = xs_lane + (uint32_t)mb * xs_mb_bytes + (uint32_t)step * 32u;
+                asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                             : "=r"(a[mb][0]), "=r"(a[mb][1]), "=r"(a[mb][2]), "=r"(a[mb][3])
+                             : "r"(addr));
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            W::align(lane, w[nt]);
+            __half2 f[4];
+            decode_lane<K, CB>(w[nt], f);
+            if constexpr (DECODE_ONLY) {
+                const __half2 one = __float2half2_rn(1.f);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) dsum = __hfma2(f[i], one, dsum);
+            } else if constexpr (TR) {
+                const uint32_t wt[4] = {h2_bits(f[0]), h2_bits(f[2]), h2_bits(f[1]), h2_bits(f[3])};
+                mma_16816(acc[0][nt][0], wt, a[0][0], a[0][1]);
+            } else {
+#pragma unroll
+                for (int mb = 0; mb < MB; ++mb) {
+                    mma_16816(acc[mb][nt][0], a[mb], h2_bits(f[0]), h2_bits(f[1]));
+                    mma_16816(acc[mb][nt][1], a[mb], h2_bits(f[2]), h2_bits(f[3]));
+                }
+            }
+        }
+    }
+
     // xs_lane: ldmatrix address (shared, bytes) of this lane's row of k tile 0 of m16 block 0;
     // xs_mb_bytes: bytes between m16 blocks. Accumulates into acc (or dsum when DECODE_ONLY).
     // TR: xs_lane addresses row lane&7, column half (lane>>3)&1 (ldmatrix.x2), and only
     // acc[0][nt][0] is used: {row 2q col g, row 2q+1 col g, row 2q col g+8, row 2q+1 col g+8}.
     __device__ __forceinline__ void run(uint32_t xs_lane, uint32_t xs_mb_bytes, float (&acc)[MB][NT][2][4],
                                         __half2& dsum) const {
-        int off[W::NW];  // the lane's word offsets in a tile (circular: the stream is tail-biting)
+        // The step loop is unrolled by the ring depth so that every ring slot is a compile-time offset:
+        // the lane's window words are read at [its word + constant] and the copies land at [its
+        // 16 bytes + constant]; the trellis pointer advances by one k tile per step. (A runtime slot
+        // cost ~30 address instructions per k tile next to ~70 of decoding.)
+        const uint32_t* rp[W::NW];  // the lane's window words in slot 0 (circular: the stream is tail-biting)
         {
             const int i0 = lane_start_bit(K, lane) >> 5;
 #pragma unroll
-            for (int i = 0; i < W::NW; ++i) off[i] = (i0 + i) % R::TILE_WORDS;
+            for (int i = 0; i < W::NW; ++i) rp[i] = ring + (i0 + i) % R::TILE_WORDS;
         }
-        int slot = 0;
-        for (int step = 0; step < steps; ++step) {
-            cp_async_wait<R::S - 2>();  // this lane's copies of k tile `step` have landed
-            __syncwarp();               // ... and every lane's; the previous slot's reads are all done
-            issue(step + R::S - 1, slot == 0 ? R::S - 1 : slot - 1);
-            const uint32_t* st = ring + slot * R::STAGE_WORDS;
-            uint32_t w[NT][W::NW];
+        const uint32_t wr = (uint32_t)__cvta_generic_to_shared(ring + 4 * lane);
+        const bool copier = lane < R::CHUNKS;
+        const uint32_t* gp = src + (long)(R::S - 1) * row_words + 4 * lane;  // k tile step + S - 1
+        for (int step0 = 0; step0 < steps; step0 += R::S) {
 #pragma unroll
-            for (int nt = 0; nt < NT; ++nt)
+            for (int j = 0; j < R::S; ++j) {
+                const int step = step0 + j;
+                if (step >= steps) break;
+                cp_async_wait<R::S - 2>();  // this lane's copies of k tile `step` (slot j) have landed
+                __syncwarp();               // ... and every lane's; the previous slot's reads are all done
+                if (copier && step + R::S - 1 < steps)
+                    cp_async16(wr + (uint32_t)(((j + R::S - 1) % R::S) * R::STAGE_WORDS * 4), gp);
+                cp_async_commit();  // always a group, possibly empty: uniform counts across lanes and steps
+                gp += row_words;
+                uint32_t w[NT][W::NW];
 #pragma unroll
-                for (int i = 0; i < W::NW; ++i) w[nt][i] = st[nt * R::TILE_WORDS + off[i]];
-            uint32_t a[MB][4];
-            if constexpr (TR) {
-                const uint32_t addr = xs_lane + (uint32_t)step * 32u;
-                asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
-                             : "=r"(a[0][0]), "=r"(a[0][1])
-                             : "r"(addr));
-            } else if constexpr (!DECODE_ONLY) {
+                for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-                for (int mb = 0; mb < MB; ++mb) {
-                    const uint32_t addr = xs_lane + (uint32_t)mb * xs_mb_bytes + (uint32_t)step * 32u;
-                    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                                 : "=r"(a[mb][0]), "=r"(a[mb][1]), "=r"(a[mb][2]), "=r"(a[mb][3])
-                                 : "r"(addr));
-                }
+                    for (int i = 0; i < W::NW; ++i) w[nt][i] = rp[i][j * R::STAGE_WORDS + nt * R::TILE_WORDS];
+                step_mma(step, w, xs_lane, xs_mb_bytes, acc, dsum);
             }
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                W::align(lane, w[nt]);
-                __half2 f[4];
-                decode_lane<K, CB>(w[nt], f);
-                if constexpr (DECODE_ONLY) {
-                    const __half2 one = __float2half2_rn(1.f);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) dsum = __hfma2(f[i], one, dsum);
-                } else if constexpr (TR) {
-                    const uint32_t wt[4] = {h2_bits(f[0]), h2_bits(f[2]), h2_bits(f[1]), h2_bits(f[3])};
-                    mma_16816(acc[0][nt][0], wt, a[0][0], a[0][1]);
-                } else {
-#pragma unroll
-                    for (int mb = 0; mb < MB; ++mb) {
-                        mma_16816(acc[mb][nt][0], a[mb], h2_bits(f[0]), h2_bits(f[1]));
-                        mma_16816(acc[mb][nt][1], a[mb], h2_bits(f[2]), h2_bits(f[3]));
-                    }
-                }
-            }
-            slot = slot == R::S - 1 ? 0 : slot + 1;
         }
         cp_async_wait<0>();  // no copy may still target the ring when the warp moves on
     }
