@@ -7,6 +7,11 @@
         b=1 greedy generator decode: wall time per token vs the replayed graph step, and a cProfile
         of the host side (functions by own time) -- the host work between graph replays.
 
+    python bench/profile_gpu.py decode [--shape 8b] [--tokens 256]
+        b=1 decode step replayed from its CUDA graph at context --tokens: GPU time per kernel group
+        per step, and one step's kernel timeline (start, duration, gap after the previous kernel's
+        end; with PDL a kernel may start before the previous one ends, so gaps can be negative).
+
 Output goes to stdout and, with --out DIR, to DIR/profile_<what>_<shape>.txt.
 """
 from __future__ import annotations
@@ -164,9 +169,67 @@ def profile_host(shape_name: str, tokens: int, out: Path | None, device: str = "
     _emit(head + s.getvalue(), out, f"profile_host_{shape_name}.txt")
 
 
+#: kernel name fragments -> group, for the decode step table (first match wins)
+_DECODE_GROUPS = (("fused_linear", "EXL3 linear (fused)"), ("gemm_kernel", "EXL3 GEMM"), ("_decode_split", "attention split"),
+                  ("_decode_combine", "attention combine"), ("rms", "norms"), ("rope", "rope"), ("kv_write", "kv write"),
+                  ("silu", "act*mul"), ("gelu", "act*mul"), ("sample", "sampling"), ("argmax", "sampling"))
+
+
+def _group(name: str) -> str:
+    low = name.lower()
+    return next((g for frag, g in _DECODE_GROUPS if frag.lower() in low), "other")
+
+
+def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "cuda", steps: int = 5) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from exl3_core.generator.batching import Chunk, build_batch
+    from exl3_core.generator.graphs import DecodeGraphs
+
+    shape = parse_shape(shape_name)
+    model, cache = build_model(shape, bpw=4.0, head_bits=6, codebook="mul1", device=device, cache_tokens=ctx + 1024)
+    width = cache.max_pages_per_seq(ctx + 1)
+    graphs = DecodeGraphs.create(model, cache, width)
+    if graphs is None:
+        raise SystemExit("decode graphs declined for this model/device: nothing to profile")
+    pages = cache.allocator.allocate(-(-(ctx + 1) // cache.page_size))
+    meta, _ = build_batch([Chunk([1], ctx, pages, True)], page_size=cache.page_size, table_width=width,
+                          scratch_page=cache.scratch_page, device=model.device, decode=True)
+    step = graph_step_time(model, cache, batch=1, ctx=ctx)
+    for _ in range(3):
+        graphs.run(meta)
+    _sync(model.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graphs.run(meta)
+        _sync(model.device)
+    kern = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in e.name.lower()
+                   and "memset" not in e.name.lower()), key=lambda t: t[1])
+    per = len(kern) // steps
+    groups: dict[str, list[float]] = {}
+    for name, t0, t1 in kern[: per * steps]:
+        groups.setdefault(_group(name), []).append(t1 - t0)
+    last = kern[per * (steps - 1): per * steps]
+    wall = last[-1][2] - last[0][1]
+    lines = [f"decode {shape_name} b=1 ctx={ctx}: graph step {(step or 0) * 1e3:.3f} ms (events); {per} kernels per step; "
+             f"last profiled step {wall:.1f} us first start to last end\n",
+             f"{'group':24s} {'kernels/step':>12s} {'us/step (sum of durations)':>28s}\n"]
+    for g, ds in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"{g:24s} {len(ds) / steps:12.1f} {sum(ds) / steps:28.1f}\n")
+    lines.append("\ntimeline of the last step (us): start, duration, gap after the previous kernel's end\n")
+    prev_end = last[0][1]
+    for name, t0, t1 in last:
+        lines.append(f"{t0 - last[0][1]:9.1f} {t1 - t0:8.2f} {t0 - prev_end:7.2f}  {name[:90]}\n")
+        prev_end = max(prev_end, t1)
+    cache.allocator.release(pages)
+    graphs.reset()
+    _emit("".join(lines), out, f"profile_decode_{shape_name}.txt")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["prefill", "host"])
+    ap.add_argument("what", choices=["prefill", "host", "decode"])
     ap.add_argument("--shape", default=None)
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None)
@@ -174,6 +237,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.what == "prefill":
         profile_prefill(a.shape or "8b", a.tokens or 2048, a.out, a.device)
+    elif a.what == "decode":
+        profile_decode(a.shape or "8b", a.tokens or 256, a.out, a.device)
     else:
         profile_host(a.shape or "1b", a.tokens or 128, a.out, a.device)
 
