@@ -142,3 +142,12 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         kernels().kv_write(k_cache, v_cache, k, v, slot_mapping)  # type: ignore[union-attr]
         return
     _ref.kv_write(k_cache, v_cache, k, v, slot_mapping)
+
+
+def greedy_pack(logits: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
+    """float64 ``[2, B]``: greedy ids (first maximum) and "row has a finite logit and no NaN" flags of
+    ``logits [B, V]``, the decode graphs' greedy output. One launch on CUDA."""
+    if _use_triton(impl, logits, "greedy_pack"):
+        return kernels().greedy_pack(logits)  # type: ignore[union-attr]
+    return _ref.greedy_pack(logits)
+

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from exl3_core import ops
 from exl3_core.archkit.batch import BatchMeta
 
 log = logging.getLogger(__name__)
@@ -107,11 +108,9 @@ def decline_reason(model: Any, cache: Any, phase: str = "decode") -> str | None:
 
 def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
     """float64 ``[2, B]``: greedy ids and "row has a finite logit" flags of ``logits [B, V]`` (the
-    same selection as :func:`~exl3_core.sampling.sampler.sample` with a greedy sampler)."""
-    x = logits.float()
-    ids = x.argmax(-1)
-    ok = torch.isfinite(x).any(-1) & ~torch.isnan(x).any(-1)
-    return torch.stack([ids.double(), ok.double()])
+    same selection as :func:`~exl3_core.sampling.sampler.sample` with a greedy sampler; one kernel on
+    CUDA, :func:`exl3_core.ops.greedy_pack`)."""
+    return ops.greedy_pack(logits)
 
 
 @dataclass

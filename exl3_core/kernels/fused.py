@@ -233,3 +233,81 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         BLOCK_DV=triton.next_power_of_2(dv), num_warps=4 if hk * max(d, dv) >= 1024 else 2,
         **launch_opts(k_cache),
     )
+
+
+# -- greedy pick of a decode step: argmax and the "row has a finite logit, no NaN" flag -------------
+
+
+@triton.jit
+def _greedy_pack_kernel(X, Count, PartM, PartI, PartF, Out, stride_x, V, B, P,
+                        BLOCK: tl.constexpr, P_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # grid (rows, P): each program reduces BLOCK logits of its row to (max, its first index, flags);
+    # the row's last program to arrive combines the P partials and writes Out [2, rows] (float64).
+    if PDL:  # see _rms_norm_kernel
+        gdc_wait()
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    cols = p * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < V
+    x = tl.load(X + row * stride_x + cols, mask=ok, other=float("-inf")).to(tl.float32)
+    nan = x != x
+    flags = tl.max(((tl.abs(x) < float("inf")) & ok).to(tl.int32), 0) + 2 * tl.max(nan.to(tl.int32), 0)
+    x = tl.where(nan, float("-inf"), x)  # a NaN row is flagged; its id is not used
+    m = tl.max(x, 0)
+    first = tl.min(tl.where(x == m, cols, 2147483647), 0)  # first occurrence, as torch.argmax
+    first = tl.where(m == float("-inf"), p * BLOCK, first)  # all -inf: this block's first column
+    slot = row * P + p
+    tl.store(PartM + slot, m)
+    tl.store(PartI + slot, first)
+    tl.store(PartF + slot, flags)
+    tl.debug_barrier()  # every thread's partial stores precede the release below
+    done = tl.atomic_add(Count + row, 1, sem="acq_rel")
+    if done == P - 1:
+        ps = tl.arange(0, P_BLOCK)
+        pok = ps < P
+        pm = tl.load(PartM + row * P + ps, mask=pok, other=float("-inf"), cache_modifier=".cg")
+        pi = tl.load(PartI + row * P + ps, mask=pok, other=2147483647, cache_modifier=".cg")
+        pf = tl.load(PartF + row * P + ps, mask=pok, other=0, cache_modifier=".cg")
+        mm = tl.max(pm, 0)
+        idx = tl.min(tl.where(pm == mm, pi, 2147483647), 0)  # partials in column order: the first wins
+        finite = tl.max(pf & 1, 0)
+        anynan = tl.max(pf & 2, 0)
+        tl.store(Out + row, idx.to(tl.float64))
+        tl.store(Out + B + row, ((finite > 0) & (anynan == 0)).to(tl.float64))
+        tl.store(Count + row, 0)  # clean for the next call (a replayed graph reuses the buffer)
+
+
+_GREEDY_BLOCK = 4096
+_greedy_counts: dict[tuple[str, int | None], torch.Tensor] = {}
+
+
+def _greedy_counter(device: torch.device, rows: int) -> torch.Tensor:
+    """Per-device arrival counters, zero between calls (each call's last program resets its row's)."""
+    key = (device.type, device.index)
+    buf = _greedy_counts.get(key)
+    if buf is None or buf.numel() < rows:
+        buf = _greedy_counts[key] = torch.zeros(max(rows, 64), dtype=torch.int32, device=device)
+    return buf
+
+
+def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
+    """float64 ``[2, B]``: ``logits [B, V]``'s argmax (first maximum) and "has a finite logit and no
+    NaN" flag per row, in one launch (the reference's argmax, isfinite/isnan reductions, casts and
+    stack were ~10 kernels and ~80 us per decode step at V = 128256 on an H200)."""
+    if logits.dim() != 2:
+        raise ValueError(f"greedy_pack: logits must be [B, V], got shape {tuple(logits.shape)}")
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    B, V = x.shape
+    out = torch.empty((2, B), dtype=torch.float64, device=x.device)
+    if B == 0:
+        return out
+    P = triton.cdiv(V, _GREEDY_BLOCK)
+    part_m = torch.empty((B, P), dtype=torch.float32, device=x.device)
+    part_i = torch.empty((B, P), dtype=torch.int32, device=x.device)
+    part_f = torch.empty((B, P), dtype=torch.int32, device=x.device)
+    _greedy_pack_kernel[(B, P)](
+        x, _greedy_counter(x.device, B), part_m, part_i, part_f, out, x.stride(0), V, B, P,
+        BLOCK=_GREEDY_BLOCK, P_BLOCK=max(16, triton.next_power_of_2(P)), num_warps=8, **launch_opts(out),
+    )
+    return out

@@ -84,3 +84,13 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     cache dtype. Caches ``[pages, page_size, Hk, D(v)]`` contiguous; ``k [T, Hk, D]``, ``v [T, Hk, Dv]``."""
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
+    """float64 ``[2, B]``: ``logits [B, V]``'s argmax and "has a finite logit and no NaN" flag per row
+    (the same selection as :func:`~exl3_core.sampling.sampler.sample` with a greedy sampler)."""
+    x = logits.float()
+    ids = x.argmax(-1)
+    ok = torch.isfinite(x).any(-1) & ~torch.isnan(x).any(-1)
+    return torch.stack([ids.double(), ok.double()])
+

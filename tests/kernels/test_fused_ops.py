@@ -219,3 +219,32 @@ def test_model_takes_fused_path(hf_arch: str, tmp_path: Path, counted: dict[str,
         finally:
             ops.set_enabled(True)
         assert counted.get("rms_norm_residual", 0) == with_fused, "fused kernels ran with fused ops off"
+
+
+# -- greedy pick (argmax + finite flags) ------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab", [(1, 5000), (3, 4096), (2, 9000), (4, 37)])
+def test_greedy_pack(rows: int, vocab: int, dtype: torch.dtype) -> None:
+    x = torch.randn(rows, vocab).to(dtype)
+    if vocab > 4096 + 7:  # ties across the kernel's blocks: the first maximum must win
+        x[0, 4096 + 7] = x[0, 3] = x[0].max() + 1
+    if rows > 2:
+        x[1] = float("-inf")  # no finite logit: flagged
+        x[1, vocab // 2] = float("inf")
+        x[2, vocab - 1] = float("nan")  # NaN: flagged
+    x = x.to(DEVICE)
+    for _ in range(2):  # the arrival counters must be clean after a call
+        got = ops.greedy_pack(x, impl="triton")
+        exp = ref.greedy_pack(x)
+        assert got.dtype == torch.float64 and got.shape == (2, rows)
+        torch.testing.assert_close(got[1], exp[1], atol=0, rtol=0)
+        good = exp[1] == 1
+        torch.testing.assert_close(got[0][good], exp[0][good], atol=0, rtol=0)
+    if vocab > 4096 + 7:
+        assert got[0, 0].item() == 3
+
+
+def test_greedy_pack_rejects_bad_shape() -> None:
+    with pytest.raises(ValueError, match="logits must be"):
+        ops.greedy_pack(torch.zeros(2, 3, 4, device=DEVICE), impl="triton")
