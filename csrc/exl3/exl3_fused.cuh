@@ -45,8 +45,23 @@ struct FusedProblem {
     int block0;               // first blockIdx.x of this problem
 };
 
+// Gated activation applied to the input in the prologue (FusedArgs::gate): x := fp16(act(gate) * x),
+// fp32 math and one rounding, as the separate act*mul kernel (exl3_core/kernels/fused.py, ACTS)
+constexpr int FUSED_ACT_SILU = 0;
+constexpr int FUSED_ACT_GELU_TANH = 1;
+
+// act(g) * u in fp32, rounded once to fp16: silu(g) = g sigmoid(g); gelu_tanh(g) = g sigmoid(2 c (g + 0.044715 g^3))
+// with c = sqrt(2/pi) (0.5 (1 + tanh t) == sigmoid(2t))
+__device__ __forceinline__ __half fused_act_mul(__half gh, __half uh, int act) {
+    const float g = __half2float(gh);
+    const float t = act == FUSED_ACT_GELU_TANH ? 2.f * 0.7978845608028654f * (g + 0.044715f * g * g * g) : g;
+    return __float2half_rn(g * (1.f / (1.f + __expf(-t))) * __half2float(uh));
+}
+
 struct FusedArgs {
     const __half* x;  // [m, k] fp16, row-major
+    const __half* gate;  // nullptr, or [m, k] fp16: the input is act(gate) * x (a gated MLP's down projection)
+    int act;             // FUSED_ACT_* when gate is set
     int m, k_tiles;
     int kt_per_chunk;  // k tiles per block (1..GEMM_KT_MAX); <= 0: the launcher picks (pick_kt_per_chunk)
     int n_problems;
@@ -150,7 +165,15 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
             const int r = i / hb;
             const long gc = (long)(hb0 + i % hb) * 128 + 4 * lane;
             const int c = (int)(gc - c0);  // a lane's 4 columns are in or out of the chunk together
-            const uint2 xu = __ldg(reinterpret_cast<const uint2*>(a.x + (long)r * kdim + gc));
+            uint2 xu = __ldg(reinterpret_cast<const uint2*>(a.x + (long)r * kdim + gc));
+            if (a.gate != nullptr) {  // the gated MLP's act(gate) * up, fused here instead of its own launch
+                const uint2 gu = __ldg(reinterpret_cast<const uint2*>(a.gate + (long)r * kdim + gc));
+                const __half2 g0 = bits_h2(gu.x), g1 = bits_h2(gu.y), u0 = bits_h2(xu.x), u1 = bits_h2(xu.y);
+                xu.x = h2_bits(__halves2half2(fused_act_mul(__low2half(g0), __low2half(u0), a.act),
+                                              fused_act_mul(__high2half(g0), __high2half(u0), a.act)));
+                xu.y = h2_bits(__halves2half2(fused_act_mul(__low2half(g1), __low2half(u1), a.act),
+                                              fused_act_mul(__high2half(g1), __high2half(u1), a.act)));
+            }
             const uint2 su = __ldg(reinterpret_cast<const uint2*>(P.suh + gc));
             const __half2 p0 = __hmul2(bits_h2(xu.x), bits_h2(su.x));  // fp16 product, as had128's pre-scale
             const __half2 p1 = __hmul2(bits_h2(xu.y), bits_h2(su.y));

@@ -269,7 +269,7 @@ bool set_pdl(bool on) { return g_pdl.exchange(on); }
 // when the workspace cannot be had during capture.
 bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std::vector<Tensor>& su,
                   const std::vector<Tensor>& sv, const std::vector<Tensor>& y, int k, int64_t codebook,
-                  int64_t kt_per_chunk) {
+                  int64_t kt_per_chunk, const Tensor* gate = nullptr, int act = 0) {
     int64_t n_total = 0;
     for (const Tensor& t : trellis) n_total += t.size(1) * 16;
     float* z = nullptr;
@@ -277,6 +277,8 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
     if (!fused_workspace(x, n_total, &z, &counters)) return false;
     exl3::FusedArgs a{};
     a.x = reinterpret_cast<const __half*>(x.data_ptr());
+    a.gate = gate != nullptr ? reinterpret_cast<const __half*>(gate->data_ptr()) : nullptr;
+    a.act = act;
     a.m = (int)x.size(0);
     a.k_tiles = (int)trellis[0].size(0);
     a.kt_per_chunk = (int)kt_per_chunk;
@@ -347,6 +349,34 @@ Tensor linear(const Tensor& x, const Tensor& trellis, const Tensor& suh, const T
     return linear_group(x, {trellis}, {suh}, {svh}, codebook, kt_per_chunk)[0];
 }
 
+// y = linear(act(gate) * up) for m <= 16 in one launch: the gated MLP's activation product computed in
+// the fused op's prologue (exl3_fused.cuh, fused_act_mul) instead of a launch of its own. act: 0 silu,
+// 1 gelu (tanh approximation).
+Tensor linear_act(const Tensor& gate, const Tensor& up, const Tensor& trellis, const Tensor& suh, const Tensor& svh,
+                  int64_t codebook, int64_t act) {
+    const char* op = "exl3::exl3_linear_act";
+    TORCH_CHECK(act == exl3::FUSED_ACT_SILU || act == exl3::FUSED_ACT_GELU_TANH, op, ": act = ", act,
+                "; expected 0 (silu) or 1 (gelu_tanh)");
+    const int k = check_trellis(trellis, 0, codebook, op);
+    const int64_t kd = trellis.size(0) * 16, nd = trellis.size(1) * 16;
+    check_x(up, kd, FUSED_MAX_M, op);
+    TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == at::kHalf && gate.device() == up.device(), op,
+                ": gate ", gate.sizes(), " ", gate.scalar_type(), " must match up ", up.sizes(), " (fp16, same device)");
+    TORCH_CHECK(kd % 128 == 0 && nd % 128 == 0, op, ": k = ", kd, ", n = ", nd, " must be multiples of 128");
+    check_scales(suh, svh, kd, nd, op);
+    c10::cuda::CUDAGuard guard(up.device());
+    Tensor uc = aligned16(up.contiguous()), gc = aligned16(gate.contiguous());
+    Tensor su = aligned16(suh.to(at::kHalf).contiguous()), sv = aligned16(svh.to(at::kHalf).contiguous());
+    std::vector<Tensor> ys{at::empty({up.size(0), nd}, up.options())};
+    if (up.size(0) == 0) return ys[0];
+    if (fused_launch(uc, {trellis}, {su}, {sv}, ys, k, codebook, 0, &gc, (int)act)) return ys[0];
+    // no workspace during capture: the activation product by ATen, then the 4-kernel chain
+    Tensor g = gc.to(at::kFloat);
+    Tensor t = act == exl3::FUSED_ACT_GELU_TANH ? (g + 0.044715 * g * g * g) * (2.0 * 0.7978845608028654) : g;
+    Tensor x = (g * at::sigmoid(t) * uc.to(at::kFloat)).to(at::kHalf);
+    return gemm_4kernel(x, trellis, su, sv, k, codebook);
+}
+
 // debugging/tests: copies of this device's fused-op workspace (z, counters); empty before first use
 std::tuple<Tensor, Tensor> linear_workspace(const Tensor& like) {
     TORCH_CHECK(like.is_cuda(), "exl3::exl3_linear_workspace: pass a CUDA tensor of the device to inspect");
@@ -409,6 +439,7 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
     m.def("exl3_linear_group(Tensor x, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, "
           "int kt_per_chunk=0) -> Tensor[]");
     m.def("exl3_linear_workspace(Tensor like) -> (Tensor, Tensor)");
+    m.def("exl3_linear_act(Tensor gate, Tensor up, Tensor trellis, Tensor suh, Tensor svh, int codebook, int act) -> Tensor");
     // no tensor argument: a catch-all kernel. Returns the previous setting.
     m.def("set_pdl(bool on) -> bool", &set_pdl);
 }
@@ -424,4 +455,5 @@ TORCH_LIBRARY_IMPL(exl3, CUDA, m) {
     m.impl("exl3_linear", &linear);
     m.impl("exl3_linear_group", &linear_group);
     m.impl("exl3_linear_workspace", &linear_workspace);
+    m.impl("exl3_linear_act", &linear_act);
 }

@@ -30,8 +30,10 @@ ACTIVATIONS: dict[str, Activation] = {
 }
 
 
-# activations with a fused ``act(gate) * up`` kernel (exl3_core.ops)
+# activations with a fused ``act(gate) * up`` kernel (exl3_core.ops), and their names for a down
+# projection that can form the product itself (a linear's ``forward_act``)
 _FUSED_ACT_MUL: dict[Activation, Callable[..., torch.Tensor]] = {F.silu: ops.silu_mul, _gelu_tanh: ops.gelu_tanh_mul}
+_ACT_NAMES: dict[Activation, str] = {F.silu: "silu", _gelu_tanh: "gelu_tanh"}
 
 
 def activation(name: str) -> Activation:
@@ -75,8 +77,10 @@ class GatedMLP(Module):
         assert self.gate is not None and self.up is not None and self.down is not None, "MLP is not loaded"
         gate, up = project_group(x, (self.gate, self.up))  # one launch when they can share it
         fused = _FUSED_ACT_MUL.get(self.act) if ops.fused_enabled(x) else None
-        if fused is not None:  # CUDA: act, cast and mul in one kernel
-            return self.down(fused(gate, up))
+        if fused is not None:  # CUDA: act, cast and mul in one kernel, or inside the down projection's
+            forward_act = getattr(self.down, "forward_act", None)
+            y = forward_act(gate, up, _ACT_NAMES[self.act]) if forward_act is not None else None
+            return y if y is not None else self.down(fused(gate, up))
         return self.down(self.act(gate) * up)
 
 

@@ -271,3 +271,45 @@ def test_project_group_matches_separate_layers(fused_ops) -> None:
                 want = lay(x)
                 assert g.shape == want.shape == (m, lay.out_features)
                 assert rel_err(g, want) < 1e-3, f"{len(layers)} layers, m={m}, output {i}"
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("K,cb", [(4, CB_MUL1), (2, CB_3INST), (6, CB_MCG)])
+def test_linear_act(fused_ops, K: int, cb: int, act: str) -> None:
+    """``exl3_linear_act(gate, up)`` = the linear of ``act(gate) * up`` formed by the reference kernel
+    (fp32 math, one fp16 rounding), the product computed in the fused prologue."""
+    from exl3_core.quant.exl3.linear import FUSED_ACTS
+    from exl3_core.reference import fused as ref
+
+    p = Problem(1280, 512, K, cb)
+    for m in (1, 3, 16):
+        gate, up = xin(m, 1280) * 2, xin(m, 1280)
+        x = (ref.silu_mul if act == "silu" else ref.gelu_tanh_mul)(gate, up)
+        poison((m, 512))
+        y = fused_ops.exl3_linear_act(gate, up, p.trellis, p.suh, p.svh, cb, FUSED_ACTS[act])
+        check(y, x, p, f"act={act} K={K} cb={cb} m={m}")
+    assert_workspace_clean(fused_ops)
+
+
+def test_gated_mlp_takes_forward_act(fused_ops, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gated MLP with an EXL3 down projection forms act(gate) * up inside the down launch at decode
+    sizes (no separate act*mul kernel), and matches the two-launch path."""
+    import torch.nn.functional as F
+
+    import exl3_core.nn.mlp as mlp_mod
+    from exl3_core.quant.exl3.linear import EXL3Linear
+
+    def lin(k: int, n: int) -> EXL3Linear:
+        t = torch.randint(-32768, 32768, (k // 16, n // 16, 64), dtype=torch.int16)
+        return EXL3Linear(t, (rand_scales(k) * 0.05).cpu(), rand_scales(n).cpu(), CB_MUL1, k, n).to(DEV)
+
+    mlp = mlp_mod.GatedMLP(hidden_size=256, intermediate_size=512, act="silu", gate_key="g", up_key="u", down_key="d")
+    mlp.gate, mlp.up, mlp.down = lin(256, 512), lin(256, 512), lin(512, 256)
+    separate = mlp_mod._FUSED_ACT_MUL[F.silu]
+    calls: list[int] = []
+    monkeypatch.setitem(mlp_mod._FUSED_ACT_MUL, F.silu, lambda *a, **kw: calls.append(1) or separate(*a, **kw))
+    x = xin(2, 256)
+    y = mlp(x)
+    assert not calls, "the separate act*mul kernel ran although the down projection can form the product"
+    y2 = mlp.down(separate(mlp.gate(x), mlp.up(x)))
+    assert y.shape == y2.shape and rel_err(y, y2) < 1e-3

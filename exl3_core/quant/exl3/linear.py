@@ -205,6 +205,23 @@ class EXL3Linear(torch.nn.Module):
             y = y + self.bias.to(y.dtype)
         return y[..., : self.out_features].to(x.dtype)
 
+    def forward_act(self, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor | None:
+        """``self(act(gate) * up)`` with the activation product computed in the one-launch linear's
+        prologue (decode sizes on CUDA: one launch less per gated MLP); ``act`` in :data:`FUSED_ACTS`.
+        None where that path does not apply: the caller forms the product and calls the layer."""
+        code = FUSED_ACTS.get(act)
+        width = up.shape[-1]
+        rows = up.numel() // max(width, 1)
+        if (code is None or not up.is_cuda or gate.shape != up.shape or width != self.padded_in_features
+                or rows > FUSED_GROUP_MAX_ROWS or up.dtype != torch.float16 or gate.dtype != torch.float16
+                or _hooked((self,)) or not ext.has_op("exl3_linear_act")):
+            return None
+        y = ext.op("exl3_linear_act")(gate.reshape(rows, width), up.reshape(rows, width), self.trellis, self.suh,
+                                      self.svh, self.codebook, code)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y[:, : self.out_features].reshape(*up.shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, K={self.K}, "
@@ -234,6 +251,10 @@ def exl3_matmul(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return exl3_matmul_reference(x, layer)
 
+
+#: activations the one-launch linear can apply to its input (``EXL3Linear.forward_act``; csrc
+#: exl3_fused.cuh FUSED_ACT_*, the same math as exl3_core.kernels.fused.ACTS)
+FUSED_ACTS = {"silu": 0, "gelu_tanh": 1}
 
 #: rows up to which the compiled one-launch linear (and its grouped form) is used; beyond it the
 #: split-k GEMM wins (the fused prologue recomputes the input Hadamard per block and row)
