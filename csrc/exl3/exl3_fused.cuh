@@ -72,7 +72,7 @@ struct FusedArgs {
     int norm_n;              // the real output width (<= n, a multiple of 4)
     __half* normed;          // [m, norm_n]
     __half* res_out;         // [m, norm_n]
-    int* norm_counter;       // [1 + 16] zero between launches: arrivals, then fp32 row sums of squares
+    int* norm_counter;       // zero between launches
     int m, k_tiles;
     int kt_per_chunk;  // k tiles per block (1..GEMM_KT_MAX); <= 0: the launcher picks (pick_kt_per_chunk)
     int n_problems;
@@ -115,80 +115,64 @@ constexpr int fused_min_blocks() {
     return by_smem < EXL3_FUSED_TR_MINB ? by_smem : EXL3_FUSED_TR_MINB;
 }
 
-// The residual add + RMSNorm epilogue (FusedArgs::residual). Phase A runs in every column block's
-// finishing block, on the y values it just made: res_out = fp16(residual + y) for its columns and the
-// rows' partial sums of squares (atomics into row_ss). Phase B: the block that finishes the launch's
-// last column block reads the sums and writes normed for whole rows, all its threads in parallel.
+// The residual add + RMSNorm epilogue (FusedArgs::residual), run by each column block's finishing block
+// after it stored its y columns: the one that finishes the last column block normalises the whole rows.
+// Not inlined: the kernel's main loop keeps its register allocation (32 at 15 blocks/SM).
 struct NormEpilogue {
+    const __half* y;
     const __half* residual;
     const float* norm_w;
     __half* normed;
     __half* res_out;
-    int* counter;    // [0]: arrivals; [1 .. 16]: row_ss (fp32 bit patterns), zero between launches
+    int* counter;
     float eps, offset;
     int m, n;
+    long ndim;
 };
-
-// phase A for one row and a lane's 4 columns c..c+3 (c < n: all 4, as n % 4 == 0)
-__device__ __forceinline__ void norm_phase_a(const NormEpilogue& e, int r, long c, const __half (&y)[4]) {
-    float ss = 0.f;
-    if (c < e.n) {
-        const uint2 rv = __ldg(reinterpret_cast<const uint2*>(e.residual + (long)r * e.n + c));
-        const __half rr[4] = {__low2half(bits_h2(rv.x)), __high2half(bits_h2(rv.x)), __low2half(bits_h2(rv.y)),
-                              __high2half(bits_h2(rv.y))};
-        __half sh[4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            sh[j] = __float2half_rn(__half2float(y[j]) + __half2float(rr[j]));  // the stream's rounding
-            const float f = __half2float(sh[j]);
-            ss += f * f;
-        }
-        *reinterpret_cast<uint2*>(e.res_out + (long)r * e.n + c) = pack_half4(sh);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if ((threadIdx.x & 31) == 0) atomicAdd(reinterpret_cast<float*>(e.counter + 1 + r), ss);
-}
-
-// phase B (noinline: the main loop keeps its 32-register allocation)
-static __device__ __noinline__ void norm_phase_b(NormEpilogue e, int col_blocks) {
+static __device__ __noinline__ void fused_norm_epilogue(NormEpilogue a, int col_blocks, int warp, int lane) {
     __shared__ int s_norm_last;
-    __threadfence();  // this block's res_out stores and sum atomics, before its arrival is published
+    __threadfence();  // this block's y stores, before its arrival is published
     __syncthreads();
     if (threadIdx.x == 0) {
-        const int prev = atomicAdd(e.counter, 1);
+        const int prev = atomicAdd(a.counter, 1);
         __threadfence();
         s_norm_last = prev == col_blocks - 1;
     }
     __syncthreads();
     if (!s_norm_last) return;
     __threadfence();
-    const int T = blockDim.x;
-    for (int r = 0; r < e.m; ++r) {
-        const float ss = __ldcg(reinterpret_cast<const float*>(e.counter + 1 + r));
-        const float inv = rsqrtf(ss / (float)e.n + e.eps);
-#pragma unroll 4
-        for (long c = 4 * threadIdx.x; c < e.n; c += 4 * T) {
-            const uint2 sv = __ldcg(reinterpret_cast<const uint2*>(e.res_out + (long)r * e.n + c));  // other blocks'
-            float w[4] = {1.f, 1.f, 1.f, 1.f};
-            if (e.norm_w != nullptr) {
-                const float4 wv = __ldg(reinterpret_cast<const float4*>(e.norm_w + c));
-                w[0] = wv.x + e.offset, w[1] = wv.y + e.offset, w[2] = wv.z + e.offset, w[3] = wv.w + e.offset;
-            }
+    const long ndim = a.ndim;
+    const int n = a.n;
+    for (int r = warp; r < a.m; r += GEMM_WARPS) {  // a warp per row: residual add, then the sum of squares
+        float ss = 0.f;
+        for (int c = 4 * lane; c < n; c += 128) {
+            const uint2 yv = __ldcg(reinterpret_cast<const uint2*>(a.y + r * ndim + c));  // other blocks' stores: L2
+            const uint2 rv = __ldg(reinterpret_cast<const uint2*>(a.residual + (long)r * n + c));
+            const __half2 s0 = __floats2half2_rn(__low2float(bits_h2(yv.x)) + __low2float(bits_h2(rv.x)),
+                                                 __high2float(bits_h2(yv.x)) + __high2float(bits_h2(rv.x)));
+            const __half2 s1 = __floats2half2_rn(__low2float(bits_h2(yv.y)) + __low2float(bits_h2(rv.y)),
+                                                 __high2float(bits_h2(yv.y)) + __high2float(bits_h2(rv.y)));
+            *reinterpret_cast<uint2*>(a.res_out + (long)r * n + c) = make_uint2(h2_bits(s0), h2_bits(s1));
+            const float2 f0 = __half22float2(s0), f1 = __half22float2(s1);
+            ss += f0.x * f0.x + f0.y * f0.y + f1.x * f1.x + f1.y * f1.y;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        const float inv = rsqrtf(ss / (float)n + a.eps);
+        for (int c = 4 * lane; c < n; c += 128) {  // this lane's own res_out stores, read back
+            const uint2 sv = *reinterpret_cast<const uint2*>(a.res_out + (long)r * n + c);
             const float2 f0 = __half22float2(bits_h2(sv.x)), f1 = __half22float2(bits_h2(sv.y));
+            float w[4] = {1.f, 1.f, 1.f, 1.f};
+            if (a.norm_w != nullptr) {
+                const float4 wv = __ldg(reinterpret_cast<const float4*>(a.norm_w + c));
+                w[0] = wv.x + a.offset, w[1] = wv.y + a.offset, w[2] = wv.z + a.offset, w[3] = wv.w + a.offset;
+            }
             const __half2 o0 = __floats2half2_rn(f0.x * inv * w[0], f0.y * inv * w[1]);
             const __half2 o1 = __floats2half2_rn(f1.x * inv * w[2], f1.y * inv * w[3]);
-            *reinterpret_cast<uint2*>(e.normed + (long)r * e.n + c) = make_uint2(h2_bits(o0), h2_bits(o1));
+            *reinterpret_cast<uint2*>(a.normed + (long)r * n + c) = make_uint2(h2_bits(o0), h2_bits(o1));
         }
     }
-    __syncthreads();  // every thread has read the sums
-    if (threadIdx.x < e.m) e.counter[1 + threadIdx.x] = 0;
-    if (threadIdx.x == 0) e.counter[0] = 0;  // every column block has arrived
-}
-
-__device__ __forceinline__ NormEpilogue norm_epilogue(const FusedArgs& a) {
-    return NormEpilogue{a.residual, a.norm_w, a.normed, a.res_out, a.norm_counter, a.norm_eps, a.norm_offset, a.m,
-                        a.norm_n};
+    if (threadIdx.x == 0) *a.counter = 0;  // every column block has arrived
 }
 
 // TR: m <= 8, transposed main loop (one mma per tile; exl3_kernels.cuh)
@@ -352,10 +336,12 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
         for (int j = 0; j < 4; ++j) h[j] = __hmul(__float2half_rn(v[j]), svh4[j]);
         *reinterpret_cast<uint2*>(P.y + (long)r * ndim + col0) = pack_half4(h);
         __stcg(zp, make_float4(0.f, 0.f, 0.f, 0.f));
-        if (a.residual != nullptr) norm_phase_a(norm_epilogue(a), r, col0, h);
     }
     if (threadIdx.x == 0) P.counters[cblk] = 0;  // every chunk has arrived: no block of this launch reads it again
-    if (a.residual != nullptr) norm_phase_b(norm_epilogue(a), n_blocks);
+    if (a.residual != nullptr)
+        fused_norm_epilogue(NormEpilogue{P.y, a.residual, a.norm_w, a.normed, a.res_out, a.norm_counter, a.norm_eps,
+                                         a.norm_offset, a.m, a.norm_n, ndim},
+                            n_blocks, warp, lane);
 }
 
 // ------------------------------------------------------------------ host side

@@ -223,7 +223,7 @@ bool fused_workspace(const Tensor& like, int64_t n_total, float** z, int** count
         }
         ws.z = at::zeros({FUSED_MAX_M * n_total}, like.options().dtype(at::kFloat));
         ws.counters = at::zeros({n_total / exl3::FUSED_COLS}, like.options().dtype(at::kInt));
-        if (!ws.norm_counter.defined()) ws.norm_counter = at::zeros({1 + FUSED_MAX_M}, like.options().dtype(at::kInt));
+        if (!ws.norm_counter.defined()) ws.norm_counter = at::zeros({1}, like.options().dtype(at::kInt));
         ws.n_cap = n_total;
         st.synchronize();  // the zeros are in place before any stream uses the buffers
     }
