@@ -62,17 +62,6 @@ struct FusedArgs {
     const __half* x;  // [m, k] fp16, row-major
     const __half* gate;  // nullptr, or [m, k] fp16: the input is act(gate) * x (a gated MLP's down projection)
     int act;             // FUSED_ACT_* when gate is set
-    // Optional residual add + RMSNorm of the output rows (one problem; the pre-norm block's next norm):
-    // res_out = fp16(residual + y[:, :norm_n]), normed = fp16(res_out * rsqrt(mean(res_out^2) + eps) *
-    // (norm_w + norm_offset)), fp32 math as exl3_core/kernels/fused.py's _rms_norm_kernel. The block that
-    // finishes the launch's last column block does it (a second arrival counter).
-    const __half* residual;  // nullptr: no norm epilogue; else [m, norm_n]
-    const float* norm_w;     // [norm_n] or nullptr (no weight)
-    float norm_eps, norm_offset;
-    int norm_n;              // the real output width (<= n, a multiple of 4)
-    __half* normed;          // [m, norm_n]
-    __half* res_out;         // [m, norm_n]
-    int* norm_counter;       // zero between launches
     int m, k_tiles;
     int kt_per_chunk;  // k tiles per block (1..GEMM_KT_MAX); <= 0: the launcher picks (pick_kt_per_chunk)
     int n_problems;
@@ -113,66 +102,6 @@ constexpr int fused_min_blocks() {
     if (!TR) return EXL3_FUSED_MINB > 0 ? EXL3_FUSED_MINB : 1;
     const int by_smem = (228 * 1024) / (fused_smem_bytes<K, TR>() + 1024);  // 1 KB reserved per block
     return by_smem < EXL3_FUSED_TR_MINB ? by_smem : EXL3_FUSED_TR_MINB;
-}
-
-// The residual add + RMSNorm epilogue (FusedArgs::residual), run by each column block's finishing block
-// after it stored its y columns: the one that finishes the last column block normalises the whole rows.
-// Not inlined: the kernel's main loop keeps its register allocation (32 at 15 blocks/SM).
-struct NormEpilogue {
-    const __half* y;
-    const __half* residual;
-    const float* norm_w;
-    __half* normed;
-    __half* res_out;
-    int* counter;
-    float eps, offset;
-    int m, n;
-    long ndim;
-};
-static __device__ __noinline__ void fused_norm_epilogue(NormEpilogue a, int col_blocks, int warp, int lane) {
-    __shared__ int s_norm_last;
-    __threadfence();  // this block's y stores, before its arrival is published
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int prev = atomicAdd(a.counter, 1);
-        __threadfence();
-        s_norm_last = prev == col_blocks - 1;
-    }
-    __syncthreads();
-    if (!s_norm_last) return;
-    __threadfence();
-    const long ndim = a.ndim;
-    const int n = a.n;
-    for (int r = warp; r < a.m; r += GEMM_WARPS) {  // a warp per row: residual add, then the sum of squares
-        float ss = 0.f;
-        for (int c = 4 * lane; c < n; c += 128) {
-            const uint2 yv = __ldcg(reinterpret_cast<const uint2*>(a.y + r * ndim + c));  // other blocks' stores: L2
-            const uint2 rv = __ldg(reinterpret_cast<const uint2*>(a.residual + (long)r * n + c));
-            const __half2 s0 = __floats2half2_rn(__low2float(bits_h2(yv.x)) + __low2float(bits_h2(rv.x)),
-                                                 __high2float(bits_h2(yv.x)) + __high2float(bits_h2(rv.x)));
-            const __half2 s1 = __floats2half2_rn(__low2float(bits_h2(yv.y)) + __low2float(bits_h2(rv.y)),
-                                                 __high2float(bits_h2(yv.y)) + __high2float(bits_h2(rv.y)));
-            *reinterpret_cast<uint2*>(a.res_out + (long)r * n + c) = make_uint2(h2_bits(s0), h2_bits(s1));
-            const float2 f0 = __half22float2(s0), f1 = __half22float2(s1);
-            ss += f0.x * f0.x + f0.y * f0.y + f1.x * f1.x + f1.y * f1.y;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        const float inv = rsqrtf(ss / (float)n + a.eps);
-        for (int c = 4 * lane; c < n; c += 128) {  // this lane's own res_out stores, read back
-            const uint2 sv = *reinterpret_cast<const uint2*>(a.res_out + (long)r * n + c);
-            const float2 f0 = __half22float2(bits_h2(sv.x)), f1 = __half22float2(bits_h2(sv.y));
-            float w[4] = {1.f, 1.f, 1.f, 1.f};
-            if (a.norm_w != nullptr) {
-                const float4 wv = __ldg(reinterpret_cast<const float4*>(a.norm_w + c));
-                w[0] = wv.x + a.offset, w[1] = wv.y + a.offset, w[2] = wv.z + a.offset, w[3] = wv.w + a.offset;
-            }
-            const __half2 o0 = __floats2half2_rn(f0.x * inv * w[0], f0.y * inv * w[1]);
-            const __half2 o1 = __floats2half2_rn(f1.x * inv * w[2], f1.y * inv * w[3]);
-            *reinterpret_cast<uint2*>(a.normed + (long)r * n + c) = make_uint2(h2_bits(o0), h2_bits(o1));
-        }
-    }
-    if (threadIdx.x == 0) *a.counter = 0;  // every column block has arrived
 }
 
 // TR: m <= 8, transposed main loop (one mma per tile; exl3_kernels.cuh)
@@ -338,10 +267,6 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
         __stcg(zp, make_float4(0.f, 0.f, 0.f, 0.f));
     }
     if (threadIdx.x == 0) P.counters[cblk] = 0;  // every chunk has arrived: no block of this launch reads it again
-    if (a.residual != nullptr)
-        fused_norm_epilogue(NormEpilogue{P.y, a.residual, a.norm_w, a.normed, a.res_out, a.norm_counter, a.norm_eps,
-                                         a.norm_offset, a.m, a.norm_n, ndim},
-                            n_blocks, warp, lane);
 }
 
 // ------------------------------------------------------------------ host side

@@ -190,7 +190,7 @@ Tensor had128(const Tensor& x, const c10::optional<Tensor>& pre, const c10::opti
 // Replaced buffers are kept alive, since graphs captured earlier still point at them.
 // One workspace per device: concurrent fused calls on two streams of one device are not supported.
 struct FusedWorkspace {
-    Tensor z, counters, norm_counter;
+    Tensor z, counters;
     int64_t n_cap = 0;
     std::vector<Tensor> retired;
 };
@@ -223,7 +223,6 @@ bool fused_workspace(const Tensor& like, int64_t n_total, float** z, int** count
         }
         ws.z = at::zeros({FUSED_MAX_M * n_total}, like.options().dtype(at::kFloat));
         ws.counters = at::zeros({n_total / exl3::FUSED_COLS}, like.options().dtype(at::kInt));
-        if (!ws.norm_counter.defined()) ws.norm_counter = at::zeros({1}, like.options().dtype(at::kInt));
         ws.n_cap = n_total;
         st.synchronize();  // the zeros are in place before any stream uses the buffers
     }
@@ -231,23 +230,6 @@ bool fused_workspace(const Tensor& like, int64_t n_total, float** z, int** count
     *counters = ws.counters.data_ptr<int>();
     return true;
 }
-
-// the norm epilogue's arrival counter of x's device (allocated with the workspace)
-int* fused_norm_counter(const Tensor& like) {
-    std::lock_guard<std::mutex> lock(g_ws_mutex);
-    return g_ws[like.get_device()].norm_counter.data_ptr<int>();
-}
-
-// Optional parts of one fused launch beyond the plain linear (FusedArgs: gate, norm epilogue)
-struct FusedExtras {
-    const Tensor* gate = nullptr;
-    int act = 0;
-    const Tensor* residual = nullptr;
-    const Tensor* norm_w = nullptr;  // fp32 or undefined
-    double eps = 0.0, offset = 0.0;
-    Tensor* normed = nullptr;
-    Tensor* res_out = nullptr;
-};
 
 void check_x(const Tensor& x, int64_t kd, int64_t max_m, const char* op) {
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kHalf && x.dim() == 2,
@@ -287,7 +269,7 @@ bool set_pdl(bool on) { return g_pdl.exchange(on); }
 // when the workspace cannot be had during capture.
 bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std::vector<Tensor>& su,
                   const std::vector<Tensor>& sv, const std::vector<Tensor>& y, int k, int64_t codebook,
-                  int64_t kt_per_chunk, const FusedExtras& ex = FusedExtras{}) {
+                  int64_t kt_per_chunk, const Tensor* gate = nullptr, int act = 0) {
     int64_t n_total = 0;
     for (const Tensor& t : trellis) n_total += t.size(1) * 16;
     float* z = nullptr;
@@ -295,18 +277,8 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
     if (!fused_workspace(x, n_total, &z, &counters)) return false;
     exl3::FusedArgs a{};
     a.x = reinterpret_cast<const __half*>(x.data_ptr());
-    a.gate = ex.gate != nullptr ? reinterpret_cast<const __half*>(ex.gate->data_ptr()) : nullptr;
-    a.act = ex.act;
-    if (ex.residual != nullptr) {
-        a.residual = reinterpret_cast<const __half*>(ex.residual->data_ptr());
-        a.norm_w = ex.norm_w != nullptr && ex.norm_w->defined() ? ex.norm_w->data_ptr<float>() : nullptr;
-        a.norm_eps = (float)ex.eps;
-        a.norm_offset = (float)ex.offset;
-        a.norm_n = (int)ex.residual->size(1);
-        a.normed = reinterpret_cast<__half*>(ex.normed->data_ptr());
-        a.res_out = reinterpret_cast<__half*>(ex.res_out->data_ptr());
-        a.norm_counter = fused_norm_counter(x);
-    }
+    a.gate = gate != nullptr ? reinterpret_cast<const __half*>(gate->data_ptr()) : nullptr;
+    a.act = act;
     a.m = (int)x.size(0);
     a.k_tiles = (int)trellis[0].size(0);
     a.kt_per_chunk = (int)kt_per_chunk;
@@ -377,81 +349,32 @@ Tensor linear(const Tensor& x, const Tensor& trellis, const Tensor& suh, const T
     return linear_group(x, {trellis}, {suh}, {svh}, codebook, kt_per_chunk)[0];
 }
 
-// One fused launch (m <= 16) with optional extras, for the decode step's chains (exl3_fused.cuh):
-//  * gate (same shape as x): the input is act(gate) * x, act 0 silu / 1 gelu_tanh: a gated MLP's
-//    activation product formed in the prologue instead of a launch of its own;
-//  * residual [m, r_n] (r_n <= n, a multiple of 4; fp16) and norm_weight (fp32 [r_n] or None): also
-//    res_out = fp16(residual + y[:, :r_n]) and normed = RMSNorm(res_out) (eps, offset), the pre-norm
-//    block's residual add and next norm in the launch's tail.
-// Returns [y] or [y, normed, res_out].
-std::vector<Tensor> linear_ex(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Tensor& svh,
-                              int64_t codebook, const c10::optional<Tensor>& gate, int64_t act,
-                              const c10::optional<Tensor>& residual, const c10::optional<Tensor>& norm_weight,
-                              double eps, double offset) {
-    const char* op = "exl3::exl3_linear_ex";
+// y = linear(act(gate) * up) for m <= 16 in one launch: the gated MLP's activation product computed in
+// the fused op's prologue (exl3_fused.cuh, fused_act_mul) instead of a launch of its own. act: 0 silu,
+// 1 gelu (tanh approximation).
+Tensor linear_act(const Tensor& gate, const Tensor& up, const Tensor& trellis, const Tensor& suh, const Tensor& svh,
+                  int64_t codebook, int64_t act) {
+    const char* op = "exl3::exl3_linear_act";
+    TORCH_CHECK(act == exl3::FUSED_ACT_SILU || act == exl3::FUSED_ACT_GELU_TANH, op, ": act = ", act,
+                "; expected 0 (silu) or 1 (gelu_tanh)");
     const int k = check_trellis(trellis, 0, codebook, op);
     const int64_t kd = trellis.size(0) * 16, nd = trellis.size(1) * 16;
-    check_x(x, kd, FUSED_MAX_M, op);
+    check_x(up, kd, FUSED_MAX_M, op);
+    TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == at::kHalf && gate.device() == up.device(), op,
+                ": gate ", gate.sizes(), " ", gate.scalar_type(), " must match up ", up.sizes(), " (fp16, same device)");
     TORCH_CHECK(kd % 128 == 0 && nd % 128 == 0, op, ": k = ", kd, ", n = ", nd, " must be multiples of 128");
     check_scales(suh, svh, kd, nd, op);
-    const int64_t m = x.size(0);
-    c10::cuda::CUDAGuard guard(x.device());
-    FusedExtras ex;
-    Tensor gc, rc, wc, normed, res_out;
-    if (gate.has_value()) {
-        TORCH_CHECK(act == exl3::FUSED_ACT_SILU || act == exl3::FUSED_ACT_GELU_TANH, op, ": act = ", act,
-                    "; expected 0 (silu) or 1 (gelu_tanh)");
-        TORCH_CHECK(gate->sizes() == x.sizes() && gate->scalar_type() == at::kHalf && gate->device() == x.device(), op,
-                    ": gate ", gate->sizes(), " ", gate->scalar_type(), " must match x ", x.sizes(), " (fp16, same device)");
-        gc = aligned16(gate->contiguous());
-        ex.gate = &gc;
-        ex.act = (int)act;
-    }
-    if (residual.has_value()) {
-        const int64_t rn = residual->dim() == 2 ? residual->size(1) : -1;
-        TORCH_CHECK(residual->dim() == 2 && residual->size(0) == m && rn > 0 && rn <= nd && rn % 4 == 0 &&
-                    residual->scalar_type() == at::kHalf && residual->device() == x.device(), op,
-                    ": residual must be fp16 [", m, ", r_n] with r_n <= ", nd, " a multiple of 4, got ",
-                    residual->scalar_type(), " ", residual->sizes());
-        rc = aligned16(residual->contiguous());
-        if (norm_weight.has_value()) {
-            TORCH_CHECK(norm_weight->numel() == rn && norm_weight->device() == x.device(), op, ": norm_weight has ",
-                        norm_weight->numel(), " elements, the residual ", rn);
-            wc = aligned16(norm_weight->to(at::kFloat).contiguous());
-        }
-        normed = at::empty({m, rn}, x.options());
-        res_out = at::empty({m, rn}, x.options());
-        ex.residual = &rc;
-        ex.norm_w = &wc;
-        ex.eps = eps;
-        ex.offset = offset;
-        ex.normed = &normed;
-        ex.res_out = &res_out;
-    }
-    Tensor xc = aligned16(x.contiguous());
+    c10::cuda::CUDAGuard guard(up.device());
+    Tensor uc = aligned16(up.contiguous()), gc = aligned16(gate.contiguous());
     Tensor su = aligned16(suh.to(at::kHalf).contiguous()), sv = aligned16(svh.to(at::kHalf).contiguous());
-    std::vector<Tensor> ys{at::empty({m, nd}, x.options())};
-    if (residual.has_value()) ys = {ys[0], normed, res_out};
-    if (m == 0) return ys;
-    if (fused_launch(xc, {trellis}, {su}, {sv}, {ys[0]}, k, codebook, 0, ex)) return ys;
-    // no workspace during capture: the same algebra by ATen around the 4-kernel chain
-    Tensor xin = xc;
-    if (gate.has_value()) {
-        Tensor g = gc.to(at::kFloat);
-        Tensor t = act == exl3::FUSED_ACT_GELU_TANH ? (g + 0.044715 * g * g * g) * (2.0 * 0.7978845608028654) : g;
-        xin = (g * at::sigmoid(t) * xc.to(at::kFloat)).to(at::kHalf);
-    }
-    ys[0] = gemm_4kernel(xin, trellis, su, sv, k, codebook);
-    if (residual.has_value()) {
-        const int64_t rn = rc.size(1);
-        Tensor s = (ys[0].narrow(1, 0, rn).to(at::kFloat) + rc.to(at::kFloat)).to(at::kHalf);
-        Tensor sf = s.to(at::kFloat);
-        Tensor y = sf * at::rsqrt(sf.pow(2).mean(-1, true) + eps);
-        if (wc.defined()) y = y * (wc + offset);
-        ys[1].copy_(y.to(at::kHalf));
-        ys[2].copy_(s);
-    }
-    return ys;
+    std::vector<Tensor> ys{at::empty({up.size(0), nd}, up.options())};
+    if (up.size(0) == 0) return ys[0];
+    if (fused_launch(uc, {trellis}, {su}, {sv}, ys, k, codebook, 0, &gc, (int)act)) return ys[0];
+    // no workspace during capture: the activation product by ATen, then the 4-kernel chain
+    Tensor g = gc.to(at::kFloat);
+    Tensor t = act == exl3::FUSED_ACT_GELU_TANH ? (g + 0.044715 * g * g * g) * (2.0 * 0.7978845608028654) : g;
+    Tensor x = (g * at::sigmoid(t) * uc.to(at::kFloat)).to(at::kHalf);
+    return gemm_4kernel(x, trellis, su, sv, k, codebook);
 }
 
 // debugging/tests: copies of this device's fused-op workspace (z, counters); empty before first use
@@ -516,8 +439,7 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
     m.def("exl3_linear_group(Tensor x, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, "
           "int kt_per_chunk=0) -> Tensor[]");
     m.def("exl3_linear_workspace(Tensor like) -> (Tensor, Tensor)");
-    m.def("exl3_linear_ex(Tensor x, Tensor trellis, Tensor suh, Tensor svh, int codebook, Tensor? gate=None, int act=0, "
-          "Tensor? residual=None, Tensor? norm_weight=None, float eps=1e-6, float offset=0.0) -> Tensor[]");
+    m.def("exl3_linear_act(Tensor gate, Tensor up, Tensor trellis, Tensor suh, Tensor svh, int codebook, int act) -> Tensor");
     // no tensor argument: a catch-all kernel. Returns the previous setting.
     m.def("set_pdl(bool on) -> bool", &set_pdl);
 }
@@ -533,5 +455,5 @@ TORCH_LIBRARY_IMPL(exl3, CUDA, m) {
     m.impl("exl3_linear", &linear);
     m.impl("exl3_linear_group", &linear_group);
     m.impl("exl3_linear_workspace", &linear_workspace);
-    m.impl("exl3_linear_ex", &linear_ex);
+    m.impl("exl3_linear_act", &linear_act);
 }

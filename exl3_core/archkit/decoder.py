@@ -125,8 +125,7 @@ class DecoderBlock(Module):
 
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         if ops.fused_enabled(x) and self.chainable():
-            x, delta, _ = self.forward_chain(x, None, state)
-            assert delta is not None  # no next_norm given: the MLP output comes back unadded
+            x, delta = self.forward_chain(x, None, state)
             return x + delta
         x = x + self.attn(self.attn_norm(x), state)
         x = x + self.mlp(self.mlp_norm(x))
@@ -137,32 +136,18 @@ class DecoderBlock(Module):
         return type(self).forward is DecoderBlock.forward and _fusable_norm(self.attn_norm) \
             and _fusable_norm(self.mlp_norm)
 
-    def forward_chain(self, x: torch.Tensor, pending: torch.Tensor | None, state: ForwardState,
-                      normed: torch.Tensor | None = None, next_norm: torch.nn.Module | None = None,
-                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The block on the residual stream ``x + pending`` (or, with ``normed`` given, on ``x`` whose
-        ``attn_norm`` is ``normed``) with both residual adds fused into the norms after them.
-
-        Returns ``(stream before the MLP output, MLP output, None)``: the caller adds (or fuses) the
-        second; or, when ``next_norm`` is given and the MLP's down projection could do the add and
-        that norm in its own launch, ``(new stream, None, next_norm(new stream))``."""
+    def forward_chain(self, x: torch.Tensor, pending: torch.Tensor | None,
+                      state: ForwardState) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block on the residual stream ``x + pending`` with both residual adds fused into the
+        norms after them; returns ``(stream before the MLP output, MLP output)``, the caller adds
+        (or fuses) the second."""
         assert isinstance(self.attn_norm, RMSNorm) and isinstance(self.mlp_norm, RMSNorm)
-        if normed is not None:
-            assert pending is None, "forward_chain: pass the pending MLP output or the normed input, not both"
-        elif pending is None:
+        if pending is None:
             normed = self.attn_norm(x)
         else:
             normed, x = self.attn_norm.forward_residual(pending, x)
-        into = getattr(self.attn, "forward_into_norm", None)  # o_proj may add and normalise in its launch
-        if into is not None:
-            normed, x = into(normed, state, x, self.mlp_norm)
-        else:
-            normed, x = self.mlp_norm.forward_residual(self.attn(normed, state), x)
-        into_next = getattr(self.mlp, "forward_into_norm", None) if next_norm is not None else None
-        out = into_next(normed, x, next_norm) if into_next is not None else None
-        if out is not None:
-            return out[1], None, out[0]
-        return x, self.mlp(normed), None
+        normed, x = self.mlp_norm.forward_residual(self.attn(normed, state), x)
+        return x, self.mlp(normed)
 
 
 class Head(Module):
@@ -276,12 +261,8 @@ class StandardDecoder(Model):
     def _forward_chain(self, x: torch.Tensor, meta: BatchMeta, state: ForwardState) -> torch.Tensor:
         """:meth:`forward_batch` with every residual add fused into the norm after it (CUDA)."""
         pending: torch.Tensor | None = None
-        normed: torch.Tensor | None = None
-        layers = list(self.layers)
-        for i, block in enumerate(layers):
-            # the next block's input norm may run in this block's last launch (decode sizes)
-            nxt = layers[i + 1].attn_norm if i + 1 < len(layers) else None
-            x, pending, normed = block.forward_chain(x, pending, state, normed, nxt)  # type: ignore[operator]
+        for block in self.layers:
+            x, pending = block.forward_chain(x, pending, state)  # type: ignore[operator]
         norm = self.norm
         assert isinstance(norm, RMSNorm)
         if pending is None:  # no layers

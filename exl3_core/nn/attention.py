@@ -125,22 +125,6 @@ class Attention(Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
-        return self.o_proj(self.attend(x, state))
-
-    def forward_into_norm(self, x: torch.Tensor, state: ForwardState, residual: torch.Tensor,
-                          norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """``norm.forward_residual(self(x, state), residual)``: with an ``o_proj`` that can (an EXL3 linear
-        at decode sizes) the residual add and the norm run in o_proj's own launch."""
-        # a subclass's own forward, or hooks that must see a call of this module: keep the call whole
-        if type(self).forward is not Attention.forward or self._forward_hooks or self._forward_pre_hooks:
-            return norm.forward_residual(self(x, state), residual)
-        o = self.attend(x, state)
-        fused = getattr(self.o_proj, "forward_norm", None)
-        out = fused(o, residual, norm.weight, norm.eps, norm.offset) if fused is not None else None
-        return out if out is not None else norm.forward_residual(self.o_proj(o), residual)
-
-    def attend(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
-        """Everything up to ``o_proj``: ``x [T, hidden]`` -> the attention output ``[T, Hq * Dv]``."""
         meta = state.meta
         T = x.shape[0]
         q, k, v = self.project_qkv(x, state)
@@ -161,7 +145,7 @@ class Attention(Module):
                             k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table, k=k, v=v)
         backend = get_dispatcher(state.plugins).select(spec, state.allowed_backends)
         o = backend.forward(args)
-        return o.reshape(T, self.num_heads * self.head_dim_v)
+        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim_v))
 
     def extra_repr(self) -> str:
         return f"{self.prefix}: heads={self.num_heads}/{self.num_kv_heads}, head_dim={self.head_dim}, " \

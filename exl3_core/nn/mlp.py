@@ -76,30 +76,12 @@ class GatedMLP(Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.gate is not None and self.up is not None and self.down is not None, "MLP is not loaded"
         gate, up = project_group(x, (self.gate, self.up))  # one launch when they can share it
-        return self._down(gate, up, ops.fused_enabled(x))
-
-    def _down(self, gate: torch.Tensor, up: torch.Tensor, fused_ok: bool) -> torch.Tensor:
-        fused = _FUSED_ACT_MUL.get(self.act) if fused_ok else None
+        fused = _FUSED_ACT_MUL.get(self.act) if ops.fused_enabled(x) else None
         if fused is not None:  # CUDA: act, cast and mul in one kernel, or inside the down projection's
             forward_act = getattr(self.down, "forward_act", None)
             y = forward_act(gate, up, _ACT_NAMES[self.act]) if forward_act is not None else None
             return y if y is not None else self.down(fused(gate, up))
         return self.down(self.act(gate) * up)
-
-    def forward_into_norm(self, x: torch.Tensor, residual: torch.Tensor,
-                          norm: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``norm.forward_residual(self(x), residual)`` with the residual add and the norm in the down
-        projection's own launch where it can (an EXL3 linear at decode sizes on CUDA); None (nothing
-        computed) when this MLP cannot take that path, e.g. a subclass with its own forward."""
-        if (type(self).forward is not GatedMLP.forward or not ops.fused_enabled(x) or self.act not in _ACT_NAMES
-                or self._forward_hooks or self._forward_pre_hooks):  # hooks must see a call of this module
-            return None
-        forward_norm = getattr(self.down, "forward_norm", None)
-        if forward_norm is None:
-            return None
-        gate, up = project_group(x, (self.gate, self.up))
-        out = forward_norm(up, residual, norm.weight, norm.eps, norm.offset, gate=gate, act=_ACT_NAMES[self.act])
-        return out if out is not None else norm.forward_residual(self._down(gate, up, True), residual)
 
 
 class MLP(Module):

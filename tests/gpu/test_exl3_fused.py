@@ -276,7 +276,7 @@ def test_project_group_matches_separate_layers(fused_ops) -> None:
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("K,cb", [(4, CB_MUL1), (2, CB_3INST), (6, CB_MCG)])
 def test_linear_act(fused_ops, K: int, cb: int, act: str) -> None:
-    """``exl3_linear_ex(up, gate=gate)`` = the linear of ``act(gate) * up`` formed by the reference kernel
+    """``exl3_linear_act(gate, up)`` = the linear of ``act(gate) * up`` formed by the reference kernel
     (fp32 math, one fp16 rounding), the product computed in the fused prologue."""
     from exl3_core.quant.exl3.linear import FUSED_ACTS
     from exl3_core.reference import fused as ref
@@ -286,9 +286,8 @@ def test_linear_act(fused_ops, K: int, cb: int, act: str) -> None:
         gate, up = xin(m, 1280) * 2, xin(m, 1280)
         x = (ref.silu_mul if act == "silu" else ref.gelu_tanh_mul)(gate, up)
         poison((m, 512))
-        ys = fused_ops.exl3_linear_ex(up, p.trellis, p.suh, p.svh, cb, gate, FUSED_ACTS[act])
-        assert len(ys) == 1
-        check(ys[0], x, p, f"act={act} K={K} cb={cb} m={m}")
+        y = fused_ops.exl3_linear_act(gate, up, p.trellis, p.suh, p.svh, cb, FUSED_ACTS[act])
+        check(y, x, p, f"act={act} K={K} cb={cb} m={m}")
     assert_workspace_clean(fused_ops)
 
 
@@ -314,46 +313,3 @@ def test_gated_mlp_takes_forward_act(fused_ops, monkeypatch: pytest.MonkeyPatch)
     assert not calls, "the separate act*mul kernel ran although the down projection can form the product"
     y2 = mlp.down(separate(mlp.gate(x), mlp.up(x)))
     assert y.shape == y2.shape and rel_err(y, y2) < 1e-3
-
-
-@pytest.mark.parametrize("rn,with_w,offset", [(512, True, 0.0), (500, True, 1.0), (512, False, 0.0)])
-def test_linear_norm_epilogue(fused_ops, rn: int, with_w: bool, offset: float) -> None:
-    """``exl3_linear_ex(x, residual=r, norm_weight=w)``: y as the plain op, plus res_out = fp16(r + y[:, :rn])
-    and normed = RMSNorm(res_out) as ``ops.rms_norm_residual``; every call (repeated: the arrival counter
-    must be reset) and with a gate as well."""
-    from exl3_core.reference import fused as ref
-
-    p = Problem(1280, 512, 4, CB_MUL1)
-    w = (1 + 0.3 * torch.randn(rn, device=DEV)) if with_w else None
-    for m in (1, 3, 8):
-        for rep in range(2):
-            x = xin(m, 1280)
-            res = xin(m, rn) * 4
-            gate = xin(m, 1280) if rep else None
-            ys = fused_ops.exl3_linear_ex(x, p.trellis, p.suh, p.svh, CB_MUL1, gate, 0, res, w, 1e-5, offset)
-            assert len(ys) == 3 and ys[1].shape == (m, rn) and ys[2].shape == (m, rn)
-            y_plain = fused_ops.exl3_linear(ref.silu_mul(gate, x) if rep else x, p.trellis, p.suh, p.svh, CB_MUL1)
-            assert rel_err(ys[0], y_plain) < 1e-4, f"m={m} rep={rep}: y differs from the plain op"
-            r_normed, r_res = ref.rms_norm_residual(ys[0][:, :rn], res, w, 1e-5, offset)
-            assert rel_err(ys[2], r_res) < 1e-3, f"m={m} rep={rep}: residual sum"
-            assert rel_err(ys[1], r_normed) < 2e-3, f"m={m} rep={rep}: {rel_err(ys[1], r_normed):.2e} normed"
-    assert_workspace_clean(fused_ops)
-
-
-def test_attention_o_proj_takes_the_norm(fused_ops, monkeypatch: pytest.MonkeyPatch) -> None:
-    """EXL3Linear.forward_norm is what a decode-size o_proj uses for the block's residual add + norm,
-    and it equals the separate norm kernel's result."""
-    from exl3_core.nn.norm import RMSNorm
-    from exl3_core.quant.exl3.linear import EXL3Linear
-
-    t = torch.randint(-32768, 32768, (512 // 16, 256 // 16, 64), dtype=torch.int16)
-    lin = EXL3Linear(t, (rand_scales(512) * 0.05).cpu(), rand_scales(256).cpu(), CB_MUL1, 512, 256).to(DEV)
-    norm = RMSNorm("n", 256, 1e-6)
-    norm.weight = (1 + 0.2 * torch.randn(256, device=DEV))
-    x, res = xin(1, 512), xin(1, 256)
-    out = lin.forward_norm(x, res, norm.weight, norm.eps, norm.offset)
-    assert out is not None, "forward_norm declined a decode-size fp16 input"
-    normed, new_res = out
-    e_normed, e_res = norm.forward_residual(lin(x), res)
-    assert rel_err(new_res, e_res) < 1e-3 and rel_err(normed, e_normed) < 2e-3
-    assert lin.forward_norm(xin(32, 512), xin(32, 256), norm.weight, 1e-6) is None  # beyond decode sizes

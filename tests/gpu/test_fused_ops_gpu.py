@@ -150,39 +150,3 @@ def test_split_kv_graph_replay_at_other_lengths() -> None:
         ref_out = reference_attention(static._replace(max_seqlen_k=max(lens)))
         err = (out.float() - ref_out.float()).abs().max().item()
         assert err <= 2e-3 * max(1.0, ref_out.float().abs().max().item()), (lens, err)
-
-
-def test_exl3_decoder_chain_fuses_norms_and_act(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A random EXL3 model at decode size (3 rows): o_proj and down carry the residual add + next norm
-    and down the act product (EXL3Linear.forward_norm), every layer; the logits equal those of the
-    unfused path (separate torch norms and activation, same EXL3 linears) to fp16 rounding."""
-    from exl3_core.bench.models import build_model, parse_shape
-    from exl3_core.bench.run import prefill_meta
-    from exl3_core.quant.exl3.linear import EXL3Linear
-
-    model, cache = build_model(parse_shape("custom(256,512,3,4,2,1000)"), bpw=4.0, head_bits=6, device=DEV,
-                               cache_tokens=256, page_size=16)
-    try:
-        taken: list[int] = []
-        orig = EXL3Linear.forward_norm
-
-        def counting(self, *a, **kw):  # type: ignore[no-untyped-def]
-            out = orig(self, *a, **kw)
-            taken.append(int(out is not None))
-            return out
-
-        monkeypatch.setattr(EXL3Linear, "forward_norm", counting)
-        pages = cache.allocator.allocate(1)
-        meta = prefill_meta(model, cache, 3, pages, seed=5)
-        fused = model.forward_batch(meta, cache)
-        # 3 layers: o_proj in each, down in the first two (the last block's MLP output goes to the final norm)
-        assert sum(taken) == 5 and len(taken) == 5, taken
-        old = ops.set_enabled(False)
-        try:
-            unfused = model.forward_batch(meta, cache)
-        finally:
-            ops.set_enabled(old)
-        rel = ((fused - unfused).double().norm() / unfused.double().norm()).item()
-        assert rel < 5e-3, rel
-    finally:
-        model.unload()

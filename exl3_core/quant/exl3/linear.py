@@ -205,49 +205,22 @@ class EXL3Linear(torch.nn.Module):
             y = y + self.bias.to(y.dtype)
         return y[..., : self.out_features].to(x.dtype)
 
-    def _fused_ex(self, x: torch.Tensor, gate: torch.Tensor | None = None, act: str | None = None,
-                  residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                  offset: float = 0.0) -> list[torch.Tensor] | None:
-        """``exl3::exl3_linear_ex`` at decode sizes on CUDA, or None where it does not apply."""
-        width = x.shape[-1]
-        rows = x.numel() // max(width, 1)
-        if (not x.is_cuda or x.dtype != torch.float16 or width != self.padded_in_features
-                or rows > FUSED_GROUP_MAX_ROWS or _hooked((self,)) or not ext.has_op("exl3_linear_ex")):
-            return None
-        code = 0
-        if gate is not None:
-            code = FUSED_ACTS.get(act or "", -1)
-            if code < 0 or gate.shape != x.shape or gate.dtype != torch.float16:
-                return None
-            gate = gate.reshape(rows, width)
-        if residual is not None:
-            if (self.bias is not None or residual.dtype != torch.float16 or self.out_features % 4
-                    or residual.shape[-1] != self.out_features or residual.numel() != rows * self.out_features):
-                return None
-            residual = residual.reshape(rows, self.out_features)
-        return ext.op("exl3_linear_ex")(x.reshape(rows, width), self.trellis, self.suh, self.svh, self.codebook, gate,
-                                        code, residual, norm_weight, eps, offset)
-
     def forward_act(self, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor | None:
         """``self(act(gate) * up)`` with the activation product computed in the one-launch linear's
         prologue (decode sizes on CUDA: one launch less per gated MLP); ``act`` in :data:`FUSED_ACTS`.
         None where that path does not apply: the caller forms the product and calls the layer."""
-        ys = self._fused_ex(up, gate, act)
-        if ys is None:
+        code = FUSED_ACTS.get(act)
+        width = up.shape[-1]
+        rows = up.numel() // max(width, 1)
+        if (code is None or not up.is_cuda or gate.shape != up.shape or width != self.padded_in_features
+                or rows > FUSED_GROUP_MAX_ROWS or up.dtype != torch.float16 or gate.dtype != torch.float16
+                or _hooked((self,)) or not ext.has_op("exl3_linear_act")):
             return None
-        y = ys[0] if self.bias is None else ys[0] + self.bias.to(ys[0].dtype)
+        y = ext.op("exl3_linear_act")(gate.reshape(rows, width), up.reshape(rows, width), self.trellis, self.suh,
+                                      self.svh, self.codebook, code)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
         return y[:, : self.out_features].reshape(*up.shape[:-1], self.out_features)
-
-    def forward_norm(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor | None, eps: float,
-                     offset: float = 0.0, gate: torch.Tensor | None = None,
-                     act: str | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(rms_norm(residual + y), residual + y)`` with ``y = self(x)`` (or ``self(act(gate) * x)``):
-        the pre-norm block's residual add and next norm done in the one-launch linear's tail (decode
-        sizes on CUDA; the same roundings as ``ops.rms_norm_residual``). None where it does not apply."""
-        ys = self._fused_ex(x, gate, act, residual, norm_weight, eps, offset)
-        if ys is None:
-            return None
-        return ys[1].view(residual.shape), ys[2].view(residual.shape)
 
     def extra_repr(self) -> str:
         return (
