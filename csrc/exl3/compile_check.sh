@@ -4,7 +4,8 @@
 #  1. exl3_recon_full.cuh alone (all 24 K x codebook kernels, no torch) for sm_90, with the ptxas
 #     register / shared memory / spill report per instantiation
 #  2. the torch bindings exl3_ops.cu with torch's include paths
-#  3. with --all: exl3_cb{0,1,2}.cu and exl3_had.cu too (every kernel; several minutes on 2 cores)
+#  3. with --all: exl3_cb{0,1,2}.cu and exl3_had.cu too (every kernel; several minutes on 2 cores),
+#     then all five objects linked into one shared object (catches symbols defined in two units)
 # Flags follow setup.py (--use_fast_math included).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -26,14 +27,17 @@ echo "(dynamic shared memory per CTA, set at launch: 67584 bytes fp32 kernel, 35
 
 echo "== 2. torch bindings"
 # torch's headers warn under -std=c++17 (setup.py's flag): show the log only on failure
-"$NVCC" "${FLAGS[@]}" $INC -DTORCH_EXTENSION_NAME=_C -c csrc/exl3/exl3_ops.cu -o "$OUT/ops.o" > "$OUT/ops.log" 2>&1 \
+"$NVCC" "${FLAGS[@]}" -Xcompiler -fPIC $INC -DTORCH_EXTENSION_NAME=_C -c csrc/exl3/exl3_ops.cu -o "$OUT/ops.o" > "$OUT/ops.log" 2>&1 \
   || { cat "$OUT/ops.log"; exit 1; }
 echo "ok csrc/exl3/exl3_ops.cu"
 if [[ "${1:-}" == "--all" ]]; then
   echo "== 3. kernel instantiation units"
   for f in csrc/exl3/exl3_cb0.cu csrc/exl3/exl3_cb1.cu csrc/exl3/exl3_cb2.cu csrc/exl3/exl3_had.cu; do
-    "$NVCC" "${FLAGS[@]}" -c "$f" -o "$OUT/$(basename "$f").o"
+    "$NVCC" "${FLAGS[@]}" -Xcompiler -fPIC -c "$f" -o "$OUT/$(basename "$f").o"
     echo "ok $f"
   done
+  "$NVCC" -shared -o "$OUT/link_check.so" "$OUT/ops.o" "$OUT"/exl3_cb0.cu.o "$OUT"/exl3_cb1.cu.o "$OUT"/exl3_cb2.cu.o \
+    "$OUT"/exl3_had.cu.o
+  echo "ok linked"
 fi
 echo "all compiled"
