@@ -1,27 +1,28 @@
 #!/usr/bin/env bash
 # Device script: compile and time variants of the one-launch EXL3 linear (bench/gemv_tune.cu; each
 # build takes seconds), then ncu of the baseline fused kernel and of the decode-only kernel
-# (stall reasons, pipe utilisation, occupancy). Usage: bash bench/gemv_tune.sh [S[:B[:F[:W]]] ...]
-# (S: EXL3_RING_STAGES = k tiles in flight per warp, B = EXL3_FUSED_MINB, F = EXL3_MUL1_FOLD (default 1),
-# W = EXL3_GEMM_WARPS (4 or 8; n tiles per warp = 8 / W);
-# default variants: 3 4 6 8). Tables go to stdout and $OUT/gemv_tune.txt, ncu to $OUT/ncu_*.txt, the
-# fused kernel's SASS to $OUT/sass_<variant>.txt. NCU_VARIANT=S:B:F picks the binary ncu looks at.
+# (stall reasons, pipe utilisation, occupancy). Usage: bash bench/gemv_tune.sh [S[:B[:T[:W]]] ...]
+# (S: EXL3_RING_STAGES = k tiles in flight per warp, B = EXL3_FUSED_MINB (m16 kernel, 0 = ptxas
+# decides), T = EXL3_FUSED_TR_MINB (transposed m <= 8 kernel, default 15), W = EXL3_GEMM_WARPS (4 or 8;
+# n tiles per warp = 8 / W); default variants: 4 5 6). Tables go to stdout and $OUT/gemv_tune.txt, ncu
+# to $OUT/ncu_*.txt, the fused kernel's SASS to $OUT/sass_<variant>.txt. NCU_VARIANT=S:B:T:W picks the
+# binary ncu looks at.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 FLAGS=(-std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -Icsrc)
 variants=("$@")
-[ ${#variants[@]} -eq 0 ] && variants=(3 4 6 8)
-binof() {  # variant S[:B[:F[:W]]] -> "S B F W binary"
-  IFS=: read -r S B F W <<< "$1"; B=${B:-0}; F=${F:-1}; W=${W:-4}
-  echo "$S $B $F $W /tmp/gemv_tune_${S}_${B}_${F}_${W}"
+[ ${#variants[@]} -eq 0 ] && variants=(4 5 6)
+binof() {  # variant S[:B[:T[:W]]] -> "S B T W binary"
+  IFS=: read -r S B T W <<< "$1"; B=${B:-0}; T=${T:-15}; W=${W:-4}
+  echo "$S $B $T $W /tmp/gemv_tune_${S}_${B}_${T}_${W}"
 }
 for v in "${variants[@]}"; do
-  read -r S B F W bin <<< "$(binof "$v")"
-  nvcc "${FLAGS[@]}" -DEXL3_RING_STAGES=$S -DEXL3_FUSED_MINB=$B -DEXL3_MUL1_FOLD=$F -DEXL3_GEMM_WARPS=$W bench/gemv_tune.cu \
+  read -r S B T W bin <<< "$(binof "$v")"
+  nvcc "${FLAGS[@]}" -DEXL3_RING_STAGES=$S -DEXL3_FUSED_MINB=$B -DEXL3_FUSED_TR_MINB=$T -DEXL3_GEMM_WARPS=$W bench/gemv_tune.cu \
     -o $bin 2> /tmp/nvcc_err.txt || { cat /tmp/nvcc_err.txt | tee -a "$OUT/gemv_tune.txt"; continue; }
-  echo "== EXL3_RING_STAGES=$S EXL3_FUSED_MINB=$B EXL3_MUL1_FOLD=$F EXL3_GEMM_WARPS=$W" | tee -a "$OUT/gemv_tune.txt"
+  echo "== EXL3_RING_STAGES=$S EXL3_FUSED_MINB=$B EXL3_FUSED_TR_MINB=$T EXL3_GEMM_WARPS=$W" | tee -a "$OUT/gemv_tune.txt"
   timeout 60 $bin 0 8 16 24 32 2>&1 | tee -a "$OUT/gemv_tune.txt"
-  command -v cuobjdump > /dev/null && cuobjdump -sass $bin > "$OUT/sass_${S}_${B}_${F}_${W}.txt" 2>&1
+  command -v cuobjdump > /dev/null && cuobjdump -sass $bin > "$OUT/sass_${S}_${B}_${T}_${W}.txt" 2>&1
 done
 read -r _ _ _ _ NCU_BIN <<< "$(binof "${NCU_VARIANT:-6}")"
 if command -v ncu > /dev/null && [ -x $NCU_BIN ]; then
