@@ -32,8 +32,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
             out = Path(tmp) / f"{model}_{bpw}_{seed}"
-            convert(GOLDEN / "hf" / model, out, bpw, progress=False, report=lambda s: None, **{**CAL, "seed": seed},
-                    **extra)
+            # extra keywords may override the test's calibration (e.g. cal_random)
+            convert(GOLDEN / "hf" / model, out, bpw, progress=False, report=lambda s: None,
+                    **{**CAL, "seed": seed, **extra})
             kl, top1 = golden_kl(out, model)
             kls.append(kl)
             print(f"{model} {bpw} bpw seed {seed} {extra}: KL {kl:.5f} (top-1 {top1:.3f})", flush=True)
