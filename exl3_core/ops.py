@@ -22,6 +22,11 @@ from exl3_core.reference import fused as _ref
 
 Impl = Literal["auto", "triton", "torch"]
 
+#: gated activations with a fused ``act(gate) * up`` -> their kernel codes, shared by the Triton
+#: act*mul kernel (exl3_core.kernels.fused) and the CUDA linear's prologue (csrc exl3_fused.cuh
+#: FUSED_ACT_*; ``EXL3Linear.forward_act``)
+ACT_CODES = {"silu": 0, "gelu_tanh": 1}
+
 _enabled = True
 _kernels: ModuleType | None = None
 _import_error: str | None = None
@@ -150,4 +155,3 @@ def greedy_pack(logits: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
     if _use_triton(impl, logits, "greedy_pack"):
         return kernels().greedy_pack(logits)  # type: ignore[union-attr]
     return _ref.greedy_pack(logits)
-

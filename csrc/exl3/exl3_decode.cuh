@@ -152,9 +152,6 @@ __device__ __forceinline__ __half2 cb_pair(uint32_t s0, uint32_t s1) {
     }
 }
 
-// Decode lane's 8 positions into 4 half2: f[0] = (j0, j1), f[1] = (j2, j3) are the B fragment of
-// n-block 0 (rows 2q, 2q+1 | 2q+8, 2q+9; col g), f[2], f[3] the same for n-block 1 (col g+8),
-// with q = lane & 3, g = lane >> 2.
 // State I of a lane's 8 (and, when it heads a pair, its partner I + pair_distance(K)) into s.
 template <int K, int I>
 __device__ __forceinline__ void lane_state(const uint32_t (&w)[LaneWindow<K>::NW], uint32_t (&s)[8]) {
@@ -169,6 +166,9 @@ __device__ __forceinline__ void lane_state(const uint32_t (&w)[LaneWindow<K>::NW
     }  // else: filled by its partner I - D
 }
 
+// Decode lane's 8 positions into 4 half2: f[0] = (j0, j1), f[1] = (j2, j3) are the B fragment of
+// n-block 0 (rows 2q, 2q+1 | 2q+8, 2q+9; col g), f[2], f[3] the same for n-block 1 (col g+8),
+// with q = lane & 3, g = lane >> 2.
 template <int K, int CB>
 __device__ __forceinline__ void decode_lane(const uint32_t (&w)[LaneWindow<K>::NW], __half2 (&f)[4]) {
     uint32_t s[8];

@@ -106,13 +106,6 @@ def decline_reason(model: Any, cache: Any, phase: str = "decode") -> str | None:
     return None
 
 
-def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
-    """float64 ``[2, B]``: greedy ids and "row has a finite logit" flags of ``logits [B, V]`` (the
-    same selection as :func:`~exl3_core.sampling.sampler.sample` with a greedy sampler; one kernel on
-    CUDA, :func:`exl3_core.ops.greedy_pack`)."""
-    return ops.greedy_pack(logits)
-
-
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -250,7 +243,7 @@ class DecodeGraphs(_GraphSet):
 
     def _step(self, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = self.model.forward_batch(meta, self.cache)
-        return logits, greedy_pack(logits)
+        return logits, ops.greedy_pack(logits)
 
 
 class PrefillGraphs(_GraphSet):

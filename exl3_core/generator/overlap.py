@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from exl3_core import ops
 from exl3_core.archkit.batch import BatchMeta
 from exl3_core.generator.batching import Chunk, build_batch
-from exl3_core.generator.graphs import greedy_pack
 from exl3_core.generator.job import Job
 
 if TYPE_CHECKING:
@@ -225,7 +225,7 @@ class DecodePipeline:
             dmeta = _to_device(meta, g.device)
             if ids is not None:
                 dmeta.input_ids[:n].copy_(ids, non_blocking=True)
-            packed = greedy_pack(g.model.forward_batch(dmeta, g.cache))
+            packed = ops.greedy_pack(g.model.forward_batch(dmeta, g.cache))
         g.forward_calls += 1
         g.tokens_computed += n
         self.launches += 1

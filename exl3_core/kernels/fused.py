@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
+from exl3_core.ops import ACT_CODES
 
 # -- RMSNorm (+ residual add) -----------------------------------------------------------------------
 
@@ -81,7 +82,6 @@ def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor | None, weight: to
 
 # -- gated activations ----------------------------------------------------------------------------
 
-ACTS = {"silu": 0, "gelu_tanh": 1}
 
 
 @triton.jit
@@ -104,7 +104,8 @@ def _act_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, N, ACT: tl.constexp
 
 
 def act_mul(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``act(gate) * up`` for ``act`` in :data:`ACTS`; ``gate``/``up`` ``[..., I]`` of one shape."""
+    """``act(gate) * up`` for ``act`` in :data:`exl3_core.ops.ACT_CODES`; ``gate``/``up`` ``[..., I]`` of one
+    shape."""
     if gate.shape != up.shape:
         raise ValueError(f"act_mul: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     N = gate.shape[-1]
@@ -114,7 +115,7 @@ def act_mul(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     block = min(2048, triton.next_power_of_2(N))
     if g2.shape[0]:
         _act_mul_kernel[(g2.shape[0], triton.cdiv(N, block))](
-            g2, u2, o2, g2.stride(0), u2.stride(0), o2.stride(0), N, ACT=ACTS[act], BLOCK=block,
+            g2, u2, o2, g2.stride(0), u2.stride(0), o2.stride(0), N, ACT=ACT_CODES[act], BLOCK=block,
             num_warps=4 if block >= 1024 else 2, **launch_opts(g2),
         )
     return out

@@ -93,4 +93,3 @@ def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
     ids = x.argmax(-1)
     ok = torch.isfinite(x).any(-1) & ~torch.isnan(x).any(-1)
     return torch.stack([ids.double(), ok.double()])
-

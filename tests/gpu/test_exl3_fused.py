@@ -278,7 +278,7 @@ def test_project_group_matches_separate_layers(fused_ops) -> None:
 def test_linear_act(fused_ops, K: int, cb: int, act: str) -> None:
     """``exl3_linear_act(gate, up)`` = the linear of ``act(gate) * up`` formed by the reference kernel
     (fp32 math, one fp16 rounding), the product computed in the fused prologue."""
-    from exl3_core.quant.exl3.linear import FUSED_ACTS
+    from exl3_core.ops import ACT_CODES
     from exl3_core.reference import fused as ref
 
     p = Problem(1280, 512, K, cb)
@@ -286,7 +286,7 @@ def test_linear_act(fused_ops, K: int, cb: int, act: str) -> None:
         gate, up = xin(m, 1280) * 2, xin(m, 1280)
         x = (ref.silu_mul if act == "silu" else ref.gelu_tanh_mul)(gate, up)
         poison((m, 512))
-        y = fused_ops.exl3_linear_act(gate, up, p.trellis, p.suh, p.svh, cb, FUSED_ACTS[act])
+        y = fused_ops.exl3_linear_act(gate, up, p.trellis, p.suh, p.svh, cb, ACT_CODES[act])
         check(y, x, p, f"act={act} K={K} cb={cb} m={m}")
     assert_workspace_clean(fused_ops)
 

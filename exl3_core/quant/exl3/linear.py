@@ -11,6 +11,7 @@ from collections.abc import Callable, Collection
 import torch
 
 from exl3_core import ext
+from exl3_core.ops import ACT_CODES
 from exl3_core.quant.exl3 import codebook as _cb
 from exl3_core.quant.exl3.dequant import apply_scales_and_rotations, codebook_from_markers
 from exl3_core.quant.exl3.hadamard import EXL3_BLOCK, had_blockwise
@@ -207,9 +208,9 @@ class EXL3Linear(torch.nn.Module):
 
     def forward_act(self, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor | None:
         """``self(act(gate) * up)`` with the activation product computed in the one-launch linear's
-        prologue (decode sizes on CUDA: one launch less per gated MLP); ``act`` in :data:`FUSED_ACTS`.
-        None where that path does not apply: the caller forms the product and calls the layer."""
-        code = FUSED_ACTS.get(act)
+        prologue (decode sizes on CUDA: one launch less per gated MLP); ``act`` in
+        :data:`exl3_core.ops.ACT_CODES`. None where that path does not apply: the caller forms the product and calls the layer."""
+        code = ACT_CODES.get(act)
         width = up.shape[-1]
         rows = up.numel() // max(width, 1)
         if (code is None or not up.is_cuda or gate.shape != up.shape or width != self.padded_in_features
@@ -251,10 +252,6 @@ def exl3_matmul(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return exl3_matmul_reference(x, layer)
 
-
-#: activations the one-launch linear can apply to its input (``EXL3Linear.forward_act``; csrc
-#: exl3_fused.cuh FUSED_ACT_*, the same math as exl3_core.kernels.fused.ACTS)
-FUSED_ACTS = {"silu": 0, "gelu_tanh": 1}
 
 #: rows up to which the compiled one-launch linear (and its grouped form) is used; beyond it the
 #: split-k GEMM wins (the fused prologue recomputes the input Hadamard per block and row)
