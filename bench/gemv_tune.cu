@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <utility>
 #include <vector>
 
 #include "exl3/exl3_fused.cuh"
@@ -60,7 +61,22 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) kts.push_back(std::atoi(argv[i]));
     if (kts.empty()) kts = {0, 8, 16, 24, 25, 26, 32};
     constexpr int K = TUNE_K, CB = TUNE_CB;
-    const int shapes[3][2] = {{4096, 14336}, {14336, 4096}, {4096, 28672}};  // the last: gate/up as one problem
+    // shapes k x n: the 8B MLP by default (the last: gate/up as one problem); TUNE_SHAPES="4096x6144,4096x4096"
+    // (e.g. the 8B q/k/v group and o_proj) replaces them
+    std::vector<std::pair<int, int>> shapes = {{4096, 14336}, {14336, 4096}, {4096, 28672}};
+    if (const char* env = std::getenv("TUNE_SHAPES")) {
+        shapes.clear();
+        for (const char* s = env; *s;) {
+            int k = 0, n = 0, used = 0;
+            if (std::sscanf(s, "%dx%d%n", &k, &n, &used) != 2 || k % 128 || n % 128) {
+                std::fprintf(stderr, "TUNE_SHAPES: bad entry at '%s' (want KxN, multiples of 128, comma-separated)\n", s);
+                return 2;
+            }
+            shapes.push_back({k, n});
+            s += used;
+            if (*s == ',') ++s;
+        }
+    }
     int dev = 0, sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     int occ_f = 0, occ_d = 0;
@@ -73,7 +89,7 @@ int main(int argc, char** argv) {
     std::printf("variant: ring stages %d | fused regs %d, smem %zu B, blocks/SM %d | decode-only regs %d, blocks/SM %d\n",
                 exl3::RING_STAGES, fa.numRegs, fa.sharedSizeBytes, occ_f, fd.numRegs, occ_d);
     for (auto& sh : shapes) {
-        const int k = sh[0], n = sh[1], kt = k / 16, nt = n / 16;
+        const int k = sh.first, n = sh.second, kt = k / 16, nt = n / 16;
         const long words = (long)kt * nt * 8 * K;
         const long bytes = words * 4;
         const int copies = (int)std::max(2L, (3L * 60 * 1024 * 1024) / bytes + 1);

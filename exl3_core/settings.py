@@ -20,6 +20,7 @@ them (tests use it after changing the environment).
 | ``EXL3_PREFILL_GRAPH_MAX`` | largest prefill chunk (tokens) run as a CUDA graph (default 2048; ``0``: prefill always eager) |
 | ``EXL3_OVERLAP_DECODE`` | ``0`` disables the generator's one-step-ahead greedy decode loop (debugging) |
 | ``EXL3_PDL`` | ``0`` disables programmatic dependent launch (Hopper) of the decode-size EXL3 linear and the early launch signal of the kernels before it |
+| ``EXL3_DEFERRED_NORM`` | ``0``: at decode sizes, run each RMSNorm as its own kernel instead of inside the EXL3 linears around it |
 | ``EXL3_LOG_LEVEL`` | log level for the ``exl3`` logger (default ``WARNING``) |
 | ``EXL3_NO_PROGRESS`` | ``1``: never draw progress bars |
 """
@@ -75,6 +76,7 @@ class Settings:
     prefill_graph_max: int = 2048
     overlap_decode: bool = True
     pdl: bool = True
+    deferred_norm: bool = True
     log_level: str = "WARNING"
     no_progress: bool = False
 
@@ -115,6 +117,7 @@ class Settings:
             prefill_graph_max=prefill_graph_max,
             overlap_decode=flag("OVERLAP_DECODE", True),
             pdl=flag("PDL", True),
+            deferred_norm=flag("DEFERRED_NORM", True),
             log_level=(g("LOG_LEVEL") or "WARNING").upper(),
             no_progress=flag("NO_PROGRESS"),
         )

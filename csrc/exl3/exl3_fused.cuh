@@ -66,6 +66,20 @@ struct FusedArgs {
     int kt_per_chunk;  // k tiles per block (1..GEMM_KT_MAX); <= 0: the launcher picks (pick_kt_per_chunk)
     int n_problems;
     FusedProblem p[FUSED_MAX_PROBLEMS];
+    // Deferred RMSNorm of the input (a pre-norm block's norm, moved into the linear after it): with
+    // norm_ss set, x is the unnormalised residual stream h and the prologue uses
+    // fp16(fp32(h) * rsqrt(norm_ss[r] * norm_inv_dim + norm_eps) * (norm_w + norm_offset)), the norm
+    // kernel's math (exl3_core/kernels/fused.py). norm_ss [m]: h's row sums of squares, added up by
+    // the linear that produced h (res_ss below); norm_w [k] fp32 or nullptr (no weight).
+    const float* norm_ss;
+    const float* norm_w;
+    float norm_eps, norm_offset, norm_inv_dim;
+    // Residual producer (one problem): y = fp16(res + y) with the same rounding as the stream's
+    // `h = h + y`, and res_ss[r] += Σ over this launch's columns of y[r]² (fp32 atomics, one per row and
+    // 128 columns; res_ss must be zero before the launch). The next linear's prologue normalises
+    // with it, so no norm kernel runs between the two.
+    const __half* res;  // nullptr: plain output; else [m, n] fp16
+    float* res_ss;      // with res: [m] fp32
     // programmatic dependent launch (Hopper): the grid may start while the previous kernel on the
     // stream is still finishing; it prefetches trellis words (which nothing before it writes), then
     // waits (griddepcontrol.wait) before touching x or the workspace. The kernel always signals its
@@ -174,6 +188,17 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
                 xu.y = h2_bits(__halves2half2(fused_act_mul(__low2half(g1), __low2half(u1), a.act),
                                               fused_act_mul(__high2half(g1), __high2half(u1), a.act)));
             }
+            if (a.norm_ss != nullptr) {  // the deferred RMSNorm (fp32 math, one rounding, as the norm kernel)
+                const float rs = rsqrtf(__ldcg(a.norm_ss + r) * a.norm_inv_dim + a.norm_eps);
+                float4 w = make_float4(1.f, 1.f, 1.f, 1.f);
+                if (a.norm_w != nullptr) {
+                    w = __ldg(reinterpret_cast<const float4*>(a.norm_w + gc));
+                    w.x += a.norm_offset, w.y += a.norm_offset, w.z += a.norm_offset, w.w += a.norm_offset;
+                }
+                const __half2 h0 = bits_h2(xu.x), h1 = bits_h2(xu.y);
+                xu.x = h2_bits(__floats2half2_rn(__low2float(h0) * rs * w.x, __high2float(h0) * rs * w.y));
+                xu.y = h2_bits(__floats2half2_rn(__low2float(h1) * rs * w.z, __high2float(h1) * rs * w.w));
+            }
             const uint2 su = __ldg(reinterpret_cast<const uint2*>(P.suh + gc));
             const __half2 p0 = __hmul2(bits_h2(xu.x), bits_h2(su.x));  // fp16 product, as had128's pre-scale
             const __half2 p1 = __hmul2(bits_h2(xu.y), bits_h2(su.y));
@@ -263,6 +288,21 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
         __half h[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) h[j] = __hmul(__float2half_rn(v[j]), svh4[j]);
+        if (a.res != nullptr) {  // residual producer: the stream's add, then this row's partial sum of squares
+            const uint2 ru = *reinterpret_cast<const uint2*>(a.res + (long)r * ndim + col0);
+            const __half rh[4] = {__low2half(bits_h2(ru.x)), __high2half(bits_h2(ru.x)), __low2half(bits_h2(ru.y)),
+                                  __high2half(bits_h2(ru.y))};
+            float ss = 0.f;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                h[j] = __hadd(rh[j], h[j]);  // correctly rounded, as fp16(fp32(res) + fp32(y))
+                const float f = __half2float(h[j]);
+                ss += f * f;
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            if (lane == 0) atomicAdd(a.res_ss + r, ss);
+        }
         *reinterpret_cast<uint2*>(P.y + (long)r * ndim + col0) = pack_half4(h);
         __stcg(zp, make_float4(0.f, 0.f, 0.f, 0.f));
     }

@@ -267,9 +267,18 @@ bool set_pdl(bool on) { return g_pdl.exchange(on); }
 
 // One launch for up to 3 problems sharing x (same K, codebook); returns false (nothing launched)
 // when the workspace cannot be had during capture.
+// Optional prologue/epilogue work of a fused launch (FusedArgs): the deferred norm of x, the residual add.
+struct FusedExtras {
+    const float* norm_ss = nullptr;
+    const float* norm_w = nullptr;
+    float norm_eps = 0.f, norm_offset = 0.f;
+    const __half* res = nullptr;
+    float* res_ss = nullptr;
+};
+
 bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std::vector<Tensor>& su,
                   const std::vector<Tensor>& sv, const std::vector<Tensor>& y, int k, int64_t codebook,
-                  int64_t kt_per_chunk, const Tensor* gate = nullptr, int act = 0) {
+                  int64_t kt_per_chunk, const Tensor* gate = nullptr, int act = 0, const FusedExtras& ex = {}) {
     int64_t n_total = 0;
     for (const Tensor& t : trellis) n_total += t.size(1) * 16;
     float* z = nullptr;
@@ -283,6 +292,13 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
     a.k_tiles = (int)trellis[0].size(0);
     a.kt_per_chunk = (int)kt_per_chunk;
     a.n_problems = (int)trellis.size();
+    a.norm_ss = ex.norm_ss;
+    a.norm_w = ex.norm_w;
+    a.norm_eps = ex.norm_eps;
+    a.norm_offset = ex.norm_offset;
+    a.norm_inv_dim = 1.f / (float)x.size(1);
+    a.res = ex.res;
+    a.res_ss = ex.res_ss;
     // programmatic dependent launch is Hopper's (sm_90+); torch caches the device properties
     a.pdl = g_pdl.load(std::memory_order_relaxed) && at::cuda::getDeviceProperties(x.device().index())->major >= 9;
     int64_t n_off = 0;
@@ -377,6 +393,119 @@ Tensor linear_act(const Tensor& gate, const Tensor& up, const Tensor& trellis, c
     return gemm_4kernel(x, trellis, su, sv, k, codebook);
 }
 
+// fp32 RMSNorm of fp16 rows with ATen (the capture fallback of linear_group_norm), rounded once to fp16
+Tensor aten_rms_norm(const Tensor& h, const c10::optional<Tensor>& w, double eps, double offset) {
+    Tensor f = h.to(at::kFloat);
+    Tensor y = f * at::rsqrt(f.pow(2).mean(-1, true) + eps);
+    if (w.has_value()) y = y * (w->to(at::kFloat) + offset);
+    return y.to(at::kHalf);
+}
+
+void check_ss(const Tensor& ss, int64_t m, const char* op, const char* what) {
+    TORCH_CHECK(ss.is_cuda() && ss.scalar_type() == at::kFloat && ss.dim() == 1 && ss.numel() >= m &&
+                    ss.stride(0) == 1,
+                op, ": ", what, " must be a CUDA fp32 vector with at least one element per row (", m, "), got ",
+                ss.scalar_type(), " ", ss.sizes());
+}
+
+// linear_group of rms_norm(h) without a norm kernel: the fused prologue normalises h with its row sums
+// of squares ss (fp32 [>= m], added up by the linear that produced h: linear_residual) and the norm's
+// fp32 weight (+ offset). Same rounding as the norm kernel followed by linear_group.
+std::vector<Tensor> linear_group_norm(const Tensor& h, at::TensorList trellis, at::TensorList suh, at::TensorList svh,
+                                      int64_t codebook, const Tensor& ss, const c10::optional<Tensor>& norm_w,
+                                      double eps, double offset) {
+    const char* op = "exl3::exl3_linear_group_norm";
+    TORCH_CHECK(!trellis.empty() && trellis.size() <= (size_t)exl3::FUSED_MAX_PROBLEMS, op, ": takes 1 to ",
+                exl3::FUSED_MAX_PROBLEMS, " problems, got ", trellis.size());
+    TORCH_CHECK(suh.size() == trellis.size() && svh.size() == trellis.size(), op, ": ", trellis.size(),
+                " trellis tensors but ", suh.size(), " suh and ", svh.size(), " svh");
+    const int k = check_trellis(trellis[0], 0, codebook, op);
+    const int64_t kd = trellis[0].size(0) * 16;
+    check_x(h, kd, FUSED_MAX_M, op);
+    check_ss(ss, h.size(0), op, "ss");
+    if (norm_w.has_value())
+        TORCH_CHECK(norm_w->is_cuda() && norm_w->scalar_type() == at::kFloat && norm_w->dim() == 1 &&
+                        norm_w->numel() == kd,
+                    op, ": norm_w must be a CUDA fp32 vector of ", kd, " elements, got ", norm_w->scalar_type(), " ",
+                    norm_w->sizes());
+    std::vector<Tensor> su, sv, ys;
+    for (size_t i = 0; i < trellis.size(); ++i) {
+        check_trellis(trellis[i], k, codebook, op);
+        TORCH_CHECK(trellis[i].size(0) * 16 == kd && trellis[i].size(1) % (exl3::FUSED_COLS / 16) == 0, op,
+                    ": trellis ", i, " is ", trellis[i].sizes(), "; problems share k = ", kd,
+                    " and n must be a multiple of 128");
+        check_scales(suh[i], svh[i], kd, trellis[i].size(1) * 16, op);
+    }
+    TORCH_CHECK(kd % 128 == 0 && kd > 0, op, ": k = ", kd, " must be a positive multiple of 128");
+    c10::cuda::CUDAGuard guard(h.device());
+    Tensor hc = aligned16(h.contiguous());
+    Tensor wc = norm_w.has_value() ? aligned16(norm_w->contiguous()) : Tensor();
+    for (size_t i = 0; i < trellis.size(); ++i) {
+        su.push_back(aligned16(suh[i].to(at::kHalf).contiguous()));
+        sv.push_back(aligned16(svh[i].to(at::kHalf).contiguous()));
+        ys.push_back(at::empty({h.size(0), trellis[i].size(1) * 16}, h.options()));
+    }
+    if (h.size(0) == 0) return ys;
+    FusedExtras ex;
+    ex.norm_ss = ss.data_ptr<float>();
+    ex.norm_w = wc.defined() ? wc.data_ptr<float>() : nullptr;
+    ex.norm_eps = (float)eps;
+    ex.norm_offset = (float)offset;
+    if (!fused_launch(hc, trellis.vec(), su, sv, ys, k, codebook, 0, nullptr, 0, ex)) {
+        Tensor x = aten_rms_norm(hc, norm_w, eps, offset);  // no workspace during capture: norm, then the chain
+        for (size_t i = 0; i < trellis.size(); ++i) ys[i] = gemm_4kernel(x, trellis[i], su[i], sv[i], k, codebook);
+    }
+    return ys;
+}
+
+// res + linear(x) (or linear(act(gate) * x) with gate set) in one launch, for m <= 16: the residual add
+// of a pre-norm block moved into the linear's epilogue, which also adds each row's sum of squares of
+// the result into ss (fp32 [>= m], zero before the call) for the next linear's deferred norm
+// (linear_group_norm). n must equal res's width.
+Tensor linear_residual(const Tensor& x, const c10::optional<Tensor>& gate, int64_t act, const Tensor& trellis,
+                       const Tensor& suh, const Tensor& svh, int64_t codebook, const Tensor& res, const Tensor& ss) {
+    const char* op = "exl3::exl3_linear_residual";
+    const int k = check_trellis(trellis, 0, codebook, op);
+    const int64_t kd = trellis.size(0) * 16, nd = trellis.size(1) * 16;
+    check_x(x, kd, FUSED_MAX_M, op);
+    TORCH_CHECK(kd % 128 == 0 && nd % 128 == 0 && kd > 0, op, ": k = ", kd, ", n = ", nd,
+                " must be positive multiples of 128");
+    check_scales(suh, svh, kd, nd, op);
+    TORCH_CHECK(res.is_cuda() && res.scalar_type() == at::kHalf && res.dim() == 2 && res.size(0) == x.size(0) &&
+                    res.size(1) == nd && res.device() == x.device(),
+                op, ": res must be a CUDA fp16 [", x.size(0), ", ", nd, "] tensor on x's device, got ",
+                res.scalar_type(), " ", res.sizes());
+    check_ss(ss, x.size(0), op, "ss");
+    if (gate.has_value()) {
+        TORCH_CHECK(act == exl3::FUSED_ACT_SILU || act == exl3::FUSED_ACT_GELU_TANH, op, ": act = ", act,
+                    "; expected 0 (silu) or 1 (gelu_tanh)");
+        TORCH_CHECK(gate->sizes() == x.sizes() && gate->scalar_type() == at::kHalf && gate->device() == x.device(), op,
+                    ": gate ", gate->sizes(), " ", gate->scalar_type(), " must match x ", x.sizes(), " (fp16, same device)");
+    }
+    c10::cuda::CUDAGuard guard(x.device());
+    Tensor xc = aligned16(x.contiguous()), rc = aligned16(res.contiguous());
+    Tensor gc = gate.has_value() ? aligned16(gate->contiguous()) : Tensor();
+    Tensor su = aligned16(suh.to(at::kHalf).contiguous()), sv = aligned16(svh.to(at::kHalf).contiguous());
+    std::vector<Tensor> ys{at::empty({x.size(0), nd}, x.options())};
+    if (x.size(0) == 0) return ys[0];
+    FusedExtras ex;
+    ex.res = reinterpret_cast<const __half*>(rc.data_ptr());
+    ex.res_ss = ss.data_ptr<float>();
+    if (fused_launch(xc, {trellis}, {su}, {sv}, ys, k, codebook, 0, gc.defined() ? &gc : nullptr, (int)act, ex))
+        return ys[0];
+    // no workspace during capture: ATen for the activation product, the chain, the add and the sums
+    Tensor xin = xc;
+    if (gc.defined()) {
+        Tensor g = gc.to(at::kFloat);
+        Tensor t = act == exl3::FUSED_ACT_GELU_TANH ? (g + 0.044715 * g * g * g) * (2.0 * 0.7978845608028654) : g;
+        xin = (g * at::sigmoid(t) * xc.to(at::kFloat)).to(at::kHalf);
+    }
+    Tensor y = (gemm_4kernel(xin, trellis, su, sv, k, codebook).to(at::kFloat) + rc.to(at::kFloat)).to(at::kHalf);
+    Tensor head = ss.narrow(0, 0, x.size(0));
+    head.add_(y.to(at::kFloat).pow(2).sum(-1));
+    return y;
+}
+
 // debugging/tests: copies of this device's fused-op workspace (z, counters); empty before first use
 std::tuple<Tensor, Tensor> linear_workspace(const Tensor& like) {
     TORCH_CHECK(like.is_cuda(), "exl3::exl3_linear_workspace: pass a CUDA tensor of the device to inspect");
@@ -440,6 +569,10 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
           "int kt_per_chunk=0) -> Tensor[]");
     m.def("exl3_linear_workspace(Tensor like) -> (Tensor, Tensor)");
     m.def("exl3_linear_act(Tensor gate, Tensor up, Tensor trellis, Tensor suh, Tensor svh, int codebook, int act) -> Tensor");
+    m.def("exl3_linear_group_norm(Tensor h, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, Tensor ss, "
+          "Tensor? norm_w, float eps, float offset) -> Tensor[]");
+    m.def("exl3_linear_residual(Tensor x, Tensor? gate, int act, Tensor trellis, Tensor suh, Tensor svh, int codebook, "
+          "Tensor res, Tensor(a!) ss) -> Tensor");
     // no tensor argument: a catch-all kernel. Returns the previous setting.
     m.def("set_pdl(bool on) -> bool", &set_pdl);
 }
@@ -456,4 +589,6 @@ TORCH_LIBRARY_IMPL(exl3, CUDA, m) {
     m.impl("exl3_linear_group", &linear_group);
     m.impl("exl3_linear_workspace", &linear_workspace);
     m.impl("exl3_linear_act", &linear_act);
+    m.impl("exl3_linear_group_norm", &linear_group_norm);
+    m.impl("exl3_linear_residual", &linear_residual);
 }

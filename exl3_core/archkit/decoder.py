@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from exl3_core import ops
+from exl3_core import ops, settings
 from exl3_core.archkit.batch import BatchMeta
 from exl3_core.archkit.config import Config, ConfigError, RopeSettings, normalise_rope
 from exl3_core.archkit.model import Model
@@ -19,7 +19,7 @@ from exl3_core.nn.attention import Attention
 from exl3_core.nn.embedding import Embedding
 from exl3_core.nn.mlp import GatedMLP
 from exl3_core.nn.module import ForwardState, LoadContext, Module, WeightError
-from exl3_core.nn.norm import RMSNorm
+from exl3_core.nn.norm import DeferredNorm, RMSNorm
 from exl3_core.nn.rope import RotaryEmbedding
 
 
@@ -107,6 +107,17 @@ def _fusable_norm(norm: torch.nn.Module) -> bool:
     return type(norm) is RMSNorm
 
 
+def _residual_capable(m: torch.nn.Module) -> bool:
+    # has forward_residual, and the forward it mirrors is the one in use (not overridden alone)
+    cls = type(m)
+    return hasattr(cls, "forward_residual") and getattr(cls, "residual_forward_of", None) is cls.forward
+
+
+#: rows (tokens) up to which a forward defers each norm into the linears after it (the one-launch
+#: linear's sizes, exl3_core.quant.exl3.linear.FUSED_GROUP_MAX_ROWS)
+DEFERRED_MAX_ROWS = 4
+
+
 class DecoderBlock(Module):
     """Pre-norm residual block: ``x += attn(norm(x)); x += mlp(norm(x))``.
 
@@ -150,6 +161,23 @@ class DecoderBlock(Module):
         return x, self.mlp(normed)
 
 
+    def deferrable(self) -> bool:
+        """Whether :meth:`forward_deferred` computes this block (a chainable block whose attention and
+        MLP have ``forward_residual``)."""
+        return self.chainable() and _residual_capable(self.attn) and _residual_capable(self.mlp)
+
+    def forward_deferred(self, h: torch.Tensor, ss_in: torch.Tensor | None, state: ForwardState,
+                         ss_attn: torch.Tensor, ss_mlp: torch.Tensor) -> torch.Tensor:
+        """The block on the residual stream ``h`` with both norms deferred into the linears after them
+        (decode sizes on CUDA): o_proj and down add the residual in their epilogues and sum each row's
+        squares into ``ss_attn``/``ss_mlp`` (zero before), q/k/v and gate/up normalise in their
+        prologues. ``ss_in``: ``h``'s sums from the previous block's down projection, or None (the
+        first block: its norm runs as a kernel). Returns the new residual stream."""
+        x: torch.Tensor | DeferredNorm = self.attn_norm(h) if ss_in is None else DeferredNorm(h, self.attn_norm, ss_in)
+        h = self.attn.forward_residual(x, state, h, ss_attn)
+        return self.mlp.forward_residual(DeferredNorm(h, self.mlp_norm, ss_attn), h, ss_mlp)
+
+
 class Head(Module):
     """Output projection; shares the embedding table when the checkpoint has no separate head.
 
@@ -180,7 +208,11 @@ class Head(Module):
             raise WeightError(f"{self.key}: tied to {self._embedding[0].key} which is not loaded yet")
         self.attach_loaded("linear", DenseLinear(emb, None, self.hidden_size, self.vocab_size, key=self.key))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | DeferredNorm) -> torch.Tensor:
+        if isinstance(x, DeferredNorm):  # the final norm in the head's prologue where it can be
+            from exl3_core.quant.exl3.linear import project_group
+
+            return project_group(x, (self.linear,))[0]
         return self.linear(x)
 
 
@@ -258,8 +290,31 @@ class StandardDecoder(Model):
     def _chainable(self) -> bool:
         return all(isinstance(b, DecoderBlock) and b.chainable() for b in self.layers) and _fusable_norm(self.norm)
 
+    def _forward_deferred(self, h: torch.Tensor, meta: BatchMeta, state: ForwardState) -> torch.Tensor:
+        """:meth:`forward_batch` at decode sizes: every norm after the first deferred into the linears
+        that read it (:meth:`DecoderBlock.forward_deferred`), the final one into the head."""
+        rows = h.shape[0]
+        # one fp32 slot of row sums per residual-producing linear, zeroed once per forward (the
+        # producers add into them with atomics)
+        ss = torch.zeros((2 * len(self.layers), rows), dtype=torch.float32, device=h.device)
+        ss_in: torch.Tensor | None = None
+        for i, block in enumerate(self.layers):
+            h = block.forward_deferred(h, ss_in, state, ss[2 * i], ss[2 * i + 1])  # type: ignore[operator]
+            ss_in = ss[2 * i + 1]
+        norm = self.norm
+        assert isinstance(norm, RMSNorm) and ss_in is not None
+        if meta.logits_indices is not None:  # norm + head only for the rows that need logits
+            return self.head(norm(h.index_select(0, meta.logits_indices))).float()
+        return self.head(DeferredNorm(h, norm, ss_in)).float()
+
+    def _deferrable(self, x: torch.Tensor) -> bool:
+        return (x.shape[0] <= DEFERRED_MAX_ROWS and len(self.layers) > 0 and x.dtype == torch.float16
+                and settings.get().deferred_norm and all(b.deferrable() for b in self.layers))  # type: ignore[operator]
+
     def _forward_chain(self, x: torch.Tensor, meta: BatchMeta, state: ForwardState) -> torch.Tensor:
         """:meth:`forward_batch` with every residual add fused into the norm after it (CUDA)."""
+        if self._deferrable(x):
+            return self._forward_deferred(x, meta, state)
         pending: torch.Tensor | None = None
         for block in self.layers:
             x, pending = block.forward_chain(x, pending, state)  # type: ignore[operator]

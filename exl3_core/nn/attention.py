@@ -15,9 +15,9 @@ import torch
 from exl3_core.attention.dispatch import get_dispatcher
 from exl3_core.attention.spec import AttnArgs, AttnSpec, device_cc
 from exl3_core.nn.module import ForwardState, LoadContext, Module
-from exl3_core.nn.norm import RMSNorm
+from exl3_core.nn.norm import DeferredNorm, RMSNorm, add_residual_ss
 from exl3_core.nn.rope import RotaryEmbedding
-from exl3_core.quant.exl3.linear import project_group
+from exl3_core.quant.exl3.linear import linear_residual, project_group, residual_fusable
 
 
 class Attention(Module):
@@ -109,10 +109,11 @@ class Attention(Module):
         return spec
 
     # -- forward --------------------------------------------------------------------------------
-    def project_qkv(self, x: torch.Tensor, state: ForwardState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(self, x: torch.Tensor | DeferredNorm,
+                    state: ForwardState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [T, hidden]`` -> q ``[T, Hq, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, Dv]`` (normed, rotated)."""
-        T = x.shape[0]
         q, k, v = project_group(x, (self.q_proj, self.k_proj, self.v_proj))  # one launch when they can share it
+        T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim_v)
@@ -125,9 +126,24 @@ class Attention(Module):
         return q, k, v
 
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        o = self.attend(x, state)
+        return self.o_proj(o)
+
+    def forward_residual(self, x: torch.Tensor | DeferredNorm, state: ForwardState, residual: torch.Tensor,
+                         ss: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)`` with each row's sum of squares of the result added into ``ss`` (fp32,
+        zero before): at decode sizes o_proj adds the residual in its epilogue and the next linear
+        normalises with ``ss`` (:class:`DeferredNorm`), so no norm kernel runs in between."""
+        o = self.attend(x, state)
+        if residual_fusable(self.o_proj, o, residual):
+            return linear_residual(self.o_proj, o, residual, ss)  # type: ignore[arg-type]
+        return add_residual_ss(residual, self.o_proj(o), ss)
+
+    def attend(self, x: torch.Tensor | DeferredNorm, state: ForwardState) -> torch.Tensor:
+        """Attention up to o_proj's input ``[T, Hq * Dv]``."""
         meta = state.meta
-        T = x.shape[0]
         q, k, v = self.project_qkv(x, state)
+        T = q.shape[0]
         layer = state.cache_layer(self.cache_index)
         if layer is None:
             spec = self.attn_spec(q.dtype, q.device, None, meta.phase)
@@ -144,8 +160,11 @@ class Attention(Module):
                             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=self.scale,
                             k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table, k=k, v=v)
         backend = get_dispatcher(state.plugins).select(spec, state.allowed_backends)
-        o = backend.forward(args)
-        return self.o_proj(o.reshape(T, self.num_heads * self.head_dim_v))
+        return backend.forward(args).reshape(T, self.num_heads * self.head_dim_v)
+
+    #: the forward that :meth:`forward_residual` computes (a subclass overriding ``forward`` alone
+    #: does not get the residual path: exl3_core.archkit.decoder checks this)
+    residual_forward_of: ClassVar[Any] = forward
 
     def extra_repr(self) -> str:
         return f"{self.prefix}: heads={self.num_heads}/{self.num_kv_heads}, head_dim={self.head_dim}, " \

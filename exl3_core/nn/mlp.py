@@ -8,7 +8,8 @@ import torch.nn.functional as F
 
 from exl3_core import ops
 from exl3_core.nn.module import LoadContext, Module
-from exl3_core.quant.exl3.linear import project_group
+from exl3_core.nn.norm import DeferredNorm, add_residual_ss
+from exl3_core.quant.exl3.linear import linear_residual, project_group, residual_fusable
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -76,12 +77,28 @@ class GatedMLP(Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         assert self.gate is not None and self.up is not None and self.down is not None, "MLP is not loaded"
         gate, up = project_group(x, (self.gate, self.up))  # one launch when they can share it
-        fused = _FUSED_ACT_MUL.get(self.act) if ops.fused_enabled(x) else None
+        return self._down(gate, up)
+
+    def forward_residual(self, x: torch.Tensor | DeferredNorm, residual: torch.Tensor, ss: torch.Tensor) -> torch.Tensor:
+        """``residual + self(x)`` with each row's sum of squares of the result added into ``ss`` (see
+        :meth:`exl3_core.nn.attention.Attention.forward_residual`); the down projection forms the
+        activation product in its prologue and adds the residual in its epilogue."""
+        gate, up = project_group(x, (self.gate, self.up))
+        name = _ACT_NAMES.get(self.act)
+        if name is not None and ops.fused_enabled(up) and residual_fusable(self.down, up, residual, gate):
+            return linear_residual(self.down, up, residual, ss, gate=gate, act=name)  # type: ignore[arg-type]
+        return add_residual_ss(residual, self._down(gate, up), ss)
+
+    def _down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        fused = _FUSED_ACT_MUL.get(self.act) if ops.fused_enabled(up) else None
         if fused is not None:  # CUDA: act, cast and mul in one kernel, or inside the down projection's
             forward_act = getattr(self.down, "forward_act", None)
             y = forward_act(gate, up, _ACT_NAMES[self.act]) if forward_act is not None else None
             return y if y is not None else self.down(fused(gate, up))
         return self.down(self.act(gate) * up)
+
+    #: the forward that :meth:`forward_residual` computes (see Attention.residual_forward_of)
+    residual_forward_of = forward
 
 
 class MLP(Module):

@@ -7,6 +7,7 @@ and caches it in fp16 (exact) next to the trellis; the compiled GEMM, when built
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from exl3_core.quant.exl3.dequant import apply_scales_and_rotations, codebook_fr
 from exl3_core.quant.exl3.hadamard import EXL3_BLOCK, had_blockwise
 from exl3_core.quant.exl3.cuda_ops import reconstruct_full_into_cuda
 from exl3_core.quant.exl3.trellis import MAX_K, decode_inner
+
+if TYPE_CHECKING:
+    from exl3_core.nn.norm import DeferredNorm
 
 PAD = EXL3_BLOCK  # quantized in/out features are zero-padded to multiples of 128 (spec 1.4)
 CODEBOOK_LABELS = {v: k for k, v in _cb.CODEBOOK_NAMES.items()}
@@ -305,8 +309,29 @@ def group_gemm(x2: torch.Tensor, lins: list[EXL3Linear]) -> list[torch.Tensor]:
     return list(y.split(widths, dim=1))
 
 
-def project_group(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> list[torch.Tensor]:
+def _norm_group_ok(d: DeferredNorm, layers: tuple[torch.nn.Module, ...]) -> bool:
+    """Whether the linears can take ``d`` un-normalised (the norm in the one-launch linear's prologue)."""
+    h, w = d.h, d.norm.weight
+    if not (h.is_cuda and h.dtype == torch.float16 and 1 <= len(layers) <= 3 and ext.has_op("exl3_linear_group_norm")
+            and h.numel() // max(h.shape[-1], 1) <= FUSED_GROUP_MAX_ROWS and d.ss.dtype == torch.float32
+            and d.ss.device == h.device and d.ss.dim() == 1 and d.ss.stride(0) == 1) or _hooked(layers):
+        return False
+    if w is not None and (w.dtype != torch.float32 or w.shape != (h.shape[-1],) or w.device != h.device):
+        return False
+    first = layers[0]
+    if not isinstance(first, EXL3Linear):
+        return False
+    return all(isinstance(m, EXL3Linear) and m.K == first.K and m.codebook == first.codebook
+               and m.in_features == m.padded_in_features == h.shape[-1] and m.trellis.device == h.device
+               for m in layers)
+
+
+def project_group(x: torch.Tensor | DeferredNorm, layers: tuple[torch.nn.Module, ...]) -> list[torch.Tensor]:
     """``[layer(x) for layer in layers]``; one kernel launch for 2-3 EXL3 linears sharing ``x``.
+
+    ``x`` may be a :class:`~exl3_core.nn.norm.DeferredNorm`: at decode sizes the one-launch linear
+    then normalises the residual stream in its prologue (1-3 EXL3 linears; no norm kernel); otherwise
+    the norm is computed first.
 
     q/k/v and gate/up read the same input; at decode sizes a launch per linear costs more than the
     small ones' work (measured: q/k/v of the 8B shape 25.4 us as three launches, 14.7 us as one).
@@ -314,6 +339,10 @@ def project_group(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> list[
     GEMM (:func:`group_gemm`; K and codebook may differ). Falls back to separate calls whenever the
     layers cannot share a launch (other linear types, K or codebook differ at decode sizes, CPU).
     """
+    if not isinstance(x, torch.Tensor):  # a DeferredNorm
+        if _norm_group_ok(x, layers):
+            return _project_group_norm(x, layers)  # type: ignore[arg-type]
+        x = x.materialize()
     big = _group_gemm_ok(x, layers)
     if not big and not _groupable(x, layers):
         return [m(x) for m in layers]
@@ -327,9 +356,52 @@ def project_group(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> list[
     else:
         ys = ext.op("exl3_linear_group")(x2.to(torch.float16).contiguous(), [m.trellis for m in lins],
                                          [m.suh for m in lins], [m.svh for m in lins], first.codebook, 0)
+    return _outputs(lins, ys, tuple(x.shape[:-1]), x.dtype)
+
+
+def _outputs(lins: list[EXL3Linear], ys: list[torch.Tensor], lead: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
     out = []
     for m, y in zip(lins, ys):
         if m.bias is not None:
             y = y + m.bias.to(y.dtype)
-        out.append(y[:, : m.out_features].to(x.dtype).reshape(*x.shape[:-1], m.out_features))
+        out.append(y[:, : m.out_features].to(dtype).reshape(*lead, m.out_features))
     return out
+
+
+def _project_group_norm(d: DeferredNorm, layers: tuple[EXL3Linear, ...]) -> list[torch.Tensor]:
+    h2 = d.h.reshape(-1, d.h.shape[-1])
+    lins = list(layers)
+    norm = d.norm
+    ys = ext.op("exl3_linear_group_norm")(h2.contiguous(), [m.trellis for m in lins], [m.suh for m in lins],
+                                          [m.svh for m in lins], lins[0].codebook, d.ss, norm.weight,
+                                          float(norm.eps), float(norm.offset))
+    return _outputs(lins, ys, tuple(d.h.shape[:-1]), d.h.dtype)
+
+
+def residual_fusable(layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor,
+                     gate: torch.Tensor | None = None) -> bool:
+    """Whether :func:`linear_residual` runs ``residual + layer(x)`` as one launch (EXL3, CUDA, decode
+    sizes, fp16, unpadded output width, no bias, no hooks)."""
+    if not (isinstance(layer, EXL3Linear) and x.is_cuda and x.dtype == torch.float16 and residual.dtype == torch.float16
+            and ext.has_op("exl3_linear_residual") and layer.bias is None and not _hooked((layer,))):
+        return False
+    rows = x.numel() // max(x.shape[-1], 1)
+    return (rows <= FUSED_GROUP_MAX_ROWS and x.shape[-1] == layer.padded_in_features
+            and layer.out_features == layer.padded_out_features == residual.shape[-1]
+            and residual.numel() == rows * residual.shape[-1] and layer.trellis.device == x.device
+            and (gate is None or (gate.shape == x.shape and gate.dtype == torch.float16)))
+
+
+def linear_residual(layer: EXL3Linear, x: torch.Tensor, residual: torch.Tensor, ss: torch.Tensor,
+                    gate: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
+    """``residual + layer(x)`` (``layer(act(gate) * x)`` with ``gate``) in one launch, each row's sum of
+    squares of the result added into ``ss`` (fp32, zero before) for the next linear's deferred norm.
+    Only where :func:`residual_fusable` holds; ``act`` in :data:`exl3_core.ops.ACT_CODES`."""
+    rows = x.numel() // x.shape[-1]
+    if gate is not None and act not in ACT_CODES:
+        raise ValueError(f"{layer.key}: linear_residual with a gate needs act in {sorted(ACT_CODES)}, got {act!r}")
+    code = ACT_CODES[act] if gate is not None else 0  # type: ignore[index]
+    g = gate.reshape(rows, -1) if gate is not None else None
+    y = ext.op("exl3_linear_residual")(x.reshape(rows, -1), g, code, layer.trellis, layer.suh, layer.svh,
+                                       layer.codebook, residual.reshape(rows, -1), ss)
+    return y.reshape(residual.shape)
