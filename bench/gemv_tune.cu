@@ -56,6 +56,69 @@ static void decode_only_pdl_t(exl3::GemmArgs a, cudaStream_t st) {
                                  exl3::GEMM_WARPS * 32, st, a));
 }
 
+// TUNE_CHAIN="KxN,KxN,...": one decoder layer's linears launched in that order (e.g. q/k/v, o, gate/up,
+// down of the 8B shape), repeated over 4 layers' worth of distinct trellis (more than L2 holds),
+// each launch a programmatic dependent of the one before, as in the engine's decode step: time per
+// layer with and without PDL. The data does not flow from one linear to the next (timing only).
+template <int K, int CB>
+static int layer_chain(const char* spec) {
+    std::vector<std::pair<int, int>> sh;
+    for (const char* s = spec; *s;) {
+        int k = 0, n = 0, used = 0;
+        if (std::sscanf(s, "%dx%d%n", &k, &n, &used) != 2 || k % 128 || n % 128) return 2;
+        sh.push_back({k, n});
+        s += used;
+        if (*s == ',') ++s;
+    }
+    constexpr int LAYERS = 4;
+    int kmax = 0, nmax = 0;
+    long weights = 0;
+    for (auto& p : sh) kmax = std::max(kmax, p.first), nmax = std::max(nmax, p.second), weights += (long)p.first * p.second;
+    std::vector<uint32_t*> tr;
+    for (int l = 0; l < LAYERS; ++l)
+        for (auto& p : sh) {
+            const long words = (long)(p.first / 16) * (p.second / 16) * 8 * K;
+            uint32_t* t;
+            CK(cudaMalloc(&t, words * 4));
+            fill_random<<<1024, 256>>>(t, words, 99u + (unsigned)tr.size());
+            tr.push_back(t);
+        }
+    __half *x, *su, *sv, *y;
+    float* z;
+    int* cnt;
+    CK(cudaMalloc(&x, kmax * 2));
+    CK(cudaMalloc(&su, kmax * 2));
+    CK(cudaMalloc(&sv, nmax * 2));
+    CK(cudaMalloc(&y, nmax * 2));
+    CK(cudaMalloc(&z, 16L * nmax * 4));
+    CK(cudaMalloc(&cnt, nmax / 128 * 4));
+    CK(cudaMemset(x, 0, kmax * 2));
+    CK(cudaMemset(su, 0, kmax * 2));
+    CK(cudaMemset(sv, 0, nmax * 2));
+    CK(cudaMemset(z, 0, 16L * nmax * 4));
+    CK(cudaMemset(cnt, 0, nmax / 128 * 4));
+    for (int pdl = 1; pdl >= 0; --pdl) {
+        const float t = time_graph([&](int i, cudaStream_t st) {
+            for (size_t j = 0; j < sh.size(); ++j) {
+                exl3::FusedArgs a{};
+                a.pdl = pdl;
+                a.x = x;
+                a.m = 1;
+                a.k_tiles = sh[j].first / 16;
+                a.kt_per_chunk = 0;
+                a.n_problems = 1;
+                a.p[0] = exl3::FusedProblem{tr[(i % LAYERS) * sh.size() + j], su, sv, y, z, cnt, sh[j].second / 16, 0};
+                exl3::launch_fused_t<K, CB>(a, st);
+            }
+        }, 16);
+        std::printf("layer chain %s (%s): %.2f us per layer = %.2f Tweights/s\n", spec, pdl ? "PDL" : "plain",
+                    t * 1e6, weights / t / 1e12);
+    }
+    for (auto* t : tr) CK(cudaFree(t));
+    CK(cudaFree(x)); CK(cudaFree(su)); CK(cudaFree(sv)); CK(cudaFree(y)); CK(cudaFree(z)); CK(cudaFree(cnt));
+    return 0;
+}
+
 int main(int argc, char** argv) {
     std::vector<int> kts;
     for (int i = 1; i < argc; ++i) kts.push_back(std::atoi(argv[i]));
@@ -204,5 +267,6 @@ int main(int argc, char** argv) {
         CK(cudaFree(tr)); CK(cudaFree(x)); CK(cudaFree(su)); CK(cudaFree(sv)); CK(cudaFree(y));
         CK(cudaFree(z)); CK(cudaFree(sink)); CK(cudaFree(cnt));
     }
+    if (std::getenv("TUNE_CHAIN") != nullptr) return layer_chain<K, CB>(std::getenv("TUNE_CHAIN"));
     return 0;
 }

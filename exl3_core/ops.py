@@ -149,6 +149,18 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     _ref.kv_write(k_cache, v_cache, k, v, slot_mapping)
 
 
+def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+                  interleaved: bool, *, impl: Impl = "auto") -> None:
+    """:func:`rope_apply` (q and k rotated in place) then :func:`kv_write` of the rotated k and v, in one
+    launch on CUDA (the decode step's RoPE and cache write: one dependent launch less per layer)."""
+    if (_use_triton(impl, q, "rope_kv_write") and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        kernels().rope_kv_write(q, k, v, k_cache, v_cache, slot_mapping, cos, sin, rotary_dim, interleaved)  # type: ignore[union-attr]
+        return
+    _ref.rope_kv_write(q, k, v, k_cache, v_cache, slot_mapping, cos, sin, rotary_dim, interleaved)
+
+
 def greedy_pack(logits: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
     """float64 ``[2, B]``: greedy ids (first maximum) and "row has a finite logit and no NaN" flags of
     ``logits [B, V]``, the decode graphs' greedy output. One launch on CUDA."""

@@ -107,6 +107,12 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 #ifndef EXL3_FUSED_TR_MINB
 #define EXL3_FUSED_TR_MINB 15
 #endif
+// Tuning knob (bench/gemv_tune.cu): where the kernel lets its programmatic dependent launch. 0: at
+// its start, so the dependent's blocks take free slots and prefetch their trellis during this
+// kernel's main loop; 1: after the main loop, so they do not compete for DRAM with it.
+#ifndef EXL3_PDL_TRIGGER
+#define EXL3_PDL_TRIGGER 0
+#endif
 template <int K, bool TR>
 constexpr int fused_smem_bytes() {
     return GEMM_WARPS * Ring<K>::WARP_WORDS * 4 + (TR ? 8 : 16) * X_STAGE_STRIDE * 2 + 16;
@@ -154,7 +160,7 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // a programmatic dependent launched after this grid (exl3_core/kernels/pdl.py) may start now;
     // it waits for this grid's completion before it reads y
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    if (EXL3_PDL_TRIGGER == 0) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
     loop.start();
     // Everything below may read what the previous kernel on the stream wrote (x, the workspace that
@@ -225,6 +231,9 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
             for (int i = 0; i < 4; ++i) acc[0][nt][nb][i] = 0.f;
     __half2 unused = __float2half2_rn(0.f);
     loop.run(xs_lane, 0, acc, unused);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (EXL3_PDL_TRIGGER == 1) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 
     // ---- split-k partials into z (fp32 atomics at L2)
     if constexpr (TR) {

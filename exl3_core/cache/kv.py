@@ -39,6 +39,16 @@ class KVCacheLayer(CacheLayer):
         # host sync
         ops.kv_write(self.k, self.v, k, v, slot_mapping)
 
+    def write_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, interleaved: bool) -> None:
+        """Rotate q and k in place by RoPE (tables ``[T, rotary_dim/2]``), then :meth:`write` k and v: one
+        launch on CUDA. Attention uses it instead of rotate-then-write where a layer has it."""
+        if type(self).write is not KVCacheLayer.write:  # a subclass stores differently: its own write
+            ops.rope_apply(q, k, cos, sin, rotary_dim, interleaved)
+            self.write(k, v, slot_mapping)
+            return
+        ops.rope_kv_write(q, k, v, self.k, self.v, slot_mapping, cos, sin, rotary_dim, interleaved)
+
     def attn_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.k, self.v
 

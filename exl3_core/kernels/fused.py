@@ -236,6 +236,72 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     )
 
 
+# -- RoPE and the paged KV-cache write in one launch ------------------------------------------------
+
+
+@triton.jit
+def _rope_kv_kernel(
+    Q, K, V, KC, VC, Slots, Cos, Sin,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
+    HQ, HK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
+):
+    if PDL:  # see _rms_norm_kernel
+        gdc_wait()
+        gdc_launch_dependents()
+    # one program per token: rotate its q and k heads in place, then copy k (rotated) and v to its slot
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK_R)
+    c = tl.load(Cos + t * stride_ct + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+    s = tl.load(Sin + t * stride_st + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+    _rope_heads(Q, t, stride_qt, stride_qh, HQ, c, s, i, HALF, INTERLEAVED, BLOCK_HQ, BLOCK_R)
+    _rope_heads(K, t, stride_kt, stride_kh, HK, c, s, i, HALF, INTERLEAVED, BLOCK_HK, BLOCK_R)
+    tl.debug_barrier()  # the rotated k stored above is read back below by other threads of the program
+    slot = tl.load(Slots + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_HK)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    ok = (h < HK) & (d < D)
+    x = tl.load(K + t * stride_kt + h * stride_kh + d, mask=ok, other=0.0)
+    tl.store(KC + slot * (HK * D) + h * D + d, x.to(KC.dtype.element_ty), mask=ok)
+    dv = tl.arange(0, BLOCK_DV)[None, :]
+    okv = (h < HK) & (dv < DV)
+    y = tl.load(V + t * stride_vt + h * stride_vh + dv, mask=okv, other=0.0)
+    tl.store(VC + slot * (HK * DV) + h * DV + dv, y.to(VC.dtype.element_ty), mask=okv)
+
+
+def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+                  interleaved: bool) -> None:
+    """:func:`rope_apply` then :func:`kv_write` in one launch (same arguments and checks as the two)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3 or t.stride(-1) != 1:
+            raise ValueError(f"rope_kv_write: {name} must be [T, H, D] with a contiguous last dim, got "
+                             f"{tuple(t.shape)} strides {t.stride()}")
+    T, hk, d = k.shape
+    dv = v.shape[-1]
+    half = rotary_dim // 2
+    if q.shape[0] != T or v.shape[:2] != (T, hk) or k_cache.shape[2:] != (hk, d) or v_cache.shape[2:] != (hk, dv):
+        raise ValueError(f"rope_kv_write: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
+                         f"each other or the caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if cos.shape != (T, half) or sin.shape != (T, half) or slot_mapping.shape != (T,):
+        raise ValueError(f"rope_kv_write: cos/sin must be [{T}, {half}] and slot_mapping [{T}], got "
+                         f"{tuple(cos.shape)}/{tuple(sin.shape)}/{tuple(slot_mapping.shape)}")
+    if T == 0:
+        return
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    _rope_kv_kernel[(T,)](
+        q, k, v, k_cache, v_cache, slot_mapping, cos, sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        q.shape[1], HK=hk, D=d, DV=dv,
+        HALF=half, INTERLEAVED=interleaved, BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
+        BLOCK_HK=triton.next_power_of_2(hk), BLOCK_R=triton.next_power_of_2(max(half, 1)),
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
+        num_warps=4 if q.shape[1] * half >= 1024 else 2, **launch_opts(q),
+    )
+
+
 # -- greedy pick of a decode step: argmax and the "row has a finite logit, no NaN" flag -------------
 
 

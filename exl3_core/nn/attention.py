@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from exl3_core import ops
 from exl3_core.attention.dispatch import get_dispatcher
 from exl3_core.attention.spec import AttnArgs, AttnSpec, device_cc
 from exl3_core.nn.module import ForwardState, LoadContext, Module
@@ -109,9 +110,10 @@ class Attention(Module):
         return spec
 
     # -- forward --------------------------------------------------------------------------------
-    def project_qkv(self, x: torch.Tensor | DeferredNorm,
-                    state: ForwardState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x [T, hidden]`` -> q ``[T, Hq, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, Dv]`` (normed, rotated)."""
+    def project_qkv(self, x: torch.Tensor | DeferredNorm, state: ForwardState,
+                    rotate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` -> q ``[T, Hq, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, Dv]`` (normed; rotated
+        unless ``rotate`` is False)."""
         q, k, v = project_group(x, (self.q_proj, self.k_proj, self.v_proj))  # one launch when they can share it
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
@@ -119,11 +121,14 @@ class Attention(Module):
         v = v.view(T, self.num_kv_heads, self.head_dim_v)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope is not None:
-            rope = self.rope
-            cos, sin = state.memoize(("rope", id(rope)), lambda: rope.cos_sin(state.meta.positions))
-            q, k = rope.rotate_qk(q, k, cos, sin)  # q and k are fresh projection outputs: ours to rotate in place
+        if self.rope is not None and rotate:
+            q, k = self.rope.rotate_qk(q, k, *self._cos_sin(state))  # fresh projection outputs: ours to rotate in place
         return q, k, v
+
+    def _cos_sin(self, state: ForwardState) -> tuple[torch.Tensor, torch.Tensor]:
+        rope = self.rope
+        assert rope is not None
+        return state.memoize(("rope", id(rope)), lambda: rope.cos_sin(state.meta.positions))
 
     def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         o = self.attend(x, state)
@@ -142,9 +147,12 @@ class Attention(Module):
     def attend(self, x: torch.Tensor | DeferredNorm, state: ForwardState) -> torch.Tensor:
         """Attention up to o_proj's input ``[T, Hq * Dv]``."""
         meta = state.meta
-        q, k, v = self.project_qkv(x, state)
-        T = q.shape[0]
         layer = state.cache_layer(self.cache_index)
+        # RoPE and the cache write as one kernel where the cache layer offers it (CUDA)
+        write_rotated = getattr(layer, "write_rotated", None) if self.rope is not None else None
+        fuse = write_rotated is not None and ops.fused_enabled(meta.positions)
+        q, k, v = self.project_qkv(x, state, rotate=not fuse)
+        T = q.shape[0]
         if layer is None:
             spec = self.attn_spec(q.dtype, q.device, None, meta.phase)
             args = AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
@@ -153,7 +161,12 @@ class Attention(Module):
         else:
             if meta.slot_mapping is None or meta.page_table is None:
                 raise ValueError("forward with a cache needs BatchMeta.slot_mapping and page_table")
-            layer.write(k, v, meta.slot_mapping)
+            if fuse:
+                assert write_rotated is not None and self.rope is not None
+                write_rotated(q, k, v, meta.slot_mapping, *self._cos_sin(state), self.rope.rotary_dim,
+                              self.rope.interleaved)
+            else:
+                layer.write(k, v, meta.slot_mapping)
             k_cache, v_cache = layer.attn_tensors()
             spec = self.attn_spec(q.dtype, q.device, layer.views()[0], meta.phase)
             args = AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,

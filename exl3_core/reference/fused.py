@@ -86,6 +86,14 @@ def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
+def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+                  interleaved: bool) -> None:
+    """:func:`rope_apply` on q and k (in place), then :func:`kv_write` of the rotated k and v."""
+    rope_apply(q, k, cos, sin, rotary_dim, interleaved)
+    kv_write(k_cache, v_cache, k, v, slot_mapping)
+
+
 def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
     """float64 ``[2, B]``: ``logits [B, V]``'s argmax and "has a finite logit and no NaN" flag per row
     (the same selection as :func:`~exl3_core.sampling.sampler.sample` with a greedy sampler)."""

@@ -108,14 +108,29 @@ def test_producer_consumer_chain(ops_) -> None:
     assert rel(y, want) < 2e-3
 
 
-def test_bad_input_is_refused(ops_) -> None:
+def test_python_side_refuses_what_the_ops_cannot_take() -> None:
+    """The model code checks before it calls the ops (a TORCH_CHECK thrown inside exl3_core._C crashes
+    the process on the device image; tests/gpu/test_exl3_kernels.py): unfusable inputs fall back."""
+    from exl3_core.nn.norm import DeferredNorm, RMSNorm
+    from exl3_core.quant.exl3.linear import EXL3Linear, _norm_group_ok, linear_residual, residual_fusable
+
     t, su, sv = problem(256, 256, 4)
-    h = torch.randn(1, 256, device=DEV).half()
-    with pytest.raises(RuntimeError, match="ss must be a CUDA fp32 vector"):
-        ops_.exl3_linear_group_norm(h, [t], [su], [sv], CB_MUL1, torch.zeros(1, device=DEV).half(), None, 1e-6, 0.0)
-    with pytest.raises(RuntimeError, match="res must be a CUDA fp16"):
-        ops_.exl3_linear_residual(h, None, 0, t, su, sv, CB_MUL1, torch.zeros(1, 128, device=DEV).half(),
-                                  torch.zeros(1, device=DEV))
+    lin = EXL3Linear(t, su, sv, CB_MUL1, 256, 256)
+    x, res = torch.randn(1, 256, device=DEV).half(), torch.randn(1, 256, device=DEV).half()
+    assert residual_fusable(lin, x, res)
+    assert not residual_fusable(lin, x, res.float())            # fp32 stream
+    assert not residual_fusable(lin, x, res[:, :128])           # residual narrower than the output
+    assert not residual_fusable(lin, torch.randn(5, 256, device=DEV).half(), torch.randn(5, 256, device=DEV).half())
+    assert not residual_fusable(lin, x, res, gate=torch.randn(1, 128, device=DEV).half())
+    norm = RMSNorm("n", 256, 1e-6)
+    norm.weight = torch.rand(256, device=DEV)
+    ss = torch.zeros(1, device=DEV)
+    assert _norm_group_ok(DeferredNorm(x, norm, ss), (lin,))
+    assert not _norm_group_ok(DeferredNorm(x, norm, ss.half()), (lin,))  # fp16 sums
+    norm.weight = norm.weight.half()
+    assert not _norm_group_ok(DeferredNorm(x, norm, ss), (lin,))  # the kernel reads an fp32 weight
+    with pytest.raises(ValueError, match="needs act in"):
+        linear_residual(lin, x, res, ss, gate=x, act=None)
 
 
 # ---------------------------------------------------------------- a decode model, deferred vs norm kernels

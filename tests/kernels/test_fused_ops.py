@@ -143,6 +143,39 @@ def test_kv_write(T: int, hk: int, d: int, dv: int, cache_dtype: torch.dtype, in
     assert (flat[untouched] == 7.0).all() and (vc.view(-1, hk, dv)[untouched] == 7.0).all()
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("T,hq,hk,d,rot", [(1, 32, 8, 128, 128), (4, 6, 2, 64, 32), (3, 9, 3, 80, 80)])
+def test_rope_kv_write(T: int, hq: int, hk: int, d: int, rot: int, interleaved: bool) -> None:
+    """RoPE and the cache write in one launch = rope_apply then kv_write (the reference), q/k/v as
+    views into one projection row, the last cache slot among the targets."""
+    pages, page = 4, 16
+    buf = torch.randn(T, (hq + 2 * hk) * d).half().to(DEVICE)
+    q = buf[:, : hq * d].view(T, hq, d)
+    k = buf[:, hq * d:(hq + hk) * d].view(T, hk, d)
+    v = buf[:, (hq + hk) * d:].view(T, hk, d)
+    slots = torch.randperm(pages * page)[:T]
+    slots[0] = pages * page - 1
+    slots = slots.to(DEVICE)
+    cos, sin = _cos_sin(T, rot // 2)
+    kc = torch.full((pages, page, hk, d), 7.0, dtype=torch.float16, device=DEVICE)
+    vc = kc.clone()
+    buf_ref, kc_ref, vc_ref = buf.clone(), kc.clone(), vc.clone()
+    q_r = buf_ref[:, : hq * d].view(T, hq, d)
+    k_r = buf_ref[:, hq * d:(hq + hk) * d].view(T, hk, d)
+    v_r = buf_ref[:, (hq + hk) * d:].view(T, hk, d)
+    ref.rope_kv_write(q_r, k_r, v_r, kc_ref, vc_ref, slots, cos, sin, rot, interleaved)
+    ops.rope_kv_write(q, k, v, kc, vc, slots, cos, sin, rot, interleaved, impl="triton")
+    close(buf, buf_ref)  # q, k rotated in place; v untouched
+    assert torch.equal(v, v_r)
+    close(kc, kc_ref)
+    assert torch.equal(vc, vc_ref)
+    untouched = torch.ones(pages * page, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert (kc.view(-1, hk, d)[untouched] == 7.0).all()
+    with pytest.raises(ValueError, match="do not fit"):
+        ops.rope_kv_write(q, k, v, kc[:, :, :1].contiguous(), vc, slots, cos, sin, rot, interleaved, impl="triton")
+
+
 def test_kv_write_rejects_mismatched_shapes() -> None:
     kc = torch.zeros(2, 16, 2, 64, device=DEVICE)
     k = torch.zeros(3, 4, 64, device=DEVICE)  # 4 heads for a 2-head cache
@@ -171,7 +204,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     k = ops.kernels()
     assert k is not None
     calls: dict[str, int] = {}
-    for name in ("rms_norm_residual", "act_mul", "rope_apply"):
+    for name in ("rms_norm_residual", "act_mul", "rope_apply", "rope_kv_write"):
         real = getattr(k, name)
 
         def wrap(*a: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
@@ -219,6 +252,15 @@ def test_model_takes_fused_path(hf_arch: str, tmp_path: Path, counted: dict[str,
         finally:
             ops.set_enabled(True)
         assert counted.get("rms_norm_residual", 0) == with_fused, "fused kernels ran with fused ops off"
+        # with a paged cache, RoPE and the cache write are one kernel per layer (prefill and decode)
+        from exl3_core.testing.arch import SEQ_LEN, _cache_roundtrip
+
+        if DEVICE == "cpu":
+            monkeypatch.setattr(ops, "fused_enabled", lambda t: True)
+        ids2 = torch.randint(0, cfg.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(4))
+        expect2 = hf(ids2).logits.float()
+        assert _cache_roundtrip(model, ids2.to(DEVICE), expect2.to(DEVICE)) < 1e-4
+        assert counted.get("rope_kv_write") == 6 * n_layers  # 6 forwards (2 prefill chunks, 4 decode steps)
 
 
 # -- greedy pick (argmax + finite flags) ------------------------------------------------------------
