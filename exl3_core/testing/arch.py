@@ -171,8 +171,8 @@ def _cache_roundtrip(model: Any, ids: torch.Tensor, ref: torch.Tensor) -> float:
         new = [toks[b][done[b]: done[b] + step[b]] for b in range(2)]
         last = torch.tensor([len(new[0]) - 1, len(new[0]) + len(new[1]) - 1])
         rows_all = step == [1, 1]
-        meta = BatchMeta.from_lists(new, done, page_table=page_table, page_size=PAGE_SIZE,
-                                    logits_indices=None if rows_all else last)
+        meta = BatchMeta.from_lists(new, done, page_table=page_table, page_size=PAGE_SIZE, device=ids.device,
+                                    logits_indices=None if rows_all else last.to(ids.device))
         logits = model.forward_batch(meta, cache)
         expect = []
         for b in range(2):
