@@ -21,6 +21,7 @@ from exl3_core.nn.mlp import GatedMLP
 from exl3_core.nn.module import ForwardState, LoadContext, Module, WeightError
 from exl3_core.nn.norm import DeferredNorm, RMSNorm
 from exl3_core.nn.rope import RotaryEmbedding
+from exl3_core.quant.exl3.linear import FUSED_GROUP_MAX_ROWS, project_group
 
 
 class StandardDecoderConfig:
@@ -113,9 +114,9 @@ def _residual_capable(m: torch.nn.Module) -> bool:
     return hasattr(cls, "forward_residual") and getattr(cls, "residual_forward_of", None) is cls.forward
 
 
-#: rows (tokens) up to which a forward defers each norm into the linears after it (the one-launch
-#: linear's sizes, exl3_core.quant.exl3.linear.FUSED_GROUP_MAX_ROWS)
-DEFERRED_MAX_ROWS = 4
+#: rows (tokens) up to which a forward defers each norm into the linears after it: the one-launch
+#: linear's sizes
+DEFERRED_MAX_ROWS = FUSED_GROUP_MAX_ROWS
 
 
 class DecoderBlock(Module):
@@ -210,8 +211,6 @@ class Head(Module):
 
     def forward(self, x: torch.Tensor | DeferredNorm) -> torch.Tensor:
         if isinstance(x, DeferredNorm):  # the final norm in the head's prologue where it can be
-            from exl3_core.quant.exl3.linear import project_group
-
             return project_group(x, (self.linear,))[0]
         return self.linear(x)
 
@@ -308,7 +307,7 @@ class StandardDecoder(Model):
         return self.head(DeferredNorm(h, norm, ss_in)).float()
 
     def _deferrable(self, x: torch.Tensor) -> bool:
-        return (x.shape[0] <= DEFERRED_MAX_ROWS and len(self.layers) > 0 and x.dtype == torch.float16
+        return (1 <= x.shape[0] <= DEFERRED_MAX_ROWS and len(self.layers) > 0 and x.dtype == torch.float16
                 and settings.get().deferred_norm and all(b.deferrable() for b in self.layers))  # type: ignore[operator]
 
     def _forward_chain(self, x: torch.Tensor, meta: BatchMeta, state: ForwardState) -> torch.Tensor:

@@ -148,9 +148,11 @@ class Attention(Module):
         """Attention up to o_proj's input ``[T, Hq * Dv]``."""
         meta = state.meta
         layer = state.cache_layer(self.cache_index)
-        # RoPE and the cache write as one kernel where the cache layer offers it (CUDA)
+        # RoPE and the cache write as one kernel where the cache layer offers it (CUDA; not for a
+        # subclass with its own project_qkv, which may not take rotate=False)
         write_rotated = getattr(layer, "write_rotated", None) if self.rope is not None else None
-        fuse = write_rotated is not None and ops.fused_enabled(meta.positions)
+        fuse = (write_rotated is not None and ops.fused_enabled(meta.positions)
+                and type(self).project_qkv is Attention.project_qkv)
         q, k, v = self.project_qkv(x, state, rotate=not fuse)
         T = q.shape[0]
         if layer is None:
