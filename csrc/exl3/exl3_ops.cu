@@ -318,46 +318,60 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
     return true;
 }
 
-// Spec 4.3 in one launch for m <= 16 (exl3_fused.cuh): y = fp16(Had(z)) * svh, z = fp16(Had(fp16(x*suh))) @ Ŵ.
-// Problems: trellis/suh/svh triples sharing x, K and codebook; returns one fp16 [m, n_i] per problem.
-std::vector<Tensor> linear_group(const Tensor& x, at::TensorList trellis, at::TensorList suh, at::TensorList svh,
-                                 int64_t codebook, int64_t kt_per_chunk) {
-    const char* op = "exl3::exl3_linear_group";
+// The checks and the per-problem fp16 scales and outputs of a grouped fused launch (problems share x,
+// K and codebook; n a multiple of 128). Call under a device guard for x.
+struct Group {
+    int k = 0;
+    int64_t kd = 0;
+    std::vector<Tensor> su, sv, ys;
+};
+
+Group prepare_group(const char* op, const Tensor& x, at::TensorList trellis, at::TensorList suh, at::TensorList svh,
+                    int64_t codebook) {
     TORCH_CHECK(trellis.size() >= 1 && trellis.size() <= (size_t)exl3::FUSED_MAX_PROBLEMS, op, ": takes 1 to ",
                 exl3::FUSED_MAX_PROBLEMS, " problems, got ", trellis.size());
     TORCH_CHECK(suh.size() == trellis.size() && svh.size() == trellis.size(), op, ": ", trellis.size(),
                 " trellis tensors but ", suh.size(), " suh and ", svh.size(), " svh");
-    const int k = check_trellis(trellis[0], 0, codebook, op);
-    const int64_t kd = trellis[0].size(0) * 16;
-    check_x(x, kd, FUSED_MAX_M, op);
-    std::vector<Tensor> su, sv, ys;
+    Group g;
+    g.k = check_trellis(trellis[0], 0, codebook, op);
+    g.kd = trellis[0].size(0) * 16;
+    check_x(x, g.kd, FUSED_MAX_M, op);
     for (size_t i = 0; i < trellis.size(); ++i) {
-        check_trellis(trellis[i], k, codebook, op);
-        TORCH_CHECK(trellis[i].size(0) * 16 == kd, op, ": trellis ", i, " has k = ", trellis[i].size(0) * 16,
-                    ", trellis 0 has ", kd, " (problems share x)");
+        check_trellis(trellis[i], g.k, codebook, op);
+        TORCH_CHECK(trellis[i].size(0) * 16 == g.kd, op, ": trellis ", i, " has k = ", trellis[i].size(0) * 16,
+                    ", trellis 0 has ", g.kd, " (problems share x)");
         TORCH_CHECK(trellis[i].size(1) % (exl3::FUSED_COLS / 16) == 0, op, ": n = ", trellis[i].size(1) * 16,
                     " of trellis ", i, " must be a multiple of 128 (EXL3 pads to 128)");
-        check_scales(suh[i], svh[i], kd, trellis[i].size(1) * 16, op);
+        check_scales(suh[i], svh[i], g.kd, trellis[i].size(1) * 16, op);
         TORCH_CHECK(trellis[i].device() == x.device() && suh[i].device() == x.device() && svh[i].device() == x.device(),
                     op, ": problem ", i, " is not on x's device ", x.device());
     }
-    TORCH_CHECK(kd % 128 == 0, op, ": k = ", kd, " must be a multiple of 128 (EXL3 pads to 128)");
-    c10::cuda::CUDAGuard guard(x.device());
-    Tensor xc = aligned16(x.contiguous());
+    TORCH_CHECK(g.kd % 128 == 0, op, ": k = ", g.kd, " must be a multiple of 128 (EXL3 pads to 128)");
     for (size_t i = 0; i < trellis.size(); ++i) {
-        su.push_back(aligned16(suh[i].to(at::kHalf).contiguous()));
-        sv.push_back(aligned16(svh[i].to(at::kHalf).contiguous()));
-        ys.push_back(at::empty({x.size(0), trellis[i].size(1) * 16}, x.options()));
+        g.su.push_back(aligned16(suh[i].to(at::kHalf).contiguous()));
+        g.sv.push_back(aligned16(svh[i].to(at::kHalf).contiguous()));
+        g.ys.push_back(at::empty({x.size(0), trellis[i].size(1) * 16}, x.options()));
     }
-    if (x.size(0) == 0) return ys;
-    if (kd == 0) {  // empty sum: z = 0, so y = 0
-        for (Tensor& t : ys) t.zero_();
-        return ys;
+    return g;
+}
+
+// Spec 4.3 in one launch for m <= 16 (exl3_fused.cuh): y = fp16(Had(z)) * svh, z = fp16(Had(fp16(x*suh))) @ Ŵ.
+// Problems: trellis/suh/svh triples sharing x, K and codebook; returns one fp16 [m, n_i] per problem.
+std::vector<Tensor> linear_group(const Tensor& x, at::TensorList trellis, at::TensorList suh, at::TensorList svh,
+                                 int64_t codebook, int64_t kt_per_chunk) {
+    c10::cuda::CUDAGuard guard(x.device());
+    Group g = prepare_group("exl3::exl3_linear_group", x, trellis, suh, svh, codebook);
+    Tensor xc = aligned16(x.contiguous());
+    if (x.size(0) == 0) return g.ys;
+    if (g.kd == 0) {  // empty sum: z = 0, so y = 0
+        for (Tensor& t : g.ys) t.zero_();
+        return g.ys;
     }
-    if (!fused_launch(xc, trellis.vec(), su, sv, ys, k, codebook, kt_per_chunk)) {
-        for (size_t i = 0; i < trellis.size(); ++i) ys[i] = gemm_4kernel(xc, trellis[i], su[i], sv[i], k, codebook);
+    if (!fused_launch(xc, trellis.vec(), g.su, g.sv, g.ys, g.k, codebook, kt_per_chunk)) {
+        for (size_t i = 0; i < trellis.size(); ++i)
+            g.ys[i] = gemm_4kernel(xc, trellis[i], g.su[i], g.sv[i], g.k, codebook);
     }
-    return ys;
+    return g.ys;
 }
 
 Tensor linear(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t codebook,
@@ -415,47 +429,29 @@ std::vector<Tensor> linear_group_norm(const Tensor& h, at::TensorList trellis, a
                                       int64_t codebook, const Tensor& ss, const c10::optional<Tensor>& norm_w,
                                       double eps, double offset) {
     const char* op = "exl3::exl3_linear_group_norm";
-    TORCH_CHECK(!trellis.empty() && trellis.size() <= (size_t)exl3::FUSED_MAX_PROBLEMS, op, ": takes 1 to ",
-                exl3::FUSED_MAX_PROBLEMS, " problems, got ", trellis.size());
-    TORCH_CHECK(suh.size() == trellis.size() && svh.size() == trellis.size(), op, ": ", trellis.size(),
-                " trellis tensors but ", suh.size(), " suh and ", svh.size(), " svh");
-    const int k = check_trellis(trellis[0], 0, codebook, op);
-    const int64_t kd = trellis[0].size(0) * 16;
-    check_x(h, kd, FUSED_MAX_M, op);
+    c10::cuda::CUDAGuard guard(h.device());
+    Group g = prepare_group(op, h, trellis, suh, svh, codebook);
+    TORCH_CHECK(g.kd > 0, op, ": k = 0: nothing to normalise");
     check_ss(ss, h.size(0), op, "ss");
     if (norm_w.has_value())
         TORCH_CHECK(norm_w->is_cuda() && norm_w->scalar_type() == at::kFloat && norm_w->dim() == 1 &&
-                        norm_w->numel() == kd,
-                    op, ": norm_w must be a CUDA fp32 vector of ", kd, " elements, got ", norm_w->scalar_type(), " ",
-                    norm_w->sizes());
-    std::vector<Tensor> su, sv, ys;
-    for (size_t i = 0; i < trellis.size(); ++i) {
-        check_trellis(trellis[i], k, codebook, op);
-        TORCH_CHECK(trellis[i].size(0) * 16 == kd && trellis[i].size(1) % (exl3::FUSED_COLS / 16) == 0, op,
-                    ": trellis ", i, " is ", trellis[i].sizes(), "; problems share k = ", kd,
-                    " and n must be a multiple of 128");
-        check_scales(suh[i], svh[i], kd, trellis[i].size(1) * 16, op);
-    }
-    TORCH_CHECK(kd % 128 == 0 && kd > 0, op, ": k = ", kd, " must be a positive multiple of 128");
-    c10::cuda::CUDAGuard guard(h.device());
+                        norm_w->numel() == g.kd,
+                    op, ": norm_w must be a CUDA fp32 vector of ", g.kd, " elements, got ", norm_w->scalar_type(),
+                    " ", norm_w->sizes());
     Tensor hc = aligned16(h.contiguous());
     Tensor wc = norm_w.has_value() ? aligned16(norm_w->contiguous()) : Tensor();
-    for (size_t i = 0; i < trellis.size(); ++i) {
-        su.push_back(aligned16(suh[i].to(at::kHalf).contiguous()));
-        sv.push_back(aligned16(svh[i].to(at::kHalf).contiguous()));
-        ys.push_back(at::empty({h.size(0), trellis[i].size(1) * 16}, h.options()));
-    }
-    if (h.size(0) == 0) return ys;
+    if (h.size(0) == 0) return g.ys;
     FusedExtras ex;
     ex.norm_ss = ss.data_ptr<float>();
     ex.norm_w = wc.defined() ? wc.data_ptr<float>() : nullptr;
     ex.norm_eps = (float)eps;
     ex.norm_offset = (float)offset;
-    if (!fused_launch(hc, trellis.vec(), su, sv, ys, k, codebook, 0, nullptr, 0, ex)) {
+    if (!fused_launch(hc, trellis.vec(), g.su, g.sv, g.ys, g.k, codebook, 0, nullptr, 0, ex)) {
         Tensor x = aten_rms_norm(hc, norm_w, eps, offset);  // no workspace during capture: norm, then the chain
-        for (size_t i = 0; i < trellis.size(); ++i) ys[i] = gemm_4kernel(x, trellis[i], su[i], sv[i], k, codebook);
+        for (size_t i = 0; i < trellis.size(); ++i)
+            g.ys[i] = gemm_4kernel(x, trellis[i], g.su[i], g.sv[i], g.k, codebook);
     }
-    return ys;
+    return g.ys;
 }
 
 // res + linear(x) (or linear(act(gate) * x) with gate set) in one launch, for m <= 16: the residual add

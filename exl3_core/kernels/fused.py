@@ -154,7 +154,14 @@ def _rope_kernel(
         gdc_wait()
         gdc_launch_dependents()
     # one program per token: the cos/sin row is loaded once for every q and k head
-    t = tl.program_id(0).to(tl.int64)
+    _rope_token(Q, K, Cos, Sin, tl.program_id(0).to(tl.int64), stride_qt, stride_qh, stride_kt, stride_kh,
+                stride_ct, stride_st, HQ, HK, HALF, INTERLEAVED, BLOCK_HQ, BLOCK_HK, BLOCK_R)
+
+
+@triton.jit
+def _rope_token(Q, K, Cos, Sin, t, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, HQ, HK,
+                HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+                BLOCK_R: tl.constexpr):
     i = tl.arange(0, BLOCK_R)
     c = tl.load(Cos + t * stride_ct + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
     s = tl.load(Sin + t * stride_st + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
@@ -162,23 +169,29 @@ def _rope_kernel(
     _rope_heads(K, t, stride_kt, stride_kh, HK, c, s, i, HALF, INTERLEAVED, BLOCK_HK, BLOCK_R)
 
 
-def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
-               interleaved: bool) -> None:
-    """Rotate the first ``rotary_dim`` channels of ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place (one
-    launch); ``cos``/``sin`` ``[T, rotary_dim/2]``. q and k need a unit stride on their last dim."""
+def _check_rope(op: str, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shapes and strides for RoPE on q and k; cos/sin with a unit last stride."""
     for name, t in (("q", q), ("k", k)):
         if t.dim() != 3 or t.stride(-1) != 1:
-            raise ValueError(f"rope_apply: {name} must be [T, H, D] with a contiguous last dim, got "
+            raise ValueError(f"{op}: {name} must be [T, H, D] with a contiguous last dim, got "
                              f"{tuple(t.shape)} strides {t.stride()}")
     T = q.shape[0]
     half = rotary_dim // 2
     if cos.shape != (T, half) or sin.shape != (T, half) or k.shape[0] != T:
-        raise ValueError(f"rope_apply: cos/sin must be [{T}, {half}] for {T} tokens, got "
+        raise ValueError(f"{op}: cos/sin must be [{T}, {half}] for {T} tokens, got "
                          f"{tuple(cos.shape)}/{tuple(sin.shape)} (k has {k.shape[0]} tokens)")
+    return (cos if cos.stride(-1) == 1 else cos.contiguous()), (sin if sin.stride(-1) == 1 else sin.contiguous())
+
+
+def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
+               interleaved: bool) -> None:
+    """Rotate the first ``rotary_dim`` channels of ``q [T, Hq, D]`` and ``k [T, Hk, D]`` in place (one
+    launch); ``cos``/``sin`` ``[T, rotary_dim/2]``. q and k need a unit stride on their last dim."""
+    cos, sin = _check_rope("rope_apply", q, k, cos, sin, rotary_dim)
+    T, half = q.shape[0], rotary_dim // 2
     if T == 0:
         return
-    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     _rope_kernel[(T,)](
         q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
         q.shape[1], k.shape[1],
@@ -202,7 +215,14 @@ def _kv_write_kernel(
         gdc_wait()
         gdc_launch_dependents()
     # one program per token: its k and v rows go to one cache slot
-    t = tl.program_id(0).to(tl.int64)
+    _kv_token(K, V, KC, VC, Slots, tl.program_id(0).to(tl.int64), stride_kt, stride_kh, stride_vt, stride_vh,
+              HK, D, DV, BLOCK_H, BLOCK_D, BLOCK_DV)
+
+
+@triton.jit
+def _kv_token(K, V, KC, VC, Slots, t, stride_kt, stride_kh, stride_vt, stride_vh,
+              HK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_DV: tl.constexpr):
     slot = tl.load(Slots + t).to(tl.int64)
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
@@ -215,17 +235,24 @@ def _kv_write_kernel(
     tl.store(VC + slot * (HK * DV) + h * DV + dv, y.to(VC.dtype.element_ty), mask=okv)
 
 
+def _check_kv(op: str, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+    T, hk, d = k.shape
+    dv = v.shape[-1]
+    if v.shape[:2] != (T, hk) or k_cache.shape[2:] != (hk, d) or v_cache.shape[2:] != (hk, dv):
+        raise ValueError(f"{op}: k {tuple(k.shape)}, v {tuple(v.shape)} do not fit the caches "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    if slot_mapping.shape != (T,):
+        raise ValueError(f"{op}: slot_mapping {tuple(slot_mapping.shape)} needs one slot per token ({T})")
+
+
 def kv_write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """``k [T, Hk, D]``/``v [T, Hk, Dv]`` (unit last stride) into contiguous paged caches
     ``[pages, page_size, Hk, D(v)]`` at the flat slots ``slot_mapping [T]``, in one launch."""
+    _check_kv("kv_write", k_cache, v_cache, k, v, slot_mapping)
     T, hk, d = k.shape
     dv = v.shape[-1]
-    if v.shape[:2] != (T, hk) or k_cache.shape[2:] != (hk, d) or v_cache.shape[2:] != (hk, dv):
-        raise ValueError(f"kv_write: k {tuple(k.shape)}, v {tuple(v.shape)} do not fit the caches "
-                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    if slot_mapping.shape != (T,):
-        raise ValueError(f"kv_write: slot_mapping {tuple(slot_mapping.shape)} needs one slot per token ({T})")
     if T == 0:
         return
     _kv_write_kernel[(T,)](
@@ -252,45 +279,26 @@ def _rope_kv_kernel(
         gdc_launch_dependents()
     # one program per token: rotate its q and k heads in place, then copy k (rotated) and v to its slot
     t = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK_R)
-    c = tl.load(Cos + t * stride_ct + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
-    s = tl.load(Sin + t * stride_st + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
-    _rope_heads(Q, t, stride_qt, stride_qh, HQ, c, s, i, HALF, INTERLEAVED, BLOCK_HQ, BLOCK_R)
-    _rope_heads(K, t, stride_kt, stride_kh, HK, c, s, i, HALF, INTERLEAVED, BLOCK_HK, BLOCK_R)
+    _rope_token(Q, K, Cos, Sin, t, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, HQ, HK,
+                HALF, INTERLEAVED, BLOCK_HQ, BLOCK_HK, BLOCK_R)
     tl.debug_barrier()  # the rotated k stored above is read back below by other threads of the program
-    slot = tl.load(Slots + t).to(tl.int64)
-    h = tl.arange(0, BLOCK_HK)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    ok = (h < HK) & (d < D)
-    x = tl.load(K + t * stride_kt + h * stride_kh + d, mask=ok, other=0.0)
-    tl.store(KC + slot * (HK * D) + h * D + d, x.to(KC.dtype.element_ty), mask=ok)
-    dv = tl.arange(0, BLOCK_DV)[None, :]
-    okv = (h < HK) & (dv < DV)
-    y = tl.load(V + t * stride_vt + h * stride_vh + dv, mask=okv, other=0.0)
-    tl.store(VC + slot * (HK * DV) + h * DV + dv, y.to(VC.dtype.element_ty), mask=okv)
+    _kv_token(K, V, KC, VC, Slots, t, stride_kt, stride_kh, stride_vt, stride_vh, HK, D, DV, BLOCK_HK, BLOCK_D,
+              BLOCK_DV)
 
 
 def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,
                   interleaved: bool) -> None:
     """:func:`rope_apply` then :func:`kv_write` in one launch (same arguments and checks as the two)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3 or t.stride(-1) != 1:
-            raise ValueError(f"rope_kv_write: {name} must be [T, H, D] with a contiguous last dim, got "
-                             f"{tuple(t.shape)} strides {t.stride()}")
+    cos, sin = _check_rope("rope_kv_write", q, k, cos, sin, rotary_dim)
+    if v.dim() != 3 or v.stride(-1) != 1:
+        raise ValueError(f"rope_kv_write: v must be [T, H, D] with a contiguous last dim, got {tuple(v.shape)} "
+                         f"strides {v.stride()}")
+    _check_kv("rope_kv_write", k_cache, v_cache, k, v, slot_mapping)
     T, hk, d = k.shape
-    dv = v.shape[-1]
-    half = rotary_dim // 2
-    if q.shape[0] != T or v.shape[:2] != (T, hk) or k_cache.shape[2:] != (hk, d) or v_cache.shape[2:] != (hk, dv):
-        raise ValueError(f"rope_kv_write: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
-                         f"each other or the caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
-    if cos.shape != (T, half) or sin.shape != (T, half) or slot_mapping.shape != (T,):
-        raise ValueError(f"rope_kv_write: cos/sin must be [{T}, {half}] and slot_mapping [{T}], got "
-                         f"{tuple(cos.shape)}/{tuple(sin.shape)}/{tuple(slot_mapping.shape)}")
+    dv, half = v.shape[-1], rotary_dim // 2
     if T == 0:
         return
-    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
     _rope_kv_kernel[(T,)](
         q, k, v, k_cache, v_cache, slot_mapping, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
