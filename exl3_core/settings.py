@@ -21,6 +21,7 @@ them (tests use it after changing the environment).
 | ``EXL3_OVERLAP_DECODE`` | ``0`` disables the generator's one-step-ahead greedy decode loop (debugging) |
 | ``EXL3_PDL`` | ``0`` disables programmatic dependent launch (Hopper) of the decode-size EXL3 linear and the early launch signal of the kernels before it |
 | ``EXL3_DEFERRED_NORM`` | ``0``: at decode sizes, run each RMSNorm as its own kernel instead of inside the EXL3 linears around it |
+| ``EXL3_QKV_EPILOGUE`` | ``0``: at decode sizes, run RoPE and the KV-cache write as their own kernel instead of in the q/k/v linear's epilogue |
 | ``EXL3_LOG_LEVEL`` | log level for the ``exl3`` logger (default ``WARNING``) |
 | ``EXL3_NO_PROGRESS`` | ``1``: never draw progress bars |
 """
@@ -77,6 +78,7 @@ class Settings:
     overlap_decode: bool = True
     pdl: bool = True
     deferred_norm: bool = True
+    qkv_epilogue: bool = True
     log_level: str = "WARNING"
     no_progress: bool = False
 
@@ -118,6 +120,7 @@ class Settings:
             overlap_decode=flag("OVERLAP_DECODE", True),
             pdl=flag("PDL", True),
             deferred_norm=flag("DEFERRED_NORM", True),
+            qkv_epilogue=flag("QKV_EPILOGUE", True),
             log_level=(g("LOG_LEVEL") or "WARNING").upper(),
             no_progress=flag("NO_PROGRESS"),
         )

@@ -43,6 +43,8 @@ struct FusedProblem {
     int* counters;            // workspace slice [n / 128], zero between launches
     int n_tiles;              // n / 16
     int block0;               // first blockIdx.x of this problem
+    __half* cache;            // nullptr, or a KV cache [slots, n] fp16 that row r also goes to, at FusedArgs::slots[r]
+    int rope;                 // nonzero: rotate this problem's heads by RoPE in the epilogue (FusedArgs::rope_*)
 };
 
 // Gated activation applied to the input in the prologue (FusedArgs::gate): x := fp16(act(gate) * x),
@@ -80,6 +82,15 @@ struct FusedArgs {
     // with it, so no norm kernel runs between the two.
     const __half* res;  // nullptr: plain output; else [m, n] fp16
     float* res_ss;      // with res: [m] fp32
+    // Attention's RoPE and KV-cache write in q/k/v's epilogue (problems with rope / cache set): row r's
+    // heads of rope_head = 2 * rope_half columns (32, 64 or 128, rotary over the whole head) are rotated
+    // by the fp32 tables rope_cos/rope_sin [m, rope_half] (halves, or adjacent pairs if
+    // rope_interleaved), the rotation kernel's math (exl3_core/kernels/fused.py) on the fp16 output,
+    // rounded once more to fp16; slots [m]: each row's flat cache slot.
+    const float* rope_cos;
+    const float* rope_sin;
+    int rope_half, rope_interleaved;
+    const int64_t* slots;
     // programmatic dependent launch (Hopper): the grid may start while the previous kernel on the
     // stream is still finishing; it prefetches trellis words (which nothing before it writes), then
     // waits (griddepcontrol.wait) before touching x or the workspace. The kernel always signals its
@@ -124,6 +135,33 @@ constexpr int fused_min_blocks() {
     if (!TR) return EXL3_FUSED_MINB > 0 ? EXL3_FUSED_MINB : 1;
     const int by_smem = (228 * 1024) / (fused_smem_bytes<K, TR>() + 1024);  // 1 KB reserved per block
     return by_smem < EXL3_FUSED_TR_MINB ? by_smem : EXL3_FUSED_TR_MINB;
+}
+
+// RoPE on a lane's 4 consecutive output columns of row r (d0: the first one's column within its head):
+// halves pair column d with d + rope_half, held by the lane rope_half / 4 away (a shuffle); interleaved
+// pairs are adjacent columns of the same lane. Every lane of the warp calls it (the shuffle). One
+// value at a time: the transposed kernel runs at 32 registers.
+__device__ __forceinline__ void rope_epilogue(const FusedArgs& a, int r, int d0, __half (&h)[4]) {
+    const long row = (long)r * a.rope_half;
+    if (a.rope_interleaved) {
+#pragma unroll
+        for (int j = 0; j < 4; j += 2) {
+            const float c = __ldg(a.rope_cos + row + (d0 + j) / 2), s = __ldg(a.rope_sin + row + (d0 + j) / 2);
+            const float e = __half2float(h[j]), o = __half2float(h[j + 1]);
+            h[j] = __float2half_rn(e * c - o * s);
+            h[j + 1] = __float2half_rn(o * c + e * s);
+        }
+        return;
+    }
+    const bool lower = d0 < a.rope_half;
+    const long i0 = row + (lower ? d0 : d0 - a.rope_half);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const float x = __half2float(h[j]);
+        const float p = __shfl_xor_sync(0xffffffffu, x, a.rope_half / 4);  // the pair's other column
+        const float c = __ldg(a.rope_cos + i0 + j), s = __ldg(a.rope_sin + i0 + j);
+        h[j] = __float2half_rn(lower ? x * c - p * s : x * c + p * s);
+    }
 }
 
 // TR: m <= 8, transposed main loop (one mma per tile; exl3_kernels.cuh)
@@ -299,6 +337,9 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
         __half h[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) h[j] = __hmul(__float2half_rn(v[j]), svh4[j]);
+        if (P.rope) rope_epilogue(a, r, (int)(col0 % (2 * a.rope_half)), h);
+        if (P.cache != nullptr)
+            *reinterpret_cast<uint2*>(P.cache + __ldg(a.slots + r) * ndim + col0) = pack_half4(h);
         if (a.res != nullptr) {  // residual producer: the stream's add, then this row's partial sum of squares
             const uint2 ru = *reinterpret_cast<const uint2*>(a.res + (long)r * ndim + col0);
             const __half rh[4] = {__low2half(bits_h2(ru.x)), __high2half(bits_h2(ru.x)), __low2half(bits_h2(ru.y)),

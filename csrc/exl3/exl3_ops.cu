@@ -274,6 +274,12 @@ struct FusedExtras {
     float norm_eps = 0.f, norm_offset = 0.f;
     const __half* res = nullptr;
     float* res_ss = nullptr;
+    const float* rope_cos = nullptr;
+    const float* rope_sin = nullptr;
+    int rope_half = 0, rope_interleaved = 0;
+    const int64_t* slots = nullptr;
+    int rope[exl3::FUSED_MAX_PROBLEMS] = {0, 0, 0};
+    __half* cache[exl3::FUSED_MAX_PROBLEMS] = {nullptr, nullptr, nullptr};
 };
 
 bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std::vector<Tensor>& su,
@@ -299,6 +305,11 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
     a.norm_inv_dim = 1.f / (float)x.size(1);
     a.res = ex.res;
     a.res_ss = ex.res_ss;
+    a.rope_cos = ex.rope_cos;
+    a.rope_sin = ex.rope_sin;
+    a.rope_half = ex.rope_half;
+    a.rope_interleaved = ex.rope_interleaved;
+    a.slots = ex.slots;
     // programmatic dependent launch is Hopper's (sm_90+); torch caches the device properties
     a.pdl = g_pdl.load(std::memory_order_relaxed) && at::cuda::getDeviceProperties(x.device().index())->major >= 9;
     int64_t n_off = 0;
@@ -311,6 +322,8 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
         p.z = z + FUSED_MAX_M * n_off;
         p.counters = counters + n_off / exl3::FUSED_COLS;
         p.n_tiles = (int)trellis[i].size(1);
+        p.cache = ex.cache[i];
+        p.rope = ex.rope[i];
         n_off += trellis[i].size(1) * 16;
     }
     exl3::launch_fused((int)codebook, k, a, at::cuda::getCurrentCUDAStream());
@@ -407,7 +420,7 @@ Tensor linear_act(const Tensor& gate, const Tensor& up, const Tensor& trellis, c
     return gemm_4kernel(x, trellis, su, sv, k, codebook);
 }
 
-// fp32 RMSNorm of fp16 rows with ATen (the capture fallback of linear_group_norm), rounded once to fp16
+// fp32 RMSNorm of fp16 rows with ATen (the capture fallback of linear_group_ex), rounded once to fp16
 Tensor aten_rms_norm(const Tensor& h, const c10::optional<Tensor>& w, double eps, double offset) {
     Tensor f = h.to(at::kFloat);
     Tensor y = f * at::rsqrt(f.pow(2).mean(-1, true) + eps);
@@ -422,34 +435,115 @@ void check_ss(const Tensor& ss, int64_t m, const char* op, const char* what) {
                 ss.scalar_type(), " ", ss.sizes());
 }
 
-// linear_group of rms_norm(h) without a norm kernel: the fused prologue normalises h with its row sums
-// of squares ss (fp32 [>= m], added up by the linear that produced h: linear_residual) and the norm's
-// fp32 weight (+ offset). Same rounding as the norm kernel followed by linear_group.
-std::vector<Tensor> linear_group_norm(const Tensor& h, at::TensorList trellis, at::TensorList suh, at::TensorList svh,
-                                      int64_t codebook, const Tensor& ss, const c10::optional<Tensor>& norm_w,
-                                      double eps, double offset) {
-    const char* op = "exl3::exl3_linear_group_norm";
-    c10::cuda::CUDAGuard guard(h.device());
-    Group g = prepare_group(op, h, trellis, suh, svh, codebook);
-    TORCH_CHECK(g.kd > 0, op, ": k = 0: nothing to normalise");
-    check_ss(ss, h.size(0), op, "ss");
-    if (norm_w.has_value())
-        TORCH_CHECK(norm_w->is_cuda() && norm_w->scalar_type() == at::kFloat && norm_w->dim() == 1 &&
-                        norm_w->numel() == g.kd,
-                    op, ": norm_w must be a CUDA fp32 vector of ", g.kd, " elements, got ", norm_w->scalar_type(),
-                    " ", norm_w->sizes());
-    Tensor hc = aligned16(h.contiguous());
-    Tensor wc = norm_w.has_value() ? aligned16(norm_w->contiguous()) : Tensor();
-    if (h.size(0) == 0) return g.ys;
+// RoPE on fp16 rows [m, n] of heads 2 * half wide with ATen (the capture fallback of linear_group_ex)
+Tensor aten_rope(const Tensor& y, const Tensor& cos, const Tensor& sin, bool interleaved) {
+    const int64_t m = y.size(0), half = cos.size(1);
+    Tensor f = y.to(at::kFloat);
+    Tensor c = cos.view({m, 1, half}), s = sin.view({m, 1, half});
+    Tensor x1, x2;
+    if (interleaved) {
+        Tensor p = f.view({m, -1, half, 2});
+        x1 = p.select(-1, 0), x2 = p.select(-1, 1);
+    } else {
+        Tensor p = f.view({m, -1, 2 * half});
+        x1 = p.narrow(-1, 0, half), x2 = p.narrow(-1, half, half);
+    }
+    Tensor o1 = x1 * c - x2 * s, o2 = x2 * c + x1 * s;
+    Tensor out = interleaved ? at::stack({o1, o2}, -1) : at::cat({o1, o2}, -1);
+    return out.reshape({m, -1}).to(at::kHalf);
+}
+
+// linear_group with optional extras in the prologue and epilogue (exl3_fused.cuh, FusedArgs):
+//  - norm_ss set: x is the residual stream h and the prologue normalises it (rms_norm with norm_w, eps,
+//    offset) from h's row sums of squares norm_ss (fp32 [>= m], added up by linear_residual): no norm
+//    kernel between the two linears;
+//  - rope_cos/rope_sin set (fp32 [m, half], half in 16, 32, 64): problems i with rope_on[i] have their
+//    output heads (2 * half columns, rotary over the whole head) rotated in the epilogue;
+//  - caches[i] set (fp16, contiguous, n_i values per slot): problem i's rows also go to the cache at
+//    slots[r] (int64 [m]; the caller keeps them in range). Attention's q/k/v: RoPE and the paged KV
+//    write without launches of their own.
+// Same roundings as the norm kernel, linear_group and the RoPE kernel one after the other.
+std::vector<Tensor> linear_group_ex(const Tensor& x, at::TensorList trellis, at::TensorList suh, at::TensorList svh,
+                                    int64_t codebook, const c10::optional<Tensor>& norm_ss,
+                                    const c10::optional<Tensor>& norm_w, double eps, double offset,
+                                    const c10::optional<Tensor>& rope_cos, const c10::optional<Tensor>& rope_sin,
+                                    bool rope_interleaved, at::IntArrayRef rope_on, const c10::optional<Tensor>& slots,
+                                    const c10::List<c10::optional<Tensor>>& caches) {
+    const char* op = "exl3::exl3_linear_group_ex";
+    c10::cuda::CUDAGuard guard(x.device());
+    Group g = prepare_group(op, x, trellis, suh, svh, codebook);
+    const int64_t m = x.size(0);
+    const size_t np = trellis.size();
+    TORCH_CHECK(g.kd > 0, op, ": k = 0");
     FusedExtras ex;
-    ex.norm_ss = ss.data_ptr<float>();
-    ex.norm_w = wc.defined() ? wc.data_ptr<float>() : nullptr;
-    ex.norm_eps = (float)eps;
-    ex.norm_offset = (float)offset;
-    if (!fused_launch(hc, trellis.vec(), g.su, g.sv, g.ys, g.k, codebook, 0, nullptr, 0, ex)) {
-        Tensor x = aten_rms_norm(hc, norm_w, eps, offset);  // no workspace during capture: norm, then the chain
-        for (size_t i = 0; i < trellis.size(); ++i)
-            g.ys[i] = gemm_4kernel(x, trellis[i], g.su[i], g.sv[i], g.k, codebook);
+    Tensor wc;
+    if (norm_ss.has_value()) {
+        check_ss(*norm_ss, m, op, "norm_ss");
+        if (norm_w.has_value())
+            TORCH_CHECK(norm_w->is_cuda() && norm_w->scalar_type() == at::kFloat && norm_w->dim() == 1 &&
+                            norm_w->numel() == g.kd,
+                        op, ": norm_w must be a CUDA fp32 vector of ", g.kd, " elements, got ", norm_w->scalar_type(),
+                        " ", norm_w->sizes());
+        wc = norm_w.has_value() ? aligned16(norm_w->contiguous()) : Tensor();
+        ex.norm_ss = norm_ss->data_ptr<float>();
+        ex.norm_w = wc.defined() ? wc.data_ptr<float>() : nullptr;
+        ex.norm_eps = (float)eps;
+        ex.norm_offset = (float)offset;
+    }
+    std::vector<int> rope(np, 0);
+    Tensor cs, sn;
+    if (rope_cos.has_value()) {
+        TORCH_CHECK(rope_sin.has_value() && rope_on.size() == np, op, ": rope_cos needs rope_sin and one rope_on flag "
+                    "per problem (", np, "), got ", rope_on.size());
+        for (const Tensor* t : {&*rope_cos, &*rope_sin})
+            TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == m &&
+                            t->size(1) == rope_cos->size(1) && t->device() == x.device(),
+                        op, ": rope_cos/rope_sin must be CUDA fp32 [", m, ", half] on x's device, got ",
+                        t->scalar_type(), " ", t->sizes());
+        const int64_t half = rope_cos->size(1);
+        TORCH_CHECK(half == 16 || half == 32 || half == 64, op, ": heads of ", 2 * half,
+                    " columns; the epilogue rotates heads of 32, 64 or 128");
+        for (size_t i = 0; i < np; ++i) {
+            rope[i] = rope_on[i] != 0;
+            TORCH_CHECK(!rope[i] || trellis[i].size(1) * 16 % (2 * half) == 0, op, ": problem ", i, " has n = ",
+                        trellis[i].size(1) * 16, ", not a whole number of ", 2 * half, "-wide heads");
+        }
+        cs = aligned16(rope_cos->contiguous());
+        sn = aligned16(rope_sin->contiguous());
+    }
+    TORCH_CHECK(caches.size() == 0 || caches.size() == np, op, ": caches must be empty or one (or None) per problem");
+    std::vector<Tensor> cache(np);
+    for (size_t i = 0; i < caches.size(); ++i) {
+        const c10::optional<Tensor> c = caches.get(i);
+        if (!c.has_value()) continue;
+        const int64_t nd = trellis[i].size(1) * 16;
+        TORCH_CHECK(c->is_cuda() && c->scalar_type() == at::kHalf && c->is_contiguous() && c->numel() % nd == 0 &&
+                        c->device() == x.device(),
+                    op, ": cache ", i, " must be a contiguous CUDA fp16 tensor of whole ", nd, "-value slots, got ",
+                    c->scalar_type(), " ", c->sizes());
+        TORCH_CHECK(slots.has_value() && slots->is_cuda() && slots->scalar_type() == at::kLong && slots->dim() == 1 &&
+                        slots->numel() == m,
+                    op, ": caches need slots, a CUDA int64 vector of ", m, " slots");
+        cache[i] = *c;
+    }
+    Tensor xc = aligned16(x.contiguous());
+    if (m == 0) return g.ys;
+    ex.rope_cos = cs.defined() ? cs.data_ptr<float>() : nullptr;
+    ex.rope_sin = sn.defined() ? sn.data_ptr<float>() : nullptr;
+    ex.rope_half = cs.defined() ? (int)cs.size(1) : 0;
+    ex.rope_interleaved = rope_interleaved;
+    ex.slots = slots.has_value() ? slots->data_ptr<int64_t>() : nullptr;
+    for (size_t i = 0; i < np; ++i) {
+        ex.rope[i] = rope[i];
+        ex.cache[i] = cache[i].defined() ? reinterpret_cast<__half*>(cache[i].data_ptr()) : nullptr;
+    }
+    if (fused_launch(xc, trellis.vec(), g.su, g.sv, g.ys, g.k, codebook, 0, nullptr, 0, ex)) return g.ys;
+    // no workspace during capture: norm, the chain, RoPE and the cache writes with ATen
+    Tensor xin = norm_ss.has_value() ? aten_rms_norm(xc, norm_w, eps, offset) : xc;
+    for (size_t i = 0; i < np; ++i) {
+        g.ys[i] = gemm_4kernel(xin, trellis[i], g.su[i], g.sv[i], g.k, codebook);
+        if (rope[i]) g.ys[i] = aten_rope(g.ys[i], cs, sn, rope_interleaved);
+        if (cache[i].defined()) cache[i].view({-1, g.ys[i].size(1)}).index_copy_(0, *slots, g.ys[i]);
     }
     return g.ys;
 }
@@ -457,7 +551,7 @@ std::vector<Tensor> linear_group_norm(const Tensor& h, at::TensorList trellis, a
 // res + linear(x) (or linear(act(gate) * x) with gate set) in one launch, for m <= 16: the residual add
 // of a pre-norm block moved into the linear's epilogue, which also adds each row's sum of squares of
 // the result into ss (fp32 [>= m], zero before the call) for the next linear's deferred norm
-// (linear_group_norm). n must equal res's width.
+// (linear_group_ex). n must equal res's width.
 Tensor linear_residual(const Tensor& x, const c10::optional<Tensor>& gate, int64_t act, const Tensor& trellis,
                        const Tensor& suh, const Tensor& svh, int64_t codebook, const Tensor& res, const Tensor& ss) {
     const char* op = "exl3::exl3_linear_residual";
@@ -565,8 +659,9 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
           "int kt_per_chunk=0) -> Tensor[]");
     m.def("exl3_linear_workspace(Tensor like) -> (Tensor, Tensor)");
     m.def("exl3_linear_act(Tensor gate, Tensor up, Tensor trellis, Tensor suh, Tensor svh, int codebook, int act) -> Tensor");
-    m.def("exl3_linear_group_norm(Tensor h, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, Tensor ss, "
-          "Tensor? norm_w, float eps, float offset) -> Tensor[]");
+    m.def("exl3_linear_group_ex(Tensor x, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, "
+          "Tensor? norm_ss, Tensor? norm_w, float eps, float offset, Tensor? rope_cos, Tensor? rope_sin, "
+          "bool rope_interleaved, int[] rope_on, Tensor? slots, Tensor?[] caches) -> Tensor[]");
     m.def("exl3_linear_residual(Tensor x, Tensor? gate, int act, Tensor trellis, Tensor suh, Tensor svh, int codebook, "
           "Tensor res, Tensor(a!) ss) -> Tensor");
     // no tensor argument: a catch-all kernel. Returns the previous setting.
@@ -585,6 +680,6 @@ TORCH_LIBRARY_IMPL(exl3, CUDA, m) {
     m.impl("exl3_linear_group", &linear_group);
     m.impl("exl3_linear_workspace", &linear_workspace);
     m.impl("exl3_linear_act", &linear_act);
-    m.impl("exl3_linear_group_norm", &linear_group_norm);
+    m.impl("exl3_linear_group_ex", &linear_group_ex);
     m.impl("exl3_linear_residual", &linear_residual);
 }

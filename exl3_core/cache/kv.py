@@ -49,6 +49,15 @@ class KVCacheLayer(CacheLayer):
             return
         ops.rope_kv_write(q, k, v, self.k, self.v, slot_mapping, cos, sin, rotary_dim, interleaved)
 
+    def epilogue_caches(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(k, v)`` for a writer that stores rotated fp16 rows itself at the slots (the q/k/v
+        linear's epilogue), or None where this layer's storage is not that (other dtypes, a subclass
+        with its own :meth:`write`)."""
+        if (type(self).write is not KVCacheLayer.write or self.k.dtype != torch.float16
+                or not (self.k.is_contiguous() and self.v.is_contiguous())):
+            return None
+        return self.k, self.v
+
     def attn_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.k, self.v
 

@@ -12,13 +12,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from exl3_core import ops
+from exl3_core import ops, settings
 from exl3_core.attention.dispatch import get_dispatcher
 from exl3_core.attention.spec import AttnArgs, AttnSpec, device_cc
 from exl3_core.nn.module import ForwardState, LoadContext, Module
 from exl3_core.nn.norm import DeferredNorm, RMSNorm, add_residual_ss
 from exl3_core.nn.rope import RotaryEmbedding
-from exl3_core.quant.exl3.linear import linear_residual, project_group, residual_fusable
+from exl3_core.quant.exl3.linear import (QKVEpilogue, linear_residual, project_group, qkv_epilogue_ok,
+                                         residual_fusable)
 
 
 class Attention(Module):
@@ -148,13 +149,20 @@ class Attention(Module):
         """Attention up to o_proj's input ``[T, Hq * Dv]``."""
         meta = state.meta
         layer = state.cache_layer(self.cache_index)
-        # RoPE and the cache write as one kernel where the cache layer offers it (CUDA; not for a
-        # subclass with its own project_qkv, which may not take rotate=False)
-        write_rotated = getattr(layer, "write_rotated", None) if self.rope is not None else None
-        fuse = (write_rotated is not None and ops.fused_enabled(meta.positions)
-                and type(self).project_qkv is Attention.project_qkv)
-        q, k, v = self.project_qkv(x, state, rotate=not fuse)
-        T = q.shape[0]
+        own_qkv = type(self).project_qkv is Attention.project_qkv  # a subclass's may not take rotate=False
+        ep = self._qkv_epilogue(x, layer, state) if own_qkv else None
+        # else RoPE and the cache write as one kernel where the cache layer offers it (CUDA)
+        write_rotated = getattr(layer, "write_rotated", None) if self.rope is not None and ep is None else None
+        fuse = write_rotated is not None and own_qkv and ops.fused_enabled(meta.positions)
+        if ep is not None:  # RoPE and the KV write in q/k/v's own launch
+            q, k, v = project_group(x, (self.q_proj, self.k_proj, self.v_proj), epilogue=ep)
+            T = q.shape[0]
+            q = q.view(T, self.num_heads, self.head_dim)
+            k = k.view(T, self.num_kv_heads, self.head_dim)
+            v = v.view(T, self.num_kv_heads, self.head_dim_v)
+        else:
+            q, k, v = self.project_qkv(x, state, rotate=not fuse)
+            T = q.shape[0]
         if layer is None:
             spec = self.attn_spec(q.dtype, q.device, None, meta.phase)
             args = AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
@@ -163,7 +171,9 @@ class Attention(Module):
         else:
             if meta.slot_mapping is None or meta.page_table is None:
                 raise ValueError("forward with a cache needs BatchMeta.slot_mapping and page_table")
-            if fuse:
+            if ep is not None:
+                pass  # written by the q/k/v launch
+            elif fuse:
                 assert write_rotated is not None and self.rope is not None
                 write_rotated(q, k, v, meta.slot_mapping, *self._cos_sin(state), self.rope.rotary_dim,
                               self.rope.interleaved)
@@ -176,6 +186,26 @@ class Attention(Module):
                             k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table, k=k, v=v)
         backend = get_dispatcher(state.plugins).select(spec, state.allowed_backends)
         return backend.forward(args).reshape(T, self.num_heads * self.head_dim_v)
+
+    def _qkv_epilogue(self, x: torch.Tensor | DeferredNorm, layer: Any, state: ForwardState) -> QKVEpilogue | None:
+        """RoPE and the KV write for q/k/v's epilogue, where the linears, the rotary and the cache allow it."""
+        rope, meta = self.rope, state.meta
+        if (rope is None or layer is None or self.q_norm is not None or meta.slot_mapping is None
+                or not settings.get().qkv_epilogue):
+            return None
+        caches = getattr(layer, "epilogue_caches", None)
+        kv = caches() if caches is not None else None
+        layers = (self.q_proj, self.k_proj, self.v_proj)
+        if kv is None or not qkv_epilogue_ok(x, layers, self.head_dim, rope.rotary_dim):
+            return None
+        k_cache, v_cache = kv
+        if (k_cache.shape[2:].numel() != self.k_proj.out_features or v_cache.shape[2:].numel() != self.v_proj.out_features
+                or k_cache.device != meta.slot_mapping.device):
+            return None
+        cos, sin = self._cos_sin(state)
+        if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+            return None
+        return QKVEpilogue(cos, sin, rope.interleaved, meta.slot_mapping, k_cache, v_cache)
 
     #: the forward that :meth:`forward_residual` computes (a subclass overriding ``forward`` alone
     #: does not get the residual path: exl3_core.archkit.decoder checks this)

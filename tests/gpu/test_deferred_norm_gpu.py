@@ -1,7 +1,7 @@
-"""Deferred RMSNorm: the residual add and row sums of squares in one EXL3 linear's epilogue
-(``exl3::exl3_linear_residual``), the norm in the next one's prologue (``exl3::exl3_linear_group_norm``),
-against pure-torch references on fresh random inputs; a decode model with the norms deferred against
-the same model with norm kernels."""
+"""The fused linear's extras: the residual add and row sums of squares in one EXL3 linear's epilogue
+(``exl3::exl3_linear_residual``), the norm in the next one's prologue and attention's RoPE + KV write in
+q/k/v's epilogue (``exl3::exl3_linear_group_ex``), against pure-torch references on fresh random
+inputs; a decode model with all of them against the same model with separate kernels."""
 from __future__ import annotations
 
 import pytest
@@ -12,12 +12,13 @@ from exl3_core.quant.exl3 import CB_3INST, CB_MCG, CB_MUL1, cuda_ops
 from exl3_core.reference import fused as ref
 
 DEV = "cuda"
+NO_ROPE = (None, None, False, [], None, [])  # exl3_linear_group_ex's RoPE/cache arguments, unused
 
 
 @pytest.fixture(scope="module")
 def ops_(exl3_ops):
-    if not hasattr(exl3_ops, "exl3_linear_group_norm"):
-        pytest.fail("exl3_core._C predates exl3::exl3_linear_group_norm; rebuild it")
+    if not hasattr(exl3_ops, "exl3_linear_group_ex"):
+        pytest.fail("exl3_core._C predates exl3::exl3_linear_group_ex; rebuild it")
     return exl3_ops
 
 
@@ -48,7 +49,7 @@ def workspace_clean(ops_) -> None:
 @pytest.mark.parametrize("K,cb", [(4, CB_MUL1), (2, CB_3INST), (6, CB_MCG), (8, CB_MUL1)])
 @pytest.mark.parametrize("weight", ["none", "w", "w+1"])
 def test_group_norm_matches_reference(ops_, K: int, cb: int, weight: str) -> None:
-    """``linear_group_norm(h, ss)`` = each linear of ``rms_norm(h)`` (fp32 torch), ss = Σ h² per row."""
+    """``linear_group_ex(h, ss)`` = each linear of ``rms_norm(h)`` (fp32 torch), ss = Σ h² per row."""
     k = 1024
     probs = [problem(k, n, K) for n in (512, 256, 256)]
     w = None if weight == "none" else (torch.rand(k, device=DEV) + 0.5)
@@ -58,8 +59,8 @@ def test_group_norm_matches_reference(ops_, K: int, cb: int, weight: str) -> Non
             h = (torch.randn(m, k, device=DEV) * 3).half()
             ss = torch.zeros(m + 2, device=DEV)
             ss[:m] = h.float().pow(2).sum(-1)
-            ys = ops_.exl3_linear_group_norm(h, [p[0] for p in probs[:count]], [p[1] for p in probs[:count]],
-                                             [p[2] for p in probs[:count]], cb, ss, w, 1e-5, offset)
+            ys = ops_.exl3_linear_group_ex(h, [p[0] for p in probs[:count]], [p[1] for p in probs[:count]],
+                                           [p[2] for p in probs[:count]], cb, ss, w, 1e-5, offset, *NO_ROPE)
             x = ref.rms_norm(h, w, 1e-5, offset)
             for i, (y, p) in enumerate(zip(ys, probs)):
                 want = torch_linear(x, p, cb)
@@ -103,16 +104,53 @@ def test_producer_consumer_chain(ops_) -> None:
     w = torch.rand(n, device=DEV) + 0.5
     ss = torch.zeros(2, device=DEV)
     h = ops_.exl3_linear_residual(x, None, 0, down[0], down[1], down[2], CB_MUL1, res, ss)
-    (y,) = ops_.exl3_linear_group_norm(h, [q[0]], [q[1]], [q[2]], CB_MUL1, ss, w, 1e-6, 0.0)
+    (y,) = ops_.exl3_linear_group_ex(h, [q[0]], [q[1]], [q[2]], CB_MUL1, ss, w, 1e-6, 0.0, *NO_ROPE)
     want = torch_linear(ref.rms_norm(h, w, 1e-6), q, CB_MUL1)
     assert rel(y, want) < 2e-3
+
+
+@pytest.mark.parametrize("hd,interleaved", [(128, False), (64, False), (64, True), (32, False)])
+@pytest.mark.parametrize("deferred", [False, True])
+def test_qkv_epilogue_matches_reference(ops_, hd: int, interleaved: bool, deferred: bool) -> None:
+    """q/k/v with RoPE and the paged KV write in the epilogue = the linears (fp32 torch, rounded to
+    fp16), then the RoPE and cache-write references; only the slots given are written."""
+    k, hq, hkv, pages, page = 512, 4, 2, 4, 16
+    probs = [problem(k, hq * hd, 4), problem(k, hkv * hd, 4), problem(k, hkv * hd, 4)]
+    for m in (1, 3):
+        h = torch.randn(m, k, device=DEV).half()
+        w = torch.rand(k, device=DEV) + 0.5
+        ss = h.float().pow(2).sum(-1) if deferred else None
+        pos = torch.randint(0, 4000, (m,), device=DEV).float()
+        inv = 1.0 / (10000 ** (torch.arange(hd // 2, device=DEV).float() / (hd // 2)))
+        cos, sin = (pos[:, None] * inv[None]).cos(), (pos[:, None] * inv[None]).sin()
+        slots = torch.randperm(pages * page, device=DEV)[:m]
+        kc = torch.full((pages, page, hkv, hd), 7.0, dtype=torch.float16, device=DEV)
+        vc = kc.clone()
+        ys = ops_.exl3_linear_group_ex(h, [p[0] for p in probs], [p[1] for p in probs], [p[2] for p in probs],
+                                       CB_MUL1, ss, w if deferred else None, 1e-6, 0.0, cos, sin, interleaved,
+                                       [1, 1, 0], slots, [None, kc, vc])
+        x = ref.rms_norm(h, w, 1e-6) if deferred else h
+        q, kk, v = (torch_linear(x, p, CB_MUL1).half() for p in probs)
+        q, kk, v = q.view(m, hq, hd), kk.view(m, hkv, hd), v.view(m, hkv, hd)
+        kc_ref, vc_ref = torch.full_like(kc, 7.0), torch.full_like(vc, 7.0)
+        ref.rope_kv_write(q, kk, v, kc_ref, vc_ref, slots, cos, sin, hd, interleaved)
+        for got, want, what in ((ys[0], q, "q"), (ys[1], kk, "k"), (ys[2], v, "v")):
+            assert rel(got.view(want.shape), want) < 2e-3, f"m={m} {what}: {rel(got.view(want.shape), want):.2e}"
+        flat_k, flat_v = kc.view(-1, hkv, hd), vc.view(-1, hkv, hd)
+        assert rel(flat_k[slots], kc_ref.view(-1, hkv, hd)[slots]) < 2e-3
+        assert rel(flat_v[slots], vc_ref.view(-1, hkv, hd)[slots]) < 2e-3
+        assert torch.equal(flat_k[slots], ys[1].view(m, hkv, hd)), "the cache holds other values than k"
+        untouched = torch.ones(pages * page, dtype=torch.bool, device=DEV)
+        untouched[slots] = False
+        assert (flat_k[untouched] == 7.0).all() and (flat_v[untouched] == 7.0).all()
+    workspace_clean(ops_)
 
 
 def test_python_side_refuses_what_the_ops_cannot_take() -> None:
     """The model code checks before it calls the ops (a TORCH_CHECK thrown inside exl3_core._C crashes
     the process on the device image; tests/gpu/test_exl3_kernels.py): unfusable inputs fall back."""
     from exl3_core.nn.norm import DeferredNorm, RMSNorm
-    from exl3_core.quant.exl3.linear import EXL3Linear, _norm_group_ok, linear_residual, residual_fusable
+    from exl3_core.quant.exl3.linear import EXL3Linear, _group_ex_ok, linear_residual, residual_fusable
 
     t, su, sv = problem(256, 256, 4)
     lin = EXL3Linear(t, su, sv, CB_MUL1, 256, 256)
@@ -125,10 +163,10 @@ def test_python_side_refuses_what_the_ops_cannot_take() -> None:
     norm = RMSNorm("n", 256, 1e-6)
     norm.weight = torch.rand(256, device=DEV)
     ss = torch.zeros(1, device=DEV)
-    assert _norm_group_ok(DeferredNorm(x, norm, ss), (lin,))
-    assert not _norm_group_ok(DeferredNorm(x, norm, ss.half()), (lin,))  # fp16 sums
+    assert _group_ex_ok(DeferredNorm(x, norm, ss), (lin,))
+    assert not _group_ex_ok(DeferredNorm(x, norm, ss.half()), (lin,))  # fp16 sums
     norm.weight = norm.weight.half()
-    assert not _norm_group_ok(DeferredNorm(x, norm, ss), (lin,))  # the kernel reads an fp32 weight
+    assert not _group_ex_ok(DeferredNorm(x, norm, ss), (lin,))  # the kernel reads an fp32 weight
     with pytest.raises(ValueError, match="needs act in"):
         linear_residual(lin, x, res, ss, gate=x, act=None)
 
@@ -166,39 +204,44 @@ def _greedy(model, cache, prompts: list[list[int]], n: int) -> list[tuple[list[i
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_decode_with_deferred_norms_equals_norm_kernels(ops_, model_cache, batch: int, monkeypatch) -> None:
-    """Greedy decode (32 steps) with the norms deferred into the linears equals the chain with norm
-    kernels: logits within fp16 tolerance until a near-tie, and the deferred ops actually ran."""
+def test_decode_with_fused_extras_equals_separate_kernels(ops_, model_cache, batch: int, monkeypatch) -> None:
+    """Greedy decode (32 steps) with the norms deferred into the linears and RoPE + KV write in q/k/v's
+    epilogue equals the chain with separate kernels: logits within fp16 tolerance until a near-tie,
+    and the fused paths actually ran."""
     import exl3_core.quant.exl3.linear as lin
 
     model, cache = model_cache
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, 2000, (int(n),), generator=g).tolist() for n in torch.randint(10, 80, (batch,), generator=g)]
-    calls = {"norm": 0, "res": 0}
-    real_norm, real_res = lin._project_group_norm, lin.linear_residual
+    calls = {"norm": 0, "res": 0, "qkv": 0}
+    real_norm, real_res = lin._project_group_ex, lin.linear_residual
 
-    def count_norm(*a, **kw):
-        calls["norm"] += 1
-        return real_norm(*a, **kw)
+    def count_norm(x, layers, ep=None):
+        calls["norm"] += not isinstance(x, torch.Tensor)
+        calls["qkv"] += ep is not None
+        return real_norm(x, layers, ep)
 
     def count_res(*a, **kw):
         calls["res"] += 1
         return real_res(*a, **kw)
 
-    monkeypatch.setattr(lin, "_project_group_norm", count_norm)
+    monkeypatch.setattr(lin, "_project_group_ex", count_norm)
     for mod in ("exl3_core.nn.attention", "exl3_core.nn.mlp"):
         monkeypatch.setattr(f"{mod}.linear_residual", count_res)
     monkeypatch.setenv("EXL3_CUDA_GRAPHS", "0")  # eager steps: no capture needed for the comparison
     monkeypatch.setenv("EXL3_DEFERRED_NORM", "1")
+    monkeypatch.setenv("EXL3_QKV_EPILOGUE", "1")
     settings.reload()
     deferred = _greedy(model, cache, prompts, 32)
-    assert calls["norm"] > 0 and calls["res"] > 0, calls
+    assert calls["norm"] > 0 and calls["res"] > 0 and calls["qkv"] > 0, calls
     monkeypatch.setenv("EXL3_DEFERRED_NORM", "0")
+    monkeypatch.setenv("EXL3_QKV_EPILOGUE", "0")
     settings.reload()
     before = dict(calls)
     plain = _greedy(model, cache, prompts, 32)
-    assert calls == before, "EXL3_DEFERRED_NORM=0 still took the deferred path"
+    assert calls == before, "EXL3_DEFERRED_NORM=0 / EXL3_QKV_EPILOGUE=0 still took the fused paths"
     monkeypatch.delenv("EXL3_DEFERRED_NORM")
+    monkeypatch.delenv("EXL3_QKV_EPILOGUE")
     monkeypatch.delenv("EXL3_CUDA_GRAPHS")
     settings.reload()
     for (ta, la), (tb, lb) in zip(deferred, plain):

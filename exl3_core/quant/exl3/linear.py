@@ -7,6 +7,7 @@ and caches it in fp16 (exact) next to the trellis; the compiled GEMM, when built
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -309,29 +310,61 @@ def group_gemm(x2: torch.Tensor, lins: list[EXL3Linear]) -> list[torch.Tensor]:
     return list(y.split(widths, dim=1))
 
 
-def _norm_group_ok(d: DeferredNorm, layers: tuple[torch.nn.Module, ...]) -> bool:
-    """Whether the linears can take ``d`` un-normalised (the norm in the one-launch linear's prologue)."""
-    h, w = d.h, d.norm.weight
-    if not (h.is_cuda and h.dtype == torch.float16 and 1 <= len(layers) <= 3 and ext.has_op("exl3_linear_group_norm")
-            and h.numel() // max(h.shape[-1], 1) <= FUSED_GROUP_MAX_ROWS and d.ss.dtype == torch.float32
-            and d.ss.device == h.device and d.ss.dim() == 1 and d.ss.stride(0) == 1) or _hooked(layers):
+def _group_ex_ok(x: torch.Tensor | DeferredNorm, layers: tuple[torch.nn.Module, ...], no_bias: bool = False) -> bool:
+    """Whether ``exl3::exl3_linear_group_ex`` takes the linears on ``x`` in one launch (a DeferredNorm:
+    the norm in its prologue): 1-3 EXL3 linears of one K and codebook on unpadded fp16 input at decode
+    sizes, no hooks; ``no_bias`` for an epilogue that must see the outputs before any bias."""
+    d = None if isinstance(x, torch.Tensor) else x
+    h = x if d is None else d.h
+    if not (h.is_cuda and h.dtype == torch.float16 and 1 <= len(layers) <= 3 and ext.has_op("exl3_linear_group_ex")
+            and 1 <= h.numel() // max(h.shape[-1], 1) <= FUSED_GROUP_MAX_ROWS) or _hooked(layers):
         return False
-    if w is not None and (w.dtype != torch.float32 or w.shape != (h.shape[-1],) or w.device != h.device):
-        return False
+    if d is not None:
+        w = d.norm.weight
+        if not (d.ss.dtype == torch.float32 and d.ss.device == h.device and d.ss.dim() == 1 and d.ss.stride(0) == 1):
+            return False
+        if w is not None and (w.dtype != torch.float32 or w.shape != (h.shape[-1],) or w.device != h.device):
+            return False
     first = layers[0]
     if not isinstance(first, EXL3Linear):
         return False
     return all(isinstance(m, EXL3Linear) and m.K == first.K and m.codebook == first.codebook
                and m.in_features == m.padded_in_features == h.shape[-1] and m.trellis.device == h.device
-               for m in layers)
+               and not (no_bias and m.bias is not None) for m in layers)
 
 
-def project_group(x: torch.Tensor | DeferredNorm, layers: tuple[torch.nn.Module, ...]) -> list[torch.Tensor]:
+@dataclass(frozen=True)
+class QKVEpilogue:
+    """Attention's RoPE and paged KV write, done by the q/k/v linears' epilogue
+    (:func:`project_group` with ``epilogue``): q and k heads rotated by the fp32 tables ``cos``/``sin``
+    ``[T, head_dim/2]`` (halves, or adjacent pairs if ``interleaved``), k and v written to the fp16
+    caches at the flat ``slots [T]``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool
+    slots: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+def qkv_epilogue_ok(x: torch.Tensor | DeferredNorm, layers: tuple[torch.nn.Module, ...], head_dim: int,
+                    rotary_dim: int) -> bool:
+    """Whether q/k/v can run with a :class:`QKVEpilogue` (three fusable EXL3 linears, no biases, RoPE
+    over whole heads of 32, 64 or 128; the caches are the caller's to check)."""
+    return (len(layers) == 3 and head_dim in (32, 64, 128) and rotary_dim == head_dim
+            and _group_ex_ok(x, layers, no_bias=True)
+            and all(m.out_features == m.padded_out_features for m in layers))  # type: ignore[union-attr]
+
+
+def project_group(x: torch.Tensor | DeferredNorm, layers: tuple[torch.nn.Module, ...],
+                  epilogue: QKVEpilogue | None = None) -> list[torch.Tensor]:
     """``[layer(x) for layer in layers]``; one kernel launch for 2-3 EXL3 linears sharing ``x``.
 
     ``x`` may be a :class:`~exl3_core.nn.norm.DeferredNorm`: at decode sizes the one-launch linear
     then normalises the residual stream in its prologue (1-3 EXL3 linears; no norm kernel); otherwise
-    the norm is computed first.
+    the norm is computed first. ``epilogue`` (q/k/v only, where :func:`qkv_epilogue_ok` holds) rotates
+    q and k and writes k and v to the cache in the same launch.
 
     q/k/v and gate/up read the same input; at decode sizes a launch per linear costs more than the
     small ones' work (measured: q/k/v of the 8B shape 25.4 us as three launches, 14.7 us as one).
@@ -339,9 +372,14 @@ def project_group(x: torch.Tensor | DeferredNorm, layers: tuple[torch.nn.Module,
     GEMM (:func:`group_gemm`; K and codebook may differ). Falls back to separate calls whenever the
     layers cannot share a launch (other linear types, K or codebook differ at decode sizes, CPU).
     """
+    if epilogue is not None:
+        if not qkv_epilogue_ok(x, layers, 2 * epilogue.cos.shape[-1], 2 * epilogue.cos.shape[-1]):
+            raise ValueError(f"project_group: these linears cannot take a QKVEpilogue ({', '.join(type(m).__name__ for m in layers)}); "
+                             f"check qkv_epilogue_ok first")
+        return _project_group_ex(x, layers, epilogue)  # type: ignore[arg-type]
     if not isinstance(x, torch.Tensor):  # a DeferredNorm
-        if _norm_group_ok(x, layers):
-            return _project_group_norm(x, layers)  # type: ignore[arg-type]
+        if _group_ex_ok(x, layers):
+            return _project_group_ex(x, layers)  # type: ignore[arg-type]
         x = x.materialize()
     big = _group_gemm_ok(x, layers)
     if not big and not _groupable(x, layers):
@@ -368,14 +406,20 @@ def _outputs(lins: list[EXL3Linear], ys: list[torch.Tensor], lead: tuple[int, ..
     return out
 
 
-def _project_group_norm(d: DeferredNorm, layers: tuple[EXL3Linear, ...]) -> list[torch.Tensor]:
-    h2 = d.h.reshape(-1, d.h.shape[-1])
+def _project_group_ex(x: torch.Tensor | DeferredNorm, layers: tuple[EXL3Linear, ...],
+                      ep: QKVEpilogue | None = None) -> list[torch.Tensor]:
+    d = None if isinstance(x, torch.Tensor) else x
+    h = x if d is None else d.h
+    h2 = h.reshape(-1, h.shape[-1])
     lins = list(layers)
-    norm = d.norm
-    ys = ext.op("exl3_linear_group_norm")(h2.contiguous(), [m.trellis for m in lins], [m.suh for m in lins],
-                                          [m.svh for m in lins], lins[0].codebook, d.ss, norm.weight,
-                                          float(norm.eps), float(norm.offset))
-    return _outputs(lins, ys, tuple(d.h.shape[:-1]), d.h.dtype)
+    norm = d.norm if d is not None else None
+    rope = (ep.cos, ep.sin, ep.interleaved, [1, 1, 0], ep.slots, [None, ep.k_cache, ep.v_cache]) if ep is not None \
+        else (None, None, False, [], None, [])
+    ys = ext.op("exl3_linear_group_ex")(
+        h2.contiguous(), [m.trellis for m in lins], [m.suh for m in lins], [m.svh for m in lins], lins[0].codebook,
+        d.ss if d is not None else None, norm.weight if norm is not None else None,
+        float(norm.eps) if norm is not None else 0.0, float(norm.offset) if norm is not None else 0.0, *rope)
+    return _outputs(lins, ys, tuple(h.shape[:-1]), h.dtype)
 
 
 def residual_fusable(layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor,
