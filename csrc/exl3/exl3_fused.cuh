@@ -43,8 +43,6 @@ struct FusedProblem {
     int* counters;            // workspace slice [n / 128], zero between launches
     int n_tiles;              // n / 16
     int block0;               // first blockIdx.x of this problem
-    __half* cache;            // nullptr, or a KV cache [slots, n] fp16 that row r also goes to, at FusedArgs::slots[r]
-    int rope;                 // nonzero: rotate this problem's heads by RoPE in the epilogue (FusedArgs::rope_*)
 };
 
 // Gated activation applied to the input in the prologue (FusedArgs::gate): x := fp16(act(gate) * x),
@@ -82,7 +80,7 @@ struct FusedArgs {
     // with it, so no norm kernel runs between the two.
     const __half* res;  // nullptr: plain output; else [m, n] fp16
     float* res_ss;      // with res: [m] fp32
-    // Attention's RoPE and KV-cache write in q/k/v's epilogue (problems with rope / cache set): row r's
+    // Attention's RoPE and KV-cache write in q/k/v's epilogue (problems in rope_mask / with a cache): row r's
     // heads of rope_head = 2 * rope_half columns (32, 64 or 128, rotary over the whole head) are rotated
     // by the fp32 tables rope_cos/rope_sin [m, rope_half] (halves, or adjacent pairs if
     // rope_interleaved), the rotation kernel's math (exl3_core/kernels/fused.py) on the fp16 output,
@@ -90,7 +88,11 @@ struct FusedArgs {
     const float* rope_cos;
     const float* rope_sin;
     int rope_half, rope_interleaved;
-    const int64_t* slots;
+    int rope_mask;                          // bit i: rotate problem i's heads
+    __half* cache[FUSED_MAX_PROBLEMS];      // nullptr, or a KV cache [slots, n_i] fp16 that problem i's row r also goes to
+    const int64_t* slots;                   // [m] each row's cache slot
+    // (kept out of FusedProblem: fields there are selected per block before the main loop and cost
+    // registers across it; these are read in the epilogue only, with constant indices)
     // programmatic dependent launch (Hopper): the grid may start while the previous kernel on the
     // stream is still finishing; it prefetches trellis words (which nothing before it writes), then
     // waits (griddepcontrol.wait) before touching x or the workspace. The kernel always signals its
@@ -337,9 +339,13 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
         __half h[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) h[j] = __hmul(__float2half_rn(v[j]), svh4[j]);
-        if (P.rope) rope_epilogue(a, r, (int)(col0 % (2 * a.rope_half)), h);
-        if (P.cache != nullptr)
-            *reinterpret_cast<uint2*>(P.cache + __ldg(a.slots + r) * ndim + col0) = pack_half4(h);
+        if (a.rope_mask != 0 || a.slots != nullptr) {  // q/k/v's RoPE and cache rows (kept off the common path)
+            const int pi = (a.n_problems > 2 && (int)blockIdx.x >= a.p[2].block0) ? 2
+                           : (a.n_problems > 1 && (int)blockIdx.x >= a.p[1].block0) ? 1 : 0;
+            if ((a.rope_mask >> pi) & 1) rope_epilogue(a, r, (int)(col0 % (2 * a.rope_half)), h);
+            __half* cache = pi == 0 ? a.cache[0] : pi == 1 ? a.cache[1] : a.cache[2];
+            if (cache != nullptr) *reinterpret_cast<uint2*>(cache + __ldg(a.slots + r) * ndim + col0) = pack_half4(h);
+        }
         if (a.res != nullptr) {  // residual producer: the stream's add, then this row's partial sum of squares
             const uint2 ru = *reinterpret_cast<const uint2*>(a.res + (long)r * ndim + col0);
             const __half rh[4] = {__low2half(bits_h2(ru.x)), __high2half(bits_h2(ru.x)), __low2half(bits_h2(ru.y)),

@@ -322,8 +322,8 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
         p.z = z + FUSED_MAX_M * n_off;
         p.counters = counters + n_off / exl3::FUSED_COLS;
         p.n_tiles = (int)trellis[i].size(1);
-        p.cache = ex.cache[i];
-        p.rope = ex.rope[i];
+        a.cache[i] = ex.cache[i];
+        a.rope_mask |= ex.rope[i] ? 1 << i : 0;
         n_off += trellis[i].size(1) * 16;
     }
     exl3::launch_fused((int)codebook, k, a, at::cuda::getCurrentCUDAStream());
