@@ -78,6 +78,19 @@ def test_split_kv_decode_matches_reference(case: Case, splits: int | None, monke
         assert used[0] == splits
 
 
+@pytest.mark.parametrize("case", DECODE_CASES[:5] + DECODE_CASES[6:7], ids=lambda c: c.id)
+def test_split_kv_reload_of_the_newest_row(case: Case, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split kernel's first chunk is loaded before its wait (as a programmatic dependent); the
+    reload of the newest key/value after the wait, merged into that chunk, gives the same result."""
+    import exl3_attn_backends.triton_paged as tp
+
+    real = tp.decode_split_kv
+    forced: list[bool] = []
+    monkeypatch.setattr(tp, "decode_split_kv", lambda a, n: forced.append(True) or real(a, n, reload_fresh=True))
+    check_backend(TritonPagedAttention(), case, DEVICE, seed=12)
+    assert forced
+
+
 def test_split_kv_graph_bound_reads_nothing_past_lengths() -> None:
     """As in a CUDA-graph replay: max_seqlen_k is the cache capacity and the page table is wider
     than the sequences need, its extra columns pointing at a NaN page; the split count comes from

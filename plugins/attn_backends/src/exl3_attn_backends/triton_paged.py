@@ -151,6 +151,43 @@ def _attn_fwd(
 
 
 @triton.jit
+def _split_tiles(K, V, PageTable, b, kvh, start, hi, stride_pt, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                 stride_vh, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, first):
+    # keys [BLOCK_D, BLOCK_N] and values [BLOCK_N, BLOCK_DV] of positions start .. start + BLOCK_N - 1
+    # through the page table, those in [first, hi) loaded, zeros elsewhere
+    n = start + tl.arange(0, BLOCK_N)
+    n_ok = (n >= first) & (n < hi)
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    page = tl.load(PageTable + b * stride_pt + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+    slot = n % PAGE_SIZE
+    k = tl.load(K + (page * stride_kp + slot * stride_ks)[None, :] + kvh * stride_kh + d[:, None],
+                mask=n_ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
+    v = tl.load(V + (page * stride_vp + slot * stride_vs)[:, None] + kvh * stride_vh + dv[None, :],
+                mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)
+    return k, v
+
+
+@triton.jit
+def _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap,
+                BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
+    # one BLOCK_N chunk of the online softmax (fp32 state m_i, l_i, acc)
+    n_ok = start + tl.arange(0, BLOCK_N) < hi
+    s = tl.dot(q, k, input_precision=DOT_PREC) * scale
+    if SOFTCAP:
+        s = s / softcap
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s) - 1.0)  # tanh via sigmoid
+    s = tl.where(n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every chunk holds >= 1 visible key
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split(
     Q, K, V, PageTable, CuQ, SeqLensK, PartM, PartL, PartAcc,
     scale, softcap,
@@ -163,15 +200,18 @@ def _decode_split(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
+    RELOAD_FRESH: tl.constexpr,
 ):
     # grid (batch, kv_heads * HEAD_BLOCKS, NUM_SPLITS); rows = BLOCK_H heads of one GQA group
-    if PDL:  # a programmatic dependent of the cache write (exl3_core/kernels/pdl.py)
-        gdc_wait()
-        gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
     hblk = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
+    # Before the wait for the kernel that wrote q (and this step's keys/values): the batch
+    # description and every cached key/value of earlier steps. As a programmatic dependent this
+    # grid starts only once its predecessor has passed its own wait, so everything written before
+    # that predecessor (the step's inputs, earlier steps' cache rows) is complete; only this
+    # step's own position (seq_k - 1) is reloaded after the wait.
     q_start = tl.load(CuQ + b)
     q_len = tl.load(CuQ + b + 1) - q_start
     seq_k = tl.load(SeqLensK + b)
@@ -190,6 +230,11 @@ def _decode_split(
     if WINDOW > 0:  # the one query sits at seq_k - 1 and sees keys n > seq_k - 1 - WINDOW
         lo = tl.maximum(lo, seq_k - WINDOW)
     hi = tl.where(q_len > 0, hi, lo)  # padded/empty rows read nothing
+    k0, v0 = _split_tiles(K, V, PageTable, b, kvh, lo, hi, stride_pt, stride_kp, stride_ks, stride_kh, stride_vp,
+                          stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, lo)
+    if PDL:  # a programmatic dependent of the cache write (exl3_core/kernels/pdl.py)
+        gdc_wait()
+        gdc_launch_dependents()
 
     q_ptr = Q + q_start * stride_qt + head[:, None] * stride_qh + d[None, :]
     q_ok = h_ok & (hrow * 0 + q_len > 0)
@@ -197,26 +242,19 @@ def _decode_split(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        page = tl.load(PageTable + b * stride_pt + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-        slot = n % PAGE_SIZE
-        k = tl.load(K + (page * stride_kp + slot * stride_ks)[None, :] + kvh * stride_kh + d[:, None],
-                    mask=n_ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
-        s = tl.dot(q, k, input_precision=DOT_PREC) * scale
-        if SOFTCAP:
-            s = s / softcap
-            s = softcap * (2.0 * tl.sigmoid(2.0 * s) - 1.0)  # tanh via sigmoid
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every chunk holds >= 1 visible key
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + (page * stride_vp + slot * stride_vs)[:, None] + kvh * stride_vh + dv[None, :],
-                    mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+    if lo < hi:
+        if RELOAD_FRESH:  # this step's own key/value, if in the first chunk, may postdate the loads above
+            kn, vn = _split_tiles(K, V, PageTable, b, kvh, lo, hi, stride_pt, stride_kp, stride_ks, stride_kh,
+                                  stride_vp, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                                  BLOCK_DV, BLOCK_N, seq_k - 1)  # [seq_k - 1, hi): the newest row or none
+            new = lo + tl.arange(0, BLOCK_N) == seq_k - 1
+            k0 = tl.where(new[None, :], kn, k0)
+            v0 = tl.where(new[:, None], vn, v0)
+        m_i, l_i, acc = _split_step(q, k0, v0, lo, hi, m_i, l_i, acc, scale, softcap, BLOCK_N, SOFTCAP, DOT_PREC)
+    for start in range(lo + BLOCK_N, hi, BLOCK_N):
+        k, v = _split_tiles(K, V, PageTable, b, kvh, start, hi, stride_pt, stride_kp, stride_ks, stride_kh, stride_vp,
+                            stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, start)
+        m_i, l_i, acc = _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, BLOCK_N, SOFTCAP, DOT_PREC)
 
     # partials [B, Hq, NUM_SPLITS] and [B, Hq, NUM_SPLITS, HEAD_DIM_V]; empty splits: (-inf, 0, 0)
     part = (b * NUM_HEADS + head) * NUM_SPLITS + split
@@ -374,8 +412,13 @@ def choose_num_splits(args: AttnArgs) -> int:
     return max(1, min(want, triton.cdiv(max(args.max_seqlen_k, 1), block_n), MAX_SPLITS))
 
 
-def decode_split_kv(args: AttnArgs, num_splits: int) -> torch.Tensor:
-    """Split-KV decode over a paged cache (one query per sequence): split kernel + combine."""
+def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None = None) -> torch.Tensor:
+    """Split-KV decode over a paged cache (one query per sequence): split kernel + combine.
+
+    ``reload_fresh``: reload each sequence's newest key/value after the wait for the kernel that wrote
+    them (the split kernel loads its first chunk before that wait); None = when launched as a
+    programmatic dependent, the only case where the early loads can see the old row. Tests force it.
+    """
     spec = args.spec
     q = args.q
     Hq = q.shape[1]
@@ -393,6 +436,7 @@ def decode_split_kv(args: AttnArgs, num_splits: int) -> torch.Tensor:
     part_l = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=dev)
     part_acc = torch.empty((B, Hq, num_splits, spec.v_dim), dtype=torch.float32, device=dev)
     out = torch.empty((q.shape[0], Hq, spec.v_dim), dtype=q.dtype, device=dev)
+    opts = launch_opts(out)
     _decode_split[(B, spec.num_kv_heads * head_blocks, num_splits)](
         q, k, v, pt, args.cu_seqlens_q, args.seq_lens_k, part_m, part_l, part_acc,
         float(args.scale), float(spec.softcap or 1.0),
@@ -402,7 +446,8 @@ def decode_split_kv(args: AttnArgs, num_splits: int) -> torch.Tensor:
         NUM_HEADS=Hq, PAGE_SIZE=k.shape[1], GROUP=group, HEAD_BLOCKS=head_blocks,
         HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.v_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_H=block_h, BLOCK_N=block_n,
-        WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0, DOT_PREC=_dot_precision(spec.dtype), **launch_opts(out),
+        WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0, DOT_PREC=_dot_precision(spec.dtype),
+        RELOAD_FRESH=opts["PDL"] if reload_fresh is None else reload_fresh, **opts,
     )
     block_s = max(2, triton.next_power_of_2(num_splits))
     block_dv_c = min(block_dv, 128)
