@@ -18,8 +18,13 @@ from exl3_core.attention.spec import AttnArgs, AttnSpec, device_cc
 from exl3_core.nn.module import ForwardState, LoadContext, Module
 from exl3_core.nn.norm import DeferredNorm, RMSNorm, add_residual_ss
 from exl3_core.nn.rope import RotaryEmbedding
-from exl3_core.quant.exl3.linear import (QKVEpilogue, linear_residual, project_group, qkv_epilogue_ok,
-                                         residual_fusable)
+from exl3_core.quant.exl3.linear import (
+    QKVEpilogue,
+    linear_residual,
+    project_group,
+    qkv_epilogue_ok,
+    residual_fusable,
+)
 
 
 class Attention(Module):

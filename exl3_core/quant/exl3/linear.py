@@ -15,9 +15,9 @@ import torch
 from exl3_core import ext
 from exl3_core.ops import ACT_CODES
 from exl3_core.quant.exl3 import codebook as _cb
+from exl3_core.quant.exl3.cuda_ops import reconstruct_full_into_cuda
 from exl3_core.quant.exl3.dequant import apply_scales_and_rotations, codebook_from_markers
 from exl3_core.quant.exl3.hadamard import EXL3_BLOCK, had_blockwise
-from exl3_core.quant.exl3.cuda_ops import reconstruct_full_into_cuda
 from exl3_core.quant.exl3.trellis import MAX_K, decode_inner
 
 if TYPE_CHECKING:
