@@ -17,6 +17,13 @@ The compiled ops live under ``torch.ops.exl3`` when ``exl3_core._C`` was built w
   routes m <= 16 here
 * ``exl3_linear_group(x, trellis[], suh[], svh[], codebook, kt_per_chunk=0) -> fp16 [m, n_i][]``:
   up to 3 problems sharing x, K and codebook (q/k/v, gate/up) in one launch
+* ``exl3_linear_group_ex(x, trellis[], suh[], svh[], codebook, norm_ss?, norm_w?, eps, offset, rope_cos?,
+  rope_sin?, rope_interleaved, rope_on[], slots?, caches[]) -> fp16 [m, n_i][]``: the group with a
+  deferred RMSNorm in the prologue and q/k/v's RoPE + paged KV write in the epilogue (model code:
+  ``linear.project_group``)
+* ``exl3_linear_residual(x, gate?, act, trellis, suh, svh, codebook, res, ss) -> fp16 [m, n]``:
+  ``res + linear(x)`` (or of ``act(gate) * x``), each row's sum of squares added into ``ss``
+  (model code: ``linear.linear_residual``)
 * ``exl3_linear_workspace(like) -> (z, counters)``: copies of the fused op's per-device workspace,
   all zeros between calls (tests)
 
