@@ -17,6 +17,8 @@ The compiled ops live under ``torch.ops.exl3`` when ``exl3_core._C`` was built w
   routes m <= 16 here
 * ``exl3_linear_group(x, trellis[], suh[], svh[], codebook, kt_per_chunk=0) -> fp16 [m, n_i][]``:
   up to 3 problems sharing x, K and codebook (q/k/v, gate/up) in one launch
+* ``exl3_linear_act(gate, up, trellis, suh, svh, codebook, act) -> fp16 [m, n]``: the linear of
+  ``act(gate) * up``, the product formed in the prologue (a gated MLP's down projection)
 * ``exl3_linear_group_ex(x, trellis[], suh[], svh[], codebook, norm_ss?, norm_w?, eps, offset, rope_cos?,
   rope_sin?, rope_interleaved, rope_on[], slots?, caches[]) -> fp16 [m, n_i][]``: the group with a
   deferred RMSNorm in the prologue and q/k/v's RoPE + paged KV write in the epilogue (model code:
