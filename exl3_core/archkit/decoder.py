@@ -161,7 +161,6 @@ class DecoderBlock(Module):
         normed, x = self.mlp_norm.forward_residual(self.attn(normed, state), x)
         return x, self.mlp(normed)
 
-
     def deferrable(self) -> bool:
         """Whether :meth:`forward_deferred` computes this block (a chainable block whose attention and
         MLP have ``forward_residual``)."""
