@@ -265,9 +265,8 @@ std::atomic<bool> g_pdl{true};
 
 bool set_pdl(bool on) { return g_pdl.exchange(on); }
 
-// One launch for up to 3 problems sharing x (same K, codebook); returns false (nothing launched)
-// when the workspace cannot be had during capture.
-// Optional prologue/epilogue work of a fused launch (FusedArgs): the deferred norm of x, the residual add.
+// Optional prologue/epilogue work of a fused launch (FusedArgs): the deferred norm of x, the residual
+// add, q/k/v's RoPE and cache rows.
 struct FusedExtras {
     const float* norm_ss = nullptr;
     const float* norm_w = nullptr;
@@ -282,6 +281,8 @@ struct FusedExtras {
     __half* cache[exl3::FUSED_MAX_PROBLEMS] = {nullptr, nullptr, nullptr};
 };
 
+// One launch for up to 3 problems sharing x (same K, codebook); returns false (nothing launched)
+// when the workspace cannot be had during capture.
 bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std::vector<Tensor>& su,
                   const std::vector<Tensor>& sv, const std::vector<Tensor>& y, int k, int64_t codebook,
                   int64_t kt_per_chunk, const Tensor* gate = nullptr, int act = 0, const FusedExtras& ex = {}) {
@@ -392,32 +393,35 @@ Tensor linear(const Tensor& x, const Tensor& trellis, const Tensor& suh, const T
     return linear_group(x, {trellis}, {suh}, {svh}, codebook, kt_per_chunk)[0];
 }
 
+// The gated activation's operand checks (act code; gate shaped like x, fp16, same device)
+void check_gate(const Tensor& gate, const Tensor& x, int64_t act, const char* op) {
+    TORCH_CHECK(act == exl3::FUSED_ACT_SILU || act == exl3::FUSED_ACT_GELU_TANH, op, ": act = ", act,
+                "; expected 0 (silu) or 1 (gelu_tanh)");
+    TORCH_CHECK(gate.sizes() == x.sizes() && gate.scalar_type() == at::kHalf && gate.device() == x.device(), op,
+                ": gate ", gate.sizes(), " ", gate.scalar_type(), " must match ", x.sizes(), " (fp16, same device)");
+}
+
+// fp16(act(gate) * up) with ATen, fp32 math (the capture fallback of the fused prologue's product)
+Tensor aten_act_mul(const Tensor& gate, const Tensor& up, int64_t act) {
+    Tensor g = gate.to(at::kFloat);
+    Tensor t = act == exl3::FUSED_ACT_GELU_TANH ? (g + 0.044715 * g * g * g) * (2.0 * 0.7978845608028654) : g;
+    return (g * at::sigmoid(t) * up.to(at::kFloat)).to(at::kHalf);
+}
+
 // y = linear(act(gate) * up) for m <= 16 in one launch: the gated MLP's activation product computed in
 // the fused op's prologue (exl3_fused.cuh, fused_act_mul) instead of a launch of its own. act: 0 silu,
 // 1 gelu (tanh approximation).
 Tensor linear_act(const Tensor& gate, const Tensor& up, const Tensor& trellis, const Tensor& suh, const Tensor& svh,
                   int64_t codebook, int64_t act) {
     const char* op = "exl3::exl3_linear_act";
-    TORCH_CHECK(act == exl3::FUSED_ACT_SILU || act == exl3::FUSED_ACT_GELU_TANH, op, ": act = ", act,
-                "; expected 0 (silu) or 1 (gelu_tanh)");
-    const int k = check_trellis(trellis, 0, codebook, op);
-    const int64_t kd = trellis.size(0) * 16, nd = trellis.size(1) * 16;
-    check_x(up, kd, FUSED_MAX_M, op);
-    TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == at::kHalf && gate.device() == up.device(), op,
-                ": gate ", gate.sizes(), " ", gate.scalar_type(), " must match up ", up.sizes(), " (fp16, same device)");
-    TORCH_CHECK(kd % 128 == 0 && nd % 128 == 0, op, ": k = ", kd, ", n = ", nd, " must be multiples of 128");
-    check_scales(suh, svh, kd, nd, op);
     c10::cuda::CUDAGuard guard(up.device());
+    Group g = prepare_group(op, up, {trellis}, {suh}, {svh}, codebook);
+    check_gate(gate, up, act, op);
     Tensor uc = aligned16(up.contiguous()), gc = aligned16(gate.contiguous());
-    Tensor su = aligned16(suh.to(at::kHalf).contiguous()), sv = aligned16(svh.to(at::kHalf).contiguous());
-    std::vector<Tensor> ys{at::empty({up.size(0), nd}, up.options())};
-    if (up.size(0) == 0) return ys[0];
-    if (fused_launch(uc, {trellis}, {su}, {sv}, ys, k, codebook, 0, &gc, (int)act)) return ys[0];
+    if (up.size(0) == 0) return g.ys[0];
+    if (fused_launch(uc, {trellis}, g.su, g.sv, g.ys, g.k, codebook, 0, &gc, (int)act)) return g.ys[0];
     // no workspace during capture: the activation product by ATen, then the 4-kernel chain
-    Tensor g = gc.to(at::kFloat);
-    Tensor t = act == exl3::FUSED_ACT_GELU_TANH ? (g + 0.044715 * g * g * g) * (2.0 * 0.7978845608028654) : g;
-    Tensor x = (g * at::sigmoid(t) * uc.to(at::kFloat)).to(at::kHalf);
-    return gemm_4kernel(x, trellis, su, sv, k, codebook);
+    return gemm_4kernel(aten_act_mul(gc, uc, act), trellis, g.su[0], g.sv[0], g.k, codebook);
 }
 
 // fp32 RMSNorm of fp16 rows with ATen (the capture fallback of linear_group_ex), rounded once to fp16
@@ -555,42 +559,28 @@ std::vector<Tensor> linear_group_ex(const Tensor& x, at::TensorList trellis, at:
 Tensor linear_residual(const Tensor& x, const c10::optional<Tensor>& gate, int64_t act, const Tensor& trellis,
                        const Tensor& suh, const Tensor& svh, int64_t codebook, const Tensor& res, const Tensor& ss) {
     const char* op = "exl3::exl3_linear_residual";
-    const int k = check_trellis(trellis, 0, codebook, op);
-    const int64_t kd = trellis.size(0) * 16, nd = trellis.size(1) * 16;
-    check_x(x, kd, FUSED_MAX_M, op);
-    TORCH_CHECK(kd % 128 == 0 && nd % 128 == 0 && kd > 0, op, ": k = ", kd, ", n = ", nd,
-                " must be positive multiples of 128");
-    check_scales(suh, svh, kd, nd, op);
+    c10::cuda::CUDAGuard guard(x.device());
+    Group g = prepare_group(op, x, {trellis}, {suh}, {svh}, codebook);
+    const int64_t nd = trellis.size(1) * 16;
+    TORCH_CHECK(g.kd > 0, op, ": k = 0");
     TORCH_CHECK(res.is_cuda() && res.scalar_type() == at::kHalf && res.dim() == 2 && res.size(0) == x.size(0) &&
                     res.size(1) == nd && res.device() == x.device(),
                 op, ": res must be a CUDA fp16 [", x.size(0), ", ", nd, "] tensor on x's device, got ",
                 res.scalar_type(), " ", res.sizes());
     check_ss(ss, x.size(0), op, "ss");
-    if (gate.has_value()) {
-        TORCH_CHECK(act == exl3::FUSED_ACT_SILU || act == exl3::FUSED_ACT_GELU_TANH, op, ": act = ", act,
-                    "; expected 0 (silu) or 1 (gelu_tanh)");
-        TORCH_CHECK(gate->sizes() == x.sizes() && gate->scalar_type() == at::kHalf && gate->device() == x.device(), op,
-                    ": gate ", gate->sizes(), " ", gate->scalar_type(), " must match x ", x.sizes(), " (fp16, same device)");
-    }
-    c10::cuda::CUDAGuard guard(x.device());
+    if (gate.has_value()) check_gate(*gate, x, act, op);
     Tensor xc = aligned16(x.contiguous()), rc = aligned16(res.contiguous());
     Tensor gc = gate.has_value() ? aligned16(gate->contiguous()) : Tensor();
-    Tensor su = aligned16(suh.to(at::kHalf).contiguous()), sv = aligned16(svh.to(at::kHalf).contiguous());
-    std::vector<Tensor> ys{at::empty({x.size(0), nd}, x.options())};
-    if (x.size(0) == 0) return ys[0];
+    if (x.size(0) == 0) return g.ys[0];
     FusedExtras ex;
     ex.res = reinterpret_cast<const __half*>(rc.data_ptr());
     ex.res_ss = ss.data_ptr<float>();
-    if (fused_launch(xc, {trellis}, {su}, {sv}, ys, k, codebook, 0, gc.defined() ? &gc : nullptr, (int)act, ex))
-        return ys[0];
+    if (fused_launch(xc, {trellis}, g.su, g.sv, g.ys, g.k, codebook, 0, gc.defined() ? &gc : nullptr, (int)act, ex))
+        return g.ys[0];
     // no workspace during capture: ATen for the activation product, the chain, the add and the sums
-    Tensor xin = xc;
-    if (gc.defined()) {
-        Tensor g = gc.to(at::kFloat);
-        Tensor t = act == exl3::FUSED_ACT_GELU_TANH ? (g + 0.044715 * g * g * g) * (2.0 * 0.7978845608028654) : g;
-        xin = (g * at::sigmoid(t) * xc.to(at::kFloat)).to(at::kHalf);
-    }
-    Tensor y = (gemm_4kernel(xin, trellis, su, sv, k, codebook).to(at::kFloat) + rc.to(at::kFloat)).to(at::kHalf);
+    Tensor xin = gc.defined() ? aten_act_mul(gc, xc, act) : xc;
+    Tensor y = (gemm_4kernel(xin, trellis, g.su[0], g.sv[0], g.k, codebook).to(at::kFloat) + rc.to(at::kFloat))
+                   .to(at::kHalf);
     Tensor head = ss.narrow(0, 0, x.size(0));
     head.add_(y.to(at::kFloat).pow(2).sum(-1));
     return y;

@@ -116,11 +116,13 @@ class Attention(Module):
         return spec
 
     # -- forward --------------------------------------------------------------------------------
-    def project_qkv(self, x: torch.Tensor | DeferredNorm, state: ForwardState,
-                    rotate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(self, x: torch.Tensor | DeferredNorm, state: ForwardState, rotate: bool = True,
+                    epilogue: QKVEpilogue | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``x [T, hidden]`` -> q ``[T, Hq, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, Dv]`` (normed; rotated
-        unless ``rotate`` is False)."""
-        q, k, v = project_group(x, (self.q_proj, self.k_proj, self.v_proj))  # one launch when they can share it
+        unless ``rotate`` is False; with ``epilogue`` the projection launch itself rotates and writes
+        the cache)."""
+        # one launch when they can share it
+        q, k, v = project_group(x, (self.q_proj, self.k_proj, self.v_proj), epilogue=epilogue)
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -159,15 +161,11 @@ class Attention(Module):
         # else RoPE and the cache write as one kernel where the cache layer offers it (CUDA)
         write_rotated = getattr(layer, "write_rotated", None) if self.rope is not None and ep is None else None
         fuse = write_rotated is not None and own_qkv and ops.fused_enabled(meta.positions)
-        if ep is not None:  # RoPE and the KV write in q/k/v's own launch
-            q, k, v = project_group(x, (self.q_proj, self.k_proj, self.v_proj), epilogue=ep)
-            T = q.shape[0]
-            q = q.view(T, self.num_heads, self.head_dim)
-            k = k.view(T, self.num_kv_heads, self.head_dim)
-            v = v.view(T, self.num_kv_heads, self.head_dim_v)
-        else:
-            q, k, v = self.project_qkv(x, state, rotate=not fuse)
-            T = q.shape[0]
+        # unrotated where RoPE comes later: in q/k/v's own launch (ep) or with the cache write (fuse); the
+        # keywords only then (both need own_qkv)
+        q, k, v = self.project_qkv(x, state, rotate=False, epilogue=ep) if ep is not None or fuse \
+            else self.project_qkv(x, state)
+        T = q.shape[0]
         if layer is None:
             spec = self.attn_spec(q.dtype, q.device, None, meta.phase)
             args = AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
@@ -176,13 +174,11 @@ class Attention(Module):
         else:
             if meta.slot_mapping is None or meta.page_table is None:
                 raise ValueError("forward with a cache needs BatchMeta.slot_mapping and page_table")
-            if ep is not None:
-                pass  # written by the q/k/v launch
-            elif fuse:
+            if fuse:
                 assert write_rotated is not None and self.rope is not None
                 write_rotated(q, k, v, meta.slot_mapping, *self._cos_sin(state), self.rope.rotary_dim,
                               self.rope.interleaved)
-            else:
+            elif ep is None:  # (with ep, the q/k/v launch wrote them)
                 layer.write(k, v, meta.slot_mapping)
             k_cache, v_cache = layer.attn_tensors()
             spec = self.attn_spec(q.dtype, q.device, layer.views()[0], meta.phase)
