@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -60,14 +61,23 @@ static void decode_only_pdl_t(exl3::GemmArgs a, cudaStream_t st) {
 // down of the 8B shape), repeated over 4 layers' worth of distinct trellis (more than L2 holds),
 // each launch a programmatic dependent of the one before, as in the engine's decode step: time per
 // layer with and without PDL. The data does not flow from one linear to the next (timing only).
+// Letters after a shape switch on the engine's extras for that linear: n = deferred RMSNorm in the
+// prologue, g = gated activation input, r = residual add + row sums in the epilogue, q = q/k/v as
+// three problems (n/6 columns each for k and v), RoPE (head 128) on q and k, k and v rows to a cache.
+// The 8B decode layer: TUNE_CHAIN=4096x6144nq,4096x4096r,4096x28672n,14336x4096gr
 template <int K, int CB>
 static int layer_chain(const char* spec) {
     std::vector<std::pair<int, int>> sh;
+    std::vector<std::string> extras;
     for (const char* s = spec; *s;) {
         int k = 0, n = 0, used = 0;
         if (std::sscanf(s, "%dx%d%n", &k, &n, &used) != 2 || k % 128 || n % 128) return 2;
         sh.push_back({k, n});
         s += used;
+        std::string ex;
+        while (*s && *s != ',') ex += *s++;
+        if (ex.find('q') != std::string::npos && (n % 6 || (n / 6) % 128)) return 2;
+        extras.push_back(ex);
         if (*s == ',') ++s;
     }
     constexpr int LAYERS = 4;
@@ -97,6 +107,25 @@ static int layer_chain(const char* spec) {
     CK(cudaMemset(sv, 0, nmax * 2));
     CK(cudaMemset(z, 0, 16L * nmax * 4));
     CK(cudaMemset(cnt, 0, nmax / 128 * 4));
+    // the extras' operands: a residual row, row sums, norm weight, gate, RoPE tables, a one-slot cache
+    __half *res, *gate, *cache;
+    float *ss, *nss, *nw, *rope;
+    int64_t* slots;
+    CK(cudaMalloc(&res, nmax * 2));
+    CK(cudaMalloc(&gate, kmax * 2));
+    CK(cudaMalloc(&cache, nmax * 2));
+    CK(cudaMalloc(&ss, 64));
+    CK(cudaMalloc(&nss, 64));
+    CK(cudaMalloc(&nw, kmax * 4));
+    CK(cudaMalloc(&rope, 2 * 64 * 4));
+    CK(cudaMalloc(&slots, 8));
+    CK(cudaMemset(res, 0, nmax * 2));
+    CK(cudaMemset(gate, 0, kmax * 2));
+    CK(cudaMemset(ss, 0, 64));
+    CK(cudaMemset(nss, 0, 64));
+    CK(cudaMemset(nw, 0, kmax * 4));
+    CK(cudaMemset(rope, 0, 2 * 64 * 4));
+    CK(cudaMemset(slots, 0, 8));
     for (int pdl = 1; pdl >= 0; --pdl) {
         const float t = time_graph([&](int i, cudaStream_t st) {
             for (size_t j = 0; j < sh.size(); ++j) {
@@ -106,8 +135,27 @@ static int layer_chain(const char* spec) {
                 a.m = 1;
                 a.k_tiles = sh[j].first / 16;
                 a.kt_per_chunk = 0;
-                a.n_problems = 1;
-                a.p[0] = exl3::FusedProblem{tr[(i % LAYERS) * sh.size() + j], su, sv, y, z, cnt, sh[j].second / 16, 0};
+                const std::string& ex = extras[j];
+                const uint32_t* t = tr[(i % LAYERS) * sh.size() + j];
+                const int nt = sh[j].second / 16;
+                if (ex.find('q') != std::string::npos) {  // q, k, v: n - 2 kv, kv, kv columns
+                    const int kvt = nt / 6, qt = nt - 2 * kvt;
+                    const long kt16 = a.k_tiles, w = 8L * K;
+                    a.n_problems = 3;
+                    a.p[0] = exl3::FusedProblem{t, su, sv, y, z, cnt, qt, 0};
+                    a.p[1] = exl3::FusedProblem{t + kt16 * qt * w, su, sv, y, z + qt * 16, cnt + qt / 8, kvt, 0};
+                    a.p[2] = exl3::FusedProblem{t + kt16 * (qt + kvt) * w, su, sv, y, z + (qt + kvt) * 16,
+                                                cnt + (qt + kvt) / 8, kvt, 0};
+                    a.rope_cos = rope, a.rope_sin = rope + 64, a.rope_half = 64, a.rope_mask = 3;
+                    a.cache[1] = cache, a.cache[2] = cache, a.slots = slots;
+                } else {
+                    a.n_problems = 1;
+                    a.p[0] = exl3::FusedProblem{t, su, sv, y, z, cnt, nt, 0};
+                }
+                if (ex.find('n') != std::string::npos)
+                    a.norm_ss = nss, a.norm_w = nw, a.norm_eps = 1e-5f, a.norm_inv_dim = 1.f / sh[j].first;
+                if (ex.find('g') != std::string::npos) a.gate = gate, a.act = exl3::FUSED_ACT_SILU;
+                if (ex.find('r') != std::string::npos) a.res = res, a.res_ss = ss;
                 exl3::launch_fused_t<K, CB>(a, st);
             }
         }, 16);
@@ -116,6 +164,8 @@ static int layer_chain(const char* spec) {
     }
     for (auto* t : tr) CK(cudaFree(t));
     CK(cudaFree(x)); CK(cudaFree(su)); CK(cudaFree(sv)); CK(cudaFree(y)); CK(cudaFree(z)); CK(cudaFree(cnt));
+    CK(cudaFree(res)); CK(cudaFree(gate)); CK(cudaFree(cache)); CK(cudaFree(ss)); CK(cudaFree(nss));
+    CK(cudaFree(nw)); CK(cudaFree(rope)); CK(cudaFree(slots));
     return 0;
 }
 

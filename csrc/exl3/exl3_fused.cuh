@@ -128,6 +128,17 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 #ifndef EXL3_PDL_TRIGGER
 #define EXL3_PDL_TRIGGER 1
 #endif
+// Tuning knob (bench/gemv_tune.cu): 1 issues the last block's other epilogue loads (the residual row,
+// the RoPE tables, the cache slot) before its z values are used, so they share one L2 round trip.
+#ifndef EXL3_TAIL_PREFETCH
+#define EXL3_TAIL_PREFETCH 1
+#endif
+// Tuning knob (bench/gemv_tune.cu): how a block publishes its split-k arrival. 0: a fence.sc in every
+// thread, then thread 0's counter atomic and fence; 1: one acq_rel fence on each side of thread 0's
+// atomic, after the block's barrier.
+#ifndef EXL3_ARRIVE
+#define EXL3_ARRIVE 1
+#endif
 template <int K, bool TR>
 constexpr int fused_smem_bytes() {
     return GEMM_WARPS * Ring<K>::WARP_WORDS * 4 + (TR ? 8 : 16) * X_STAGE_STRIDE * 2 + 16;
@@ -141,28 +152,38 @@ constexpr int fused_min_blocks() {
 
 // RoPE on a lane's 4 consecutive output columns of row r (d0: the first one's column within its head):
 // halves pair column d with d + rope_half, held by the lane rope_half / 4 away (a shuffle); interleaved
-// pairs are adjacent columns of the same lane. Every lane of the warp calls it (the shuffle). One
-// value at a time: the transposed kernel runs at 32 registers.
-__device__ __forceinline__ void rope_epilogue(const FusedArgs& a, int r, int d0, __half (&h)[4]) {
+// pairs are adjacent columns of the same lane. Every lane of the warp calls rope_apply (the shuffle).
+// The tables are loaded apart (rope_tables) so that their loads share the z load's round trip.
+__device__ __forceinline__ void rope_tables(const FusedArgs& a, int r, int d0, float (&c)[4], float (&s)[4]) {
     const long row = (long)r * a.rope_half;
+    if (a.rope_interleaved) {  // pairs (d0, d0 + 1), (d0 + 2, d0 + 3): entries d0 / 2 and d0 / 2 + 1
+#pragma unroll
+        for (int j = 0; j < 2; ++j) c[j] = __ldg(a.rope_cos + row + d0 / 2 + j), s[j] = __ldg(a.rope_sin + row + d0 / 2 + j);
+        c[2] = c[3] = s[2] = s[3] = 0.f;
+        return;
+    }
+    const long i0 = row + (d0 < a.rope_half ? d0 : d0 - a.rope_half);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) c[j] = __ldg(a.rope_cos + i0 + j), s[j] = __ldg(a.rope_sin + i0 + j);
+}
+
+__device__ __forceinline__ void rope_apply(const FusedArgs& a, int d0, const float (&c)[4], const float (&s)[4],
+                                           __half (&h)[4]) {
     if (a.rope_interleaved) {
 #pragma unroll
         for (int j = 0; j < 4; j += 2) {
-            const float c = __ldg(a.rope_cos + row + (d0 + j) / 2), s = __ldg(a.rope_sin + row + (d0 + j) / 2);
             const float e = __half2float(h[j]), o = __half2float(h[j + 1]);
-            h[j] = __float2half_rn(e * c - o * s);
-            h[j + 1] = __float2half_rn(o * c + e * s);
+            h[j] = __float2half_rn(e * c[j / 2] - o * s[j / 2]);
+            h[j + 1] = __float2half_rn(o * c[j / 2] + e * s[j / 2]);
         }
         return;
     }
     const bool lower = d0 < a.rope_half;
-    const long i0 = row + (lower ? d0 : d0 - a.rope_half);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
         const float x = __half2float(h[j]);
         const float p = __shfl_xor_sync(0xffffffffu, x, a.rope_half / 4);  // the pair's other column
-        const float c = __ldg(a.rope_cos + i0 + j), s = __ldg(a.rope_sin + i0 + j);
-        h[j] = __float2half_rn(lower ? x * c - p * s : x * c + p * s);
+        h[j] = __float2half_rn(lower ? x * c[j] - p * s[j] : x * c[j] + p * s[j]);
     }
 }
 
@@ -314,6 +335,7 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
     }
 
     // ---- last-arriving block of this column block: output Hadamard, then leave the workspace clean.
+#if EXL3_ARRIVE == 0
     // Each thread fences its own atomics before the block's arrival is published (release side);
     // the barrier orders every thread's fence before thread 0's counter bump.
     __threadfence();
@@ -326,28 +348,63 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
     __syncthreads();
     if (!s_last) return;
     __threadfence();  // acquire side: the z reads below come after observing every block's arrival
+#else
+    // The barrier orders every thread's atomics before thread 0's release fence (fences are cumulative
+    // over what the barrier made the thread observe), so one acq_rel fence on each side of the counter
+    // does what a fence in every thread did: the arrival is published after the block's partials, and
+    // the z reads of the last block come after observing every arrival (the barrier again).
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+        const int prev = atomicAdd(P.counters + cblk, 1);
+        asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+        s_last = prev == chunks - 1;
+    }
+    __syncthreads();
+    if (!s_last) return;
+#endif
 
     const long col0 = (long)cblk * FUSED_COLS + 4 * lane;
     const uint2 sv = __ldg(reinterpret_cast<const uint2*>(P.svh + col0));
     const __half svh4[4] = {__low2half(bits_h2(sv.x)), __high2half(bits_h2(sv.x)), __low2half(bits_h2(sv.y)),
                             __high2half(bits_h2(sv.y))};
     for (int r = warp; r < a.m; r += GEMM_WARPS) {
+        // q/k/v's RoPE and cache rows: which problem this block serves (kept off the common path)
+        const int pi = (a.n_problems > 2 && (int)blockIdx.x >= a.p[2].block0) ? 2
+                       : (a.n_problems > 1 && (int)blockIdx.x >= a.p[1].block0) ? 1 : 0;
+        const bool rope = (a.rope_mask >> pi) & 1;
+        __half* cache = pi == 0 ? a.cache[0] : pi == 1 ? a.cache[1] : a.cache[2];
+        const int d0 = rope ? (int)(col0 % (2 * a.rope_half)) : 0;
         float4* zp = reinterpret_cast<float4*>(P.z + (long)r * ndim + col0);
+#if EXL3_TAIL_PREFETCH
+        // everything the epilogue reads besides z, loaded before z's values are used: one round trip
+        uint2 ru = make_uint2(0u, 0u);
+        if (a.res != nullptr) ru = *reinterpret_cast<const uint2*>(a.res + (long)r * ndim + col0);
+        const long slot = cache != nullptr ? __ldg(a.slots + r) : 0;
+        float rc[4] = {0.f, 0.f, 0.f, 0.f}, rs[4] = {0.f, 0.f, 0.f, 0.f};
+        if (rope) rope_tables(a, r, d0, rc, rs);
+#endif
         const float4 zv = __ldcg(zp);  // L2, where the atomics landed; never a stale L1 line
         float v[4] = {zv.x, zv.y, zv.z, zv.w};
         had128_warp(v, lane);
         __half h[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) h[j] = __hmul(__float2half_rn(v[j]), svh4[j]);
-        if (a.rope_mask != 0 || a.slots != nullptr) {  // q/k/v's RoPE and cache rows (kept off the common path)
-            const int pi = (a.n_problems > 2 && (int)blockIdx.x >= a.p[2].block0) ? 2
-                           : (a.n_problems > 1 && (int)blockIdx.x >= a.p[1].block0) ? 1 : 0;
-            if ((a.rope_mask >> pi) & 1) rope_epilogue(a, r, (int)(col0 % (2 * a.rope_half)), h);
-            __half* cache = pi == 0 ? a.cache[0] : pi == 1 ? a.cache[1] : a.cache[2];
-            if (cache != nullptr) *reinterpret_cast<uint2*>(cache + __ldg(a.slots + r) * ndim + col0) = pack_half4(h);
+#if !EXL3_TAIL_PREFETCH
+        float rc[4], rs[4];
+        if (rope) rope_tables(a, r, d0, rc, rs);
+#endif
+        if (rope) rope_apply(a, d0, rc, rs, h);
+        if (cache != nullptr) {
+#if !EXL3_TAIL_PREFETCH
+            const long slot = __ldg(a.slots + r);
+#endif
+            *reinterpret_cast<uint2*>(cache + slot * ndim + col0) = pack_half4(h);
         }
         if (a.res != nullptr) {  // residual producer: the stream's add, then this row's partial sum of squares
+#if !EXL3_TAIL_PREFETCH
             const uint2 ru = *reinterpret_cast<const uint2*>(a.res + (long)r * ndim + col0);
+#endif
             const __half rh[4] = {__low2half(bits_h2(ru.x)), __high2half(bits_h2(ru.x)), __low2half(bits_h2(ru.y)),
                                   __high2half(bits_h2(ru.y))};
             float ss = 0.f;
