@@ -167,3 +167,22 @@ def greedy_pack(logits: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
     if _use_triton(impl, logits, "greedy_pack"):
         return kernels().greedy_pack(logits)  # type: ignore[union-attr]
     return _ref.greedy_pack(logits)
+
+
+def embed_ss(ids: torch.Tensor, weight: torch.Tensor, scale: float | None, ss_slots: int, *,
+             impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, ss)``: the embedding rows ``weight[ids]`` (times ``scale``, rounded once to the table's
+    dtype) and fp32 ``ss [ss_slots, T]``, row 0 their sums of squares and the rest zeros: the decode
+    step's lookup, its first norm's input sums and the zeroed sums of the linears after, in one launch."""
+    if _use_triton(impl, weight, "embed_ss"):
+        return kernels().embed_ss(ids, weight, scale, ss_slots)  # type: ignore[union-attr]
+    return _ref.embed_ss(ids, weight, scale, ss_slots)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, factor: float = 1.0, *,
+                impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(cos, sin)`` ``[T, half]`` of int ``positions [T]`` times fp32 ``inv_freq [half]``, scaled by
+    ``factor`` (the attention factor of YaRN-style RoPE): one launch on CUDA instead of 4-6."""
+    if _use_triton(impl, inv_freq, "rope_tables"):
+        return kernels().rope_tables(positions, inv_freq, factor)  # type: ignore[union-attr]
+    return _ref.rope_tables(positions, inv_freq, factor)

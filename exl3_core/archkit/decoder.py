@@ -276,6 +276,12 @@ class StandardDecoder(Model):
     # -- forward ----------------------------------------------------------------------------------
     def forward_batch(self, meta: BatchMeta, cache: Any = None) -> torch.Tensor:
         state = ForwardState(meta, cache, self.allowed_backends, self.plugins)
+        w = getattr(self.embed, "weight", None)
+        if (isinstance(w, torch.Tensor) and ops.fused_enabled(w) and type(self.embed).forward is Embedding.forward
+                and self._chainable() and self._deferrable(meta.input_ids.shape[0], w.dtype)):
+            # decode sizes: the lookup also writes the first norm's row sums and zeroes the others (one launch)
+            h, ss = ops.embed_ss(meta.input_ids, w, self.embed.scale, 2 * len(self.layers) + 1)
+            return self._forward_deferred(h, meta, state, ss)
         x = self.embed(meta.input_ids)
         if ops.fused_enabled(x) and self._chainable():
             return self._forward_chain(x, meta, state)
@@ -288,30 +294,35 @@ class StandardDecoder(Model):
     def _chainable(self) -> bool:
         return all(isinstance(b, DecoderBlock) and b.chainable() for b in self.layers) and _fusable_norm(self.norm)
 
-    def _forward_deferred(self, h: torch.Tensor, meta: BatchMeta, state: ForwardState) -> torch.Tensor:
-        """:meth:`forward_batch` at decode sizes: every norm after the first deferred into the linears
-        that read it (:meth:`DecoderBlock.forward_deferred`), the final one into the head."""
+    def _forward_deferred(self, h: torch.Tensor, meta: BatchMeta, state: ForwardState,
+                          ss: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward_batch` at decode sizes: the norms deferred into the linears that read them
+        (:meth:`DecoderBlock.forward_deferred`), the final one into the head. ``ss``: fp32
+        ``[2 * layers + 1, rows]``, row 0 ``h``'s row sums of squares (so the first norm is deferred
+        too) and the rest zeros (``ops.embed_ss``); None: zeros here, the first norm runs as a kernel."""
         rows = h.shape[0]
-        # one fp32 slot of row sums per residual-producing linear, zeroed once per forward (the
-        # producers add into them with atomics)
-        ss = torch.zeros((2 * len(self.layers), rows), dtype=torch.float32, device=h.device)
         ss_in: torch.Tensor | None = None
+        if ss is None:
+            ss = torch.zeros((2 * len(self.layers) + 1, rows), dtype=torch.float32, device=h.device)
+        else:
+            ss_in = ss[0]
+        # one fp32 slot of row sums per residual-producing linear (they add into it with atomics)
         for i, block in enumerate(self.layers):
-            h = block.forward_deferred(h, ss_in, state, ss[2 * i], ss[2 * i + 1])  # type: ignore[operator]
-            ss_in = ss[2 * i + 1]
+            h = block.forward_deferred(h, ss_in, state, ss[2 * i + 1], ss[2 * i + 2])  # type: ignore[operator]
+            ss_in = ss[2 * i + 2]
         norm = self.norm
         assert isinstance(norm, RMSNorm) and ss_in is not None
         if meta.logits_indices is not None:  # norm + head only for the rows that need logits
             return self.head(norm(h.index_select(0, meta.logits_indices))).float()
         return self.head(DeferredNorm(h, norm, ss_in)).float()
 
-    def _deferrable(self, x: torch.Tensor) -> bool:
-        return (1 <= x.shape[0] <= DEFERRED_MAX_ROWS and len(self.layers) > 0 and x.dtype == torch.float16
+    def _deferrable(self, rows: int, dtype: torch.dtype) -> bool:
+        return (1 <= rows <= DEFERRED_MAX_ROWS and len(self.layers) > 0 and dtype == torch.float16
                 and settings.get().deferred_norm and all(b.deferrable() for b in self.layers))  # type: ignore[operator]
 
     def _forward_chain(self, x: torch.Tensor, meta: BatchMeta, state: ForwardState) -> torch.Tensor:
         """:meth:`forward_batch` with every residual add fused into the norm after it (CUDA)."""
-        if self._deferrable(x):
+        if self._deferrable(x.shape[0], x.dtype):
             return self._forward_deferred(x, meta, state)
         pending: torch.Tensor | None = None
         for block in self.layers:

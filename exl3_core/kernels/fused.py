@@ -310,6 +310,94 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     )
 
 
+# -- the decode step's first kernels: embedding lookup with row sums, RoPE tables -------------------
+
+
+@triton.jit
+def _embed_ss_kernel(Ids, W, H, SS, stride_w, stride_h, N, V, rows, SS_N, scale,
+                     HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Z: tl.constexpr, PDL: tl.constexpr):
+    # program r: h[r] = W[ids[r]] (* scale, rounded once to h's dtype) and SS[r] = Σ h[r]² in fp32;
+    # SS[rows:] zeroed, a BLOCK_Z stride per program (the sums the linears after it add into)
+    if PDL:  # see _rms_norm_kernel
+        gdc_wait()
+        gdc_launch_dependents()
+    r = tl.program_id(0)
+    idx = tl.load(Ids + r).to(tl.int64)
+    idx = tl.minimum(tl.maximum(idx, 0), V - 1)  # ids are checked at enqueue; never read outside the table
+    cols = tl.arange(0, BLOCK_N)
+    x = tl.load(W + idx * stride_w + cols, mask=cols < N, other=0.0)
+    if HAS_SCALE:
+        x = (x.to(tl.float32) * scale).to(H.dtype.element_ty)
+    tl.store(H + r.to(tl.int64) * stride_h + cols, x, mask=cols < N)
+    xf = x.to(tl.float32)
+    tl.store(SS + r, tl.sum(xf * xf, 0))
+    z = tl.arange(0, BLOCK_Z)
+    for start in range(rows + r * BLOCK_Z, SS_N, rows * BLOCK_Z):
+        tl.store(SS + start + z, 0.0, mask=start + z < SS_N)
+
+
+def embed_ss(ids: torch.Tensor, weight: torch.Tensor, scale: float | None,
+             ss_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, ss)``: ``h = weight[ids] (* scale)`` ``[T, N]`` and fp32 ``ss [ss_slots, T]`` whose first row
+    holds ``h``'s row sums of squares (a deferred norm's input) and the rest zeros, in one launch."""
+    if ids.dim() != 1 or weight.dim() != 2 or ss_slots < 1:
+        raise ValueError(f"embed_ss: want ids [T], weight [V, N] and ss_slots >= 1; got {tuple(ids.shape)}, "
+                         f"{tuple(weight.shape)}, {ss_slots}")
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    T, (V, N) = ids.shape[0], w.shape
+    h = torch.empty((T, N), dtype=w.dtype, device=w.device)
+    ss = torch.empty((ss_slots, T), dtype=torch.float32, device=w.device)
+    if T == 0:
+        return h, ss
+    block_n = triton.next_power_of_2(N)
+    _embed_ss_kernel[(T,)](
+        ids, w, h, ss, w.stride(0), h.stride(0), N, V, T, ss_slots * T, float(scale if scale is not None else 1.0),
+        HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_Z=256, num_warps=_norm_warps(block_n), **launch_opts(h),
+    )
+    return h, ss
+
+
+@triton.jit
+def _rope_tables_kernel(Pos, InvFreq, Cos, Sin, HALF, factor,
+                        HAS_FACTOR: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # program t: cos/sin of position t times every inverse frequency, fp32. tl.cos/tl.sin lower to
+    # libdevice's precise __nv_cosf/__nv_sinf (checked in the PTX): the arguments reach 1e5 rad and
+    # more at long contexts, where the approximate instructions lose their accuracy.
+    if PDL:  # see _rms_norm_kernel
+        gdc_wait()
+        gdc_launch_dependents()
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, BLOCK)
+    ok = i < HALF
+    f = tl.load(Pos + t).to(tl.float32) * tl.load(InvFreq + i, mask=ok, other=0.0)
+    c = tl.cos(f)
+    s = tl.sin(f)
+    if HAS_FACTOR:
+        c = c * factor
+        s = s * factor
+    tl.store(Cos + t * HALF + i, c, mask=ok)
+    tl.store(Sin + t * HALF + i, s, mask=ok)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
+                factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(cos, sin)`` ``[T, half]`` of ``positions [T] * inv_freq [half]`` (times ``factor``), one launch."""
+    if positions.dim() != 1 or inv_freq.dim() != 1 or inv_freq.dtype != torch.float32:
+        raise ValueError(f"rope_tables: want positions [T] and fp32 inv_freq [half]; got {tuple(positions.shape)}, "
+                         f"{tuple(inv_freq.shape)} {inv_freq.dtype}")
+    T, half = positions.shape[0], inv_freq.shape[0]
+    inv = inv_freq.contiguous()
+    cos = torch.empty((T, half), dtype=torch.float32, device=inv.device)
+    sin = torch.empty((T, half), dtype=torch.float32, device=inv.device)
+    if T == 0 or half == 0:
+        return cos, sin
+    _rope_tables_kernel[(T,)](
+        positions, inv, cos, sin, half, float(factor), HAS_FACTOR=factor != 1.0,
+        BLOCK=triton.next_power_of_2(half), num_warps=1, **launch_opts(cos),
+    )
+    return cos, sin
+
+
 # -- greedy pick of a decode step: argmax and the "row has a finite logit, no NaN" flag -------------
 
 

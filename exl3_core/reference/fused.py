@@ -101,3 +101,24 @@ def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
     ids = x.argmax(-1)
     ok = torch.isfinite(x).any(-1) & ~torch.isnan(x).any(-1)
     return torch.stack([ids.double(), ok.double()])
+
+
+def embed_ss(ids: torch.Tensor, weight: torch.Tensor, scale: float | None,
+             ss_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight[ids] (* scale), ss)``: ``ss [ss_slots, T]`` fp32, row 0 the rows' sums of squares, the rest 0."""
+    h = weight[ids]
+    if scale is not None:
+        h = (h.float() * scale).to(weight.dtype)
+    ss = torch.zeros((ss_slots, ids.shape[0]), dtype=torch.float32, device=weight.device)
+    ss[0] = h.float().pow(2).sum(-1)
+    return h, ss
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
+                factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``(cos, sin)`` of ``positions[:, None] * inv_freq[None, :]``, times ``factor``."""
+    f = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = f.cos(), f.sin()
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
+    return cos, sin

@@ -29,6 +29,24 @@ def test_deferred_chain_equals_plain_forward() -> None:
     assert torch.equal(out, ref)
 
 
+def test_deferred_first_norm_from_the_lookups_sums() -> None:
+    """With the sums from the embedding lookup (``ops.embed_ss``) the first block's norm is deferred
+    too; its fallback still gives the plain forward exactly."""
+    from exl3_core import ops
+
+    model = _model()
+    ids = torch.randint(0, 500, (2,))
+    meta = BatchMeta.full(ids.view(1, -1))
+    ref = model.forward_batch(meta)
+    h, ss = ops.embed_ss(meta.input_ids, model.embed.weight, model.embed.scale, 2 * len(model.layers) + 1,
+                         impl="torch")
+    torch.testing.assert_close(ss[0], h.float().pow(2).sum(-1))
+    state = ForwardState(meta, None, model.allowed_backends, model.plugins)
+    out = model._forward_deferred(h, meta, state, ss)
+    assert torch.equal(out, ref)
+    assert (ss[1:] > 0).all(), "every residual producer adds its rows' sums into its own slot"
+
+
 def test_block_hands_on_the_streams_sums_of_squares() -> None:
     model = _model()
     meta = BatchMeta.full(torch.tensor([[4, 9]]))

@@ -214,8 +214,10 @@ def test_decode_with_fused_extras_equals_separate_kernels(ops_, model_cache, bat
     model, cache = model_cache
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, 2000, (int(n),), generator=g).tolist() for n in torch.randint(10, 80, (batch,), generator=g)]
-    calls = {"norm": 0, "res": 0, "qkv": 0}
-    real_norm, real_res = lin._project_group_ex, lin.linear_residual
+    import exl3_core.ops as eops
+
+    calls = {"norm": 0, "res": 0, "qkv": 0, "embed": 0}
+    real_norm, real_res, real_embed = lin._project_group_ex, lin.linear_residual, eops.embed_ss
 
     def count_norm(x, layers, ep=None):
         calls["norm"] += not isinstance(x, torch.Tensor)
@@ -226,7 +228,12 @@ def test_decode_with_fused_extras_equals_separate_kernels(ops_, model_cache, bat
         calls["res"] += 1
         return real_res(*a, **kw)
 
+    def count_embed(*a, **kw):  # the lookup that also hands the first norm its sums
+        calls["embed"] += 1
+        return real_embed(*a, **kw)
+
     monkeypatch.setattr(lin, "_project_group_ex", count_norm)
+    monkeypatch.setattr(eops, "embed_ss", count_embed)
     for mod in ("exl3_core.nn.attention", "exl3_core.nn.mlp"):
         monkeypatch.setattr(f"{mod}.linear_residual", count_res)
     monkeypatch.setenv("EXL3_CUDA_GRAPHS", "0")  # eager steps: no capture needed for the comparison
@@ -234,7 +241,7 @@ def test_decode_with_fused_extras_equals_separate_kernels(ops_, model_cache, bat
     monkeypatch.setenv("EXL3_QKV_EPILOGUE", "1")
     settings.reload()
     deferred = _greedy(model, cache, prompts, 32)
-    assert calls["norm"] > 0 and calls["res"] > 0 and calls["qkv"] > 0, calls
+    assert calls["norm"] > 0 and calls["res"] > 0 and calls["qkv"] > 0 and calls["embed"] > 0, calls
     monkeypatch.setenv("EXL3_DEFERRED_NORM", "0")
     monkeypatch.setenv("EXL3_QKV_EPILOGUE", "0")
     settings.reload()

@@ -263,6 +263,47 @@ def test_model_takes_fused_path(hf_arch: str, tmp_path: Path, counted: dict[str,
         assert counted.get("rope_kv_write") == 6 * n_layers  # 6 forwards (2 prefill chunks, 4 decode steps)
 
 
+# -- the decode step's first kernels: embedding lookup with row sums, RoPE tables --------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab,hidden,slots", [(1, 50, 576, 61), (3, 37, 320, 1), (4, 64, 1000, 9)])
+@pytest.mark.parametrize("scale", [None, 24.0])
+def test_embed_ss(rows: int, vocab: int, hidden: int, slots: int, dtype: torch.dtype, scale: float | None) -> None:
+    w = (torch.randn(vocab, hidden) * 0.7).to(dtype).to(DEVICE)
+    ids = torch.randint(0, vocab, (rows,)).to(DEVICE)
+    garbage = torch.full((slots, rows), float("nan"), device=DEVICE)  # freed memory the op's buffer may reuse
+    del garbage
+    h, ss = ops.embed_ss(ids, w, scale, slots, impl="triton")
+    h_ref, ss_ref = ref.embed_ss(ids, w, scale, slots)
+    assert h.dtype == dtype and ss.dtype == torch.float32 and ss.shape == (slots, rows)
+    assert torch.equal(h, h_ref)  # a lookup and one rounding of the scaled row
+    expect = F.embedding(ids, w) if scale is None else F.embedding(ids, w) * scale  # the model's expression
+    assert torch.equal(h, expect)
+    torch.testing.assert_close(ss[0], ss_ref[0], rtol=1e-5, atol=0)
+    assert torch.equal(ss[1:], torch.zeros_like(ss[1:])), "the linears' sums were not zeroed"
+
+
+def test_embed_ss_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="embed_ss"):
+        ops.embed_ss(torch.zeros(2, 3, dtype=torch.int64, device=DEVICE), torch.zeros(4, 8, device=DEVICE), None, 3,
+                     impl="triton")
+
+
+@pytest.mark.parametrize("T,half", [(1, 64), (5, 32), (3, 40)])
+@pytest.mark.parametrize("factor", [1.0, 1.2])
+def test_rope_tables(T: int, half: int, factor: float) -> None:
+    from exl3_core.nn.rope import _base_inv_freq
+
+    pos = torch.cat([torch.randint(0, 300_000, (T - 1,)), torch.tensor([131_071])]).to(DEVICE)  # long contexts too
+    inv = _base_inv_freq(500000.0, 2 * half).to(DEVICE)
+    cos, sin = ops.rope_tables(pos, inv, factor, impl="triton")
+    c_ref, s_ref = ref.rope_tables(pos, inv, factor)
+    assert cos.shape == sin.shape == (T, half) and cos.dtype == torch.float32
+    # precise cos/sin of the same fp32 arguments (1e5 rad and more): within a few fp32 ulps
+    torch.testing.assert_close(cos, c_ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(sin, s_ref, atol=1e-6, rtol=0)
+
+
 # -- greedy pick (argmax + finite flags) ------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
