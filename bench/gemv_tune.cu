@@ -64,26 +64,55 @@ static void decode_only_pdl_t(exl3::GemmArgs a, cudaStream_t st) {
 // Letters after a shape switch on the engine's extras for that linear: n = deferred RMSNorm in the
 // prologue, g = gated activation input, r = residual add + row sums in the epilogue, q = q/k/v as
 // three problems (n/6 columns each for k and v), RoPE (head 128) on q and k, k and v rows to a cache.
-// The 8B decode layer: TUNE_CHAIN=4096x6144nq,4096x4096r,4096x28672n,14336x4096gr
+// The 8B decode layer: TUNE_CHAIN=4096x6144nq,4096x4096r,4096x28672n,14336x4096gr. "@N" after the
+// letters forces N k tiles per chunk; an entry "c" is a small combine-like kernel (32 blocks of 128
+// threads: wait, signal, read 16 KB, write 8 KB), the attention combine before o_proj.
+struct CombineLike {
+    const float* in;
+    __half* out;
+};
+
+__global__ void combine_like(CombineLike c) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    c.out[i] = __float2half(c.in[i] + c.in[i + 4096]);
+}
+
 template <int K, int CB>
 static int layer_chain(const char* spec) {
     std::vector<std::pair<int, int>> sh;
     std::vector<std::string> extras;
+    std::vector<int> kts;
     for (const char* s = spec; *s;) {
         int k = 0, n = 0, used = 0;
+        if (*s == 'c') {  // the combine-like kernel: no weights
+            sh.push_back({0, 0});
+            extras.push_back("c");
+            kts.push_back(0);
+            ++s;
+            if (*s == ',') ++s;
+            continue;
+        }
         if (std::sscanf(s, "%dx%d%n", &k, &n, &used) != 2 || k % 128 || n % 128) return 2;
         sh.push_back({k, n});
         s += used;
         std::string ex;
-        while (*s && *s != ',') ex += *s++;
+        while (*s && *s != ',' && *s != '@') ex += *s++;
+        int kt = 0;
+        if (*s == '@') kt = (int)std::strtol(s + 1, const_cast<char**>(&s), 10);
         if (ex.find('q') != std::string::npos && (n % 6 || (n / 6) % 128)) return 2;
         extras.push_back(ex);
+        kts.push_back(kt);
         if (*s == ',') ++s;
     }
     constexpr int LAYERS = 4;
     int kmax = 0, nmax = 0;
     long weights = 0;
     for (auto& p : sh) kmax = std::max(kmax, p.first), nmax = std::max(nmax, p.second), weights += (long)p.first * p.second;
+    kmax = std::max(kmax, 4096), nmax = std::max(nmax, 4096);  // the combine-like kernel reads and writes 4096 + 4096
     std::vector<uint32_t*> tr;
     for (int l = 0; l < LAYERS; ++l)
         for (auto& p : sh) {
@@ -134,8 +163,14 @@ static int layer_chain(const char* spec) {
                 a.x = x;
                 a.m = 1;
                 a.k_tiles = sh[j].first / 16;
-                a.kt_per_chunk = 0;
+                a.kt_per_chunk = kts[j];
                 const std::string& ex = extras[j];
+                if (ex == "c") {
+                    const CombineLike c{z, y};
+                    if (pdl) CK(exl3::launch_as_dependent(combine_like, 32, 128, st, c));
+                    else combine_like<<<32, 128, 0, st>>>(c);
+                    continue;
+                }
                 const uint32_t* t = tr[(i % LAYERS) * sh.size() + j];
                 const int nt = sh[j].second / 16;
                 if (ex.find('q') != std::string::npos) {  // q, k, v: n - 2 kv, kv, kv columns
