@@ -211,12 +211,10 @@ bool fused_workspace(const Tensor& like, int64_t n_total, float** z, int** count
     FusedWorkspace& ws = g_ws[like.get_device()];
     if (ws.n_cap < n_total) {
         auto st = at::cuda::getCurrentCUDAStream();
-        if (stream_capturing(st)) {
-            TORCH_WARN_ONCE("exl3::exl3_linear: the fused-op workspace must grow to ", n_total,
-                            " columns during CUDA-graph capture; this call uses the 4-kernel path. Run the "
-                            "captured shapes once eagerly before capturing to get the fused op.");
-            return false;
-        }
+        // No TORCH_WARN here: on the device image (torch 2.11+cu130, g++ 13) building a c10 warning or
+        // error inside this extension crashes the process (tests/gpu/test_exl3_kernels.py,
+        // test_deferred_norm_gpu.py); the 4-kernel path is taken silently, documented in cuda_ops.py.
+        if (stream_capturing(st)) return false;
         if (ws.z.defined()) {
             ws.retired.push_back(ws.z);
             ws.retired.push_back(ws.counters);

@@ -147,6 +147,64 @@ def test_qkv_epilogue_matches_reference(ops_, hd: int, interleaved: bool, deferr
     workspace_clean(ops_)
 
 
+def test_capture_time_fallbacks_match_references(ops_) -> None:
+    """An op whose fused workspace would have to grow while a CUDA graph is being captured takes its
+    ATen path instead (exl3_ops.cu, fused_workspace): for ``linear_residual`` the chain, the add and
+    the sums; for ``linear_group_ex`` the norm, the chain, RoPE and ``index_copy_`` into the caches.
+    Both, captured and replayed, equal the references, and the workspace did not grow."""
+    k, hd, hkv = 256, 128, 8
+    cap = ops_.exl3_linear_workspace(torch.empty(1, device=DEV))[1].numel() * 128  # columns it covers now
+    n_res = max(1 << 18, cap + 1024)  # more columns than any call so far in this process
+    n_q = n_res + 1024
+    pr = problem(k, n_res, 2)
+    probs = [problem(k, n_q, 2), problem(k, hkv * hd, 2), problem(k, hkv * hd, 2)]
+    x, res = torch.randn(2, k, device=DEV).half(), torch.randn(2, n_res, device=DEV).half()
+    h = (torch.randn(2, k, device=DEV) * 3).half()
+    w = torch.rand(k, device=DEV) + 0.5
+    ss_h = h.float().pow(2).sum(-1)
+    ss = torch.zeros(2, device=DEV)
+    pos = torch.tensor([5.0, 3000.0], device=DEV)
+    inv = 1.0 / (10000 ** (torch.arange(hd // 2, device=DEV).float() / (hd // 2)))
+    cos, sin = (pos[:, None] * inv[None]).cos(), (pos[:, None] * inv[None]).sin()
+    slots = torch.tensor([17, 2], device=DEV)
+    kc = torch.full((4, 16, hkv, hd), 7.0, dtype=torch.float16, device=DEV)
+    vc = kc.clone()
+    # the fallbacks' kernels run once eagerly first, as a CUDA-graph capture needs (the generator runs
+    # every bucket eagerly before capturing it): the unfused chain at these m, K and codebook, and the
+    # torch ops of the norm, the add and RoPE
+    xh = ops_.had128(x, pr[1], None, True)
+    ops_.had128(ops_.exl3_gemm_xh(xh, pr[0], 2, CB_MUL1), None, pr[2], True)
+    (res[:, :128].float() + 1).half().float().pow(2).sum(-1)
+    ref.rms_norm(h, w, 1e-6)
+    ref.rope_kv_write(*(torch.zeros(2, hkv, hd, device=DEV).half() for _ in range(3)), torch.zeros_like(kc),
+                      torch.zeros_like(vc), slots, cos, sin, hd, False)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = ops_.exl3_linear_residual(x, None, 0, pr[0], pr[1], pr[2], CB_MUL1, res, ss)
+        ys = ops_.exl3_linear_group_ex(h, [p[0] for p in probs], [p[1] for p in probs], [p[2] for p in probs],
+                                       CB_MUL1, ss_h, w, 1e-6, 0.0, cos, sin, False, [1, 1, 0], slots, [None, kc, vc])
+    ss.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert ops_.exl3_linear_workspace(torch.empty(1, device=DEV))[1].numel() * 128 == cap, "grew during capture"
+    want = res.double() + torch_linear(x, pr, CB_MUL1).double()
+    assert rel(y, want) < 2e-3, f"residual: {rel(y, want):.2e}"
+    assert torch.allclose(ss.double(), y.double().pow(2).sum(-1), rtol=1e-4)
+    xn = ref.rms_norm(h, w, 1e-6)
+    q, kk, v = (torch_linear(xn, p, CB_MUL1).half() for p in probs)
+    q, kk, v = q.view(2, -1, hd), kk.view(2, hkv, hd), v.view(2, hkv, hd)
+    kc_ref, vc_ref = torch.full_like(kc, 7.0), torch.full_like(vc, 7.0)
+    ref.rope_kv_write(q, kk, v, kc_ref, vc_ref, slots, cos, sin, hd, False)
+    for got, want_, what in ((ys[0], q, "q"), (ys[1], kk, "k"), (ys[2], v, "v")):
+        assert rel(got.view(want_.shape), want_) < 2e-3, f"{what}: {rel(got.view(want_.shape), want_):.2e}"
+    assert rel(kc.view(-1, hkv, hd)[slots], kc_ref.view(-1, hkv, hd)[slots]) < 2e-3
+    assert rel(vc.view(-1, hkv, hd)[slots], vc_ref.view(-1, hkv, hd)[slots]) < 2e-3
+    untouched = torch.ones(64, dtype=torch.bool, device=DEV)
+    untouched[slots] = False
+    assert (kc.view(-1, hkv, hd)[untouched] == 7.0).all()
+
+
 def test_python_side_refuses_what_the_ops_cannot_take() -> None:
     """The model code checks before it calls the ops (a TORCH_CHECK thrown inside exl3_core._C crashes
     the process on the device image; tests/gpu/test_exl3_kernels.py): unfusable inputs fall back."""
