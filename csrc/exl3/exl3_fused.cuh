@@ -128,17 +128,6 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 #ifndef EXL3_PDL_TRIGGER
 #define EXL3_PDL_TRIGGER 1
 #endif
-// Tuning knob (bench/gemv_tune.cu): 1 issues the last block's other epilogue loads (the residual row,
-// the RoPE tables, the cache slot) before its z values are used, so they share one L2 round trip.
-#ifndef EXL3_TAIL_PREFETCH
-#define EXL3_TAIL_PREFETCH 1
-#endif
-// Tuning knob (bench/gemv_tune.cu): how a block publishes its split-k arrival. 0: a fence.sc in every
-// thread, then thread 0's counter atomic and fence; 1: one acq_rel fence on each side of thread 0's
-// atomic, after the block's barrier.
-#ifndef EXL3_ARRIVE
-#define EXL3_ARRIVE 1
-#endif
 template <int K, bool TR>
 constexpr int fused_smem_bytes() {
     return GEMM_WARPS * Ring<K>::WARP_WORDS * 4 + (TR ? 8 : 16) * X_STAGE_STRIDE * 2 + 16;
@@ -335,24 +324,11 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
     }
 
     // ---- last-arriving block of this column block: output Hadamard, then leave the workspace clean.
-#if EXL3_ARRIVE == 0
-    // Each thread fences its own atomics before the block's arrival is published (release side);
-    // the barrier orders every thread's fence before thread 0's counter bump.
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const int prev = atomicAdd(P.counters + cblk, 1);
-        __threadfence();  // acquire pattern (atomic read, then fence) in the thread that observed the count
-        s_last = prev == chunks - 1;
-    }
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();  // acquire side: the z reads below come after observing every block's arrival
-#else
     // The barrier orders every thread's atomics before thread 0's release fence (fences are cumulative
     // over what the barrier made the thread observe), so one acq_rel fence on each side of the counter
-    // does what a fence in every thread did: the arrival is published after the block's partials, and
-    // the z reads of the last block come after observing every arrival (the barrier again).
+    // publishes the arrival after the block's partials, and the last block's z reads come after it
+    // observed every arrival (the barrier again). A fence.sc in every thread instead measured 0.6-0.8 us
+    // slower per 8B layer (docs/performance.md, run 10).
     __syncthreads();
     if (threadIdx.x == 0) {
         asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
@@ -362,7 +338,6 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
     }
     __syncthreads();
     if (!s_last) return;
-#endif
 
     const long col0 = (long)cblk * FUSED_COLS + 4 * lane;
     const uint2 sv = __ldg(reinterpret_cast<const uint2*>(P.svh + col0));
@@ -376,35 +351,21 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
         __half* cache = pi == 0 ? a.cache[0] : pi == 1 ? a.cache[1] : a.cache[2];
         const int d0 = rope ? (int)(col0 % (2 * a.rope_half)) : 0;
         float4* zp = reinterpret_cast<float4*>(P.z + (long)r * ndim + col0);
-#if EXL3_TAIL_PREFETCH
         // everything the epilogue reads besides z, loaded before z's values are used: one round trip
         uint2 ru = make_uint2(0u, 0u);
         if (a.res != nullptr) ru = *reinterpret_cast<const uint2*>(a.res + (long)r * ndim + col0);
         const long slot = cache != nullptr ? __ldg(a.slots + r) : 0;
         float rc[4] = {0.f, 0.f, 0.f, 0.f}, rs[4] = {0.f, 0.f, 0.f, 0.f};
         if (rope) rope_tables(a, r, d0, rc, rs);
-#endif
         const float4 zv = __ldcg(zp);  // L2, where the atomics landed; never a stale L1 line
         float v[4] = {zv.x, zv.y, zv.z, zv.w};
         had128_warp(v, lane);
         __half h[4];
 #pragma unroll
         for (int j = 0; j < 4; ++j) h[j] = __hmul(__float2half_rn(v[j]), svh4[j]);
-#if !EXL3_TAIL_PREFETCH
-        float rc[4], rs[4];
-        if (rope) rope_tables(a, r, d0, rc, rs);
-#endif
         if (rope) rope_apply(a, d0, rc, rs, h);
-        if (cache != nullptr) {
-#if !EXL3_TAIL_PREFETCH
-            const long slot = __ldg(a.slots + r);
-#endif
-            *reinterpret_cast<uint2*>(cache + slot * ndim + col0) = pack_half4(h);
-        }
+        if (cache != nullptr) *reinterpret_cast<uint2*>(cache + slot * ndim + col0) = pack_half4(h);
         if (a.res != nullptr) {  // residual producer: the stream's add, then this row's partial sum of squares
-#if !EXL3_TAIL_PREFETCH
-            const uint2 ru = *reinterpret_cast<const uint2*>(a.res + (long)r * ndim + col0);
-#endif
             const __half rh[4] = {__low2half(bits_h2(ru.x)), __high2half(bits_h2(ru.x)), __low2half(bits_h2(ru.y)),
                                   __high2half(bits_h2(ru.y))};
             float ss = 0.f;
