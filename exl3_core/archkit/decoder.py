@@ -171,8 +171,9 @@ class DecoderBlock(Module):
         """The block on the residual stream ``h`` with both norms deferred into the linears after them
         (decode sizes on CUDA): o_proj and down add the residual in their epilogues and sum each row's
         squares into ``ss_attn``/``ss_mlp`` (zero before), q/k/v and gate/up normalise in their
-        prologues. ``ss_in``: ``h``'s sums from the previous block's down projection, or None (the
-        first block: its norm runs as a kernel). Returns the new residual stream."""
+        prologues. ``ss_in``: ``h``'s sums (from the previous block's down projection, or for the first
+        block from the embedding lookup, ``ops.embed_ss``), or None: the norm runs as a kernel. Returns
+        the new residual stream."""
         x: torch.Tensor | DeferredNorm = self.attn_norm(h) if ss_in is None else DeferredNorm(h, self.attn_norm, ss_in)
         h = self.attn.forward_residual(x, state, h, ss_attn)
         return self.mlp.forward_residual(DeferredNorm(h, self.mlp_norm, ss_attn), h, ss_mlp)

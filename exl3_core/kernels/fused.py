@@ -83,7 +83,6 @@ def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor | None, weight: to
 # -- gated activations ----------------------------------------------------------------------------
 
 
-
 @triton.jit
 def _act_mul_kernel(G, U, Out, stride_g, stride_u, stride_o, N, ACT: tl.constexpr, BLOCK: tl.constexpr,
                     PDL: tl.constexpr):
