@@ -151,22 +151,36 @@ def _attn_fwd(
 
 
 @triton.jit
-def _split_tiles(K, V, PageTable, b, kvh, start, hi, stride_pt, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
-                 stride_vh, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, first):
-    # keys [BLOCK_D, BLOCK_N] and values [BLOCK_N, BLOCK_DV] of positions start .. start + BLOCK_N - 1
-    # through the page table, those in [first, hi) loaded, zeros elsewhere
+def _split_rows(PageTable, b, start, stride_pt, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, n_ok):
+    # cache rows (page * PAGE_SIZE-strided slots) of positions start .. start + BLOCK_N - 1, through the
+    # page table; 0 where not n_ok
     n = start + tl.arange(0, BLOCK_N)
-    n_ok = (n >= first) & (n < hi)
+    page = tl.load(PageTable + b * stride_pt + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+    return page, n % PAGE_SIZE
+
+
+@triton.jit
+def _split_load(K, V, page, slot, kvh, n_ok, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    # keys [BLOCK_D, BLOCK_N] and values [BLOCK_N, BLOCK_DV] of the rows (page, slot) where n_ok, zeros elsewhere
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    page = tl.load(PageTable + b * stride_pt + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
-    slot = n % PAGE_SIZE
     k = tl.load(K + (page * stride_kp + slot * stride_ks)[None, :] + kvh * stride_kh + d[:, None],
                 mask=n_ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
     v = tl.load(V + (page * stride_vp + slot * stride_vs)[:, None] + kvh * stride_vh + dv[None, :],
                 mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)
     return k, v
+
+
+@triton.jit
+def _split_tiles(K, V, PageTable, b, kvh, start, hi, stride_pt, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                 stride_vh, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
+    # keys and values of positions start .. start + BLOCK_N - 1 below hi, zeros elsewhere
+    n_ok = start + tl.arange(0, BLOCK_N) < hi
+    page, slot = _split_rows(PageTable, b, start, stride_pt, PAGE_SIZE, BLOCK_N, n_ok)
+    return _split_load(K, V, page, slot, kvh, n_ok, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
 
 
 @triton.jit
@@ -230,8 +244,10 @@ def _decode_split(
     if WINDOW > 0:  # the one query sits at seq_k - 1 and sees keys n > seq_k - 1 - WINDOW
         lo = tl.maximum(lo, seq_k - WINDOW)
     hi = tl.where(q_len > 0, hi, lo)  # padded/empty rows read nothing
-    k0, v0 = _split_tiles(K, V, PageTable, b, kvh, lo, hi, stride_pt, stride_kp, stride_ks, stride_kh, stride_vp,
-                          stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, lo)
+    n0_ok = lo + tl.arange(0, BLOCK_N) < hi
+    page0, slot0 = _split_rows(PageTable, b, lo, stride_pt, PAGE_SIZE, BLOCK_N, n0_ok)
+    k0, v0 = _split_load(K, V, page0, slot0, kvh, n0_ok, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
+                         stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
     if PDL:  # a programmatic dependent of the cache write (exl3_core/kernels/pdl.py)
         gdc_wait()
         gdc_launch_dependents()
@@ -244,16 +260,16 @@ def _decode_split(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     if lo < hi:
         if RELOAD_FRESH:  # this step's own key/value, if in the first chunk, may postdate the loads above
-            kn, vn = _split_tiles(K, V, PageTable, b, kvh, lo, hi, stride_pt, stride_kp, stride_ks, stride_kh,
-                                  stride_vp, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                                  BLOCK_DV, BLOCK_N, seq_k - 1)  # [seq_k - 1, hi): the newest row or none
+            # (its cache row is already known: one round trip, alongside q's)
             new = lo + tl.arange(0, BLOCK_N) == seq_k - 1
+            kn, vn = _split_load(K, V, page0, slot0, kvh, new & n0_ok, stride_kp, stride_ks, stride_kh, stride_vp,
+                                 stride_vs, stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
             k0 = tl.where(new[None, :], kn, k0)
             v0 = tl.where(new[:, None], vn, v0)
         m_i, l_i, acc = _split_step(q, k0, v0, lo, hi, m_i, l_i, acc, scale, softcap, BLOCK_N, SOFTCAP, DOT_PREC)
     for start in range(lo + BLOCK_N, hi, BLOCK_N):
         k, v = _split_tiles(K, V, PageTable, b, kvh, start, hi, stride_pt, stride_kp, stride_ks, stride_kh, stride_vp,
-                            stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, start)
+                            stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N)
         m_i, l_i, acc = _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, BLOCK_N, SOFTCAP, DOT_PREC)
 
     # partials [B, Hq, NUM_SPLITS] and [B, Hq, NUM_SPLITS, HEAD_DIM_V]; empty splits: (-inf, 0, 0)
