@@ -445,11 +445,18 @@ _greedy_counts: dict[tuple[str, int | None], torch.Tensor] = {}
 
 
 def _greedy_counter(device: torch.device, rows: int) -> torch.Tensor:
-    """Per-device arrival counters, zero between calls (each call's last program resets its row's)."""
+    """Per-device arrival counters, zero between calls (each call's last program resets its row's).
+
+    A buffer that must grow while a CUDA graph is being captured comes from that graph's private
+    pool (and its zeroing is a captured node): the graph keeps it, and it is not cached for later
+    calls, whose memory the pool could hand out again once the graph is gone."""
     key = (device.type, device.index)
     buf = _greedy_counts.get(key)
     if buf is None or buf.numel() < rows:
-        buf = _greedy_counts[key] = torch.zeros(max(rows, 64), dtype=torch.int32, device=device)
+        fresh = torch.zeros(max(rows, 64), dtype=torch.int32, device=device)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return fresh
+        buf = _greedy_counts[key] = fresh
     return buf
 
 
