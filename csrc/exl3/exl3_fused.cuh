@@ -20,6 +20,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <vector>
+
 #include "exl3_decode.cuh"
 #include "exl3_kernels.cuh"
 
@@ -411,6 +413,25 @@ inline int pick_kt_per_chunk(int k_tiles, long col_blocks, long resident_blocks)
     return best;
 }
 
+// Measured exceptions to pick_kt_per_chunk's cost model for the transposed (m <= 8) kernel, keyed by
+// (SM count, K, k tiles, column blocks): shapes where a layer-chain sweep on that device found a
+// clearly faster chunk than the model's (bench/gemv_tune.cu, TUNE_CHAIN). Installed once by Python
+// at load (exl3_core/ext.py, through exl3::set_kt_exceptions), before any launch reads them.
+struct KtException {
+    int sms, K, k_tiles;
+    long col_blocks;
+    int kt;
+};
+inline std::vector<KtException>& kt_exceptions() {
+    static std::vector<KtException> table;
+    return table;
+}
+inline int kt_exception(int sms, int K, int k_tiles, long col_blocks) {
+    for (const KtException& e : kt_exceptions())
+        if (e.sms == sms && e.K == K && e.k_tiles == k_tiles && e.col_blocks == col_blocks) return e.kt;
+    return 0;
+}
+
 // Fills a.kt_per_chunk (when <= 0) and the problems' block0, launches; returns the k tiles per chunk.
 // resident blocks per SM of one fused instantiation (same on every H-class device; queried once)
 template <int K, int CB, bool TR>
@@ -435,7 +456,8 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         int dev = 0, sms = 0;
         cudaGetDevice(&dev);
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-        a.kt_per_chunk = pick_kt_per_chunk(a.k_tiles, col_blocks, (long)sms * occ);
+        if (tr) a.kt_per_chunk = kt_exception(sms, K, a.k_tiles, col_blocks);
+        if (a.kt_per_chunk <= 0) a.kt_per_chunk = pick_kt_per_chunk(a.k_tiles, col_blocks, (long)sms * occ);
     }
     if (a.kt_per_chunk > GEMM_KT_MAX) a.kt_per_chunk = GEMM_KT_MAX;
     const long chunks = (a.k_tiles + a.kt_per_chunk - 1) / a.kt_per_chunk;

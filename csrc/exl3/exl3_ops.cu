@@ -263,6 +263,16 @@ std::atomic<bool> g_pdl{true};
 
 bool set_pdl(bool on) { return g_pdl.exchange(on); }
 
+// The fused linear's k-chunk exceptions (exl3_fused.cuh), flat (sms, K, k_tiles, col_blocks, kt) rows,
+// validated by the Python caller (exl3_core/ext.py); replaces the table, returns its new row count.
+int64_t set_kt_exceptions(std::vector<int64_t> rows) {
+    auto& t = exl3::kt_exceptions();
+    t.clear();
+    for (size_t i = 0; i + 5 <= rows.size(); i += 5)
+        t.push_back({(int)rows[i], (int)rows[i + 1], (int)rows[i + 2], (long)rows[i + 3], (int)rows[i + 4]});
+    return (int64_t)t.size();
+}
+
 // Optional prologue/epilogue work of a fused launch (FusedArgs): the deferred norm of x, the residual
 // add, q/k/v's RoPE and cache rows.
 struct FusedExtras {
@@ -654,6 +664,7 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
           "Tensor res, Tensor(a!) ss) -> Tensor");
     // no tensor argument: a catch-all kernel. Returns the previous setting.
     m.def("set_pdl(bool on) -> bool", &set_pdl);
+    m.def("set_kt_exceptions(int[] rows) -> int", &set_kt_exceptions);
 }
 
 TORCH_LIBRARY_IMPL(exl3, CUDA, m) {

@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from exl3_core.kernels.counters import arrival_counters
 from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
 from exl3_core.ops import ACT_CODES
 
@@ -441,23 +442,6 @@ def _greedy_pack_kernel(X, Count, PartM, PartI, PartF, Out, stride_x, V, B, P,
 
 
 _GREEDY_BLOCK = 4096
-_greedy_counts: dict[tuple[str, int | None], torch.Tensor] = {}
-
-
-def _greedy_counter(device: torch.device, rows: int) -> torch.Tensor:
-    """Per-device arrival counters, zero between calls (each call's last program resets its row's).
-
-    A buffer that must grow while a CUDA graph is being captured comes from that graph's private
-    pool (and its zeroing is a captured node): the graph keeps it, and it is not cached for later
-    calls, whose memory the pool could hand out again once the graph is gone."""
-    key = (device.type, device.index)
-    buf = _greedy_counts.get(key)
-    if buf is None or buf.numel() < rows:
-        fresh = torch.zeros(max(rows, 64), dtype=torch.int32, device=device)
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return fresh
-        buf = _greedy_counts[key] = fresh
-    return buf
 
 
 def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
@@ -476,7 +460,7 @@ def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
     part_i = torch.empty((B, P), dtype=torch.int32, device=x.device)
     part_f = torch.empty((B, P), dtype=torch.int32, device=x.device)
     _greedy_pack_kernel[(B, P)](
-        x, _greedy_counter(x.device, B), part_m, part_i, part_f, out, x.stride(0), V, B, P,
+        x, arrival_counters("greedy_pack", x.device, B), part_m, part_i, part_f, out, x.stride(0), V, B, P,
         BLOCK=_GREEDY_BLOCK, P_BLOCK=max(16, triton.next_power_of_2(P)), num_warps=8, **launch_opts(out),
     )
     return out

@@ -144,6 +144,26 @@ def test_split_k_chunks(fused_ops, kt: int) -> None:
     assert_workspace_clean(fused_ops)
 
 
+def test_kt_exception_table(fused_ops) -> None:
+    """A measured k-chunk exception (exl3_core.ext.KT_EXCEPTIONS) for this device's SM count takes the
+    launcher's place for its shape: outputs stay correct at an odd chunk; bad rows are refused in Python."""
+    from exl3_core import ext
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    p = Problem(4096, 1024, 4, CB_MUL1)  # 256 k tiles, 8 column blocks of 128
+    try:
+        assert ext.set_kt_exceptions([(sms, 4, 256, 8, 5)]) == 1
+        for m in (1, 8):
+            x = xin(m, 4096)
+            poison((m, 1024))
+            check(fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, CB_MUL1), x, p, f"exception kt=5 m={m}")
+        with pytest.raises(ValueError, match="kt <= 32"):
+            ext.set_kt_exceptions([(sms, 4, 256, 8, 40)])
+    finally:
+        assert ext.set_kt_exceptions(ext.KT_EXCEPTIONS) == len(ext.KT_EXCEPTIONS)
+    assert_workspace_clean(fused_ops)
+
+
 def test_repeat_calls_leave_workspace_clean(fused_ops) -> None:
     one = Problem(384, 512, 3, CB_MCG)  # one k chunk: no split-k atomics order, so deterministic
     deep = Problem(4096, 1152, 5, CB_3INST)  # several chunks: fp32 atomics in any order

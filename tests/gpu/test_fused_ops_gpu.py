@@ -155,18 +155,18 @@ def test_split_kv_graph_replay_at_other_lengths() -> None:
 def test_greedy_pack_counter_grown_during_capture() -> None:
     """A greedy pick captured for more rows than the cached arrival counters hold: the graph gets its
     own zeroed counters, replays equal the reference, and the cache is not handed the graph's buffer."""
-    import exl3_core.kernels.fused as kf
+    import exl3_core.kernels.counters as kc
 
-    key = ("cuda", torch.cuda.current_device())
+    key = ("greedy_pack", "cuda", torch.cuda.current_device())
     x = torch.randn(2, 5000, device=DEV)
     ops.greedy_pack(x, impl="triton")  # compiled and cached off the capture
-    cached = kf._greedy_counts[key]
+    cached = kc._cache[key]
     rows = cached.numel() + 3
     big = torch.randn(rows, 9000, device=DEV, dtype=torch.float16)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         out = ops.greedy_pack(big, impl="triton")
-    assert kf._greedy_counts[key] is cached, "the cache took a buffer from the graph's pool"
+    assert kc._cache[key] is cached, "the cache took a buffer from the graph's pool"
     for _ in range(3):  # each replay's last programs leave the graph's counters clean
         big.copy_(torch.randn_like(big))
         g.replay()

@@ -91,6 +91,30 @@ def test_split_kv_reload_of_the_newest_row(case: Case, monkeypatch: pytest.Monke
     assert forced
 
 
+@pytest.mark.parametrize("merge", [False, True], ids=["combine_kernel", "merged_in_split"])
+@pytest.mark.parametrize("case", [DECODE_CASES[i] for i in (0, 3, 4, 6)], ids=lambda c: c.id)
+def test_split_kv_merge_paths(case: Case, merge: bool) -> None:
+    """The splits merged by a separate combine kernel, or by each head block's last split program. 40
+    splits exceed one merge round (running max across rounds); lengths leave trailing splits empty.
+    The merged path leaves its arrival counters at zero: a second call (a graph replay) is identical."""
+    import exl3_attn_backends.triton_paged as tp
+
+    import exl3_core.kernels.counters as kc
+    from exl3_core.reference.attention import attention as reference_attention
+
+    args = make_args(case, DEVICE, seed=5)
+    out = tp.decode_split_kv(args, 40, merge=merge)
+    ref = reference_attention(args)
+    tol = 2e-5 if case.spec.dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    if merge:
+        dev = args.q.device  # "cuda:N": the counters are cached per device index
+        counts = kc._cache[("decode_split", dev.type, dev.index)]
+        assert int(counts.abs().sum()) == 0, "a head block's counter was not reset by its last program"
+        again = tp.decode_split_kv(args, 40, merge=True)
+        torch.testing.assert_close(again, out, atol=0, rtol=0)
+
+
 def test_split_kv_graph_bound_reads_nothing_past_lengths() -> None:
     """As in a CUDA-graph replay: max_seqlen_k is the cache capacity and the page table is wider
     than the sequences need, its extra columns pointing at a NaN page; the split count comes from

@@ -10,8 +10,9 @@ Decode steps over a paged cache (``spec.phase == "decode"``: one query per seque
 split-KV ("flash-decoding") path instead: with only batch x kv_heads programs the single-pass
 kernel leaves most of a large GPU idle at b=1 and long contexts. ``_decode_split`` adds a grid
 axis over ``num_splits`` key ranges; each program computes the partial softmax state
-(max, sum, unnormalised acc) of its head block over its range in fp32, and ``_decode_combine``
-merges the splits. ``num_splits`` comes from host-side static values only (batch size, heads,
+(max, sum, unnormalised acc) of its head block over its range in fp32, and the last of a head
+block's programs to finish merges the splits (an arrival counter; ``_decode_combine``, a second
+launch, is the alternative kept for A/B runs). ``num_splits`` comes from host-side static values only (batch size, heads,
 the ``max_seqlen_k`` bound, SM count); each sequence's key range per split is derived on the
 device from its own length, so a CUDA graph captured at the cache capacity replays correctly
 at any length, and splits past a sequence's end write neutral partials without touching the
@@ -28,6 +29,7 @@ import triton.language as tl
 
 from exl3_attn_backends.dense import dense_causal, fresh_single_sequence
 from exl3_core.attention.spec import AttnArgs, AttnSpec
+from exl3_core.kernels.counters import arrival_counters
 from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
 
 
@@ -202,19 +204,56 @@ def _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap,
 
 
 @triton.jit
+def _merge_splits(PartM, PartL, PartAcc, Out, b, hblk, q_start, n_used, NUM_SPLITS, stride_ot, stride_oh,
+                  NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, KV_HEAD0, BLOCK_H: tl.constexpr,
+                  BLOCK_HM: tl.constexpr, SPLIT_CHUNK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  BLOCK_DV: tl.constexpr):
+    # The softmax-weighted sum of splits 0 .. n_used - 1 (later ones are empty) for the head block's
+    # heads, SPLIT_CHUNK splits per round with a running max; written to Out in its dtype. The
+    # partials were stored by other programs of this launch: read at L2 (.cg), not a stale L1 line.
+    hrow = hblk * BLOCK_H + tl.arange(0, BLOCK_HM)
+    h_ok = hrow < GROUP
+    head = KV_HEAD0 + hrow
+    dv = tl.arange(0, BLOCK_DV)
+    sc = tl.arange(0, SPLIT_CHUNK)
+    m_run = tl.full([BLOCK_HM], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_HM], tl.float32)
+    acc = tl.zeros([BLOCK_HM, BLOCK_DV], tl.float32)
+    for s0 in range(0, n_used, SPLIT_CHUNK):
+        s_ok = s0 + sc < n_used
+        part = (b * NUM_HEADS + head)[:, None] * NUM_SPLITS + s0 + sc[None, :]  # [BLOCK_HM, SPLIT_CHUNK]
+        ok2 = h_ok[:, None] & s_ok[None, :]
+        m = tl.load(PartM + part, mask=ok2, other=float("-inf"), cache_modifier=".cg")
+        l_s = tl.load(PartL + part, mask=ok2, other=0.0, cache_modifier=".cg")
+        a = tl.load(PartAcc + part.to(tl.int64)[:, :, None] * HEAD_DIM_V + dv[None, None, :],
+                    mask=ok2[:, :, None] & (dv[None, None, :] < HEAD_DIM_V), other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_run, tl.max(m, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: every weight is exp(-inf) = 0
+        alpha = tl.exp(m_run - m_ref)
+        w = tl.exp(m - m_ref[:, None])
+        l_run = l_run * alpha + tl.sum(w * l_s, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * a, 1)
+        m_run = m_new
+    out = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+    tl.store(Out + q_start * stride_ot + head[:, None] * stride_oh + dv[None, :], out.to(Out.dtype.element_ty),
+             mask=h_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
+
+
+@triton.jit
 def _decode_split(
-    Q, K, V, PageTable, CuQ, SeqLensK, PartM, PartL, PartAcc,
+    Q, K, V, PageTable, CuQ, SeqLensK, PartM, PartL, PartAcc, Count, Out,
     scale, softcap,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
-    stride_pt, NUM_SPLITS,  # a runtime value: one compiled kernel serves every split count
+    stride_pt, stride_ot, stride_oh, NUM_SPLITS,  # a runtime value: one compiled kernel serves every split count
     NUM_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
-    RELOAD_FRESH: tl.constexpr,
+    RELOAD_FRESH: tl.constexpr, MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr,
 ):
     # grid (batch, kv_heads * HEAD_BLOCKS, NUM_SPLITS); rows = BLOCK_H heads of one GQA group
     b = tl.program_id(0)
@@ -250,7 +289,8 @@ def _decode_split(
                          stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
     if PDL:  # a programmatic dependent of the cache write (exl3_core/kernels/pdl.py)
         gdc_wait()
-        gdc_launch_dependents()
+        if not LATE_TRIGGER:
+            gdc_launch_dependents()
 
     q_ptr = Q + q_start * stride_qt + head[:, None] * stride_qh + d[None, :]
     q_ok = h_ok & (hrow * 0 + q_len > 0)
@@ -278,6 +318,17 @@ def _decode_split(
     tl.store(PartL + part, l_i, mask=h_ok)
     tl.store(PartAcc + part.to(tl.int64)[:, None] * HEAD_DIM_V + dv[None, :], acc,
              mask=h_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
+    if PDL and LATE_TRIGGER:  # o_proj's blocks launch (and prefetch) only while the merge runs
+        gdc_launch_dependents()
+    if MERGE:  # the head block's last program to arrive merges the splits: no combine launch
+        tl.debug_barrier()  # every thread's partial stores precede the release below
+        cnt = Count + b * (tl.num_programs(1)) + tl.program_id(1)
+        if tl.atomic_add(cnt, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            if q_len > 0:
+                n_used = tl.minimum(tl.cdiv(seq_k, tl.maximum(per, 1)), NUM_SPLITS)  # later splits: empty
+                _merge_splits(PartM, PartL, PartAcc, Out, b, hblk, q_start, n_used, NUM_SPLITS, stride_ot, stride_oh,
+                              NUM_HEADS, GROUP, kvh * GROUP, BLOCK_H, BLOCK_HM, SPLIT_CHUNK, HEAD_DIM_V, BLOCK_DV)
+            tl.store(cnt, 0)  # clean for the next call (a replayed graph reuses the buffer)
 
 
 @triton.jit
@@ -383,6 +434,12 @@ class TritonPagedAttention:
 #: capture from the cache capacity, so it must serve short and long contexts alike.
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 32
+#: The split kernel's last program per head block merges the splits (one launch, no combine kernel
+#: between attention and o_proj); False: the separate combine kernel. For A/B runs and tests.
+MERGE_IN_SPLIT_KERNEL = True
+#: With the merge in the split kernel, signal the dependent (o_proj) after the partial stores instead
+#: of right after the wait (its prefetch would compete with the split programs' key/value loads).
+LATE_TRIGGER_WHEN_MERGED = True
 #: Launch-shape override of ``_attn_fwd`` for query blocks longer than 16 rows (prefill): keys
 #: block_m, block_n, num_warps, num_stages, split (0/1). Empty: the built-in choice. For tuning runs
 #: (bench/attn_prefill_tune.py); not a user setting.
@@ -428,12 +485,15 @@ def choose_num_splits(args: AttnArgs) -> int:
     return max(1, min(want, triton.cdiv(max(args.max_seqlen_k, 1), block_n), MAX_SPLITS))
 
 
-def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None = None) -> torch.Tensor:
-    """Split-KV decode over a paged cache (one query per sequence): split kernel + combine.
+def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None = None,
+                    merge: bool | None = None) -> torch.Tensor:
+    """Split-KV decode over a paged cache (one query per sequence): the split kernel, whose last
+    program per head block merges the splits, or (``merge=False``) the split kernel + a combine kernel.
 
     ``reload_fresh``: reload each sequence's newest key/value after the wait for the kernel that wrote
     them (the split kernel loads its first chunk before that wait); None = when launched as a
     programmatic dependent, the only case where the early loads can see the old row. Tests force it.
+    ``merge``: None = :data:`MERGE_IN_SPLIT_KERNEL`.
     """
     spec = args.spec
     q = args.q
@@ -453,18 +513,27 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
     part_acc = torch.empty((B, Hq, num_splits, spec.v_dim), dtype=torch.float32, device=dev)
     out = torch.empty((q.shape[0], Hq, spec.v_dim), dtype=q.dtype, device=dev)
     opts = launch_opts(out)
+    merge = MERGE_IN_SPLIT_KERNEL if merge is None else merge
+    block_hm = min(block_h, triton.next_power_of_2(group))
+    programs = B * spec.num_kv_heads * head_blocks
     _decode_split[(B, spec.num_kv_heads * head_blocks, num_splits)](
         q, k, v, pt, args.cu_seqlens_q, args.seq_lens_k, part_m, part_l, part_acc,
+        arrival_counters("decode_split", dev, programs) if merge else part_m, out,
         float(args.scale), float(spec.softcap or 1.0),
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        pt.stride(0), num_splits,
+        pt.stride(0), out.stride(0), out.stride(1), num_splits,
         NUM_HEADS=Hq, PAGE_SIZE=k.shape[1], GROUP=group, HEAD_BLOCKS=head_blocks,
         HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.v_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_H=block_h, BLOCK_N=block_n,
         WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0, DOT_PREC=_dot_precision(spec.dtype),
-        RELOAD_FRESH=opts["PDL"] if reload_fresh is None else reload_fresh, **opts,
+        RELOAD_FRESH=opts["PDL"] if reload_fresh is None else reload_fresh,
+        # the merge's [heads, splits, dv] partial tile: at most 8192 fp32 (64 registers a thread)
+        MERGE=merge, BLOCK_HM=block_hm, LATE_TRIGGER=merge and LATE_TRIGGER_WHEN_MERGED,
+        SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), max(1, 8192 // (block_hm * block_dv))), **opts,
     )
+    if merge:
+        return out
     block_s = max(2, triton.next_power_of_2(num_splits))
     block_dv_c = min(block_dv, 128)
     _decode_combine[(B, Hq, triton.cdiv(spec.v_dim, block_dv_c))](

@@ -1,0 +1,41 @@
+"""A/B runner for device calls: `exl3 bench` (or any exl3 CLI command) with the decode step's tunables
+switched in-process, which have no setting of their own.
+
+    python bench/ab_run.py --merge 0|1 --kt-exceptions 0|1 -- bench --shape 8b ...
+
+--merge: the split-KV decode's merge in the split kernel (1) or a combine kernel (0)
+(exl3_attn_backends.triton_paged.MERGE_IN_SPLIT_KERNEL); --kt-exceptions 0: the EXL3 linear's k-chunk
+cost model everywhere (exl3_core.ext.KT_EXCEPTIONS not installed); --late-trigger: with the merge,
+the split kernel signals its dependent after its partial stores (1) or right after its wait (0).
+"""
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--merge", type=int, choices=(0, 1), default=1)
+    ap.add_argument("--kt-exceptions", type=int, choices=(0, 1), default=1)
+    ap.add_argument("--late-trigger", type=int, choices=(0, 1), default=1)
+    ap.add_argument("rest", nargs=argparse.REMAINDER)
+    a = ap.parse_args()
+    import exl3_attn_backends.triton_paged as tp
+
+    from exl3_core import ext
+
+    tp.MERGE_IN_SPLIT_KERNEL = bool(a.merge)
+    tp.LATE_TRIGGER_WHEN_MERGED = bool(a.late_trigger)
+    if not ext.load():
+        sys.exit("exl3_core._C did not load")
+    ext.set_kt_exceptions(ext.KT_EXCEPTIONS if a.kt_exceptions else ())
+    rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+    print(f"# ab_run: merge={a.merge} late_trigger={a.late_trigger} kt_exceptions={a.kt_exceptions}: exl3 {' '.join(rest)}", flush=True)
+    sys.argv = ["exl3", *rest]
+    runpy.run_module("exl3_core", run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
