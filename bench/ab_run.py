@@ -6,7 +6,8 @@ switched in-process, which have no setting of their own.
 --merge: the split-KV decode's merge in the split kernel (1) or a combine kernel (0)
 (exl3_attn_backends.triton_paged.MERGE_IN_SPLIT_KERNEL); --kt-exceptions 0: the EXL3 linear's k-chunk
 cost model everywhere (exl3_core.ext.KT_EXCEPTIONS not installed); --late-trigger: with the merge,
-the split kernel signals its dependent after its partial stores (1) or right after its wait (0).
+the split kernel signals its dependent after its partial stores (1) or right after its wait (0);
+--merge-tile: exl3_attn_backends.triton_paged.MERGE_TILE.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ def main() -> None:
     ap.add_argument("--merge", type=int, choices=(0, 1), default=1)
     ap.add_argument("--kt-exceptions", type=int, choices=(0, 1), default=1)
     ap.add_argument("--late-trigger", type=int, choices=(0, 1), default=1)
+    ap.add_argument("--merge-tile", type=int, default=0, help="fp32 elements of the merge's tile per round (0: default)")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
     import exl3_attn_backends.triton_paged as tp
@@ -28,11 +30,13 @@ def main() -> None:
 
     tp.MERGE_IN_SPLIT_KERNEL = bool(a.merge)
     tp.LATE_TRIGGER_WHEN_MERGED = bool(a.late_trigger)
+    if a.merge_tile:
+        tp.MERGE_TILE = a.merge_tile
     if not ext.load():
         sys.exit("exl3_core._C did not load")
     ext.set_kt_exceptions(ext.KT_EXCEPTIONS if a.kt_exceptions else ())
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
-    print(f"# ab_run: merge={a.merge} late_trigger={a.late_trigger} kt_exceptions={a.kt_exceptions}: exl3 {' '.join(rest)}", flush=True)
+    print(f"# ab_run: merge={a.merge} late_trigger={a.late_trigger} merge_tile={a.merge_tile} kt_exceptions={a.kt_exceptions}: exl3 {' '.join(rest)}", flush=True)
     sys.argv = ["exl3", *rest]
     runpy.run_module("exl3_core", run_name="__main__")
 

@@ -440,6 +440,9 @@ MERGE_IN_SPLIT_KERNEL = True
 #: With the merge in the split kernel, signal the dependent (o_proj) after the partial stores instead
 #: of right after the wait (its prefetch would compete with the split programs' key/value loads).
 LATE_TRIGGER_WHEN_MERGED = True
+#: fp32 elements of the merge's [heads, splits, dv] partial tile per round (8192: 64 registers a
+#: thread at 4 warps); more splits than fit take several rounds with a running max.
+MERGE_TILE = 8192
 #: Launch-shape override of ``_attn_fwd`` for query blocks longer than 16 rows (prefill): keys
 #: block_m, block_n, num_warps, num_stages, split (0/1). Empty: the built-in choice. For tuning runs
 #: (bench/attn_prefill_tune.py); not a user setting.
@@ -528,9 +531,8 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
         BLOCK_H=block_h, BLOCK_N=block_n,
         WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0, DOT_PREC=_dot_precision(spec.dtype),
         RELOAD_FRESH=opts["PDL"] if reload_fresh is None else reload_fresh,
-        # the merge's [heads, splits, dv] partial tile: at most 8192 fp32 (64 registers a thread)
         MERGE=merge, BLOCK_HM=block_hm, LATE_TRIGGER=merge and LATE_TRIGGER_WHEN_MERGED,
-        SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), max(1, 8192 // (block_hm * block_dv))), **opts,
+        SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), max(1, MERGE_TILE // (block_hm * block_dv))), **opts,
     )
     if merge:
         return out
