@@ -7,7 +7,7 @@ switched in-process, which have no setting of their own.
 (exl3_attn_backends.triton_paged.MERGE_IN_SPLIT_KERNEL); --kt-exceptions 0: the EXL3 linear's k-chunk
 cost model everywhere (exl3_core.ext.KT_EXCEPTIONS not installed); --late-trigger: with the merge,
 the split kernel signals its dependent after its partial stores (1) or right after its wait (0);
---merge-tile: exl3_attn_backends.triton_paged.MERGE_TILE.
+--merge-tile, --programs-per-sm: exl3_attn_backends.triton_paged's MERGE_TILE and PROGRAMS_PER_SM.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ def main() -> None:
     ap.add_argument("--merge", type=int, choices=(0, 1), default=1)
     ap.add_argument("--kt-exceptions", type=int, choices=(0, 1), default=1)
     ap.add_argument("--late-trigger", type=int, choices=(0, 1), default=1)
+    ap.add_argument("--programs-per-sm", type=int, default=0, help="split-KV programs per SM (0: default)")
     ap.add_argument("--merge-tile", type=int, default=0, help="fp32 elements of the merge's tile per round (0: default)")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -30,13 +31,15 @@ def main() -> None:
 
     tp.MERGE_IN_SPLIT_KERNEL = bool(a.merge)
     tp.LATE_TRIGGER_WHEN_MERGED = bool(a.late_trigger)
+    if a.programs_per_sm:
+        tp.PROGRAMS_PER_SM = a.programs_per_sm
     if a.merge_tile:
         tp.MERGE_TILE = a.merge_tile
     if not ext.load():
         sys.exit("exl3_core._C did not load")
     ext.set_kt_exceptions(ext.KT_EXCEPTIONS if a.kt_exceptions else ())
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
-    print(f"# ab_run: merge={a.merge} late_trigger={a.late_trigger} merge_tile={a.merge_tile} kt_exceptions={a.kt_exceptions}: exl3 {' '.join(rest)}", flush=True)
+    print(f"# ab_run: merge={a.merge} late_trigger={a.late_trigger} merge_tile={a.merge_tile} programs_per_sm={a.programs_per_sm} kt_exceptions={a.kt_exceptions}: exl3 {' '.join(rest)}", flush=True)
     sys.argv = ["exl3", *rest]
     runpy.run_module("exl3_core", run_name="__main__")
 
