@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 
 _cache: dict[tuple[str, str, int | None], torch.Tensor] = {}
+#: buffers a larger one replaced: CUDA graphs captured earlier still point at them, so they are never freed
+_retired: list[torch.Tensor] = []
 
 
 def arrival_counters(name: str, device: torch.device, rows: int) -> torch.Tensor:
@@ -18,12 +20,16 @@ def arrival_counters(name: str, device: torch.device, rows: int) -> torch.Tensor
 
     A buffer that must grow while a CUDA graph is being captured comes from that graph's private
     pool (and its zeroing is a captured node): the graph keeps it, and it is not cached for later
-    calls, whose memory the pool could hand out again once the graph is gone."""
+    calls, whose memory the pool could hand out again once the graph is gone. A cached buffer that
+    an eager call outgrows is retired, not freed: graphs captured with it replay on it (e.g. a small
+    decode bucket's after a larger bucket's warm-up)."""
     key = (name, device.type, device.index)
     buf = _cache.get(key)
     if buf is None or buf.numel() < rows:
-        fresh = torch.zeros(max(rows, 64), dtype=torch.int32, device=device)
+        fresh = torch.zeros(max(rows, 1024), dtype=torch.int32, device=device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return fresh
+        if buf is not None:
+            _retired.append(buf)
         buf = _cache[key] = fresh
     return buf

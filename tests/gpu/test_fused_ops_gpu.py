@@ -152,6 +152,42 @@ def test_split_kv_graph_replay_at_other_lengths() -> None:
         assert err <= 2e-3 * max(1.0, ref_out.float().abs().max().item()), (lens, err)
 
 
+def test_split_kv_graph_after_counter_growth() -> None:
+    """A split-KV decode captured with the cached arrival counters still replays correctly after an
+    eager call for more head blocks outgrew them (the cache moved to a larger buffer) and freed memory
+    of the old buffer's size was handed out and scribbled on: the old buffer is retired, not freed."""
+    pytest.importorskip("triton")
+    import exl3_attn_backends.triton_paged as tp
+
+    import exl3_core.kernels.counters as kc
+    from exl3_core.reference.attention import attention as reference_attention
+    from exl3_core.testing.attention import make_args
+
+    small = make_args(_decode_case(128, 32, 8, (300,), torch.float16), DEV, seed=2)
+    key = ("decode_split", "cuda", small.q.device.index)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        tp.decode_split_kv(small, 8, merge=True)  # compile, and the cached counters exist before the capture
+    torch.cuda.current_stream().wait_stream(s)
+    old = kc._cache[key]
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = tp.decode_split_kv(small, 8, merge=True)
+    seqs = old.numel() // 8 + 1  # 8 kv heads x 1 head block per sequence: more programs than it holds
+    big = make_args(_decode_case(128, 32, 8, (40,) * seqs, torch.float16), DEV, seed=3)
+    tp.decode_split_kv(big, 2, merge=True)
+    assert kc._cache[key] is not old and kc._cache[key].numel() > old.numel()
+    junk = [torch.full((n,), 5, dtype=torch.int32, device=DEV) for n in (old.numel(), old.numel() // 2) for _ in range(16)]
+    expect = reference_attention(small)
+    for _ in range(3):
+        out.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), expect.float(), atol=2e-3, rtol=2e-3)
+    assert all(int(j.min()) == 5 for j in junk), "the replay wrote into memory the old counters gave back"
+
+
 def test_greedy_pack_counter_grown_during_capture() -> None:
     """A greedy pick captured for more rows than the cached arrival counters hold: the graph gets its
     own zeroed counters, replays equal the reference, and the cache is not handed the graph's buffer."""
