@@ -58,7 +58,8 @@ def set_kt_exceptions(rows: Iterable[tuple[int, ...]]) -> int:
     flat: list[int] = []
     for row in rows:
         if len(row) != 5 or any(not isinstance(v, int) or v <= 0 for v in row) or row[4] > 32:
-            raise ValueError(f"k-chunk exception {row!r}: want 5 positive ints (sms, K, k_tiles, col_blocks, kt <= 32)")
+            raise ValueError(f"k-chunk exception {row!r}: want 5 positive ints "
+                             "(sms, K, k_tiles, col_blocks, kt <= 32)")
         flat.extend(row)
     if not hasattr(torch.ops.exl3, "set_kt_exceptions"):  # an extension built without the CUDA linear
         return 0

@@ -12,11 +12,11 @@ kernel leaves most of a large GPU idle at b=1 and long contexts. ``_decode_split
 axis over ``num_splits`` key ranges; each program computes the partial softmax state
 (max, sum, unnormalised acc) of its head block over its range in fp32, and the last of a head
 block's programs to finish merges the splits (an arrival counter; ``_decode_combine``, a second
-launch, is the alternative kept for A/B runs). ``num_splits`` comes from host-side static values only (batch size, heads,
-the ``max_seqlen_k`` bound, SM count); each sequence's key range per split is derived on the
-device from its own length, so a CUDA graph captured at the cache capacity replays correctly
-at any length, and splits past a sequence's end write neutral partials without touching the
-cache. Nothing reads sequence lengths back to the host.
+launch, is the alternative kept for A/B runs). ``num_splits`` comes from host-side static values
+only (batch size, heads, the ``max_seqlen_k`` bound, SM count); each sequence's key range per
+split is derived on the device from its own length, so a CUDA graph captured at the cache
+capacity replays correctly at any length, and splits past a sequence's end write neutral
+partials without touching the cache. Nothing reads sequence lengths back to the host.
 """
 from __future__ import annotations
 
