@@ -7,8 +7,9 @@
         b=1 greedy generator decode: wall time per token vs the replayed graph step, and a cProfile
         of the host side (functions by own time) -- the host work between graph replays.
 
-    python bench/profile_gpu.py decode [--shape 8b] [--tokens 256]
-        b=1 decode step replayed from its CUDA graph at context --tokens: GPU time per kernel group
+    python bench/profile_gpu.py decode [--shape 8b] [--tokens 256] [--batch 1]
+        a decode step of --batch sequences (a graph bucket: 1, 2, 4, 8, 16, 32) replayed from its
+        CUDA graph at context --tokens: GPU time per kernel group
         per step, and one step's kernel timeline (start, duration, gap after the previous kernel's
         end; with PDL a kernel may start before the previous one ends, so gaps can be negative).
 
@@ -180,22 +181,26 @@ def _group(name: str) -> str:
     return next((g for frag, g in _DECODE_GROUPS if frag.lower() in low), "other")
 
 
-def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "cuda", steps: int = 5) -> None:
+def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "cuda", steps: int = 5,
+                   batch: int = 1) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from exl3_core.generator.batching import Chunk, build_batch
     from exl3_core.generator.graphs import DecodeGraphs
 
     shape = parse_shape(shape_name)
-    model, cache = build_model(shape, bpw=4.0, head_bits=6, codebook="mul1", device=device, cache_tokens=ctx + 1024)
+    model, cache = build_model(shape, bpw=4.0, head_bits=6, codebook="mul1", device=device,
+                               cache_tokens=batch * (ctx + 1024))
     width = cache.max_pages_per_seq(ctx + 1)
     graphs = DecodeGraphs.create(model, cache, width)
     if graphs is None:
         raise SystemExit("decode graphs declined for this model/device: nothing to profile")
-    pages = cache.allocator.allocate(-(-(ctx + 1) // cache.page_size))
-    meta, _ = build_batch([Chunk([1], ctx, pages, True)], page_size=cache.page_size, table_width=width,
+    each = -(-(ctx + 1) // cache.page_size)
+    pages = cache.allocator.allocate(each * batch)
+    chunks = [Chunk([1], ctx, pages[i * each:(i + 1) * each], True) for i in range(batch)]
+    meta, _ = build_batch(chunks, page_size=cache.page_size, table_width=width,
                           scratch_page=cache.scratch_page, device=model.device, decode=True)
-    step = graph_step_time(model, cache, batch=1, ctx=ctx)
+    step = graph_step_time(model, cache, batch=batch, ctx=ctx)
     for _ in range(3):
         graphs.run(meta)
     _sync(model.device)
@@ -212,7 +217,7 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
         groups.setdefault(_group(name), []).append(t1 - t0)
     last = kern[per * (steps - 1): per * steps]
     wall = last[-1][2] - last[0][1]
-    lines = [f"decode {shape_name} b=1 ctx={ctx}: graph step {(step or 0) * 1e3:.3f} ms (events); {per} kernels per step; "
+    lines = [f"decode {shape_name} b={batch} ctx={ctx}: graph step {(step or 0) * 1e3:.3f} ms (events); {per} kernels per step; "
              f"last profiled step {wall:.1f} us first start to last end\n",
              f"{'group':24s} {'kernels/step':>12s} {'us/step (sum of durations)':>28s}\n"]
     for g, ds in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
@@ -224,7 +229,7 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
         prev_end = max(prev_end, t1)
     cache.allocator.release(pages)
     graphs.reset()
-    _emit("".join(lines), out, f"profile_decode_{shape_name}.txt")
+    _emit("".join(lines), out, f"profile_decode_{shape_name}" + (f"_b{batch}" if batch > 1 else "") + ".txt")
 
 
 def main() -> None:
@@ -234,11 +239,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batch", type=int, default=1, help="decode: sequences per step (a captured bucket, <= 32)")
     a = ap.parse_args()
     if a.what == "prefill":
         profile_prefill(a.shape or "8b", a.tokens or 2048, a.out, a.device)
     elif a.what == "decode":
-        profile_decode(a.shape or "8b", a.tokens or 256, a.out, a.device)
+        profile_decode(a.shape or "8b", a.tokens or 256, a.out, a.device, batch=a.batch)
     else:
         profile_host(a.shape or "1b", a.tokens or 128, a.out, a.device)
 
