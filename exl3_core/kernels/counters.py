@@ -26,7 +26,9 @@ def arrival_counters(name: str, device: torch.device, rows: int) -> torch.Tensor
     key = (name, device.type, device.index)
     buf = _cache.get(key)
     if buf is None or buf.numel() < rows:
-        fresh = torch.zeros(max(rows, 1024), dtype=torch.int32, device=device)
+        # at least double: retired buffers then add up to less than the live one
+        fresh = torch.zeros(max(rows, 1024, 2 * (buf.numel() if buf is not None else 0)), dtype=torch.int32,
+                            device=device)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return fresh
         if buf is not None:

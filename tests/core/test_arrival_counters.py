@@ -14,7 +14,7 @@ def test_grow_retires_the_old_buffer() -> None:
     assert small.dtype == torch.int32 and small.numel() >= 8 and int(small.abs().sum()) == 0
     assert kc.arrival_counters(name, dev, small.numel()) is small  # fits: the same buffer
     big = kc.arrival_counters(name, dev, small.numel() + 1)
-    assert big is not small and big.numel() > small.numel() and int(big.abs().sum()) == 0
+    assert big is not small and big.numel() >= 2 * small.numel() and int(big.abs().sum()) == 0  # geometric growth
     assert any(t is small for t in kc._retired), "the outgrown buffer was dropped (a graph may still use it)"
     assert kc.arrival_counters(name, dev, 8) is big
     assert kc.arrival_counters("test_grow_retires_other", dev, 8) is not big  # one buffer per family
