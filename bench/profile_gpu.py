@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from exl3_core.bench.models import build_model, parse_shape
-from exl3_core.bench.run import _sync, bench_prefill, graph_step_time, prefill_meta
+from exl3_core.bench.run import _sync, bench_prefill, decode_meta, graph_step_time, prefill_meta
 
 
 def _emit(text: str, out: Path | None, name: str) -> None:
@@ -185,21 +185,15 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
                    batch: int = 1) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    from exl3_core.generator.batching import Chunk, build_batch
     from exl3_core.generator.graphs import DecodeGraphs
 
     shape = parse_shape(shape_name)
     model, cache = build_model(shape, bpw=4.0, head_bits=6, codebook="mul1", device=device,
                                cache_tokens=batch * (ctx + 1024))
-    width = cache.max_pages_per_seq(ctx + 1)
-    graphs = DecodeGraphs.create(model, cache, width)
+    graphs = DecodeGraphs.create(model, cache, cache.max_pages_per_seq(ctx + 1))
     if graphs is None:
         raise SystemExit("decode graphs declined for this model/device: nothing to profile")
-    each = -(-(ctx + 1) // cache.page_size)
-    pages = cache.allocator.allocate(each * batch)
-    chunks = [Chunk([1], ctx, pages[i * each:(i + 1) * each], True) for i in range(batch)]
-    meta, _ = build_batch(chunks, page_size=cache.page_size, table_width=width,
-                          scratch_page=cache.scratch_page, device=model.device, decode=True)
+    meta, pages = decode_meta(model, cache, batch=batch, ctx=ctx)
     step = graph_step_time(model, cache, batch=batch, ctx=ctx)
     for _ in range(3):
         graphs.run(meta)

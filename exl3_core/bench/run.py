@@ -165,22 +165,34 @@ def bench_decode(model: Any, cache: Any, *, batch: int, ctx: int, new_tokens: in
     return out
 
 
+def decode_meta(model: Any, cache: Any, *, batch: int, ctx: int) -> tuple[Any, list[int]]:
+    """``(BatchMeta, pages)`` of one decode step of ``batch`` sequences, each one token after ``ctx``
+    cached ones, over pages freshly allocated from ``cache`` (the caller releases them), with the
+    page table as wide as a sequence of ``ctx + 1`` tokens needs."""
+    from exl3_core.generator.batching import Chunk, build_batch
+
+    ps = cache.page_size
+    each = -(-(ctx + 1) // ps)
+    pages = cache.allocator.allocate(each * batch)
+    try:
+        chunks = [Chunk([1], ctx, pages[b * each:(b + 1) * each], True) for b in range(batch)]
+        meta, _ = build_batch(chunks, page_size=ps, table_width=cache.max_pages_per_seq(ctx + 1),
+                              scratch_page=cache.scratch_page, device=model.device, decode=True)
+    except BaseException:
+        cache.allocator.release(pages)
+        raise
+    return meta, pages
+
+
 def graph_step_time(model: Any, cache: Any, *, batch: int, ctx: int) -> float | None:
     """Seconds of one replayed decode step (GPU time, events) at context ``ctx``; None when not graphed."""
-    from exl3_core.generator.batching import Chunk, build_batch
     from exl3_core.generator.graphs import DecodeGraphs
 
-    width = cache.max_pages_per_seq(ctx + 1)
-    graphs = DecodeGraphs.create(model, cache, width)
+    graphs = DecodeGraphs.create(model, cache, cache.max_pages_per_seq(ctx + 1))
     if graphs is None:
         return None
-    ps = cache.page_size
-    pages_each = -(-(ctx + 1) // ps)
-    pages = cache.allocator.allocate(pages_each * batch)
+    meta, pages = decode_meta(model, cache, batch=batch, ctx=ctx)
     try:
-        chunks = [Chunk([1], ctx, pages[b * pages_each:(b + 1) * pages_each], True) for b in range(batch)]
-        meta, _ = build_batch(chunks, page_size=ps, table_width=width, scratch_page=cache.scratch_page,
-                              device=model.device, decode=True)
         return time_median(lambda: graphs.run(meta), model.device, warmup=3, iters=20)
     finally:
         cache.allocator.release(pages)
@@ -247,14 +259,8 @@ def profile_decode(model: Any, cache: Any, *, ctx: int = 256, steps: int = 5, ro
     """``torch.profiler`` table of eager b=1 decode steps at context ``ctx`` (kernels by total time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from exl3_core.generator.batching import Chunk, build_batch
-
-    ps = cache.page_size
-    width = cache.max_pages_per_seq(ctx + 1)
-    pages = cache.allocator.allocate(-(-(ctx + 1) // ps))
+    meta, pages = decode_meta(model, cache, batch=1, ctx=ctx)
     try:
-        meta, _ = build_batch([Chunk([1], ctx, pages, True)], page_size=ps, table_width=width,
-                              scratch_page=cache.scratch_page, device=model.device, decode=True)
         model.forward_batch(meta, cache)
         _sync(model.device)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])

@@ -139,14 +139,9 @@ class RotaryEmbedding(Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``(cos, sin)`` of shape ``[T, rotary_dim/2]`` for int positions ``[T]``."""
-        if not self.dynamic and ops.fused_enabled(self.inv_freq):  # one launch (decode steps) instead of 4-6
-            return ops.rope_tables(positions, self.inv_freq, self.attention_factor)
-        inv = self._dynamic_inv_freq(positions) if self.dynamic else self.inv_freq
-        freqs = positions.float()[:, None] * inv[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
-        if self.attention_factor != 1.0:
-            cos, sin = cos * self.attention_factor, sin * self.attention_factor
-        return cos, sin
+        if self.dynamic:  # a per-call table computed on the device: torch ops
+            return ops.rope_tables(positions, self._dynamic_inv_freq(positions), self.attention_factor, impl="torch")
+        return ops.rope_tables(positions, self.inv_freq, self.attention_factor)  # CUDA: one launch instead of 4-6
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x [T, H, D]`` by the per-token tables from :meth:`cos_sin`."""
