@@ -7,6 +7,10 @@
         b=1 greedy generator decode: wall time per token vs the replayed graph step, and a cProfile
         of the host side (functions by own time) -- the host work between graph replays.
 
+    python bench/profile_gpu.py loop [--shape 1b] [--tokens 128] [--batch 1]
+        the generator's decode loop at --batch: tok/s against the graph step, the overlapped
+        pipeline's launches, and what the GPU runs between two replays.
+
     python bench/profile_gpu.py decode [--shape 8b] [--tokens 256] [--batch 1]
         a decode step of --batch sequences (a graph bucket: 1, 2, 4, 8, 16, 32) replayed from its
         CUDA graph at context --tokens: GPU time per kernel group
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import pstats
 import time
 from pathlib import Path
@@ -170,6 +175,61 @@ def profile_host(shape_name: str, tokens: int, out: Path | None, device: str = "
     _emit(head + s.getvalue(), out, f"profile_host_{shape_name}.txt")
 
 
+def profile_loop(shape_name: str, tokens: int, out: Path | None, device: str = "cuda", batch: int = 1,
+                 ctx: int = 256) -> None:
+    """The generator's decode loop at ``batch``: tok/s against the replayed graph step, and what the
+    GPU runs between two replays (copies, the ids cast, idle gaps) from a profiled stretch of steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from exl3_core.bench.run import _run_generator
+    from exl3_core.generator import Generator, Job
+
+    shape = parse_shape(shape_name)
+    model, cache = build_model(shape, bpw=4.0, head_bits=6, codebook="mul1", device=device,
+                               cache_tokens=2 * batch * (ctx + tokens + 512))
+    step = graph_step_time(model, cache, batch=batch, ctx=ctx) or 0.0
+    gen = Generator(model, cache, None, max_batch_size=batch, max_chunk_tokens=2048, max_seq_len=ctx + tokens + 8)
+    prompts = [torch.randint(0, shape.vocab, (ctx,)).tolist() for _ in range(batch)]
+    _run_generator(gen, [p[:64] for p in prompts], 4)
+    p = gen.pipeline
+    before = (p.launches, p.spec_launches) if p else (0, 0)
+    tok_s = _run_generator(gen, prompts, tokens)
+    after = (p.launches, p.spec_launches) if p else (0, 0)
+    jobs = [Job(q, max_new_tokens=tokens, stop_at_eos=False) for q in prompts]
+    gen.enqueue(jobs)
+    while not all(j.new_tokens >= 1 for j in jobs):
+        gen.iterate()
+    for _ in range(4):
+        gen.iterate()
+    _sync(model.device)
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            t = time.perf_counter()
+            gen.iterate()
+            walls.append(time.perf_counter() - t)
+        _sync(model.device)
+    while gen.num_remaining():
+        gen.iterate()
+    ev = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda t: t[1])
+    starts = [i for i, e in enumerate(ev) if "embed" in e[0].lower()]
+    lines = [(f"loop {shape_name} b={batch} ctx={ctx}: {tok_s:.1f} tok/s = {batch / tok_s * 1e3:.3f} ms per step; "
+              f"graph step {step * 1e3:.3f} ms; pipeline launches {after[0] - before[0]}, of them speculative "
+              f"{after[1] - before[1]}\n"),
+             "iterate() wall under the profiler (ms): " + " ".join(f"{w * 1e3:.2f}" for w in walls) + "\n"]
+    for a, b in itertools.pairwise(starts[1:]):
+        first = ev[a][1]
+        end = max((e[2] for e in ev[a:b] if "greedy" in e[0].lower()), default=max(e[2] for e in ev[a:b]))
+        lines.append(f"step: embed to next embed {ev[b][1] - first:.1f} us; embed to the greedy pick's end "
+                     f"{end - first:.1f} us; then on the GPU:\n")
+        for e in ev[a:b]:
+            if e[1] >= end - 0.01:
+                lines.append(f"   +{e[1] - end:8.1f} us {e[2] - e[1]:7.2f} us  {e[0][:70]}\n")
+        lines.append(f"   +{ev[b][1] - end:8.1f} us the next step's embedding lookup\n")
+    _emit("".join(lines), out, f"profile_loop_{shape_name}_b{batch}.txt")
+
+
 #: kernel name fragments -> group, for the decode step table (first match wins)
 _DECODE_GROUPS = (("fused_linear", "EXL3 linear (fused)"), ("gemm_kernel", "EXL3 GEMM"), ("_decode_split", "attention split"),
                   ("_decode_combine", "attention combine"), ("rms", "norms"), ("rope", "rope"), ("kv_write", "kv write"),
@@ -211,8 +271,8 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
         groups.setdefault(_group(name), []).append(t1 - t0)
     last = kern[per * (steps - 1): per * steps]
     wall = last[-1][2] - last[0][1]
-    lines = [f"decode {shape_name} b={batch} ctx={ctx}: graph step {(step or 0) * 1e3:.3f} ms (events); {per} kernels per step; "
-             f"last profiled step {wall:.1f} us first start to last end\n",
+    lines = [(f"decode {shape_name} b={batch} ctx={ctx}: graph step {(step or 0) * 1e3:.3f} ms (events); {per} kernels per step; "
+              f"last profiled step {wall:.1f} us first start to last end\n"),
              f"{'group':24s} {'kernels/step':>12s} {'us/step (sum of durations)':>28s}\n"]
     for g, ds in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
         lines.append(f"{g:24s} {len(ds) / steps:12.1f} {sum(ds) / steps:28.1f}\n")
@@ -228,7 +288,7 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["prefill", "host", "decode"])
+    ap.add_argument("what", choices=["prefill", "host", "decode", "loop"])
     ap.add_argument("--shape", default=None)
     ap.add_argument("--tokens", type=int, default=None)
     ap.add_argument("--out", type=Path, default=None)
@@ -237,6 +297,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.what == "prefill":
         profile_prefill(a.shape or "8b", a.tokens or 2048, a.out, a.device)
+    elif a.what == "loop":
+        profile_loop(a.shape or "1b", a.tokens or 128, a.out, a.device, batch=a.batch)
     elif a.what == "decode":
         profile_decode(a.shape or "8b", a.tokens or 256, a.out, a.device, batch=a.batch)
     else:

@@ -165,10 +165,11 @@ def bench_decode(model: Any, cache: Any, *, batch: int, ctx: int, new_tokens: in
     return out
 
 
-def decode_meta(model: Any, cache: Any, *, batch: int, ctx: int) -> tuple[Any, list[int]]:
+def decode_meta(model: Any, cache: Any, *, batch: int, ctx: int, device: Any = None) -> tuple[Any, list[int]]:
     """``(BatchMeta, pages)`` of one decode step of ``batch`` sequences, each one token after ``ctx``
     cached ones, over pages freshly allocated from ``cache`` (the caller releases them), with the
-    page table as wide as a sequence of ``ctx + 1`` tokens needs."""
+    page table as wide as a sequence of ``ctx + 1`` tokens needs; tensors on ``device`` (default the
+    model's; the host, as the generator builds them, for a graph replay that stages them itself)."""
     from exl3_core.generator.batching import Chunk, build_batch
 
     ps = cache.page_size
@@ -177,7 +178,8 @@ def decode_meta(model: Any, cache: Any, *, batch: int, ctx: int) -> tuple[Any, l
     try:
         chunks = [Chunk([1], ctx, pages[b * each:(b + 1) * each], True) for b in range(batch)]
         meta, _ = build_batch(chunks, page_size=ps, table_width=cache.max_pages_per_seq(ctx + 1),
-                              scratch_page=cache.scratch_page, device=model.device, decode=True)
+                              scratch_page=cache.scratch_page, device=model.device if device is None else device,
+                              decode=True)
     except BaseException:
         cache.allocator.release(pages)
         raise
@@ -185,13 +187,14 @@ def decode_meta(model: Any, cache: Any, *, batch: int, ctx: int) -> tuple[Any, l
 
 
 def graph_step_time(model: Any, cache: Any, *, batch: int, ctx: int) -> float | None:
-    """Seconds of one replayed decode step (GPU time, events) at context ``ctx``; None when not graphed."""
+    """Seconds of one replayed decode step at context ``ctx`` as the generator runs it (inputs built on
+    the host and staged by the replay; GPU time, events); None when not graphed."""
     from exl3_core.generator.graphs import DecodeGraphs
 
     graphs = DecodeGraphs.create(model, cache, cache.max_pages_per_seq(ctx + 1))
     if graphs is None:
         return None
-    meta, pages = decode_meta(model, cache, batch=batch, ctx=ctx)
+    meta, pages = decode_meta(model, cache, batch=batch, ctx=ctx, device="cpu")
     try:
         return time_median(lambda: graphs.run(meta), model.device, warmup=3, iters=20)
     finally:

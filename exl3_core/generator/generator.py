@@ -351,11 +351,18 @@ class Generator:
                 log.warning("CUDA-graph prefill failed (%s); prefill runs eagerly from now on", e)
                 self.prefill_graphs = None
         if logits is None:
-            meta, rows = build_batch([c for _, c in work], page_size=self.page_size, table_width=self.table_width,
-                                     scratch_page=self.cache.scratch_page, device=self.device, decode=decode)
-            if decode and self.graphs is not None and self.graphs.accepts(meta):
-                logits, packed = self.graphs.run(meta)
+            chunks = [c for _, c in work]
+            graphed = decode and self.graphs is not None
+            # a graph takes host-built inputs in one copy; the eager forward wants them on the device
+            meta, rows = build_batch(chunks, page_size=self.page_size, table_width=self.table_width,
+                                     scratch_page=self.cache.scratch_page,
+                                     device=torch.device("cpu") if graphed else self.device, decode=decode)
+            if graphed and self.graphs.accepts(meta):  # type: ignore[union-attr]
+                logits, packed = self.graphs.run(meta)  # type: ignore[union-attr]
             else:
+                if graphed:
+                    meta, rows = build_batch(chunks, page_size=self.page_size, table_width=self.table_width,
+                                             scratch_page=self.cache.scratch_page, device=self.device, decode=decode)
                 logits = self.model.forward_batch(meta, self.cache)
         self.forward_calls += 1
         self.tokens_computed += sum(len(c.tokens) for _, c in work)

@@ -33,6 +33,7 @@ or beyond the largest bucket, run eagerly too.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +47,39 @@ log = logging.getLogger(__name__)
 
 #: largest batch bucket captured (larger decode batches are kernel-bound, not launch-bound)
 MAX_GRAPH_BUCKET = 32
+#: a decode step's host-built inputs reach the graph in one copy from a pinned buffer (False: one
+#: copy per field, six per step; kept for A/B runs, bench/ab_run.py)
+STAGE_ONE_COPY = True
+#: pinned staging buffers per bucket, reused round robin (a slot is rewritten only after its copy ran)
+STAGING_SLOTS = 4
+
+#: the decode step's input fields: (name, dtype, shape as a function of bucket B and table width W)
+_FIELDS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens_k", "page_table")
+
+
+def _field_shapes(B: int, W: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    return {"input_ids": (torch.int64, (B,)), "positions": (torch.int64, (B,)), "slot_mapping": (torch.int64, (B,)),
+            "cu_seqlens_q": (torch.int32, (B + 1,)), "seq_lens_k": (torch.int32, (B,)),
+            "page_table": (torch.int32, (B, W))}
+
+
+class _Blob:
+    """The decode inputs of one bucket as views of one byte buffer (each field 16-byte aligned, as
+    a separately allocated tensor would be), so that host-built inputs travel in one copy."""
+
+    def __init__(self, B: int, W: int, device: torch.device, pinned: bool = False) -> None:
+        shapes = _field_shapes(B, W)
+        offsets, n = {}, 0
+        for name in _FIELDS:
+            dtype, shape = shapes[name]
+            offsets[name] = n
+            n += -(-math.prod(shape) * dtype.itemsize // 16) * 16
+        self.buf = torch.zeros(n, dtype=torch.uint8, device=device, pin_memory=pinned)
+        self.views: dict[str, torch.Tensor] = {}
+        for name in _FIELDS:
+            dtype, shape = shapes[name]
+            size = math.prod(shape) * dtype.itemsize
+            self.views[name] = self.buf[offsets[name]:offsets[name] + size].view(dtype).view(shape)
 
 
 #: token buckets of graphed prefill chunks (a chunk runs padded to the smallest that holds it)
@@ -185,6 +219,7 @@ class DecodeGraphs(_GraphSet):
     def __init__(self, model: Any, cache: Any, table_width: int, max_bucket: int = MAX_GRAPH_BUCKET) -> None:
         super().__init__(model, cache, table_width)
         self.max_bucket = max_bucket
+        self._blobs: dict[int, tuple[_Blob, list[tuple[_Blob, torch.cuda.Event]]]] = {}
 
     @classmethod
     def create(cls, model: Any, cache: Any, table_width: int, max_bucket: int = MAX_GRAPH_BUCKET) -> DecodeGraphs | None:
@@ -195,16 +230,18 @@ class DecodeGraphs(_GraphSet):
             return None
         return cls(model, cache, table_width, max_bucket)
 
-    def accepts(self, meta: BatchMeta, *, staged: bool = False) -> bool:
-        """Whether ``meta`` can be replayed; ``staged``: its tensors are (pinned) host tensors that
-        :meth:`run` copies asynchronously (the overlapped decode loop builds them so)."""
+    def accepts(self, meta: BatchMeta) -> bool:
+        """Whether ``meta`` (host or device tensors) can be replayed."""
         return (meta.phase == "decode" and meta.logits_indices is None and meta.page_table is not None
                 and meta.batch_size <= self.max_bucket and meta.input_ids.shape[0] == meta.batch_size
-                and meta.page_table.shape[1] == self.table_width and (staged or meta.input_ids.is_cuda))
+                and meta.page_table.shape[1] == self.table_width)
 
     def run(self, meta: BatchMeta, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph of ``meta``'s bucket: ``(logits [B, V], packed [2, B])`` (static buffers,
         valid until the next replay).
+
+        ``meta`` built on the host (the generator's way) is packed into a pinned staging buffer and
+        reaches the graph's inputs in one asynchronous copy; device tensors are copied field by field.
 
         :param ids: optional device tensor ``[n]`` (e.g. the previous step's ``packed[0]``, float64)
             that replaces the first ``n`` input ids. Its copy (cast to int64) is queued on the
@@ -213,12 +250,17 @@ class DecodeGraphs(_GraphSet):
         """
         g = self._graph(meta.batch_size)
         s = g.meta
-        s.input_ids.copy_(meta.input_ids, non_blocking=True)
-        s.positions.copy_(meta.positions, non_blocking=True)
-        s.cu_seqlens_q.copy_(meta.cu_seqlens_q, non_blocking=True)
-        s.seq_lens_k.copy_(meta.seq_lens_k, non_blocking=True)
-        s.page_table.copy_(meta.page_table, non_blocking=True)  # type: ignore[union-attr]
-        s.slot_mapping.copy_(meta.slot_mapping, non_blocking=True)  # type: ignore[union-attr]
+        if meta.input_ids.is_cuda or not STAGE_ONE_COPY:
+            for name in _FIELDS:
+                getattr(s, name).copy_(getattr(meta, name), non_blocking=True)
+        else:
+            blob, ring = self._blobs[meta.batch_size]
+            host, done = ring[self.replays % len(ring)]
+            done.synchronize()  # this slot's previous copy has read it
+            for name in _FIELDS:
+                host.views[name].copy_(getattr(meta, name))
+            blob.buf.copy_(host.buf, non_blocking=True)
+            done.record()
         if ids is not None:
             s.input_ids[:ids.shape[0]].copy_(ids, non_blocking=True)
         g.graph.replay()
@@ -226,20 +268,25 @@ class DecodeGraphs(_GraphSet):
         assert g.packed is not None
         return g.logits, g.packed
 
+    def reset(self) -> None:
+        super().reset()
+        self._blobs.clear()
+
     def _static_meta(self, B: int) -> BatchMeta:
         dev, W, ps = self.device, self.table_width, self.page_size
         scratch = self.cache.scratch_page
+        blob = _Blob(B, W, dev)
+        ring = [(_Blob(B, W, torch.device("cpu"), pinned=True), torch.cuda.Event()) for _ in range(STAGING_SLOTS)]
+        self._blobs[B] = (blob, ring)
+        v = blob.views
         # every padded row points at the scratch page: warm-up and capture write nothing else
-        return BatchMeta(
-            input_ids=torch.zeros(B, dtype=torch.int64, device=dev),
-            positions=torch.zeros(B, dtype=torch.int64, device=dev),
-            cu_seqlens_q=torch.arange(B + 1, dtype=torch.int32, device=dev),
-            seq_lens_k=torch.ones(B, dtype=torch.int32, device=dev),
-            max_seqlen_q=1, max_seqlen_k=W * ps, phase="decode",
-            page_table=torch.full((B, W), scratch, dtype=torch.int32, device=dev),
-            slot_mapping=torch.full((B,), scratch * ps, dtype=torch.int64, device=dev),
-            logits_indices=None,
-        )
+        v["input_ids"].zero_()
+        v["positions"].zero_()
+        v["cu_seqlens_q"].copy_(torch.arange(B + 1, dtype=torch.int32))
+        v["seq_lens_k"].fill_(1)
+        v["page_table"].fill_(scratch)
+        v["slot_mapping"].fill_(scratch * ps)
+        return BatchMeta(max_seqlen_q=1, max_seqlen_k=W * ps, phase="decode", logits_indices=None, **v)
 
     def _step(self, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
         logits = self.model.forward_batch(meta, self.cache)

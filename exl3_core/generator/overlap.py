@@ -22,9 +22,10 @@ a job that is not plain greedy, too few free pages) drains the pipeline: the in-
 finished normally and the generator continues with its plain step. ``EXL3_OVERLAP_DECODE=0``
 (``settings.get().overlap_decode``) turns the loop off.
 
-On CUDA the step's metadata is staged in pinned host memory and copied asynchronously, the ids
-copy and the greedy read-back are queued on the replay's stream, and the read waits on an event,
-so launching step t+1 never waits for step t. On the CPU the same code runs eagerly.
+On CUDA the step's metadata is built on the host and copied asynchronously (a replayed graph packs
+it into one pinned buffer: one copy per step), the ids copy and the greedy read-back are queued on
+the replay's stream, and the read waits on an event, so launching step t+1 never waits for step t.
+On the CPU the same code runs eagerly.
 """
 from __future__ import annotations
 
@@ -210,7 +211,6 @@ class DecodePipeline:
         chunks = [Chunk([0 if r.spec else r.job.seq[-1]], r.job.cached, r.job.pages, True) for r in rows]
         meta, _ = build_batch(chunks, page_size=g.page_size, table_width=g.table_width,
                               scratch_page=g.cache.scratch_page, device=torch.device("cpu"), decode=True)
-        meta = _stage(meta, g.device)
         ids = None
         if prev is not None:
             assert src is not None
@@ -219,10 +219,10 @@ class DecodePipeline:
             else:
                 idx = torch.from_numpy(np.asarray(src, dtype=np.int64))
                 ids = prev.ids.index_select(0, _stage_index(idx, g.device))
-        if g.graphs is not None and g.graphs.accepts(meta, staged=True):
-            _, packed = g.graphs.run(meta, ids)
+        if g.graphs is not None and g.graphs.accepts(meta):
+            _, packed = g.graphs.run(meta, ids)  # packs the host-built meta into one pinned copy
         else:
-            dmeta = _to_device(meta, g.device)
+            dmeta = _to_device(_stage(meta, g.device), g.device)
             if ids is not None:
                 dmeta.input_ids[:n].copy_(ids, non_blocking=True)
             packed = ops.greedy_pack(g.model.forward_batch(dmeta, g.cache))

@@ -9,7 +9,8 @@ import torch
 from exl3_core.archkit.memory import InsufficientDeviceMemory
 from exl3_core.bench.models import bench_plugins, build_model, parse_shape
 from exl3_core.generator import Generator, Job
-from exl3_core.generator.graphs import DecodeGraphs, decline_reason
+from exl3_core.generator.batching import Chunk, build_batch
+from exl3_core.generator.graphs import STAGING_SLOTS, DecodeGraphs, decline_reason
 
 SHAPE = "custom(512,1024,3,8,2,2000)"
 
@@ -81,6 +82,40 @@ def test_graph_decode_equals_eager(model_cache, batch: int) -> None:
                 assert err < tol, err
         assert compared >= 32 * batch  # the comparison covered most steps
     assert graphed.graphs.replays >= 2 * 63
+
+
+def test_host_built_inputs_replay_like_eager(model_cache) -> None:
+    """Replays fed host-built metadata (packed into a pinned staging slot, one copy each), queued
+    back to back over more steps than there are slots, each equal the eager forward of the same
+    step: no slot is rewritten before its copy has run, and every field lands where the graph reads it."""
+    model, cache = model_cache
+    ps, W = cache.page_size, 4
+    graphs = DecodeGraphs.create(model, cache, W)
+    assert graphs is not None, decline_reason(model, cache)
+    g = torch.Generator().manual_seed(11)
+    steps, pages = [], []
+    try:
+        for _ in range(STAGING_SLOTS + 2):
+            chunks = []
+            for _ in range(3):  # bucket 4: one padded row
+                ctx = int(torch.randint(1, 2 * ps - 1, (1,), generator=g))
+                p = cache.allocator.allocate(-(-(ctx + 1) // ps))
+                pages += p
+                chunks.append(Chunk([int(torch.randint(0, 2000, (1,), generator=g))], ctx, p, True))
+            kw = {"page_size": ps, "table_width": W, "scratch_page": cache.scratch_page, "decode": True}
+            host, _ = build_batch(chunks, device=torch.device("cpu"), **kw)
+            dev, _ = build_batch(chunks, device=torch.device(model.device), **kw)
+            assert graphs.accepts(host) and not host.input_ids.is_cuda
+            steps.append((host, dev))
+        got = [graphs.run(host)[0][:3].clone() for host, _ in steps]  # no sync between replays
+        for i, ((_, dev), out) in enumerate(zip(steps, got)):
+            ref = model.forward_batch(dev, cache)[:3]
+            err = ((ref.float() - out.float()).abs().max() / ref.float().abs().max()).item()
+            assert err < 1e-2, (i, err)
+        assert not torch.equal(got[0], got[1])
+    finally:
+        cache.allocator.release(pages)
+        graphs.reset()
 
 
 def test_graph_declined_for_unsafe_backend(model_cache) -> None:
