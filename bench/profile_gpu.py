@@ -191,6 +191,7 @@ def profile_loop(shape_name: str, tokens: int, out: Path | None, device: str = "
     gen = Generator(model, cache, None, max_batch_size=batch, max_chunk_tokens=2048, max_seq_len=ctx + tokens + 8)
     prompts = [torch.randint(0, shape.vocab, (ctx,)).tolist() for _ in range(batch)]
     _run_generator(gen, [p[:64] for p in prompts], 4)
+    gen.capture_graphs()
     p = gen.pipeline
     before = (p.launches, p.spec_launches) if p else (0, 0)
     tok_s = _run_generator(gen, prompts, tokens)

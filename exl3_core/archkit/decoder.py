@@ -21,7 +21,8 @@ from exl3_core.nn.mlp import GatedMLP
 from exl3_core.nn.module import ForwardState, LoadContext, Module, WeightError
 from exl3_core.nn.norm import DeferredNorm, RMSNorm
 from exl3_core.nn.rope import RotaryEmbedding
-from exl3_core.quant.exl3.linear import FUSED_GROUP_MAX_ROWS, project_group
+from exl3_core.quant.exl3 import linear as exl3_linear
+from exl3_core.quant.exl3.linear import project_group
 
 
 class StandardDecoderConfig:
@@ -112,11 +113,6 @@ def _residual_capable(m: torch.nn.Module) -> bool:
     # has forward_residual, and the forward it mirrors is the one in use (not overridden alone)
     cls = type(m)
     return hasattr(cls, "forward_residual") and getattr(cls, "residual_forward_of", None) is cls.forward
-
-
-#: rows (tokens) up to which a forward defers each norm into the linears after it: the one-launch
-#: linear's sizes
-DEFERRED_MAX_ROWS = FUSED_GROUP_MAX_ROWS
 
 
 class DecoderBlock(Module):
@@ -318,7 +314,8 @@ class StandardDecoder(Model):
         return self.head(DeferredNorm(h, norm, ss_in)).float()
 
     def _deferrable(self, rows: int, dtype: torch.dtype) -> bool:
-        return (1 <= rows <= DEFERRED_MAX_ROWS and len(self.layers) > 0 and dtype == torch.float16
+        # up to the one-launch linear's rows (read at call time: benchmarks switch it)
+        return (1 <= rows <= exl3_linear.FUSED_GROUP_MAX_ROWS and len(self.layers) > 0 and dtype == torch.float16
                 and settings.get().deferred_norm and all(b.deferrable() for b in self.layers))  # type: ignore[operator]
 
     def _forward_chain(self, x: torch.Tensor, meta: BatchMeta, state: ForwardState) -> torch.Tensor:

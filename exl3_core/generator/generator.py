@@ -151,6 +151,17 @@ class Generator:
             if job.status not in ("done",):
                 job.status = "cancelled"
 
+    def capture_graphs(self) -> list[int]:
+        """Capture the decode graph of every batch bucket this generator can step (up to
+        ``max_batch_size``) now, rather than at each bucket's first step. A capture costs a few
+        hundred ms (seconds where a new shape compiles Triton kernels), so a server does this at
+        start-up and no step stalls later when its batch grows or shrinks past a bucket. Returns the
+        captured buckets ([] when decode runs eagerly). Only while no job is running."""
+        with self.lock:
+            if self.queue or self.active:
+                raise RuntimeError("Generator.capture_graphs: jobs are queued or running; call it before enqueueing")
+            return self.graphs.capture_buckets(self.max_batch_size) if self.graphs is not None else []
+
     def num_remaining(self) -> int:
         with self.lock:
             return len(self.queue) + len(self.active)

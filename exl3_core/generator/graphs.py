@@ -230,6 +230,17 @@ class DecodeGraphs(_GraphSet):
             return None
         return cls(model, cache, table_width, max_bucket)
 
+    def capture_buckets(self, max_batch: int) -> list[int]:
+        """Capture now the graph of every bucket a step of up to ``max_batch`` rows can use (capped at
+        :attr:`max_bucket`), instead of at each bucket's first step; returns those buckets."""
+        from exl3_core.generator.batching import DECODE_BUCKETS, bucket_size
+
+        top = min(bucket_size(max(max_batch, 1)), self.max_bucket)
+        buckets = [b for b in DECODE_BUCKETS if b <= top]
+        for b in buckets:
+            self._graph(b)
+        return buckets
+
     def accepts(self, meta: BatchMeta) -> bool:
         """Whether ``meta`` (host or device tensors) can be replayed."""
         return (meta.phase == "decode" and meta.logits_indices is None and meta.page_table is not None

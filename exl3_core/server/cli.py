@@ -44,6 +44,7 @@ def build_app(args: argparse.Namespace) -> Any:
         raise ValueError(f"--max-batch {args.max_batch} must be at least 1")
     s = Session(args)
     gen = Generator(s.model, s.cache, s.tokenizer, max_batch_size=args.max_batch)
+    gen.capture_graphs()  # every decode bucket now: no request waits for a capture later
     name = args.model_name or Path(s.config.directory).name
     ctx = s.config.raw.get("max_position_embeddings")
     return OpenAIApp(gen, s.tokenizer, model_id=name, max_context=ctx if isinstance(ctx, int) else None)

@@ -265,3 +265,16 @@ def test_stats_are_reported(model, plugins) -> None:
     r = run_all(gen)[0]
     assert r["prompt_tokens"] == 40 and r["new_tokens"] == 4 and r["cached_tokens"] == 0
     assert r["time_prefill"] > 0 and r["time_generate"] >= 0 and r["time_queued"] >= 0
+
+
+def test_capture_graphs_eager_and_refused_while_running() -> None:
+    """On CPU there are no graphs to capture ([]); with a job queued the call is refused."""
+    model = ToyModel(vocab_size=64, hidden=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, seed=3)
+    gen = Generator(model, Cache(model, 256, page_size=4), None, max_batch_size=4)
+    assert gen.graphs is None and gen.capture_graphs() == []
+    gen.enqueue(Job([1, 2, 3], max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="jobs are queued or running"):
+        gen.capture_graphs()
+    while gen.num_remaining():
+        gen.iterate()
+    assert gen.capture_graphs() == []
