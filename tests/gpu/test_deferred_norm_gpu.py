@@ -262,7 +262,7 @@ def _greedy(model, cache, prompts: list[list[int]], n: int) -> list[tuple[list[i
     return [(ids[i], torch.cat(lg[i])) for i in range(len(jobs))]
 
 
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("batch", [1, 3, 8])
 def test_decode_with_fused_extras_equals_separate_kernels(ops_, model_cache, batch: int, monkeypatch) -> None:
     """Greedy decode (32 steps) with the norms deferred into the linears and RoPE + KV write in q/k/v's
     epilogue equals the chain with separate kernels: logits within fp16 tolerance until a near-tie,
