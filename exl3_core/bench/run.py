@@ -95,8 +95,10 @@ def _graphed_time(fn: Callable[[], Any], device: torch.device, calls: int = 10) 
     small kernels would otherwise time the host)."""
     fn()
     torch.cuda.synchronize(device)
+    from exl3_core.generator.graphs import no_gc
+
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with no_gc(), torch.cuda.graph(g):
         for _ in range(calls):
             fn()
     return time_median(g.replay, device, warmup=2, iters=7) / calls

@@ -32,8 +32,11 @@ or beyond the largest bucket, run eagerly too.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,6 +143,21 @@ def decline_reason(model: Any, cache: Any, phase: str = "decode") -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """No garbage collection inside a CUDA-graph capture (collects first). A cycle collected there
+    that holds an older graph (a dropped generator's) destroys it mid-capture, which CUDA refuses
+    and which invalidates the capture ("operation not permitted when stream is capturing")."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -201,7 +219,7 @@ class _GraphSet:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with no_gc(), torch.cuda.graph(graph, pool=self._pool):
             logits, packed = self._step(meta)
         log.debug("captured %s graph for bucket %d", type(self).__name__, bucket)
         return _Graph(graph, meta, logits, packed)

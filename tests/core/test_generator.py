@@ -278,3 +278,26 @@ def test_capture_graphs_eager_and_refused_while_running() -> None:
     while gen.num_remaining():
         gen.iterate()
     assert gen.capture_graphs() == []
+
+
+def test_no_gc_around_captures() -> None:
+    """Graph captures run with the garbage collector off (a collected old graph would invalidate
+    the capture); its previous state comes back, after an exception too."""
+    import gc
+
+    from exl3_core.generator.graphs import no_gc
+
+    assert gc.isenabled()
+    with no_gc():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(KeyError), no_gc():
+        raise KeyError("x")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_gc():
+            pass
+        assert not gc.isenabled()  # was off: stays off
+    finally:
+        gc.enable()

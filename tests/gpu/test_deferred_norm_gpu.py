@@ -209,7 +209,8 @@ def test_python_side_refuses_what_the_ops_cannot_take() -> None:
     """The model code checks before it calls the ops (a TORCH_CHECK thrown inside exl3_core._C crashes
     the process on the device image; tests/gpu/test_exl3_kernels.py): unfusable inputs fall back."""
     from exl3_core.nn.norm import DeferredNorm, RMSNorm
-    from exl3_core.quant.exl3.linear import EXL3Linear, _group_ex_ok, linear_residual, residual_fusable
+    from exl3_core.quant.exl3.linear import (FUSED_GROUP_MAX_ROWS, EXL3Linear, _group_ex_ok, linear_residual,
+                                             residual_fusable)
 
     t, su, sv = problem(256, 256, 4)
     lin = EXL3Linear(t, su, sv, CB_MUL1, 256, 256)
@@ -217,7 +218,10 @@ def test_python_side_refuses_what_the_ops_cannot_take() -> None:
     assert residual_fusable(lin, x, res)
     assert not residual_fusable(lin, x, res.float())            # fp32 stream
     assert not residual_fusable(lin, x, res[:, :128])           # residual narrower than the output
-    assert not residual_fusable(lin, torch.randn(5, 256, device=DEV).half(), torch.randn(5, 256, device=DEV).half())
+    rows = FUSED_GROUP_MAX_ROWS
+    assert residual_fusable(lin, torch.randn(rows, 256, device=DEV).half(), torch.randn(rows, 256, device=DEV).half())
+    rows += 1  # past the one-launch linear's rows
+    assert not residual_fusable(lin, torch.randn(rows, 256, device=DEV).half(), torch.randn(rows, 256, device=DEV).half())
     assert not residual_fusable(lin, x, res, gate=torch.randn(1, 128, device=DEV).half())
     norm = RMSNorm("n", 256, 1e-6)
     norm.weight = torch.rand(256, device=DEV)
