@@ -10,8 +10,7 @@ the split kernel signals its dependent after its partial stores (1) or right aft
 --merge-tile, --programs-per-sm: exl3_attn_backends.triton_paged's MERGE_TILE and PROGRAMS_PER_SM;
 --one-copy 0: a graphed decode step's host-built inputs copied field by field (six copies) instead of
 packed into one pinned buffer (exl3_core.generator.graphs.STAGE_ONE_COPY); --fused-rows N: the
-one-launch linear (and the deferred norms) up to N rows (exl3_core.quant.exl3.linear.FUSED_GROUP_MAX_ROWS);
---row-cost N: the k-chunk cost model's per-row term (exl3_core.ext.FUSED_ROW_COST). With `--script PATH`
+one-launch linear (and the deferred norms) up to N rows (exl3_core.quant.exl3.linear.FUSED_GROUP_MAX_ROWS). With `--script PATH`
 the command after `--` runs PATH (a bench/ script and its arguments) instead of the exl3 CLI.
 """
 from __future__ import annotations
@@ -29,7 +28,6 @@ def main() -> None:
     ap.add_argument("--programs-per-sm", type=int, default=0, help="split-KV programs per SM (0: default)")
     ap.add_argument("--merge-tile", type=int, default=0, help="fp32 elements of the merge's tile per round (0: default)")
     ap.add_argument("--one-copy", type=int, choices=(0, 1), default=1)
-    ap.add_argument("--row-cost", type=int, default=-1, help="k-chunk cost model's per-row term, quarter tiles (-1: default)")
     ap.add_argument("--fused-rows", type=int, default=0, help="rows up to which the one-launch linear runs (0: default)")
     ap.add_argument("--script", default=None, help="run this script with the arguments after -- (not the CLI)")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
@@ -53,11 +51,9 @@ def main() -> None:
     if not ext.load():
         sys.exit("exl3_core._C did not load")
     ext.set_kt_exceptions(ext.KT_EXCEPTIONS if a.kt_exceptions else ())
-    if a.row_cost >= 0:
-        ext.set_fused_row_cost(a.row_cost)
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
     print(f"# ab_run: merge={a.merge} late_trigger={a.late_trigger} merge_tile={a.merge_tile} "
-          f"programs_per_sm={a.programs_per_sm} kt_exceptions={a.kt_exceptions} one_copy={a.one_copy} fused_rows={a.fused_rows} row_cost={a.row_cost}: "
+          f"programs_per_sm={a.programs_per_sm} kt_exceptions={a.kt_exceptions} one_copy={a.one_copy} fused_rows={a.fused_rows}: "
           f"{a.script or 'exl3'} {' '.join(rest)}", flush=True)
     if a.script:
         sys.argv = [a.script, *rest]

@@ -38,13 +38,12 @@ def load() -> bool:
         torch.ops.exl3.set_pdl(settings.get().pdl)
     if hasattr(torch.ops.exl3, "set_kt_exceptions"):
         set_kt_exceptions(KT_EXCEPTIONS)
-    set_fused_row_cost(FUSED_ROW_COST)
     return True
 
 
 #: Measured exceptions to the decode-size EXL3 linear's k-chunk cost model (``pick_kt_per_chunk`` in
-#: csrc/exl3/exl3_fused.cuh), for the m <= 8 kernel: (SM count, K bits, k tiles, 128-column blocks)
-#: -> k tiles per chunk. Each row is a shape where a sweep of one decoder layer's linears, launched as
+#: csrc/exl3/exl3_fused.cuh), applied at m = 1 where they were measured: (SM count, K bits, k tiles,
+#: 128-column blocks) -> k tiles per chunk. Each row is a shape where a sweep of one decoder layer's linears, launched as
 #: in the decode step (``TUNE_CHAIN`` in bench/gemv_tune.cu), found a chunk size clearly faster than
 #: the model's pick on that device; docs/performance.md (run 12) has the sweeps.
 KT_EXCEPTIONS: tuple[tuple[int, int, int, int, int], ...] = (
@@ -65,22 +64,6 @@ def set_kt_exceptions(rows: Iterable[tuple[int, ...]]) -> int:
     if not hasattr(torch.ops.exl3, "set_kt_exceptions"):  # an extension built without the CUDA linear
         return 0
     return int(torch.ops.exl3.set_kt_exceptions(flat))
-
-
-#: The decode-size EXL3 linear's k-chunk cost model (``pick_kt_per_chunk``): the work per row beyond
-#: the first and per block an SM runs, in quarter k tiles (a block's split-k atomics and input
-#: transform grow with the rows, so larger batches take fewer, longer chunks).
-FUSED_ROW_COST = 0
-
-
-def set_fused_row_cost(quarter_tiles: int) -> int:
-    """Set the k-chunk cost model's per-row term (quarter k tiles, 0..256; A/B runs); returns the
-    previous value (0 without the CUDA linear). Checked here, as :func:`set_kt_exceptions`."""
-    if not isinstance(quarter_tiles, int) or isinstance(quarter_tiles, bool) or not 0 <= quarter_tiles <= 256:
-        raise ValueError(f"fused row cost {quarter_tiles!r}: want an int in 0..256 (quarter k tiles per extra row)")
-    if not hasattr(torch.ops.exl3, "set_fused_row_cost"):
-        return 0
-    return int(torch.ops.exl3.set_fused_row_cost(quarter_tiles))
 
 
 load_error: list[str] = []

@@ -20,7 +20,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <atomic>
 #include <vector>
 
 #include "exl3_decode.cuh"
@@ -390,35 +389,22 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
 
 // ------------------------------------------------------------------ host side
 
-// The split-k epilogue adds one fp32 atomic per row and column of a block, and the prologue
-// transforms every row: work that grows with m and with the number of blocks an SM runs, in any
-// wave. Its weight, in quarter k tiles per extra row and per block of an SM, is set from Python
-// (exl3::set_fused_row_cost, exl3_core/ext.py FUSED_ROW_COST); more rows then favour fewer, longer chunks.
-inline std::atomic<int>& fused_row_cost_q() {
-    static std::atomic<int> c{0};
-    return c;
-}
-
 // k tiles per block (any count up to GEMM_KT_MAX): the one minimising a simple cost model, waves of
 // resident blocks x (k tiles + a fixed per-block cost of ~4 k tiles for the x prologue and the split-k
 // epilogue). A ragged last wave costs a whole wave (its blocks take as long as a full wave's), so
 // e.g. 4096x14336 gets 26 k tiles (1,120 blocks, one wave of 1,188) where whole Hadamard blocks only
 // allowed 32 (896 blocks, 75% of the slots) or 24 (1,232 blocks: a second wave of 44). Measured on the
 // H200: 4096x28672 (gate/up) -2.7%, the single 8B shapes within noise (docs/performance.md, run 6).
-// At m > 1 the rows' work per block an SM runs (fused_row_cost_q) is added; units are quarter tiles.
-inline int pick_kt_per_chunk(int k_tiles, long col_blocks, long resident_blocks, int m = 1, int sms = 1) {
+inline int pick_kt_per_chunk(int k_tiles, long col_blocks, long resident_blocks) {
     if (resident_blocks < 1) resident_blocks = 1;
-    if (sms < 1) sms = 1;
-    const long row_q = (long)fused_row_cost_q().load(std::memory_order_relaxed) * (m > 1 ? m - 1 : 0);
     const int lo = k_tiles < 8 ? (k_tiles > 0 ? k_tiles : 1) : 8;
     const int hi = k_tiles < GEMM_KT_MAX ? (k_tiles > 0 ? k_tiles : 1) : GEMM_KT_MAX;
     int best = hi;
     long best_cost = -1;
     for (int kt = hi; kt >= lo; --kt) {  // ties go to the larger chunk (fewer atomics, less x re-reading)
         const long chunks = (k_tiles + kt - 1) / kt;
-        const long blocks = col_blocks * chunks;
-        const long waves = (blocks + resident_blocks - 1) / resident_blocks;
-        const long cost = waves * (4L * kt + 16) + row_q * ((blocks + sms - 1) / sms);
+        const long waves = (col_blocks * chunks + resident_blocks - 1) / resident_blocks;
+        const long cost = waves * (kt + 4);
         if (best_cost < 0 || cost < best_cost) {
             best_cost = cost;
             best = kt;
@@ -471,7 +457,7 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         cudaGetDevice(&dev);
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
         if (tr && a.m == 1) a.kt_per_chunk = kt_exception(sms, K, a.k_tiles, col_blocks);  // measured at m = 1
-        if (a.kt_per_chunk <= 0) a.kt_per_chunk = pick_kt_per_chunk(a.k_tiles, col_blocks, (long)sms * occ, a.m, sms);
+        if (a.kt_per_chunk <= 0) a.kt_per_chunk = pick_kt_per_chunk(a.k_tiles, col_blocks, (long)sms * occ);
     }
     if (a.kt_per_chunk > GEMM_KT_MAX) a.kt_per_chunk = GEMM_KT_MAX;
     const long chunks = (a.k_tiles + a.kt_per_chunk - 1) / a.kt_per_chunk;

@@ -273,10 +273,6 @@ int64_t set_kt_exceptions(std::vector<int64_t> rows) {
     return (int64_t)t.size();
 }
 
-// The k-chunk cost model's per-row term (exl3_fused.cuh, fused_row_cost_q), validated by the Python
-// caller (exl3_core/ext.py); returns the previous value.
-int64_t set_fused_row_cost(int64_t quarter_tiles) { return exl3::fused_row_cost_q().exchange((int)quarter_tiles); }
-
 // Optional prologue/epilogue work of a fused launch (FusedArgs): the deferred norm of x, the residual
 // add, q/k/v's RoPE and cache rows.
 struct FusedExtras {
@@ -669,7 +665,6 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
     // no tensor argument: a catch-all kernel. Returns the previous setting.
     m.def("set_pdl(bool on) -> bool", &set_pdl);
     m.def("set_kt_exceptions(int[] rows) -> int", &set_kt_exceptions);
-    m.def("set_fused_row_cost(int quarter_tiles) -> int", &set_fused_row_cost);
 }
 
 TORCH_LIBRARY_IMPL(exl3, CUDA, m) {

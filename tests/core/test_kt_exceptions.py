@@ -19,21 +19,3 @@ def test_shipped_table_is_valid() -> None:
     installed = ext.set_kt_exceptions(ext.KT_EXCEPTIONS)
     assert installed in (0, len(ext.KT_EXCEPTIONS))  # 0: an extension without the CUDA linear
     assert all(len(r) == 5 and r[4] <= 32 for r in ext.KT_EXCEPTIONS)
-
-
-@pytest.mark.parametrize("bad", [-1, 257, 2.0, True, "4"])
-def test_bad_row_cost_is_refused(bad: object) -> None:
-    with pytest.raises(ValueError, match="fused row cost"):
-        ext.set_fused_row_cost(bad)  # type: ignore[arg-type]
-
-
-def test_row_cost_round_trip() -> None:
-    ext.load()
-    before = ext.set_fused_row_cost(12)
-    try:
-        if hasattr(__import__("torch").ops.exl3, "set_fused_row_cost"):
-            assert before == ext.FUSED_ROW_COST and ext.set_fused_row_cost(12) == 12
-        else:
-            assert before == 0  # no CUDA linear in this build: nothing to set
-    finally:
-        ext.set_fused_row_cost(ext.FUSED_ROW_COST)

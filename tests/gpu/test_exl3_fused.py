@@ -164,24 +164,6 @@ def test_kt_exception_table(fused_ops) -> None:
     assert_workspace_clean(fused_ops)
 
 
-def test_row_cost_moves_chunks_not_results(fused_ops) -> None:
-    """The k-chunk cost model's per-row term (exl3_core.ext.set_fused_row_cost) changes the chunking
-    at m > 1 only; outputs stay correct at every setting."""
-    from exl3_core import ext
-
-    p = Problem(4096, 2048, 4, CB_MUL1)
-    try:
-        for cost in (0, 8, 64):
-            ext.set_fused_row_cost(cost)
-            for m in (1, 8, 16):
-                x = xin(m, 4096)
-                poison((m, 2048))
-                check(fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, CB_MUL1), x, p, f"row cost {cost} m={m}")
-    finally:
-        ext.set_fused_row_cost(ext.FUSED_ROW_COST)
-    assert_workspace_clean(fused_ops)
-
-
 def test_repeat_calls_leave_workspace_clean(fused_ops) -> None:
     one = Problem(384, 512, 3, CB_MCG)  # one k chunk: no split-k atomics order, so deterministic
     deep = Problem(4096, 1152, 5, CB_3INST)  # several chunks: fp32 atomics in any order
