@@ -8,10 +8,9 @@ switched in-process, which have no setting of their own.
 cost model everywhere (exl3_core.ext.KT_EXCEPTIONS not installed); --late-trigger: with the merge,
 the split kernel signals its dependent after its partial stores (1) or right after its wait (0);
 --merge-tile, --programs-per-sm: exl3_attn_backends.triton_paged's MERGE_TILE and PROGRAMS_PER_SM;
---one-copy 0: a graphed decode step's host-built inputs copied field by field (six copies) instead of
-packed into one pinned buffer (exl3_core.generator.graphs.STAGE_ONE_COPY); --fused-rows N: the
-one-launch linear (and the deferred norms) up to N rows (exl3_core.quant.exl3.linear.FUSED_GROUP_MAX_ROWS). With `--script PATH`
-the command after `--` runs PATH (a bench/ script and its arguments) instead of the exl3 CLI.
+--fused-rows N: the one-launch linear (and the deferred norms) up to N rows
+(exl3_core.quant.exl3.linear.FUSED_GROUP_MAX_ROWS). With `--script PATH` the command after `--` runs
+PATH (a bench/ script and its arguments) instead of the exl3 CLI.
 """
 from __future__ import annotations
 
@@ -27,7 +26,6 @@ def main() -> None:
     ap.add_argument("--late-trigger", type=int, choices=(0, 1), default=1)
     ap.add_argument("--programs-per-sm", type=int, default=0, help="split-KV programs per SM (0: default)")
     ap.add_argument("--merge-tile", type=int, default=0, help="fp32 elements of the merge's tile per round (0: default)")
-    ap.add_argument("--one-copy", type=int, choices=(0, 1), default=1)
     ap.add_argument("--fused-rows", type=int, default=0, help="rows up to which the one-launch linear runs (0: default)")
     ap.add_argument("--script", default=None, help="run this script with the arguments after -- (not the CLI)")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
@@ -35,9 +33,7 @@ def main() -> None:
     import exl3_attn_backends.triton_paged as tp
 
     from exl3_core import ext
-    from exl3_core.generator import graphs
 
-    graphs.STAGE_ONE_COPY = bool(a.one_copy)
     if a.fused_rows:
         from exl3_core.quant.exl3 import linear
 
@@ -53,7 +49,7 @@ def main() -> None:
     ext.set_kt_exceptions(ext.KT_EXCEPTIONS if a.kt_exceptions else ())
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
     print(f"# ab_run: merge={a.merge} late_trigger={a.late_trigger} merge_tile={a.merge_tile} "
-          f"programs_per_sm={a.programs_per_sm} kt_exceptions={a.kt_exceptions} one_copy={a.one_copy} fused_rows={a.fused_rows}: "
+          f"programs_per_sm={a.programs_per_sm} kt_exceptions={a.kt_exceptions} fused_rows={a.fused_rows}: "
           f"{a.script or 'exl3'} {' '.join(rest)}", flush=True)
     if a.script:
         sys.argv = [a.script, *rest]

@@ -50,13 +50,10 @@ log = logging.getLogger(__name__)
 
 #: largest batch bucket captured (larger decode batches are kernel-bound, not launch-bound)
 MAX_GRAPH_BUCKET = 32
-#: a decode step's host-built inputs reach the graph in one copy from a pinned buffer (False: one
-#: copy per field, six per step; kept for A/B runs, bench/ab_run.py)
-STAGE_ONE_COPY = True
 #: pinned staging buffers per bucket, reused round robin (a slot is rewritten only after its copy ran)
 STAGING_SLOTS = 4
 
-#: the decode step's input fields: (name, dtype, shape as a function of bucket B and table width W)
+#: the decode step's input fields, in their staging buffer's order (shapes: _field_shapes)
 _FIELDS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens_k", "page_table")
 
 
@@ -279,7 +276,7 @@ class DecodeGraphs(_GraphSet):
         """
         g = self._graph(meta.batch_size)
         s = g.meta
-        if meta.input_ids.is_cuda or not STAGE_ONE_COPY:
+        if meta.input_ids.is_cuda:
             for name in _FIELDS:
                 getattr(s, name).copy_(getattr(meta, name), non_blocking=True)
         else:
