@@ -175,6 +175,24 @@ def profile_host(shape_name: str, tokens: int, out: Path | None, device: str = "
     _emit(head + s.getvalue(), out, f"profile_host_{shape_name}.txt")
 
 
+def between_steps(ev: list[tuple[str, float, float]]) -> list[str]:
+    """Report lines for a GPU timeline ``ev`` of (name, start us, end us), sorted by start: per pair of
+    consecutive steps (each ends with its greedy pick), the span from pick to pick and what ran after
+    the first pick (the copies and the ids cast) up to the next step's first kernel."""
+    picks = [i for i, e in enumerate(ev) if "greedy" in e[0].lower()]
+    lines = []
+    for a, b in itertools.pairwise(picks):
+        end = ev[a][2]
+        lines.append(f"step: pick to next pick {ev[b][2] - end:.1f} us; after the pick, on the GPU:\n")
+        for e in ev[a + 1:b]:
+            between = "memcpy" in e[0].lower() or "direct_copy" in e[0]
+            lines.append(f"   +{e[1] - end:8.1f} us {e[2] - e[1]:7.2f} us  "
+                         f"{e[0][:70] if between else 'the next step: ' + e[0][:55]}\n")
+            if not between:
+                break
+    return lines
+
+
 def profile_loop(shape_name: str, tokens: int, out: Path | None, device: str = "cuda", batch: int = 1,
                  ctx: int = 256) -> None:
     """The generator's decode loop at ``batch``: tok/s against the replayed graph step, and what the
@@ -214,20 +232,11 @@ def profile_loop(shape_name: str, tokens: int, out: Path | None, device: str = "
         gen.iterate()
     ev = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                  if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda t: t[1])
-    starts = [i for i, e in enumerate(ev) if "embed" in e[0].lower()]
     lines = [(f"loop {shape_name} b={batch} ctx={ctx}: {tok_s:.1f} tok/s = {batch / tok_s * 1e3:.3f} ms per step; "
               f"graph step {step * 1e3:.3f} ms; pipeline launches {after[0] - before[0]}, of them speculative "
               f"{after[1] - before[1]}\n"),
              "iterate() wall under the profiler (ms): " + " ".join(f"{w * 1e3:.2f}" for w in walls) + "\n"]
-    for a, b in itertools.pairwise(starts[1:]):
-        first = ev[a][1]
-        end = max((e[2] for e in ev[a:b] if "greedy" in e[0].lower()), default=max(e[2] for e in ev[a:b]))
-        lines.append(f"step: embed to next embed {ev[b][1] - first:.1f} us; embed to the greedy pick's end "
-                     f"{end - first:.1f} us; then on the GPU:\n")
-        for e in ev[a:b]:
-            if e[1] >= end - 0.01:
-                lines.append(f"   +{e[1] - end:8.1f} us {e[2] - e[1]:7.2f} us  {e[0][:70]}\n")
-        lines.append(f"   +{ev[b][1] - end:8.1f} us the next step's embedding lookup\n")
+    lines += between_steps(ev)
     _emit("".join(lines), out, f"profile_loop_{shape_name}_b{batch}.txt")
 
 
