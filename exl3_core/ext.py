@@ -43,9 +43,9 @@ def load() -> bool:
 
 #: Measured exceptions to the decode-size EXL3 linear's k-chunk cost model (``pick_kt_per_chunk`` in
 #: csrc/exl3/exl3_fused.cuh), applied at m = 1 where they were measured: (SM count, K bits, k tiles,
-#: 128-column blocks) -> k tiles per chunk. Each row is a shape where a sweep of one decoder layer's linears, launched as
-#: in the decode step (``TUNE_CHAIN`` in bench/gemv_tune.cu), found a chunk size clearly faster than
-#: the model's pick on that device; docs/performance.md (run 12) has the sweeps.
+#: 128-column blocks) -> k tiles per chunk. Each row is a shape where a sweep of one decoder layer's
+#: linears, launched as in the decode step (``TUNE_CHAIN`` in bench/gemv_tune.cu), found a chunk size
+#: clearly faster than the model's pick on that device; docs/performance.md (run 12) has the sweeps.
 KT_EXCEPTIONS: tuple[tuple[int, int, int, int, int], ...] = (
     (132, 4, 256, 224, 24),  # H200, 4 bpw, 4096 x 28672 (8B-shape gate/up): 77.9 vs 78.8 us per layer at 32
 )

@@ -13,7 +13,7 @@ Everything is built on the host with numpy and copied to the device once per ten
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -101,3 +101,12 @@ def build_batch(chunks: list[Chunk], *, page_size: int, table_width: int, scratc
         logits_indices=logits_indices,
     )
     return meta, logit_rows
+
+
+def meta_to_device(meta: BatchMeta, device: torch.device) -> BatchMeta:
+    """Host-built ``meta`` on ``device``: on CUDA each tensor is pinned first, so that its copy is
+    asynchronous."""
+    pinned = device.type == "cuda"
+    new = {f.name: (v.pin_memory() if pinned else v).to(device, non_blocking=True)
+           for f in fields(meta) if isinstance(v := getattr(meta, f.name), torch.Tensor)}
+    return replace(meta, **new)

@@ -36,7 +36,7 @@ import torch
 
 from exl3_core.cache.cache import Cache
 from exl3_core.cache.pages import ROOT_HASH, CacheExhausted, chain_hash, page_hashes
-from exl3_core.generator.batching import Chunk, build_batch
+from exl3_core.generator.batching import Chunk, build_batch, meta_to_device
 from exl3_core.generator.job import Job
 from exl3_core.generator.overlap import DecodePipeline
 from exl3_core.generator.stop import HeldText, TextStream
@@ -362,18 +362,16 @@ class Generator:
                 log.warning("CUDA-graph prefill failed (%s); prefill runs eagerly from now on", e)
                 self.prefill_graphs = None
         if logits is None:
-            chunks = [c for _, c in work]
             graphed = decode and self.graphs is not None
             # a graph takes host-built inputs in one copy; the eager forward wants them on the device
-            meta, rows = build_batch(chunks, page_size=self.page_size, table_width=self.table_width,
+            meta, rows = build_batch([c for _, c in work], page_size=self.page_size, table_width=self.table_width,
                                      scratch_page=self.cache.scratch_page,
                                      device=torch.device("cpu") if graphed else self.device, decode=decode)
             if graphed and self.graphs.accepts(meta):  # type: ignore[union-attr]
                 logits, packed = self.graphs.run(meta)  # type: ignore[union-attr]
             else:
                 if graphed:
-                    meta, rows = build_batch(chunks, page_size=self.page_size, table_width=self.table_width,
-                                             scratch_page=self.cache.scratch_page, device=self.device, decode=decode)
+                    meta = meta_to_device(meta, self.device)
                 logits = self.model.forward_batch(meta, self.cache)
         self.forward_calls += 1
         self.tokens_computed += sum(len(c.tokens) for _, c in work)

@@ -45,6 +45,7 @@ import torch
 
 from exl3_core import ops
 from exl3_core.archkit.batch import BatchMeta
+from exl3_core.generator.batching import DECODE_BUCKETS, bucket_size
 
 log = logging.getLogger(__name__)
 
@@ -248,8 +249,6 @@ class DecodeGraphs(_GraphSet):
     def capture_buckets(self, max_batch: int) -> list[int]:
         """Capture now the graph of every bucket a step of up to ``max_batch`` rows can use (capped at
         :attr:`max_bucket`), instead of at each bucket's first step; returns those buckets."""
-        from exl3_core.generator.batching import DECODE_BUCKETS, bucket_size
-
         top = min(bucket_size(max(max_batch, 1)), self.max_bucket)
         buckets = [b for b in DECODE_BUCKETS if b <= top]
         for b in buckets:

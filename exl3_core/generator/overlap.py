@@ -30,16 +30,14 @@ On the CPU the same code runs eagerly.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from exl3_core import ops
-from exl3_core.archkit.batch import BatchMeta
-from exl3_core.generator.batching import Chunk, build_batch
+from exl3_core.generator.batching import Chunk, build_batch, meta_to_device
 from exl3_core.generator.job import Job
 
 if TYPE_CHECKING:
@@ -91,20 +89,6 @@ class _Flight:
     rows: list[_Row]
     ids: torch.Tensor  # device [B] greedy ids (float64): the next step's input ids
     read: HostRead  # pending copy of packed [2, B] (ids, ok flags)
-
-
-def _map(meta: BatchMeta, fn: Callable[[torch.Tensor], torch.Tensor]) -> BatchMeta:
-    new: dict[str, Any] = {f.name: fn(v) for f in fields(meta) if isinstance(v := getattr(meta, f.name), torch.Tensor)}
-    return replace(meta, **new)
-
-
-def _stage(meta: BatchMeta, device: torch.device) -> BatchMeta:
-    """Host-built metadata ready for an asynchronous copy to ``device`` (pinned on CUDA)."""
-    return _map(meta, torch.Tensor.pin_memory) if device.type == "cuda" else meta
-
-
-def _to_device(meta: BatchMeta, device: torch.device) -> BatchMeta:
-    return _map(meta, lambda t: t.to(device, non_blocking=True))
 
 
 class DecodePipeline:
@@ -222,7 +206,7 @@ class DecodePipeline:
         if g.graphs is not None and g.graphs.accepts(meta):
             _, packed = g.graphs.run(meta, ids)  # packs the host-built meta into one pinned copy
         else:
-            dmeta = _to_device(_stage(meta, g.device), g.device)
+            dmeta = meta_to_device(meta, g.device)
             if ids is not None:
                 dmeta.input_ids[:n].copy_(ids, non_blocking=True)
             packed = ops.greedy_pack(g.model.forward_batch(dmeta, g.cache))

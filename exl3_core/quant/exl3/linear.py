@@ -261,7 +261,7 @@ def exl3_matmul(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
 #: rows up to which the compiled one-launch linear (its grouped, residual and deferred-norm forms)
 #: is used, and with it the decode step's fused chain; beyond it the 4-kernel split-k GEMM. The
 #: m <= 8 kernel's transposed main loop (one mma per tile) made 8 rows pay: the 8B shape's b=8 step
-#: fell from 5.33 to 4.10 ms against 4 (H200, docs/performance.md, run 13)
+#: fell from 5.37 ms (4 rows) to 4.04 ms (H200, docs/performance.md, run 13)
 FUSED_GROUP_MAX_ROWS = 8
 
 
