@@ -7,7 +7,8 @@ switched in-process, which have no setting of their own.
 (exl3_attn_backends.triton_paged.MERGE_IN_SPLIT_KERNEL); --kt-exceptions 0: the EXL3 linear's k-chunk
 cost model everywhere (exl3_core.ext.KT_EXCEPTIONS not installed); --late-trigger: with the merge,
 the split kernel signals its dependent after its partial stores (1) or right after its wait (0);
---merge-tile, --programs-per-sm: exl3_attn_backends.triton_paged's MERGE_TILE and PROGRAMS_PER_SM;
+--merge-tile, --programs-per-sm, --max-splits, --used-only: exl3_attn_backends.triton_paged's MERGE_TILE,
+PROGRAMS_PER_SM, MAX_SPLITS and MERGE_USED_SPLITS_ONLY;
 --fused-rows N: the one-launch linear (and the deferred norms) up to N rows
 (exl3_core.quant.exl3.linear.FUSED_GROUP_MAX_ROWS). With `--script PATH` the command after `--` runs
 PATH (a bench/ script and its arguments) instead of the exl3 CLI.
@@ -26,6 +27,9 @@ def main() -> None:
     ap.add_argument("--late-trigger", type=int, choices=(0, 1), default=1)
     ap.add_argument("--programs-per-sm", type=int, default=0, help="split-KV programs per SM (0: default)")
     ap.add_argument("--merge-tile", type=int, default=0, help="fp32 elements of the merge's tile per round (0: default)")
+    ap.add_argument("--max-splits", type=int, default=0, help="split-KV splits at most (0: default)")
+    ap.add_argument("--used-only", type=int, choices=(0, 1), default=1,
+                    help="split kernel with the merge: only the used splits arrive (1) or all (0)")
     ap.add_argument("--fused-rows", type=int, default=0, help="rows up to which the one-launch linear runs (0: default)")
     ap.add_argument("--script", default=None, help="run this script with the arguments after -- (not the CLI)")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
@@ -42,6 +46,9 @@ def main() -> None:
     tp.LATE_TRIGGER_WHEN_MERGED = bool(a.late_trigger)
     if a.programs_per_sm:
         tp.PROGRAMS_PER_SM = a.programs_per_sm
+    if a.max_splits:
+        tp.MAX_SPLITS = a.max_splits
+    tp.MERGE_USED_SPLITS_ONLY = bool(a.used_only)
     if a.merge_tile:
         tp.MERGE_TILE = a.merge_tile
     if not ext.load():
@@ -49,7 +56,7 @@ def main() -> None:
     ext.set_kt_exceptions(ext.KT_EXCEPTIONS if a.kt_exceptions else ())
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
     print(f"# ab_run: merge={a.merge} late_trigger={a.late_trigger} merge_tile={a.merge_tile} "
-          f"programs_per_sm={a.programs_per_sm} kt_exceptions={a.kt_exceptions} fused_rows={a.fused_rows}: "
+          f"programs_per_sm={a.programs_per_sm} max_splits={a.max_splits} used_only={a.used_only} kt_exceptions={a.kt_exceptions} fused_rows={a.fused_rows}: "
           f"{a.script or 'exl3'} {' '.join(rest)}", flush=True)
     if a.script:
         sys.argv = [a.script, *rest]

@@ -66,7 +66,8 @@ static void decode_only_pdl_t(exl3::GemmArgs a, cudaStream_t st) {
 // three problems (n/6 columns each for k and v), RoPE (head 128) on q and k, k and v rows to a cache.
 // The 8B decode layer: TUNE_CHAIN=4096x6144nq,4096x4096r,4096x28672n,14336x4096gr. "@N" after the
 // letters forces N k tiles per chunk; an entry "c" is a small combine-like kernel (32 blocks of 128
-// threads: wait, signal, read 16 KB, write 8 KB), the attention combine before o_proj.
+// threads: wait, signal, read 16 KB, write 8 KB), the attention combine before o_proj. TUNE_M=1..8: rows
+// per launch (a batched decode step; default 1).
 struct CombineLike {
     const float* in;
     __half* out;
@@ -125,13 +126,14 @@ static int layer_chain(const char* spec) {
     __half *x, *su, *sv, *y;
     float* z;
     int* cnt;
-    CK(cudaMalloc(&x, kmax * 2));
+    const int M = std::getenv("TUNE_M") != nullptr ? std::max(1, std::min(8, std::atoi(std::getenv("TUNE_M")))) : 1;
+    CK(cudaMalloc(&x, (long)M * kmax * 2));
     CK(cudaMalloc(&su, kmax * 2));
     CK(cudaMalloc(&sv, nmax * 2));
     CK(cudaMalloc(&y, nmax * 2));
     CK(cudaMalloc(&z, 16L * nmax * 4));
     CK(cudaMalloc(&cnt, nmax / 128 * 4));
-    CK(cudaMemset(x, 0, kmax * 2));
+    CK(cudaMemset(x, 0, (long)M * kmax * 2));
     CK(cudaMemset(su, 0, kmax * 2));
     CK(cudaMemset(sv, 0, nmax * 2));
     CK(cudaMemset(z, 0, 16L * nmax * 4));
@@ -140,28 +142,28 @@ static int layer_chain(const char* spec) {
     __half *res, *gate, *cache;
     float *ss, *nss, *nw, *rope;
     int64_t* slots;
-    CK(cudaMalloc(&res, nmax * 2));
-    CK(cudaMalloc(&gate, kmax * 2));
-    CK(cudaMalloc(&cache, nmax * 2));
+    CK(cudaMalloc(&res, (long)M * nmax * 2));
+    CK(cudaMalloc(&gate, (long)M * kmax * 2));
+    CK(cudaMalloc(&cache, (long)M * nmax * 2));
     CK(cudaMalloc(&ss, 64));
     CK(cudaMalloc(&nss, 64));
     CK(cudaMalloc(&nw, kmax * 4));
-    CK(cudaMalloc(&rope, 2 * 64 * 4));
-    CK(cudaMalloc(&slots, 8));
-    CK(cudaMemset(res, 0, nmax * 2));
-    CK(cudaMemset(gate, 0, kmax * 2));
+    CK(cudaMalloc(&rope, 2 * 8 * 64 * 4));
+    CK(cudaMalloc(&slots, 8 * 8));
+    CK(cudaMemset(res, 0, (long)M * nmax * 2));
+    CK(cudaMemset(gate, 0, (long)M * kmax * 2));
     CK(cudaMemset(ss, 0, 64));
     CK(cudaMemset(nss, 0, 64));
     CK(cudaMemset(nw, 0, kmax * 4));
-    CK(cudaMemset(rope, 0, 2 * 64 * 4));
-    CK(cudaMemset(slots, 0, 8));
+    CK(cudaMemset(rope, 0, 2 * 8 * 64 * 4));
+    CK(cudaMemset(slots, 0, 8 * 8));
     for (int pdl = 1; pdl >= 0; --pdl) {
         const float t = time_graph([&](int i, cudaStream_t st) {
             for (size_t j = 0; j < sh.size(); ++j) {
                 exl3::FusedArgs a{};
                 a.pdl = pdl;
                 a.x = x;
-                a.m = 1;
+                a.m = M;
                 a.k_tiles = sh[j].first / 16;
                 a.kt_per_chunk = kts[j];
                 const std::string& ex = extras[j];
@@ -181,7 +183,7 @@ static int layer_chain(const char* spec) {
                     a.p[1] = exl3::FusedProblem{t + kt16 * qt * w, su, sv, y, z + qt * 16, cnt + qt / 8, kvt, 0};
                     a.p[2] = exl3::FusedProblem{t + kt16 * (qt + kvt) * w, su, sv, y, z + (qt + kvt) * 16,
                                                 cnt + (qt + kvt) / 8, kvt, 0};
-                    a.rope_cos = rope, a.rope_sin = rope + 64, a.rope_half = 64, a.rope_mask = 3;
+                    a.rope_cos = rope, a.rope_sin = rope + 8 * 64, a.rope_half = 64, a.rope_mask = 3;
                     a.cache[1] = cache, a.cache[2] = cache, a.slots = slots;
                 } else {
                     a.n_problems = 1;
@@ -194,7 +196,7 @@ static int layer_chain(const char* spec) {
                 exl3::launch_fused_t<K, CB>(a, st);
             }
         }, 16);
-        std::printf("layer chain %s (%s): %.2f us per layer = %.2f Tweights/s\n", spec, pdl ? "PDL" : "plain",
+        std::printf("layer chain %s m=%d (%s): %.2f us per layer = %.2f Tweights/s\n", spec, M, pdl ? "PDL" : "plain",
                     t * 1e6, weights / t / 1e12);
     }
     for (auto* t : tr) CK(cudaFree(t));

@@ -11,8 +11,9 @@ split-KV ("flash-decoding") path instead: with only batch x kv_heads programs th
 kernel leaves most of a large GPU idle at b=1 and long contexts. ``_decode_split`` adds a grid
 axis over ``num_splits`` key ranges; each program computes the partial softmax state
 (max, sum, unnormalised acc) of its head block over its range in fp32, and the last of a head
-block's programs to finish merges the splits (an arrival counter; ``_decode_combine``, a second
-launch, is the alternative kept for A/B runs). ``num_splits`` comes from host-side static values
+block's programs to finish merges the splits (an arrival counter; with several sequences only the
+splits a sequence uses arrive; ``_decode_combine``, a second launch, is the alternative kept for
+A/B runs). ``num_splits`` comes from host-side static values
 only (batch size, heads, the ``max_seqlen_k`` bound, SM count); each sequence's key range per
 split is derived on the device from its own length, so a CUDA graph captured at the cache
 capacity replays correctly at any length, and splits past a sequence's end write neutral
@@ -253,7 +254,7 @@ def _decode_split(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
     RELOAD_FRESH: tl.constexpr, MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-    LATE_TRIGGER: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr, USED_ONLY: tl.constexpr,
 ):
     # grid (batch, kv_heads * HEAD_BLOCKS, NUM_SPLITS); rows = BLOCK_H heads of one GQA group
     b = tl.program_id(0)
@@ -312,20 +313,26 @@ def _decode_split(
                             stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N)
         m_i, l_i, acc = _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, BLOCK_N, SOFTCAP, DOT_PREC)
 
-    # partials [B, Hq, NUM_SPLITS] and [B, Hq, NUM_SPLITS, HEAD_DIM_V]; empty splits: (-inf, 0, 0)
-    part = (b * NUM_HEADS + head) * NUM_SPLITS + split
-    tl.store(PartM + part, m_i, mask=h_ok)
-    tl.store(PartL + part, l_i, mask=h_ok)
-    tl.store(PartAcc + part.to(tl.int64)[:, None] * HEAD_DIM_V + dv[None, :], acc,
-             mask=h_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
+    # partials [B, Hq, NUM_SPLITS] and [B, Hq, NUM_SPLITS, HEAD_DIM_V]; empty splits: (-inf, 0, 0).
+    # With the merge, splits past the sequence's used ones (a graph captured at the cache capacity
+    # runs NUM_SPLITS programs; a short sequence uses a few) store nothing and do not arrive: the
+    # merge waits for the used splits only (at least split 0, so a zero-length row still gets its output).
+    # USED_ONLY is off for one sequence, where waiting for all measured faster (MERGE_USED_SPLITS_ONLY).
+    n_used = tl.minimum(tl.cdiv(seq_k, tl.maximum(per, 1)), NUM_SPLITS)
+    n_arrive = tl.maximum(n_used, 1) if MERGE and USED_ONLY else NUM_SPLITS
+    if split < n_arrive:
+        part = (b * NUM_HEADS + head) * NUM_SPLITS + split
+        tl.store(PartM + part, m_i, mask=h_ok)
+        tl.store(PartL + part, l_i, mask=h_ok)
+        tl.store(PartAcc + part.to(tl.int64)[:, None] * HEAD_DIM_V + dv[None, :], acc,
+                 mask=h_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
     if PDL and LATE_TRIGGER:  # o_proj's blocks launch (and prefetch) only while the merge runs
         gdc_launch_dependents()
-    if MERGE:  # the head block's last program to arrive merges the splits: no combine launch
+    if MERGE and split < n_arrive:  # the head block's last used split merges them: no combine launch
         tl.debug_barrier()  # every thread's partial stores precede the release below
         cnt = Count + b * (tl.num_programs(1)) + tl.program_id(1)
-        if tl.atomic_add(cnt, 1, sem="acq_rel") == NUM_SPLITS - 1:
+        if tl.atomic_add(cnt, 1, sem="acq_rel") == n_arrive - 1:
             if q_len > 0:
-                n_used = tl.minimum(tl.cdiv(seq_k, tl.maximum(per, 1)), NUM_SPLITS)  # later splits: empty
                 _merge_splits(PartM, PartL, PartAcc, Out, b, hblk, q_start, n_used, NUM_SPLITS, stride_ot, stride_oh,
                               NUM_HEADS, GROUP, kvh * GROUP, BLOCK_H, BLOCK_HM, SPLIT_CHUNK, HEAD_DIM_V, BLOCK_DV)
             tl.store(cnt, 0)  # clean for the next call (a replayed graph reuses the buffer)
@@ -443,6 +450,11 @@ LATE_TRIGGER_WHEN_MERGED = True
 #: fp32 elements of the merge's [heads, splits, dv] partial tile per round (8192: 64 registers a
 #: thread at 4 warps); more splits than fit take several rounds with a running max.
 MERGE_TILE = 8192
+#: With the merge and more than one sequence, only the splits a sequence uses store partials and
+#: arrive (False, or one sequence: all NUM_SPLITS do). H200, 8B shape, ctx 256 (docs/performance.md,
+#: run 14): b=8 1978-1983 tok/s against 1944-1946 with all; b=1 349.7-349.8 against 352.2, so one
+#: sequence keeps every split arriving.
+MERGE_USED_SPLITS_ONLY = True
 #: Launch-shape override of ``_attn_fwd`` for query blocks longer than 16 rows (prefill): keys
 #: block_m, block_n, num_warps, num_stages, split (0/1). Empty: the built-in choice. For tuning runs
 #: (bench/attn_prefill_tune.py); not a user setting.
@@ -532,7 +544,8 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
         WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0, DOT_PREC=_dot_precision(spec.dtype),
         RELOAD_FRESH=opts["PDL"] if reload_fresh is None else reload_fresh,
         MERGE=merge, BLOCK_HM=block_hm, LATE_TRIGGER=merge and LATE_TRIGGER_WHEN_MERGED,
-        SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), max(1, MERGE_TILE // (block_hm * block_dv))), **opts,
+        SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), max(1, MERGE_TILE // (block_hm * block_dv))),
+        USED_ONLY=MERGE_USED_SPLITS_ONLY and B > 1, **opts,
     )
     if merge:
         return out
