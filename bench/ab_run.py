@@ -56,7 +56,8 @@ def main() -> None:
     ext.set_kt_exceptions(ext.KT_EXCEPTIONS if a.kt_exceptions else ())
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
     print(f"# ab_run: merge={a.merge} late_trigger={a.late_trigger} merge_tile={a.merge_tile} "
-          f"programs_per_sm={a.programs_per_sm} max_splits={a.max_splits} used_only={a.used_only} kt_exceptions={a.kt_exceptions} fused_rows={a.fused_rows}: "
+          f"programs_per_sm={a.programs_per_sm} max_splits={a.max_splits} used_only={a.used_only} "
+          f"kt_exceptions={a.kt_exceptions} fused_rows={a.fused_rows}: "
           f"{a.script or 'exl3'} {' '.join(rest)}", flush=True)
     if a.script:
         sys.argv = [a.script, *rest]
