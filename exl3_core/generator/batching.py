@@ -103,10 +103,13 @@ def build_batch(chunks: list[Chunk], *, page_size: int, table_width: int, scratc
     return meta, logit_rows
 
 
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``: on CUDA pinned first, so that its copy is asynchronous."""
+    return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
+
+
 def meta_to_device(meta: BatchMeta, device: torch.device) -> BatchMeta:
-    """Host-built ``meta`` on ``device``: on CUDA each tensor is pinned first, so that its copy is
-    asynchronous."""
-    pinned = device.type == "cuda"
-    new = {f.name: (v.pin_memory() if pinned else v).to(device, non_blocking=True)
+    """Host-built ``meta`` on ``device``, each tensor through :func:`to_device_async`."""
+    new = {f.name: to_device_async(v, device)
            for f in fields(meta) if isinstance(v := getattr(meta, f.name), torch.Tensor)}
     return replace(meta, **new)

@@ -362,15 +362,15 @@ class Generator:
                 log.warning("CUDA-graph prefill failed (%s); prefill runs eagerly from now on", e)
                 self.prefill_graphs = None
         if logits is None:
-            graphed = decode and self.graphs is not None
+            graphs = self.graphs if decode else None
             # a graph takes host-built inputs in one copy; the eager forward wants them on the device
             meta, rows = build_batch([c for _, c in work], page_size=self.page_size, table_width=self.table_width,
                                      scratch_page=self.cache.scratch_page,
-                                     device=torch.device("cpu") if graphed else self.device, decode=decode)
-            if graphed and self.graphs.accepts(meta):  # type: ignore[union-attr]
-                logits, packed = self.graphs.run(meta)  # type: ignore[union-attr]
+                                     device=torch.device("cpu") if graphs is not None else self.device, decode=decode)
+            if graphs is not None and graphs.accepts(meta):
+                logits, packed = graphs.run(meta)
             else:
-                if graphed:
+                if graphs is not None:
                     meta = meta_to_device(meta, self.device)
                 logits = self.model.forward_batch(meta, self.cache)
         self.forward_calls += 1

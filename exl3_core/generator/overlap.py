@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from exl3_core import ops
-from exl3_core.generator.batching import Chunk, build_batch, meta_to_device
+from exl3_core.generator.batching import Chunk, build_batch, meta_to_device, to_device_async
 from exl3_core.generator.job import Job
 
 if TYPE_CHECKING:
@@ -202,7 +202,7 @@ class DecodePipeline:
                 ids = prev.ids[:n]
             else:
                 idx = torch.from_numpy(np.asarray(src, dtype=np.int64))
-                ids = prev.ids.index_select(0, _stage_index(idx, g.device))
+                ids = prev.ids.index_select(0, to_device_async(idx, g.device))
         if g.graphs is not None and g.graphs.accepts(meta):
             _, packed = g.graphs.run(meta, ids)  # packs the host-built meta into one pinned copy
         else:
@@ -251,9 +251,3 @@ class DecodePipeline:
             if alloc.refcount[page] == 1 and alloc.page_hash[page] == job.hashes[i]:
                 alloc.make_private(page)  # unshared: just forgets the hash
         del job.hashes[r.hashes_before:]
-
-
-def _stage_index(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return idx
-    return idx.pin_memory().to(device, non_blocking=True)

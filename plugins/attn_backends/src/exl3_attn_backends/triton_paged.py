@@ -13,11 +13,11 @@ axis over ``num_splits`` key ranges; each program computes the partial softmax s
 (max, sum, unnormalised acc) of its head block over its range in fp32, and the last of a head
 block's programs to finish merges the splits (an arrival counter; with several sequences only the
 splits a sequence uses arrive; ``_decode_combine``, a second launch, is the alternative kept for
-A/B runs). ``num_splits`` comes from host-side static values
-only (batch size, heads, the ``max_seqlen_k`` bound, SM count); each sequence's key range per
-split is derived on the device from its own length, so a CUDA graph captured at the cache
-capacity replays correctly at any length, and splits past a sequence's end write neutral
-partials without touching the cache. Nothing reads sequence lengths back to the host.
+A/B runs). ``num_splits`` comes from host-side static values only (batch size, heads, the
+``max_seqlen_k`` bound, SM count); each sequence's key range per split is derived on the device
+from its own length, so a CUDA graph captured at the cache capacity replays correctly at any
+length, and splits past a sequence's end write neutral partials without touching the cache.
+Nothing reads sequence lengths back to the host.
 """
 from __future__ import annotations
 
