@@ -161,12 +161,40 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
     _ref.rope_kv_write(q, k, v, k_cache, v_cache, slot_mapping, cos, sin, rotary_dim, interleaved)
 
 
-def greedy_pack(logits: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
+def greedy_pack(logits: torch.Tensor, *, out: torch.Tensor | None = None, impl: Impl = "auto") -> torch.Tensor:
     """float64 ``[2, B]``: greedy ids (first maximum) and "row has a finite logit and no NaN" flags of
-    ``logits [B, V]``, the decode graphs' greedy output. One launch on CUDA."""
+    ``logits [B, V]``, the decode graphs' greedy output. One launch on CUDA. ``out``: a contiguous float64
+    ``[2, B]`` on the logits' device to write (and return) instead of a new tensor."""
+    if out is not None and (out.dtype != torch.float64 or out.dim() != 2 or out.shape[0] != 2
+                            or logits.dim() != 2 or out.shape[1] != logits.shape[0] or not out.is_contiguous()
+                            or out.device != logits.device):
+        raise ValueError(f"greedy_pack: out must be a contiguous float64 [2, {logits.shape[0] if logits.dim() else '?'}] "
+                         f"on {logits.device}, got {out.dtype} {tuple(out.shape)} on {out.device}")
     if _use_triton(impl, logits, "greedy_pack"):
-        return kernels().greedy_pack(logits)  # type: ignore[union-attr]
-    return _ref.greedy_pack(logits)
+        return kernels().greedy_pack(logits, out)  # type: ignore[union-attr]
+    res = _ref.greedy_pack(logits)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+def carry_ids(ids: torch.Tensor, carry: torch.Tensor, src: torch.Tensor, *, impl: Impl = "auto") -> None:
+    """In place, for the decode graphs' step start: ``ids[i] = int64(src[carry[i]])`` for every row whose
+    ``carry[i]`` indexes ``src`` (the previous step's greedy ids, float64), the other rows unchanged.
+    ``ids`` int64 ``[B]``, ``carry`` int32 ``[B]`` (-1: keep), ``src`` float64 ``[S]``, one device. One
+    launch on CUDA, so a replayed step takes its ids from the step before without a host round trip."""
+    if (ids.dtype != torch.int64 or carry.dtype != torch.int32 or src.dtype != torch.float64 or ids.dim() != 1
+            or carry.shape != ids.shape or src.dim() != 1 or not (ids.device == carry.device == src.device)
+            or not ids.is_contiguous() or not carry.is_contiguous() or not src.is_contiguous()):
+        raise ValueError(
+            "carry_ids: want contiguous int64 ids [B], int32 carry [B] and float64 src [S] on one device, got "
+            f"{ids.dtype} {tuple(ids.shape)} on {ids.device}, {carry.dtype} {tuple(carry.shape)} on {carry.device}, "
+            f"{src.dtype} {tuple(src.shape)} on {src.device}")
+    if _use_triton(impl, ids, "carry_ids"):
+        kernels().carry_ids(ids, carry, src)  # type: ignore[union-attr]
+        return
+    _ref.carry_ids(ids, carry, src)
 
 
 def embed_ss(ids: torch.Tensor, weight: torch.Tensor, scale: float | None, ss_slots: int, *,

@@ -113,3 +113,26 @@ def meta_to_device(meta: BatchMeta, device: torch.device) -> BatchMeta:
     new = {f.name: to_device_async(v, device)
            for f in fields(meta) if isinstance(v := getattr(meta, f.name), torch.Tensor)}
     return replace(meta, **new)
+
+
+class HostRead:
+    """Asynchronous device->host copy of a small tensor; :meth:`wait` is the step's one sync.
+
+    On CUDA the copy goes to pinned memory on the current stream and :attr:`event` marks its end; on
+    the CPU the tensor is simply kept (cloned: a static buffer could be overwritten later).
+    """
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.event: torch.cuda.Event | None = None
+        if t.is_cuda:
+            self._buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self._buf.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(t.device))
+        else:
+            self._buf = t.clone()
+
+    def wait(self) -> list[list[float]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self._buf.tolist()

@@ -1,13 +1,17 @@
-"""CUDA-graph decode: one captured graph per decode batch bucket, replayed every step.
+"""CUDA-graph decode: two captured graphs per decode batch bucket, replayed in turn, one per step.
 
 A decode step runs hundreds of small kernels (per layer: norms, 7 EXL3 GEMMs of 4 kernels each,
 RoPE, a cache scatter, attention); launched one by one from Python their launch cost dominates
 small models. :class:`DecodeGraphs` captures ``model.forward_batch`` plus greedy selection
-(argmax and the "row has a finite logit" check) into a ``torch.cuda.CUDAGraph`` per bucket size
+(argmax and the "row has a finite logit" check) into ``torch.cuda.CUDAGraph``s per bucket size
 (batches are already padded to buckets, the page table to a fixed width, see
 :mod:`exl3_core.generator.batching`), with static input buffers that each step overwrites:
 
     ids [B], positions [B], cu_seqlens_q [B+1], seq_lens_k [B], page_table [B, W], slot_mapping [B]
+
+and a per-row ``carry`` index: the row's input id is the previous step's greedy id of that row
+(the overlapped loop, :mod:`exl3_core.generator.overlap`). A bucket's two graphs (slots) alternate
+so that one step's inputs are copied while the step before still runs (:class:`DecodeGraphs`).
 
 The replay leaves ``logits [B, V]`` and ``packed [2, B]`` (greedy ids, ok flags) in static
 output buffers; for all-greedy steps without filters the generator reads only ``packed`` back.
@@ -45,7 +49,7 @@ import torch
 
 from exl3_core import ops
 from exl3_core.archkit.batch import BatchMeta
-from exl3_core.generator.batching import DECODE_BUCKETS, bucket_size
+from exl3_core.generator.batching import DECODE_BUCKETS, HostRead, bucket_size, to_device_async
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +60,15 @@ STAGING_SLOTS = 4
 
 #: the decode step's input fields, in their staging buffer's order (shapes: _field_shapes)
 _FIELDS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens_k", "page_table")
+#: the staging buffer's fields: the step's inputs, then per row the previous step's greedy row its
+#: input id comes from (-1: the id staged; see DecodeGraphs.run)
+_BLOB_FIELDS = _FIELDS + ("carry",)
 
 
 def _field_shapes(B: int, W: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     return {"input_ids": (torch.int64, (B,)), "positions": (torch.int64, (B,)), "slot_mapping": (torch.int64, (B,)),
             "cu_seqlens_q": (torch.int32, (B + 1,)), "seq_lens_k": (torch.int32, (B,)),
-            "page_table": (torch.int32, (B, W))}
+            "page_table": (torch.int32, (B, W)), "carry": (torch.int32, (B,))}
 
 
 class _Blob:
@@ -71,13 +78,13 @@ class _Blob:
     def __init__(self, B: int, W: int, device: torch.device, pinned: bool = False) -> None:
         shapes = _field_shapes(B, W)
         offsets, n = {}, 0
-        for name in _FIELDS:
+        for name in _BLOB_FIELDS:
             dtype, shape = shapes[name]
             offsets[name] = n
             n += -(-math.prod(shape) * dtype.itemsize // 16) * 16
         self.buf = torch.zeros(n, dtype=torch.uint8, device=device, pin_memory=pinned)
         self.views: dict[str, torch.Tensor] = {}
-        for name in _FIELDS:
+        for name in _BLOB_FIELDS:
             dtype, shape = shapes[name]
             size = math.prod(shape) * dtype.itemsize
             self.views[name] = self.buf[offsets[name]:offsets[name] + size].view(dtype).view(shape)
@@ -174,7 +181,7 @@ class _GraphSet:
         self.table_width = table_width
         self.page_size = cache.page_size
         self.device = torch.device(model.device)
-        self._graphs: dict[int, _Graph] = {}
+        self._graphs: dict[Any, _Graph] = {}
         self._pool: Any = None
         self._key = self._state_key()
         self.replays = 0
@@ -188,43 +195,56 @@ class _GraphSet:
         self._graphs.clear()
         self._pool = None
 
-    def _graph(self, bucket: int) -> _Graph:
-        key = self._state_key()
-        if key != self._key:
+    def _graph(self, key: Any) -> _Graph:
+        state = self._state_key()
+        if state != self._key:
             self.reset()
-            self._key = key
-        g = self._graphs.get(bucket)
+            self._key = state
+        g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[bucket] = self._capture(bucket)
+            g = self._graphs[key] = self._capture(key)
         return g
 
-    def _static_meta(self, bucket: int) -> BatchMeta:
+    def _static_meta(self, key: Any) -> BatchMeta:
         raise NotImplementedError
 
-    def _step(self, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _step(self, key: Any, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
-    def _capture(self, bucket: int) -> _Graph:
-        meta = self._static_meta(bucket)
+    def _capture(self, key: Any) -> _Graph:
+        meta = self._static_meta(key)
         cur = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(cur)
         # warm-up off the capture: Triton compiles, backends get chosen, workspaces get allocated
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step(meta)
+                self._step(key, meta)
         cur.wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with no_gc(), torch.cuda.graph(graph, pool=self._pool):
-            logits, packed = self._step(meta)
-        log.debug("captured %s graph for bucket %d", type(self).__name__, bucket)
+            logits, packed = self._step(key, meta)
+        log.debug("captured %s graph %s", type(self).__name__, key)
         return _Graph(graph, meta, logits, packed)
 
 
 class DecodeGraphs(_GraphSet):
     """Captures and replays decode steps of ``model`` over ``cache``.
+
+    Each bucket has **two** graphs (slots 0 and 1) with their own static inputs and outputs, and
+    replays alternate between them, so a step's inputs are staged while the step before still
+    runs: the host-built metadata is copied on a staging stream once the same slot's previous replay
+    (two steps back) has finished reading it, and the replay stream only waits for that copy, which
+    is long done by then. The greedy read-back (:meth:`read_back`) runs on a third stream. Between
+    two replays the replay stream then runs nothing else (before: the read-back, the staging copy and
+    the ids cast, each a few microseconds of stream turnaround; docs/performance.md, run 15).
+
+    A step whose input ids are the previous step's greedy ids (the overlapped loop) passes that
+    step's ``packed[0]`` and the source row of each of its rows; when the previous replay was this
+    bucket's other slot, the graph's first kernel (:func:`exl3_core.ops.carry_ids`) picks them up
+    on the device. Otherwise they are gathered and copied before the replay.
 
     :param model: loaded model on CUDA.
     :param cache: its allocated :class:`~exl3_core.cache.Cache`.
@@ -235,7 +255,18 @@ class DecodeGraphs(_GraphSet):
     def __init__(self, model: Any, cache: Any, table_width: int, max_bucket: int = MAX_GRAPH_BUCKET) -> None:
         super().__init__(model, cache, table_width)
         self.max_bucket = max_bucket
-        self._blobs: dict[int, tuple[_Blob, list[tuple[_Blob, torch.cuda.Event]]]] = {}
+        self._init_state()
+
+    def _init_state(self) -> None:
+        self._blobs: dict[tuple[int, int], _Blob] = {}  # (bucket, slot) -> static inputs
+        self._rings: dict[int, list[tuple[_Blob, torch.cuda.Event]]] = {}  # bucket -> pinned staging ring
+        self._packed: dict[int, torch.Tensor] = {}  # bucket -> float64 [2 slots, 2, B], the greedy outputs
+        self._next: dict[int, int] = {}  # bucket -> slot of its next replay
+        self._last: tuple[int, int] | None = None  # (bucket, slot) of the latest replay
+        self._replayed: dict[tuple[int, int], torch.cuda.Event] = {}  # after the slot's latest replay
+        self._read: dict[tuple[int, int], torch.cuda.Event] = {}  # after its outputs' latest read-back
+        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None  # staging, read-back
+        self.carried = 0  # replays whose input ids were carried over on the device, inside the graph
 
     @classmethod
     def create(cls, model: Any, cache: Any, table_width: int, max_bucket: int = MAX_GRAPH_BUCKET) -> DecodeGraphs | None:
@@ -247,12 +278,13 @@ class DecodeGraphs(_GraphSet):
         return cls(model, cache, table_width, max_bucket)
 
     def capture_buckets(self, max_batch: int) -> list[int]:
-        """Capture now the graph of every bucket a step of up to ``max_batch`` rows can use (capped at
+        """Capture now the graphs of every bucket a step of up to ``max_batch`` rows can use (capped at
         :attr:`max_bucket`), instead of at each bucket's first step; returns those buckets."""
         top = min(bucket_size(max(max_batch, 1)), self.max_bucket)
         buckets = [b for b in DECODE_BUCKETS if b <= top]
         for b in buckets:
-            self._graph(b)
+            self._graph((b, 0))
+            self._graph((b, 1))
         return buckets
 
     def accepts(self, meta: BatchMeta) -> bool:
@@ -261,48 +293,107 @@ class DecodeGraphs(_GraphSet):
                 and meta.batch_size <= self.max_bucket and meta.input_ids.shape[0] == meta.batch_size
                 and meta.page_table.shape[1] == self.table_width)
 
-    def run(self, meta: BatchMeta, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _side_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        if self._streams is None:
+            self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        return self._streams
+
+    def run(self, meta: BatchMeta, ids: torch.Tensor | None = None,
+            src: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph of ``meta``'s bucket: ``(logits [B, V], packed [2, B])`` (static buffers,
         valid until the next replay).
 
         ``meta`` built on the host (the generator's way) is packed into a pinned staging buffer and
-        reaches the graph's inputs in one asynchronous copy; device tensors are copied field by field.
+        reaches the graph's inputs in one asynchronous copy on the staging stream; device tensors are
+        copied field by field on the replay stream.
 
-        :param ids: optional device tensor ``[n]`` (e.g. the previous step's ``packed[0]``, float64)
-            that replaces the first ``n`` input ids. Its copy (cast to int64) is queued on the
-            replay's stream after ``meta``'s copies and before the replay, so the next step's inputs
-            never travel through the host.
+        :param ids: optional device tensor (the previous step's ``packed[0]``, float64) whose rows
+            ``src`` (default: ``0 .. len(ids) - 1``, at most the bucket's rows) replace the first input
+            ids, so the next step's inputs never travel through the host: on the device inside the
+            graph when the previous replay was this bucket's other slot (whose output ``ids`` is), else
+            gathered and copied (cast to int64) before the replay.
         """
-        g = self._graph(meta.batch_size)
+        B = meta.batch_size
+        slot = self._next.get(B, 0)
+        key, partner = (B, slot), (B, 1 - slot)
+        g = self._graph(key)
         s = g.meta
+        main = torch.cuda.current_stream(self.device)
+        if ids is not None and src is None:
+            src = list(range(min(ids.shape[0], B)))
+        carried = (ids is not None and self._last == partner and src is not None
+                   and ids.data_ptr() == self._packed[B][1 - slot][0].data_ptr())
+        if (ev := self._read.get(key)) is not None:
+            main.wait_event(ev)  # this slot's outputs of two steps back have been read
+        blob = self._blobs[key]
         if meta.input_ids.is_cuda:
             for name in _FIELDS:
                 getattr(s, name).copy_(getattr(meta, name), non_blocking=True)
+            blob.views["carry"].fill_(-1)
         else:
-            blob, ring = self._blobs[meta.batch_size]
+            stage, _ = self._side_streams()
+            ring = self._rings[B]
             host, done = ring[self.replays % len(ring)]
-            done.synchronize()  # this slot's previous copy has read it
+            done.synchronize()  # this staging buffer's previous copy has read it
             for name in _FIELDS:
                 host.views[name].copy_(getattr(meta, name))
-            blob.buf.copy_(host.buf, non_blocking=True)
-            done.record()
-        if ids is not None:
-            s.input_ids[:ids.shape[0]].copy_(ids, non_blocking=True)
+            carry = host.views["carry"].numpy()
+            carry.fill(-1)
+            if carried:
+                assert src is not None
+                carry[:len(src)] = src
+                self.carried += 1
+            if (ev := self._replayed.get(key)) is not None:
+                stage.wait_event(ev)  # the slot's previous replay has finished reading its inputs
+            with torch.cuda.stream(stage):
+                blob.buf.copy_(host.buf, non_blocking=True)
+            done.record(stage)
+            main.wait_event(done)
+        if ids is not None and not carried:
+            assert src is not None
+            if src == list(range(len(src))):
+                s.input_ids[:len(src)].copy_(ids[:len(src)], non_blocking=True)
+            else:
+                idx = to_device_async(torch.tensor(src, dtype=torch.int64), self.device)
+                s.input_ids[:len(src)].copy_(ids.index_select(0, idx), non_blocking=True)
         g.graph.replay()
+        ev = self._replayed.get(key)
+        if ev is None:
+            ev = self._replayed[key] = torch.cuda.Event()
+        ev.record(main)
+        self._last = key
+        self._next[B] = 1 - slot
         self.replays += 1
         assert g.packed is not None
         return g.logits, g.packed
 
+    def read_back(self, packed: torch.Tensor) -> HostRead:
+        """Start the asynchronous host copy of the latest replay's ``packed`` on the read-back stream
+        (the next replay does not queue behind it; the replay that overwrites these outputs waits)."""
+        if self._last is None or packed.data_ptr() != self._packed[self._last[0]][self._last[1]].data_ptr():
+            raise ValueError("DecodeGraphs.read_back: packed is not the latest replay's output")
+        _, reader = self._side_streams()
+        reader.wait_event(self._replayed[self._last])
+        with torch.cuda.stream(reader):
+            read = HostRead(packed)
+        assert read.event is not None
+        self._read[self._last] = read.event
+        return read
+
     def reset(self) -> None:
         super().reset()
-        self._blobs.clear()
+        self._init_state()
 
-    def _static_meta(self, B: int) -> BatchMeta:
+    def _static_meta(self, key: tuple[int, int]) -> BatchMeta:
+        B = key[0]
         dev, W, ps = self.device, self.table_width, self.page_size
         scratch = self.cache.scratch_page
-        blob = _Blob(B, W, dev)
-        ring = [(_Blob(B, W, torch.device("cpu"), pinned=True), torch.cuda.Event()) for _ in range(STAGING_SLOTS)]
-        self._blobs[B] = (blob, ring)
+        blob = self._blobs[key] = _Blob(B, W, dev)
+        if B not in self._rings:
+            self._rings[B] = [(_Blob(B, W, torch.device("cpu"), pinned=True), torch.cuda.Event())
+                              for _ in range(STAGING_SLOTS)]
+            # both slots' greedy outputs, outside the graph pool: each slot's first kernel reads the other's
+            self._packed[B] = torch.zeros((2, 2, B), dtype=torch.float64, device=dev)
         v = blob.views
         # every padded row points at the scratch page: warm-up and capture write nothing else
         v["input_ids"].zero_()
@@ -311,11 +402,15 @@ class DecodeGraphs(_GraphSet):
         v["seq_lens_k"].fill_(1)
         v["page_table"].fill_(scratch)
         v["slot_mapping"].fill_(scratch * ps)
-        return BatchMeta(max_seqlen_q=1, max_seqlen_k=W * ps, phase="decode", logits_indices=None, **v)
+        v["carry"].fill_(-1)
+        return BatchMeta(max_seqlen_q=1, max_seqlen_k=W * ps, phase="decode", logits_indices=None,
+                         **{name: v[name] for name in _FIELDS})
 
-    def _step(self, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _step(self, key: tuple[int, int], meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, slot = key
+        ops.carry_ids(meta.input_ids, self._blobs[key].views["carry"], self._packed[B][1 - slot][0])
         logits = self.model.forward_batch(meta, self.cache)
-        return logits, ops.greedy_pack(logits)
+        return logits, ops.greedy_pack(logits, out=self._packed[B][slot])
 
 
 class PrefillGraphs(_GraphSet):
@@ -428,5 +523,5 @@ class PrefillGraphs(_GraphSet):
             page_table=small[:W].view(1, W), slot_mapping=big[2 * T:3 * T], logits_indices=big[3 * T:],
         )
 
-    def _step(self, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _step(self, key: Any, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.model.forward_batch(meta, self.cache), None

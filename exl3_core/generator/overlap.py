@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from exl3_core import ops
-from exl3_core.generator.batching import Chunk, build_batch, meta_to_device, to_device_async
+from exl3_core.generator.batching import Chunk, HostRead, build_batch, meta_to_device, to_device_async
 from exl3_core.generator.job import Job
 
 if TYPE_CHECKING:
@@ -49,29 +49,6 @@ def plain_greedy(job: Job, pos: int) -> bool:
     constraint that could change it (the condition to sample it on the device ahead of time)."""
     return (job.sampler.is_greedy and not job.return_probs and not job.return_logits and not job.filters
             and not job.banned_strings and not job.ban_at.get(pos))
-
-
-class HostRead:
-    """Asynchronous device->host copy of a small tensor; :meth:`wait` is the step's one sync.
-
-    On CUDA the copy goes to pinned memory on the current stream and an event marks its end; on
-    the CPU the tensor is simply kept (cloned: a static buffer could be overwritten later).
-    """
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self._event: torch.cuda.Event | None = None
-        if t.is_cuda:
-            self._buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            self._buf.copy_(t, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(t.device))
-        else:
-            self._buf = t.clone()
-
-    def wait(self) -> list[list[float]]:
-        if self._event is not None:
-            self._event.synchronize()
-        return self._buf.tolist()
 
 
 @dataclass
@@ -195,25 +172,27 @@ class DecodePipeline:
         chunks = [Chunk([0 if r.spec else r.job.seq[-1]], r.job.cached, r.job.pages, True) for r in rows]
         meta, _ = build_batch(chunks, page_size=g.page_size, table_width=g.table_width,
                               scratch_page=g.cache.scratch_page, device=torch.device("cpu"), decode=True)
-        ids = None
-        if prev is not None:
-            assert src is not None
-            if src == list(range(n)):
-                ids = prev.ids[:n]
-            else:
-                idx = torch.from_numpy(np.asarray(src, dtype=np.int64))
-                ids = prev.ids.index_select(0, to_device_async(idx, g.device))
         if g.graphs is not None and g.graphs.accepts(meta):
-            _, packed = g.graphs.run(meta, ids)  # packs the host-built meta into one pinned copy
+            # the host-built meta goes in one pinned copy; the ids stay on the device (in the graph
+            # when the previous step was the bucket's other graph)
+            _, packed = g.graphs.run(meta, prev.ids if prev is not None else None, src)
+            read = g.graphs.read_back(packed)
         else:
             dmeta = meta_to_device(meta, g.device)
-            if ids is not None:
+            if prev is not None:
+                assert src is not None
+                if src == list(range(n)):
+                    ids = prev.ids[:n]
+                else:
+                    idx = torch.from_numpy(np.asarray(src, dtype=np.int64))
+                    ids = prev.ids.index_select(0, to_device_async(idx, g.device))
                 dmeta.input_ids[:n].copy_(ids, non_blocking=True)
             packed = ops.greedy_pack(g.model.forward_batch(dmeta, g.cache))
+            read = HostRead(packed)
         g.forward_calls += 1
         g.tokens_computed += n
         self.launches += 1
-        return _Flight(rows, packed[0], HostRead(packed))
+        return _Flight(rows, packed[0], read)
 
     def _land(self, flight: _Flight, nxt: _Flight | None, results: list[Result]) -> None:
         """Read ``flight``'s ids, handle them per job, then confirm or discard ``nxt``'s rows."""

@@ -444,15 +444,17 @@ def _greedy_pack_kernel(X, Count, PartM, PartI, PartF, Out, stride_x, V, B, P,
 _GREEDY_BLOCK = 4096
 
 
-def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
+def greedy_pack(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """float64 ``[2, B]``: ``logits [B, V]``'s argmax (first maximum) and "has a finite logit and no
     NaN" flag per row, in one launch (the reference's argmax, isfinite/isnan reductions, casts and
-    stack were ~10 kernels and ~80 us per decode step at V = 128256 on an H200)."""
+    stack were ~10 kernels and ~80 us per decode step at V = 128256 on an H200). ``out``: a contiguous
+    float64 ``[2, B]`` to write instead of a new tensor (checked by :func:`exl3_core.ops.greedy_pack`)."""
     if logits.dim() != 2:
         raise ValueError(f"greedy_pack: logits must be [B, V], got shape {tuple(logits.shape)}")
     x = logits if logits.stride(-1) == 1 else logits.contiguous()
     B, V = x.shape
-    out = torch.empty((2, B), dtype=torch.float64, device=x.device)
+    if out is None:
+        out = torch.empty((2, B), dtype=torch.float64, device=x.device)
     if B == 0:
         return out
     P = triton.cdiv(V, _GREEDY_BLOCK)
@@ -464,3 +466,30 @@ def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
         BLOCK=_GREEDY_BLOCK, P_BLOCK=max(16, triton.next_power_of_2(P)), num_warps=8, **launch_opts(out),
     )
     return out
+
+
+# -- a decode step's input ids carried over from the previous step's greedy ids, on the device ------
+
+
+@triton.jit
+def _carry_ids_kernel(Ids, Carry, Src, B, S, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # one program: Ids[i] = int64(Src[Carry[i]]) where 0 <= Carry[i] < S; other rows keep their id
+    if PDL:  # see _rms_norm_kernel
+        gdc_wait()
+        gdc_launch_dependents()
+    i = tl.arange(0, BLOCK)
+    ok = i < B
+    c = tl.load(Carry + i, mask=ok, other=-1)
+    take = ok & (c >= 0) & (c < S)
+    v = tl.load(Src + tl.where(take, c, 0), mask=take, other=0.0)
+    tl.store(Ids + i, v.to(tl.int64), mask=take)
+
+
+def carry_ids(ids: torch.Tensor, carry: torch.Tensor, src: torch.Tensor) -> None:
+    """In place: ``ids[i] = int64(src[carry[i]])`` where ``0 <= carry[i] < len(src)`` (checked by
+    :func:`exl3_core.ops.carry_ids`), one launch."""
+    B = ids.shape[0]
+    if B == 0:
+        return
+    _carry_ids_kernel[(1,)](ids, carry, src, B, src.shape[0], BLOCK=max(16, triton.next_power_of_2(B)),
+                            num_warps=1, **launch_opts(ids))

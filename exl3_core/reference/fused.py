@@ -103,6 +103,15 @@ def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
     return torch.stack([ids.double(), ok.double()])
 
 
+def carry_ids(ids: torch.Tensor, carry: torch.Tensor, src: torch.Tensor) -> None:
+    """In place: ``ids[i] = int64(src[carry[i]])`` where ``0 <= carry[i] < len(src)``, else unchanged."""
+    if src.shape[0] == 0:
+        return
+    take = (carry >= 0) & (carry < src.shape[0])  # no host read: this runs inside captured graphs too
+    picked = src[carry.long().clamp(0, src.shape[0] - 1)].to(torch.int64)
+    ids.copy_(torch.where(take, picked, ids))
+
+
 def embed_ss(ids: torch.Tensor, weight: torch.Tensor, scale: float | None,
              ss_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(weight[ids] (* scale), ss)``: ``ss [ss_slots, T]`` fp32, row 0 the rows' sums of squares, the rest 0."""

@@ -119,6 +119,54 @@ def test_host_built_inputs_replay_like_eager(model_cache) -> None:
         graphs.reset()
 
 
+def test_carried_ids_replay_like_eager(model_cache) -> None:
+    """A step whose input ids are the step before's greedy ids, in any row order: taken on the device
+    inside the graph when the step before was the bucket's other graph, gathered and copied before the
+    replay otherwise (another bucket in between); either way equal to the eager forward fed those ids,
+    and the read-back (on its own stream) equals the replay's argmax."""
+    model, cache = model_cache
+    ps, W = cache.page_size, 4
+    graphs = DecodeGraphs.create(model, cache, W)
+    assert graphs is not None, decline_reason(model, cache)
+    g = torch.Generator().manual_seed(5)
+    kw = {"page_size": ps, "table_width": W, "scratch_page": cache.scratch_page, "decode": True}
+    ctx, pages = [], []
+    for _ in range(3):
+        ctx.append(int(torch.randint(1, ps, (1,), generator=g)))
+        pages.append(cache.allocator.allocate(-(-(ctx[-1] + 4) // ps)))
+    try:
+        rows = [0, 1, 2]
+        chunks = [Chunk([int(torch.randint(0, 2000, (1,), generator=g))], ctx[r], pages[r], True) for r in rows]
+        h, _ = build_batch(chunks, device=torch.device("cpu"), **kw)
+        logits, packed = graphs.run(h)
+        out = graphs.read_back(packed).wait()[0]
+        assert out[:3] == logits[:3].argmax(-1).double().tolist()
+        # (the step's sequences, whether their ids are carried inside the graph): bucket 4's other
+        # slot (carried), bucket 1 (gathered: the step before was bucket 4), bucket 1's other slot (carried)
+        for nxt, carried in (([2, 0, 1], True), ([0], False), ([0], True)):
+            src = [rows.index(r) for r in nxt]  # the step before's row of each sequence
+            for r in nxt:
+                ctx[r] += 1
+            chunks = [Chunk([0], ctx[r], pages[r], True) for r in nxt]  # id 0 staged: the graph must replace it
+            h, _ = build_batch(chunks, device=torch.device("cpu"), **kw)
+            d, _ = build_batch(chunks, device=torch.device(model.device), **kw)
+            d.input_ids[:len(nxt)] = torch.tensor([int(out[i]) for i in src], device=model.device)
+            before = graphs.carried
+            logits, packed = graphs.run(h, packed[0], src)
+            got = logits[:len(nxt)].clone()
+            out = graphs.read_back(packed).wait()[0]
+            assert graphs.carried == before + carried, (nxt, carried)
+            ref = model.forward_batch(d, cache)[:len(nxt)]
+            err = ((ref.float() - got.float()).abs().max() / ref.float().abs().max()).item()
+            assert err < 1e-2, (nxt, err)
+            assert out[:len(nxt)] == got.argmax(-1).double().tolist()
+            rows = nxt
+    finally:
+        for p in pages:
+            cache.allocator.release(p)
+        graphs.reset()
+
+
 def test_capture_graphs_up_front(model_cache) -> None:
     """``Generator.capture_graphs`` captures every bucket up to ``max_batch_size`` (3: buckets 1, 2, 4)
     before any job; a batch that then shrinks through them replays without capturing; the call is
@@ -128,7 +176,7 @@ def test_capture_graphs_up_front(model_cache) -> None:
     assert gen.graphs is not None, decline_reason(model, cache)
     assert gen.capture_graphs() == [1, 2, 4]
     captured = dict(gen.graphs._graphs)
-    assert sorted(captured) == [1, 2, 4]
+    assert sorted(captured) == [(b, slot) for b in (1, 2, 4) for slot in (0, 1)]  # two graphs per bucket
     jobs = [Job([5, 6, 7], max_new_tokens=n, stop_at_eos=False) for n in (4, 8, 12)]  # 3 -> 2 -> 1 rows
     gen.enqueue(jobs)
     with pytest.raises(RuntimeError, match="capture_graphs"):

@@ -331,3 +331,51 @@ def test_greedy_pack(rows: int, vocab: int, dtype: torch.dtype) -> None:
 def test_greedy_pack_rejects_bad_shape() -> None:
     with pytest.raises(ValueError, match="logits must be"):
         ops.greedy_pack(torch.zeros(2, 3, 4, device=DEVICE), impl="triton")
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_greedy_pack_into_out(impl: str) -> None:
+    """``out=``: the result lands in the given buffer (a decode graph's static output), equal to a
+    fresh call's; a buffer of the wrong shape, dtype or layout is refused and left untouched."""
+    x = torch.randn(3, 5000).to(DEVICE)
+    out = torch.full((2, 3), -7.0, dtype=torch.float64, device=DEVICE)
+    got = ops.greedy_pack(x, out=out, impl=impl)
+    assert got.data_ptr() == out.data_ptr()
+    torch.testing.assert_close(out, ref.greedy_pack(x), atol=0, rtol=0)
+    for bad in (torch.zeros(2, 4, dtype=torch.float64), torch.zeros(2, 3, dtype=torch.float32),
+                torch.zeros(3, 2, dtype=torch.float64).t()):
+        bad = bad.to(DEVICE)
+        before = bad.clone()
+        with pytest.raises(ValueError, match="out must be a contiguous float64"):
+            ops.greedy_pack(x, out=bad, impl=impl)
+        assert torch.equal(bad, before)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_carry_ids(impl: str, rows: int) -> None:
+    """Rows with a carry index take the previous step's greedy id at that index (any order, repeats
+    allowed), rows with -1 or an index past the source keep their id; against a plain loop."""
+    g = torch.Generator().manual_seed(rows)
+    ids = torch.randint(0, 50000, (rows,), generator=g)
+    src = torch.randint(0, 128256, (rows + 3,), generator=g).double()
+    carry = torch.randint(-1, rows + 3, (rows,), generator=g).to(torch.int32)
+    carry[0] = rows + 3 + 5  # out of range: kept
+    exp = ids.clone()
+    for i in range(rows):
+        if 0 <= int(carry[i]) < src.shape[0]:
+            exp[i] = int(src[int(carry[i])])
+    got = ids.to(DEVICE)
+    ops.carry_ids(got, carry.to(DEVICE), src.to(DEVICE), impl=impl)
+    assert torch.equal(got.cpu(), exp)
+
+
+def test_carry_ids_rejects_bad_operands() -> None:
+    ids = torch.zeros(4, dtype=torch.int64, device=DEVICE)
+    carry = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    src = torch.arange(4, dtype=torch.float64, device=DEVICE)
+    for args in ((ids.int(), carry, src), (ids, carry.long(), src), (ids, carry, src.float()), (ids, carry[:3], src)):
+        before = args[0].clone()
+        with pytest.raises(ValueError, match="carry_ids: want"):
+            ops.carry_ids(*args, impl="triton")
+        assert torch.equal(args[0], before)
