@@ -271,7 +271,12 @@ class StandardDecoder(Model):
         return Head(c.head_key, c.hidden_size, c.vocab_size, self.embed, c.tie_word_embeddings)
 
     # -- forward ----------------------------------------------------------------------------------
-    def forward_batch(self, meta: BatchMeta, cache: Any = None) -> torch.Tensor:
+    def forward_batch(self, meta: BatchMeta, cache: Any = None, *, fp32_logits: bool = True) -> torch.Tensor:
+        logits = self._forward_batch(meta, cache)
+        return logits.float() if fp32_logits else logits
+
+    def _forward_batch(self, meta: BatchMeta, cache: Any) -> torch.Tensor:
+        """The forward up to the head's output in its own dtype."""
         state = ForwardState(meta, cache, self.allowed_backends, self.plugins)
         w = getattr(self.embed, "weight", None)
         if (isinstance(w, torch.Tensor) and ops.fused_enabled(w) and type(self.embed).forward is Embedding.forward
@@ -286,7 +291,7 @@ class StandardDecoder(Model):
             x = block(x, state)
         if meta.logits_indices is not None:
             x = x.index_select(0, meta.logits_indices)  # norm + head only for the rows that need logits
-        return self.head(self.norm(x)).float()
+        return self.head(self.norm(x))
 
     def _chainable(self) -> bool:
         return all(isinstance(b, DecoderBlock) and b.chainable() for b in self.layers) and _fusable_norm(self.norm)
@@ -310,8 +315,8 @@ class StandardDecoder(Model):
         norm = self.norm
         assert isinstance(norm, RMSNorm) and ss_in is not None
         if meta.logits_indices is not None:  # norm + head only for the rows that need logits
-            return self.head(norm(h.index_select(0, meta.logits_indices))).float()
-        return self.head(DeferredNorm(h, norm, ss_in)).float()
+            return self.head(norm(h.index_select(0, meta.logits_indices)))
+        return self.head(DeferredNorm(h, norm, ss_in))
 
     def _deferrable(self, rows: int, dtype: torch.dtype) -> bool:
         # up to the one-launch linear's rows (read at call time: benchmarks switch it)
@@ -334,5 +339,5 @@ class StandardDecoder(Model):
             normed, _ = norm.forward_residual(pending.index_select(0, idx), x.index_select(0, idx))
         else:
             normed, _ = norm.forward_residual(pending, x)
-        return self.head(normed).float()
+        return self.head(normed)
 

@@ -221,11 +221,12 @@ class Model(torch.nn.Module):
         meta = BatchMeta.full(input_ids.to(self.device))
         return self.forward_batch(meta).view(B, S, -1)
 
-    def forward_batch(self, meta: BatchMeta, cache: Any = None) -> torch.Tensor:
+    def forward_batch(self, meta: BatchMeta, cache: Any = None, *, fp32_logits: bool = True) -> torch.Tensor:
         """Packed forward: fp32 logits ``[N, vocab]`` for ``meta.logits_indices`` (all T tokens if None).
 
         With ``cache``, new keys/values are written to ``cache.layers[i]`` at ``meta.slot_mapping``
-        and attention reads the pages named by ``meta.page_table``.
+        and attention reads the pages named by ``meta.page_table``. ``fp32_logits=False`` returns the
+        head's output as it is (fp16): the decode graphs' greedy pick reads it without the cast.
         """
         raise NotImplementedError(f"{type(self).__name__}.forward_batch")
 

@@ -387,7 +387,8 @@ class Generator:
             host = packed[:, :len(rows)] if rows == list(range(len(rows))) else packed[:, rows]
             self._process_sampled(sampling, host.cpu().tolist(), None, {}, results)
             return
-        self._sample_and_process(sampling, logits[torch.tensor(rows, device=logits.device)], masks, results)
+        # fp32 for the samplers (a replayed graph leaves the head's fp16)
+        self._sample_and_process(sampling, logits[torch.tensor(rows, device=logits.device)].float(), masks, results)
 
     def _start_masks(self, jobs: list[Job]) -> dict[int, Future | None]:
         """Filter masks for ``jobs``; slow filters run on a worker thread during the forward."""

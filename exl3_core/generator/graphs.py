@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import inspect
 import logging
 import math
 from collections.abc import Iterator
@@ -230,6 +231,13 @@ class _GraphSet:
         return _Graph(graph, meta, logits, packed)
 
 
+def _takes_fp32_flag(model: Any) -> bool:
+    try:
+        return "fp32_logits" in inspect.signature(model.forward_batch).parameters
+    except (TypeError, ValueError):
+        return False
+
+
 class DecodeGraphs(_GraphSet):
     """Captures and replays decode steps of ``model`` over ``cache``.
 
@@ -301,7 +309,7 @@ class DecodeGraphs(_GraphSet):
     def run(self, meta: BatchMeta, ids: torch.Tensor | None = None,
             src: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the graph of ``meta``'s bucket: ``(logits [B, V], packed [2, B])`` (static buffers,
-        valid until the next replay).
+        valid until the next replay; the logits in the head's dtype, fp16 for EXL3 heads).
 
         ``meta`` built on the host (the generator's way) is packed into a pinned staging buffer and
         reaches the graph's inputs in one asynchronous copy on the staging stream; device tensors are
@@ -409,7 +417,10 @@ class DecodeGraphs(_GraphSet):
     def _step(self, key: tuple[int, int], meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, slot = key
         ops.carry_ids(meta.input_ids, self._blobs[key].views["carry"], self._packed[B][1 - slot][0])
-        logits = self.model.forward_batch(meta, self.cache)
+        # the head's own dtype: the greedy pick reads it as is, and a sampler casts its rows (no fp32
+        # copy of [B, V] in every step)
+        kw = {"fp32_logits": False} if _takes_fp32_flag(self.model) else {}
+        logits = self.model.forward_batch(meta, self.cache, **kw)
         return logits, ops.greedy_pack(logits, out=self._packed[B][slot])
 
 
