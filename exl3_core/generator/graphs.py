@@ -389,6 +389,9 @@ class DecodeGraphs(_GraphSet):
         return read
 
     def reset(self) -> None:
+        if self._streams is not None:  # no staging copy or read-back may still touch the buffers dropped here
+            for st in self._streams:
+                st.synchronize()
         super().reset()
         self._init_state()
 
