@@ -161,6 +161,17 @@ def test_carried_ids_replay_like_eager(model_cache) -> None:
             assert err < 1e-2, (nxt, err)
             assert out[:len(nxt)] == got.argmax(-1).double().tolist()
             rows = nxt
+        # device-built inputs on both bucket-1 slots after the carried replay: each takes its own ids
+        # (the slot that carried must not carry again from stale indices)
+        for _ in range(2):
+            ctx[0] += 1
+            token = (int(out[0]) + 1) % 2000  # never the previous argmax: a stale carry would show
+            d, _ = build_batch([Chunk([token], ctx[0], pages[0], True)], device=torch.device(model.device), **kw)
+            got = graphs.run(d)[0][:1].clone()
+            ref = model.forward_batch(d, cache)[:1]
+            err = ((ref.float() - got.float()).abs().max() / ref.float().abs().max()).item()
+            assert err < 1e-2, err
+            out = [float(got.argmax())]
     finally:
         for p in pages:
             cache.allocator.release(p)
