@@ -108,6 +108,14 @@ def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return (t.pin_memory() if device.type == "cuda" else t).to(device, non_blocking=True)
 
 
+def gather_rows(t: torch.Tensor, src: list[int]) -> torch.Tensor:
+    """``t[src]`` for a device tensor ``t``: a view when ``src`` is ``0 .. n-1``, else an index_select
+    whose index travels asynchronously (no host sync)."""
+    if src == list(range(len(src))):
+        return t[:len(src)]
+    return t.index_select(0, to_device_async(torch.tensor(src, dtype=torch.int64), t.device))
+
+
 def meta_to_device(meta: BatchMeta, device: torch.device) -> BatchMeta:
     """Host-built ``meta`` on ``device``, each tensor through :func:`to_device_async`."""
     new = {f.name: to_device_async(v, device)

@@ -50,7 +50,7 @@ import torch
 
 from exl3_core import ops
 from exl3_core.archkit.batch import BatchMeta
-from exl3_core.generator.batching import DECODE_BUCKETS, HostRead, bucket_size, to_device_async
+from exl3_core.generator.batching import DECODE_BUCKETS, HostRead, bucket_size, gather_rows
 
 log = logging.getLogger(__name__)
 
@@ -366,11 +366,7 @@ class DecodeGraphs(_GraphSet):
             main.wait_event(done)
         if ids is not None and not carried:
             assert src is not None
-            if src == list(range(len(src))):
-                s.input_ids[:len(src)].copy_(ids[:len(src)], non_blocking=True)
-            else:
-                idx = to_device_async(torch.tensor(src, dtype=torch.int64), self.device)
-                s.input_ids[:len(src)].copy_(ids.index_select(0, idx), non_blocking=True)
+            s.input_ids[:len(src)].copy_(gather_rows(ids, src), non_blocking=True)
         g.graph.replay()
         ev = self._replayed.get(key)
         if ev is None:

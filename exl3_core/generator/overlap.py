@@ -22,10 +22,11 @@ a job that is not plain greedy, too few free pages) drains the pipeline: the in-
 finished normally and the generator continues with its plain step. ``EXL3_OVERLAP_DECODE=0``
 (``settings.get().overlap_decode``) turns the loop off.
 
-On CUDA the step's metadata is built on the host and copied asynchronously (a replayed graph packs
-it into one pinned buffer: one copy per step), the ids copy and the greedy read-back are queued on
-the replay's stream, and the read waits on an event, so launching step t+1 never waits for step t.
-On the CPU the same code runs eagerly.
+On CUDA the step's metadata is built on the host and copied asynchronously. A replayed graph packs
+it into one pinned buffer, copied on a staging stream while the step before runs; the ids come from
+the step before inside the graph, and the greedy read-back runs on a stream of its own
+(:class:`~exl3_core.generator.graphs.DecodeGraphs`). The read waits on an event, so launching step
+t+1 never waits for step t. On the CPU the same code runs eagerly.
 """
 from __future__ import annotations
 
@@ -33,11 +34,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from exl3_core import ops
-from exl3_core.generator.batching import Chunk, HostRead, build_batch, meta_to_device, to_device_async
+from exl3_core.generator.batching import Chunk, HostRead, build_batch, gather_rows, meta_to_device
 from exl3_core.generator.job import Job
 
 if TYPE_CHECKING:
@@ -181,12 +181,7 @@ class DecodePipeline:
             dmeta = meta_to_device(meta, g.device)
             if prev is not None:
                 assert src is not None
-                if src == list(range(n)):
-                    ids = prev.ids[:n]
-                else:
-                    idx = torch.from_numpy(np.asarray(src, dtype=np.int64))
-                    ids = prev.ids.index_select(0, to_device_async(idx, g.device))
-                dmeta.input_ids[:n].copy_(ids, non_blocking=True)
+                dmeta.input_ids[:n].copy_(gather_rows(prev.ids, src), non_blocking=True)
             packed = ops.greedy_pack(g.model.forward_batch(dmeta, g.cache))
             read = HostRead(packed)
         g.forward_calls += 1
