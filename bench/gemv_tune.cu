@@ -67,7 +67,8 @@ static void decode_only_pdl_t(exl3::GemmArgs a, cudaStream_t st) {
 // The 8B decode layer: TUNE_CHAIN=4096x6144nq,4096x4096r,4096x28672n,14336x4096gr. "@N" after the
 // letters forces N k tiles per chunk; an entry "c" is a small combine-like kernel (32 blocks of 128
 // threads: wait, signal, read 16 KB, write 8 KB), the attention combine before o_proj. TUNE_M=1..8: rows
-// per launch (a batched decode step; default 1).
+// per launch (a batched decode step; default 1). TUNE_XH=N: from N rows, x is transformed once per launch
+// (fused_xh_kernel) instead of in every block's prologue.
 struct CombineLike {
     const float* in;
     __half* out;
@@ -157,6 +158,9 @@ static int layer_chain(const char* spec) {
     CK(cudaMemset(nw, 0, kmax * 4));
     CK(cudaMemset(rope, 0, 2 * 8 * 64 * 4));
     CK(cudaMemset(slots, 0, 8 * 8));
+    __half* xhb;  // TUNE_XH=rows: x transformed once per launch from that many rows (FusedArgs::xh_buf)
+    CK(cudaMalloc(&xhb, 3L * M * kmax * 2));
+    const int xh_rows = std::getenv("TUNE_XH") != nullptr ? std::atoi(std::getenv("TUNE_XH")) : 0;
     for (int pdl = 1; pdl >= 0; --pdl) {
         const float t = time_graph([&](int i, cudaStream_t st) {
             for (size_t j = 0; j < sh.size(); ++j) {
@@ -193,6 +197,7 @@ static int layer_chain(const char* spec) {
                     a.norm_ss = nss, a.norm_w = nw, a.norm_eps = 1e-5f, a.norm_inv_dim = 1.f / sh[j].first;
                 if (ex.find('g') != std::string::npos) a.gate = gate, a.act = exl3::FUSED_ACT_SILU;
                 if (ex.find('r') != std::string::npos) a.res = res, a.res_ss = ss;
+                a.xh_buf = xhb, a.xh_min_rows = xh_rows;
                 exl3::launch_fused_t<K, CB>(a, st);
             }
         }, 16);
@@ -202,7 +207,7 @@ static int layer_chain(const char* spec) {
     for (auto* t : tr) CK(cudaFree(t));
     CK(cudaFree(x)); CK(cudaFree(su)); CK(cudaFree(sv)); CK(cudaFree(y)); CK(cudaFree(z)); CK(cudaFree(cnt));
     CK(cudaFree(res)); CK(cudaFree(gate)); CK(cudaFree(cache)); CK(cudaFree(ss)); CK(cudaFree(nss));
-    CK(cudaFree(nw)); CK(cudaFree(rope)); CK(cudaFree(slots));
+    CK(cudaFree(nw)); CK(cudaFree(rope)); CK(cudaFree(slots)); CK(cudaFree(xhb));
     return 0;
 }
 

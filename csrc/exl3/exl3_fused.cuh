@@ -95,6 +95,12 @@ struct FusedArgs {
     const int64_t* slots;                   // [m] each row's cache slot
     // (kept out of FusedProblem: fields there are selected per block before the main loop and cost
     // registers across it; these are read in the epilogue only, with constant indices)
+    // Workspace for x transformed once per launch, problem i's [m, k] fp16 at xh_buf + i m k:
+    // fp16(Had128(fp16(x' * suh_i))) with x' the prologue's input (gated, normalised). From xh_min_rows
+    // rows (0: never) the launcher runs fused_xh_kernel first and the linear's XH variant, whose blocks
+    // copy their chunk instead of each transforming it again; nullptr: every block transforms its chunk.
+    __half* xh_buf;
+    int xh_min_rows;
     // programmatic dependent launch (Hopper): the grid may start while the previous kernel on the
     // stream is still finishing; it prefetches trellis words (which nothing before it writes), then
     // waits (griddepcontrol.wait) before touching x or the workspace. The kernel always signals its
@@ -178,8 +184,71 @@ __device__ __forceinline__ void rope_apply(const FusedArgs& a, int d0, const flo
     }
 }
 
+// One prologue item: x' = (gate ? act(gate) * x : x), normalised if deferred, times suh, Hadamard over
+// the 128 columns of row r whose lane's 4 start at gc, rounded to fp16. The fused linear's prologue and
+// fused_xh_kernel share it (the same arithmetic bit for bit).
+__device__ __forceinline__ uint2 prologue_item(const FusedArgs& a, const __half* suh, int r, long gc, long kdim,
+                                               int lane) {
+    uint2 xu = __ldg(reinterpret_cast<const uint2*>(a.x + (long)r * kdim + gc));
+    if (a.gate != nullptr) {  // the gated MLP's act(gate) * up, fused here instead of its own launch
+        const uint2 gu = __ldg(reinterpret_cast<const uint2*>(a.gate + (long)r * kdim + gc));
+        const __half2 g0 = bits_h2(gu.x), g1 = bits_h2(gu.y), u0 = bits_h2(xu.x), u1 = bits_h2(xu.y);
+        xu.x = h2_bits(__halves2half2(fused_act_mul(__low2half(g0), __low2half(u0), a.act),
+                                      fused_act_mul(__high2half(g0), __high2half(u0), a.act)));
+        xu.y = h2_bits(__halves2half2(fused_act_mul(__low2half(g1), __low2half(u1), a.act),
+                                      fused_act_mul(__high2half(g1), __high2half(u1), a.act)));
+    }
+    if (a.norm_ss != nullptr) {  // the deferred RMSNorm (fp32 math, one rounding, as the norm kernel)
+        const float rs = rsqrtf(__ldcg(a.norm_ss + r) * a.norm_inv_dim + a.norm_eps);
+        float4 w = make_float4(1.f, 1.f, 1.f, 1.f);
+        if (a.norm_w != nullptr) {
+            w = __ldg(reinterpret_cast<const float4*>(a.norm_w + gc));
+            w.x += a.norm_offset, w.y += a.norm_offset, w.z += a.norm_offset, w.w += a.norm_offset;
+        }
+        const __half2 h0 = bits_h2(xu.x), h1 = bits_h2(xu.y);
+        xu.x = h2_bits(__floats2half2_rn(__low2float(h0) * rs * w.x, __high2float(h0) * rs * w.y));
+        xu.y = h2_bits(__floats2half2_rn(__low2float(h1) * rs * w.z, __high2float(h1) * rs * w.w));
+    }
+    const uint2 su = __ldg(reinterpret_cast<const uint2*>(suh + gc));
+    const __half2 p0 = __hmul2(bits_h2(xu.x), bits_h2(su.x));  // fp16 product, as had128's pre-scale
+    const __half2 p1 = __hmul2(bits_h2(xu.y), bits_h2(su.y));
+    float v[4] = {__low2float(p0), __high2float(p0), __low2float(p1), __high2float(p1)};
+    had128_warp(v, lane);
+    __half h[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) h[j] = __float2half_rn(v[j]);
+    return pack_half4(h);
+}
+
+// x transformed once per launch for every problem (FusedProblem::xh), one warp per (problem, row,
+// 128 columns): at m rows each block of the fused linear otherwise repeats m x (its chunk's 128-column
+// blocks) of these transforms, which measured 22 of an 8B layer's 105 us at m = 8 (docs/performance.md,
+// run 15). Launched as a programmatic dependent just before the fused linear (which waits for it).
+// DUMMY: a template, so each translation unit including this header has its own weak instance.
+template <int DUMMY>
+__global__ void __launch_bounds__(128) fused_xh_kernel(FusedArgs a) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (a.pdl) {
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");
+        asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the linear prefetches its trellis now
+    }
+#endif
+    const int lane = threadIdx.x & 31;
+    const long kdim = (long)a.k_tiles * 16;
+    const int kb = a.k_tiles / 8;
+    const int item = (int)blockIdx.x * 4 + (threadIdx.x >> 5);
+    if (item >= a.n_problems * a.m * kb) return;
+    const int pi = item / (a.m * kb), r = (item / kb) % a.m;
+    const long gc = (long)(item % kb) * 128 + 4 * lane;
+    const __half* suh = pi == 0 ? a.p[0].suh : pi == 1 ? a.p[1].suh : a.p[2].suh;
+    const uint2 h = prologue_item(a, suh, r, gc, kdim, lane);
+    *reinterpret_cast<uint2*>(a.xh_buf + ((long)pi * a.m + r) * kdim + gc) = h;
+}
+
 // TR: m <= 8, transposed main loop (one mma per tile; exl3_kernels.cuh)
-template <int K, int CB, bool TR>
+// XH: the prologue copies x transformed once for the launch (FusedArgs::xh_buf, fused_xh_kernel); a
+// variant of its own, so that the kernels without it keep their registers (a runtime branch spilled)
+template <int K, int CB, bool TR, bool XH = false>
 __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) fused_linear_kernel(FusedArgs a) {
     constexpr int NT = GEMM_NT;
     const int lane = threadIdx.x & 31;
@@ -235,39 +304,27 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
         const int c0 = kt0 * 16;
         const int hb0 = c0 / 128;
         const int hb = (c0 + cols + 127) / 128 - hb0;
-        for (int i = warp; i < a.m * hb; i += GEMM_WARPS) {
-            const int r = i / hb;
-            const long gc = (long)(hb0 + i % hb) * 128 + 4 * lane;
-            const int c = (int)(gc - c0);  // a lane's 4 columns are in or out of the chunk together
-            uint2 xu = __ldg(reinterpret_cast<const uint2*>(a.x + (long)r * kdim + gc));
-            if (a.gate != nullptr) {  // the gated MLP's act(gate) * up, fused here instead of its own launch
-                const uint2 gu = __ldg(reinterpret_cast<const uint2*>(a.gate + (long)r * kdim + gc));
-                const __half2 g0 = bits_h2(gu.x), g1 = bits_h2(gu.y), u0 = bits_h2(xu.x), u1 = bits_h2(xu.y);
-                xu.x = h2_bits(__halves2half2(fused_act_mul(__low2half(g0), __low2half(u0), a.act),
-                                              fused_act_mul(__high2half(g0), __high2half(u0), a.act)));
-                xu.y = h2_bits(__halves2half2(fused_act_mul(__low2half(g1), __low2half(u1), a.act),
-                                              fused_act_mul(__high2half(g1), __high2half(u1), a.act)));
+        if constexpr (XH) {  // x transformed once for the launch (fused_xh_kernel): copy the chunk's columns
+            const int pi = (a.n_problems > 2 && (int)blockIdx.x >= a.p[2].block0) ? 2
+                           : (a.n_problems > 1 && (int)blockIdx.x >= a.p[1].block0) ? 1 : 0;
+            const __half* xh = a.xh_buf + (long)pi * a.m * kdim + c0;
+            const int q8 = cols / 8;  // 16-byte pieces per row
+            // asynchronous copies (no registers held while in flight); waiting for all groups also waits
+            // for the ring's first stages, requested before griddepcontrol.wait and landed by now
+            for (int i = threadIdx.x; i < a.m * q8; i += GEMM_WARPS * 32) {
+                const int r = i / q8, c = (i - r * q8) * 8;
+                cp_async16((uint32_t)__cvta_generic_to_shared(&xs[r * XS + c]), xh + r * kdim + c);
             }
-            if (a.norm_ss != nullptr) {  // the deferred RMSNorm (fp32 math, one rounding, as the norm kernel)
-                const float rs = rsqrtf(__ldcg(a.norm_ss + r) * a.norm_inv_dim + a.norm_eps);
-                float4 w = make_float4(1.f, 1.f, 1.f, 1.f);
-                if (a.norm_w != nullptr) {
-                    w = __ldg(reinterpret_cast<const float4*>(a.norm_w + gc));
-                    w.x += a.norm_offset, w.y += a.norm_offset, w.z += a.norm_offset, w.w += a.norm_offset;
-                }
-                const __half2 h0 = bits_h2(xu.x), h1 = bits_h2(xu.y);
-                xu.x = h2_bits(__floats2half2_rn(__low2float(h0) * rs * w.x, __high2float(h0) * rs * w.y));
-                xu.y = h2_bits(__floats2half2_rn(__low2float(h1) * rs * w.z, __high2float(h1) * rs * w.w));
+            cp_async_commit();
+            cp_async_wait<0>();
+        } else {
+            for (int i = warp; i < a.m * hb; i += GEMM_WARPS) {
+                const int r = i / hb;
+                const long gc = (long)(hb0 + i % hb) * 128 + 4 * lane;
+                const int c = (int)(gc - c0);  // a lane's 4 columns are in or out of the chunk together
+                const uint2 h = prologue_item(a, P.suh, r, gc, kdim, lane);
+                if (c >= 0 && c < cols) *reinterpret_cast<uint2*>(&xs[r * XS + c]) = h;
             }
-            const uint2 su = __ldg(reinterpret_cast<const uint2*>(P.suh + gc));
-            const __half2 p0 = __hmul2(bits_h2(xu.x), bits_h2(su.x));  // fp16 product, as had128's pre-scale
-            const __half2 p1 = __hmul2(bits_h2(xu.y), bits_h2(su.y));
-            float v[4] = {__low2float(p0), __high2float(p0), __low2float(p1), __high2float(p1)};
-            had128_warp(v, lane);
-            __half h[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) h[j] = __float2half_rn(v[j]);
-            if (c >= 0 && c < cols) *reinterpret_cast<uint2*>(&xs[r * XS + c]) = pack_half4(h);
         }
         __syncthreads();
     }
@@ -448,7 +505,9 @@ inline int fused_occupancy() {
 template <int K, int CB>
 int launch_fused_t(FusedArgs a, cudaStream_t st) {
     const bool tr = EXL3_FUSED_TR && a.m <= 8;
-    auto kern = tr ? fused_linear_kernel<K, CB, true> : fused_linear_kernel<K, CB, false>;
+    const bool xh = tr && a.xh_buf != nullptr && a.xh_min_rows > 0 && a.m >= a.xh_min_rows && a.k_tiles % 8 == 0;
+    auto kern = xh ? fused_linear_kernel<K, CB, true, true>
+                   : tr ? fused_linear_kernel<K, CB, true> : fused_linear_kernel<K, CB, false>;
     long col_blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) col_blocks += a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS);
     if (a.kt_per_chunk <= 0) {
@@ -467,6 +526,12 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         blocks += (long)(a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS)) * chunks;
     }
     if (blocks <= 0) return a.kt_per_chunk;
+    if (xh) {  // x transformed once, then the linear (a dependent of this pass, which waits for it)
+        const long items = (long)a.n_problems * a.m * (a.k_tiles / 8);
+        const unsigned xblocks = (unsigned)((items + 3) / 4);
+        if (a.pdl) launch_as_dependent(fused_xh_kernel<0>, xblocks, 128, st, a);
+        else fused_xh_kernel<0><<<xblocks, 128, 0, st>>>(a);
+    }
     if (!a.pdl) {
         kern<<<(unsigned)blocks, GEMM_WARPS * 32, 0, st>>>(a);
         return a.kt_per_chunk;

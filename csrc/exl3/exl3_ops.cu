@@ -192,6 +192,8 @@ Tensor had128(const Tensor& x, const c10::optional<Tensor>& pre, const c10::opti
 struct FusedWorkspace {
     Tensor z, counters;
     int64_t n_cap = 0;
+    Tensor xh;  // fp16 [FUSED_MAX_PROBLEMS * 8 * k]: x transformed once per launch (FusedArgs::xh_buf)
+    int64_t xh_k_cap = 0;
     std::vector<Tensor> retired;
 };
 std::mutex g_ws_mutex;
@@ -227,6 +229,29 @@ bool fused_workspace(const Tensor& like, int64_t n_total, float** z, int** count
     *z = ws.z.data_ptr<float>();
     *counters = ws.counters.data_ptr<int>();
     return true;
+}
+
+// From this many rows (set from Python, exl3::set_xh_min_rows; 0: never) a transposed fused launch
+// transforms x once for the launch (exl3_fused.cuh, fused_xh_kernel) instead of in every block. H200,
+// layer-chain harness (docs/performance.md, run 15): 8B-shape layer at m = 8 105.3 -> 95.4-95.7 us.
+std::atomic<int> g_xh_min_rows{8};
+
+int64_t set_xh_min_rows(int64_t rows) { return g_xh_min_rows.exchange((int)rows); }
+
+// The transformed-x workspace for k columns at m rows, or nullptr (each block transforms its chunk):
+// below the row threshold, or when it would have to grow during a capture (as fused_workspace).
+__half* fused_xh_workspace(const Tensor& like, int64_t m, int64_t k) {
+    const int min_rows = g_xh_min_rows.load(std::memory_order_relaxed);
+    if (min_rows <= 0 || m < min_rows || m > 8) return nullptr;
+    std::lock_guard<std::mutex> lock(g_ws_mutex);
+    FusedWorkspace& ws = g_ws[like.get_device()];
+    if (ws.xh_k_cap < k) {
+        if (stream_capturing(at::cuda::getCurrentCUDAStream())) return nullptr;
+        if (ws.xh.defined()) ws.retired.push_back(ws.xh);
+        ws.xh = at::empty({(int64_t)exl3::FUSED_MAX_PROBLEMS * 8 * k}, like.options().dtype(at::kHalf));
+        ws.xh_k_cap = k;
+    }
+    return reinterpret_cast<__half*>(ws.xh.data_ptr());
 }
 
 void check_x(const Tensor& x, int64_t kd, int64_t max_m, const char* op) {
@@ -319,6 +344,8 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
     a.rope_half = ex.rope_half;
     a.rope_interleaved = ex.rope_interleaved;
     a.slots = ex.slots;
+    a.xh_min_rows = g_xh_min_rows.load(std::memory_order_relaxed);
+    a.xh_buf = fused_xh_workspace(x, x.size(0), x.size(1));
     // programmatic dependent launch is Hopper's (sm_90+); torch caches the device properties
     a.pdl = g_pdl.load(std::memory_order_relaxed) && at::cuda::getDeviceProperties(x.device().index())->major >= 9;
     int64_t n_off = 0;
@@ -665,6 +692,7 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
     // no tensor argument: a catch-all kernel. Returns the previous setting.
     m.def("set_pdl(bool on) -> bool", &set_pdl);
     m.def("set_kt_exceptions(int[] rows) -> int", &set_kt_exceptions);
+    m.def("set_xh_min_rows(int rows) -> int", &set_xh_min_rows);
 }
 
 TORCH_LIBRARY_IMPL(exl3, CUDA, m) {

@@ -133,6 +133,33 @@ def test_bit_exact_vs_unfused_chain(fused_ops, k: int, K: int, cb: int) -> None:
         assert diff == 0, f"K={K} cb={cb} k={k} m={m}: {diff} of {y.numel()} fp16 values differ from the 4-kernel chain"
 
 
+@pytest.mark.parametrize("K,cb", [(4, CB_MUL1), (2, CB_3INST), (6, CB_MCG)])
+def test_x_transformed_once_is_bit_exact(fused_ops, K: int, cb: int) -> None:
+    """From ``set_xh_min_rows`` rows the launch transforms x once (fused_xh_kernel) and the blocks copy it:
+    the same arithmetic as every block transforming its own chunk, so with one k chunk (no atomics order)
+    the bits agree; the gated op (its own chunking) agrees within rounding. 0 turns it off."""
+    from exl3_core.ops import ACT_CODES
+
+    p = Problem(512, 384, K, cb)
+    saved = fused_ops.set_xh_min_rows(0)
+    try:
+        for m in (2, 3, 8):
+            x, gate = xin(m, 512), xin(m, 512) * 2
+            fused_ops.set_xh_min_rows(0)
+            y0 = fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, cb, 32)
+            a0 = fused_ops.exl3_linear_act(gate, x, p.trellis, p.suh, p.svh, cb, ACT_CODES["silu"])
+            fused_ops.set_xh_min_rows(2)
+            y1 = fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, cb, 32)
+            a1 = fused_ops.exl3_linear_act(gate, x, p.trellis, p.suh, p.svh, cb, ACT_CODES["silu"])
+            assert torch.equal(y0.view(torch.int16), y1.view(torch.int16)), f"m={m}: plain"
+            # the gated op picks its own k chunks (several: fp32 atomics in varying order), so within rounding
+            assert rel_err(a1, a0) < REL_ROUNDED, f"m={m}: gated"
+            check(y1, x, p, f"x once, K={K} cb={cb} m={m}")
+    finally:
+        fused_ops.set_xh_min_rows(saved)
+    assert_workspace_clean(fused_ops)
+
+
 @pytest.mark.parametrize("kt", [0, 1, 5, 8, 13, 16, 24, 26, 32])
 def test_split_k_chunks(fused_ops, kt: int) -> None:
     """Chunks of any k-tile count: 1, 5, 13 and 26 start and end inside 128-column Hadamard blocks of x."""
