@@ -220,7 +220,7 @@ __device__ __forceinline__ uint2 prologue_item(const FusedArgs& a, const __half*
     return pack_half4(h);
 }
 
-// x transformed once per launch for every problem (FusedProblem::xh), one warp per (problem, row,
+// x transformed once per launch for every problem (FusedArgs::xh_buf), one warp per (problem, row,
 // 128 columns): at m rows each block of the fused linear otherwise repeats m x (its chunk's 128-column
 // blocks) of these transforms, which measured 22 of an 8B layer's 105 us at m = 8 (docs/performance.md,
 // run 15). Launched as a programmatic dependent just before the fused linear (which waits for it).
