@@ -9,10 +9,10 @@ cost model everywhere (exl3_core.ext.KT_EXCEPTIONS not installed); --late-trigge
 the split kernel signals its dependent after its partial stores (1) or right after its wait (0);
 --merge-tile, --programs-per-sm, --max-splits, --used-only: exl3_attn_backends.triton_paged's MERGE_TILE,
 PROGRAMS_PER_SM, MAX_SPLITS and MERGE_USED_SPLITS_ONLY;
---fused-rows N: the one-launch linear (and the deferred norms) up to N rows;
---xh-min-rows N: x transformed once per fused launch from N rows (exl3::set_xh_min_rows)
-(exl3_core.quant.exl3.linear.FUSED_GROUP_MAX_ROWS). With `--script PATH` the command after `--` runs
-PATH (a bench/ script and its arguments) instead of the exl3 CLI.
+--fused-rows N: the one-launch linear (and the deferred norms) up to N rows
+(exl3_core.quant.exl3.linear.FUSED_GROUP_MAX_ROWS); --xh-min-rows N: x transformed once per fused
+launch from N rows (exl3::set_xh_min_rows). With `--script PATH` the command after `--` runs PATH (a
+bench/ script and its arguments) instead of the exl3 CLI.
 """
 from __future__ import annotations
 

@@ -173,9 +173,9 @@ class _Graph:
 
 
 class _GraphSet:
-    """Graphs of one model over one cache keyed by an int (the decode batch bucket; for prefill the
-    token bucket and variant), sharing one memory pool (they replay one at a time, and each graph's
-    intermediates are dead once its replay ends)."""
+    """Graphs of one model over one cache, keyed by the subclass (decode: ``(batch bucket, slot)``;
+    prefill: an int for the token bucket and variant), sharing one memory pool (they replay one at a
+    time, and each graph's intermediates are dead once its replay ends)."""
 
     def __init__(self, model: Any, cache: Any, table_width: int) -> None:
         self.model, self.cache = model, cache
