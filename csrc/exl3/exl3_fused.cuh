@@ -136,14 +136,22 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 #ifndef EXL3_PDL_TRIGGER
 #define EXL3_PDL_TRIGGER 1
 #endif
-template <int K, bool TR>
+// The short trellis ring of the transposed kernel for short k chunks (launch_fused_t): at <= SHORT_RING_MAX_KT
+// k tiles per block a ring of SHORT_RING stages already holds most of the chunk, and its smaller shared
+// footprint admits more resident blocks (K = 4: 16 per SM against 14). H200, one linear launched back to back
+// (docs/performance.md, run 16): 1B-shape gate/up 2048x16384 14.30 -> 13.37 us, the 8B q/k/v 11.58 -> 11.24;
+// the 8B gate/up and down (16-32 tiles per chunk) are 0.3-1.2 us faster with the deep ring.
+constexpr int SHORT_RING = 4;
+constexpr int SHORT_RING_MAX_KT = 12;
+
+template <int K, bool TR, int S = RING_STAGES>
 constexpr int fused_smem_bytes() {
-    return GEMM_WARPS * Ring<K>::WARP_WORDS * 4 + (TR ? 8 : 16) * X_STAGE_STRIDE * 2 + 16;
+    return GEMM_WARPS * Ring<K, S>::WARP_WORDS * 4 + (TR ? 8 : 16) * X_STAGE_STRIDE * 2 + 16;
 }
-template <int K, bool TR>
+template <int K, bool TR, int S = RING_STAGES>
 constexpr int fused_min_blocks() {
     if (!TR) return EXL3_FUSED_MINB > 0 ? EXL3_FUSED_MINB : 1;
-    const int by_smem = (228 * 1024) / (fused_smem_bytes<K, TR>() + 1024);  // 1 KB reserved per block
+    const int by_smem = (228 * 1024) / (fused_smem_bytes<K, TR, S>() + 1024);  // 1 KB reserved per block
     return by_smem < EXL3_FUSED_TR_MINB ? by_smem : EXL3_FUSED_TR_MINB;
 }
 
@@ -248,8 +256,9 @@ __global__ void __launch_bounds__(128) fused_xh_kernel(FusedArgs a) {
 // TR: m <= 8, transposed main loop (one mma per tile; exl3_kernels.cuh)
 // XH: the prologue copies x transformed once for the launch (FusedArgs::xh_buf, fused_xh_kernel); a
 // variant of its own, so that the kernels without it keep their registers (a runtime branch spilled)
-template <int K, int CB, bool TR, bool XH = false>
-__global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) fused_linear_kernel(FusedArgs a) {
+// S: trellis ring stages (SHORT_RING for short k chunks, launch_fused_t)
+template <int K, int CB, bool TR, bool XH = false, int S = RING_STAGES>
+__global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR, S>())) fused_linear_kernel(FusedArgs a) {
     constexpr int NT = GEMM_NT;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -273,11 +282,11 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR>())) 
 
     // ---- trellis stream of this warp (the main loop shared with gemm_kernel, exl3_kernels.cuh); the
     // first k tiles are requested now so that their latency overlaps the x prologue
-    using R = Ring<K>;
+    using R = Ring<K, S>;
     __shared__ __align__(16) uint32_t ring[GEMM_WARPS * R::WARP_WORDS];
     const int ng = cblk * GEMM_WARPS + warp;  // this warp's NT-tile group
     const long tile_words = 8 * K;
-    const DecodeMmaLoop<K, CB, 1, false, TR> loop{P.trellis + ((long)kt0 * P.n_tiles + (long)ng * NT) * tile_words,
+    const DecodeMmaLoop<K, CB, 1, false, TR, S> loop{P.trellis + ((long)kt0 * P.n_tiles + (long)ng * NT) * tile_words,
                                               (long)P.n_tiles * tile_words, kt1 - kt0, ring + warp * R::WARP_WORDS,
                                               lane};
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -456,6 +465,11 @@ inline int pick_kt_per_chunk(int k_tiles, long col_blocks, long resident_blocks)
     if (resident_blocks < 1) resident_blocks = 1;
     const int lo = k_tiles < 8 ? (k_tiles > 0 ? k_tiles : 1) : 8;
     const int hi = k_tiles < GEMM_KT_MAX ? (k_tiles > 0 ? k_tiles : 1) : GEMM_KT_MAX;
+    // A grid of two or more waves even at the longest chunk (a head's vocabulary): the blocks are
+    // scheduled as slots free up, so a ragged wave costs little and each block's fixed cost is what
+    // counts: the longest chunk. H200, m = 1, K = 6 (docs/performance.md, run 16): 2048x128256 88.5 ->
+    // 86.5 us (the model's 22 tiles -> 32), 4096x128256 167.7 -> 165.2.
+    if (col_blocks * ((k_tiles + hi - 1) / hi) >= 2 * resident_blocks) return hi;
     int best = hi;
     long best_cost = -1;
     for (int kt = hi; kt >= lo; --kt) {  // ties go to the larger chunk (fewer atomics, less x re-reading)
@@ -489,36 +503,56 @@ inline int kt_exception(int sms, int K, int k_tiles, long col_blocks) {
     return 0;
 }
 
-// Fills a.kt_per_chunk (when <= 0) and the problems' block0, launches; returns the k tiles per chunk.
+// Whether a transposed launch (m <= 8) transforms x once (FusedArgs::xh_buf, fused_xh_kernel) instead of in
+// every block: from min_rows rows (0: never), or at any row count when the output is wide (a head's
+// vocabulary: every k chunk of x would be transformed again by each of >= XH_WIDE_COL_BLOCKS column blocks).
+// The one test, shared by the launcher and the workspace (exl3_ops.cu). H200, m = 1, K = 6, 32 k tiles per
+// chunk (docs/performance.md, run 16): 2048x128256 86.5 -> 84.7 us, 4096x128256 165.2 -> 160.9; the decoder's
+// linears at m = 1 (<= 224 column blocks) are 0.3-1 us slower with it.
+constexpr long XH_WIDE_COL_BLOCKS = 512;
+inline bool xh_wanted(int m, int k_tiles, long col_blocks, int min_rows) {
+    return min_rows > 0 && m <= 8 && k_tiles % 8 == 0 && (m >= min_rows || col_blocks >= XH_WIDE_COL_BLOCKS);
+}
+
 // resident blocks per SM of one fused instantiation (same on every H-class device; queried once)
-template <int K, int CB, bool TR>
+template <int K, int CB, bool TR, int S = RING_STAGES>
 inline int fused_occupancy() {
     static int occ = -1;
     if (occ < 0) {
         int o = 0;
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, fused_linear_kernel<K, CB, TR>, GEMM_WARPS * 32, 0);
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, fused_linear_kernel<K, CB, TR, false, S>, GEMM_WARPS * 32, 0);
         occ = o > 0 ? o : 1;
     }
     return occ;
 }
 
+// Fills a.kt_per_chunk (when <= 0) and the problems' block0, launches; returns the k tiles per chunk.
 template <int K, int CB>
 int launch_fused_t(FusedArgs a, cudaStream_t st) {
     const bool tr = EXL3_FUSED_TR && a.m <= 8;
-    const bool xh = tr && a.xh_buf != nullptr && a.xh_min_rows > 0 && a.m >= a.xh_min_rows && a.k_tiles % 8 == 0;
-    auto kern = xh ? fused_linear_kernel<K, CB, true, true>
-                   : tr ? fused_linear_kernel<K, CB, true> : fused_linear_kernel<K, CB, false>;
     long col_blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) col_blocks += a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS);
+    const bool xh = tr && a.xh_buf != nullptr && xh_wanted(a.m, a.k_tiles, col_blocks, a.xh_min_rows);
+    const bool short_ok = tr && !xh && SHORT_RING < RING_STAGES;  // the short ring variant may serve
     if (a.kt_per_chunk <= 0) {
         const int occ = tr ? fused_occupancy<K, CB, true>() : fused_occupancy<K, CB, false>();
         int dev = 0, sms = 0;
         cudaGetDevice(&dev);
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
         if (tr && a.m == 1) a.kt_per_chunk = kt_exception(sms, K, a.k_tiles, col_blocks);  // measured at m = 1
-        if (a.kt_per_chunk <= 0) a.kt_per_chunk = pick_kt_per_chunk(a.k_tiles, col_blocks, (long)sms * occ);
+        if (a.kt_per_chunk <= 0) {
+            a.kt_per_chunk = pick_kt_per_chunk(a.k_tiles, col_blocks, (long)sms * occ);
+            if (short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT) {  // again with the short ring's residency
+                const long res = (long)sms * fused_occupancy<K, CB, true, SHORT_RING>();
+                const int kt = pick_kt_per_chunk(a.k_tiles, col_blocks, res);
+                if (kt <= SHORT_RING_MAX_KT) a.kt_per_chunk = kt;
+            }
+        }
     }
     if (a.kt_per_chunk > GEMM_KT_MAX) a.kt_per_chunk = GEMM_KT_MAX;
+    auto kern = xh ? fused_linear_kernel<K, CB, true, true>
+                : short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT ? fused_linear_kernel<K, CB, true, false, SHORT_RING>
+                : tr ? fused_linear_kernel<K, CB, true> : fused_linear_kernel<K, CB, false>;
     const long chunks = (a.k_tiles + a.kt_per_chunk - 1) / a.kt_per_chunk;
     long blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) {

@@ -139,9 +139,10 @@ constexpr int RING_STAGES = EXL3_RING_STAGES;  // k tiles of trellis words in fl
 // four decoded half2 are exactly Ŵᵀ's A fragment, reordered {f0, f2, f1, f3}. Half the mma issues,
 // half the accumulators (a lane holds rows 2q, 2q+1 of output columns g and g+8) and a two-register
 // B fragment: fewer registers, more resident warps for the decode-bound GEMV.
-template <int K>
+// S: k tiles in flight (the fused linear also instantiates SHORT_RING, exl3_fused.cuh)
+template <int K, int STAGES = RING_STAGES>
 struct Ring {
-    static constexpr int S = RING_STAGES;
+    static constexpr int S = STAGES;
     static constexpr int TILE_WORDS = 8 * K;
     static constexpr int STAGE_WORDS = GEMM_NT * TILE_WORDS;  // the NT tiles are adjacent in memory
     static constexpr int CHUNKS = STAGE_WORDS / 4;              // 16-byte copies per stage (<= 32 for K <= 8)
@@ -156,11 +157,11 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-template <int K, int CB, int MB, bool DECODE_ONLY, bool TR = false>
+template <int K, int CB, int MB, bool DECODE_ONLY, bool TR = false, int STAGES = RING_STAGES>
 struct DecodeMmaLoop {
     static_assert(!TR || (MB == 1 && !DECODE_ONLY), "the transposed form serves one block of <= 8 rows");
     using W = LaneWindow<K>;
-    using R = Ring<K>;
+    using R = Ring<K, STAGES>;
     static constexpr int NT = GEMM_NT;
 
     const uint32_t* src;  // this warp's first tile in its first k tile

@@ -234,16 +234,17 @@ bool fused_workspace(const Tensor& like, int64_t n_total, float** z, int** count
 // From this many rows (set from Python, exl3::set_xh_min_rows; 0: never) a transposed fused launch
 // transforms x once for the launch (exl3_fused.cuh, fused_xh_kernel) instead of in every block. H200
 // (docs/performance.md, run 15): 8B-shape b=8 decode 1988.5 -> 2179.9 tok/s, 1B-shape 7734 -> 7832; at
-// m = 4 the layer-chain harness measured no gain, so the default starts at 8 rows.
+// m = 4 the layer-chain harness measured no gain, so the default starts at 8 rows. Wide outputs (a head)
+// take it at any row count (exl3::xh_wanted); 0 switches both off.
 std::atomic<int> g_xh_min_rows{8};
 
 int64_t set_xh_min_rows(int64_t rows) { return g_xh_min_rows.exchange((int)rows); }
 
-// The transformed-x workspace for k columns at m rows, or nullptr (each block transforms its chunk):
-// below the row threshold, or when it would have to grow during a capture (as fused_workspace).
-__half* fused_xh_workspace(const Tensor& like, int64_t m, int64_t k) {
-    const int min_rows = g_xh_min_rows.load(std::memory_order_relaxed);
-    if (min_rows <= 0 || m < min_rows || m > 8) return nullptr;
+// The transformed-x workspace for k columns at m rows and col_blocks output blocks, or nullptr (each block
+// transforms its chunk): where exl3::xh_wanted says no (min_rows: g_xh_min_rows, loaded once by the
+// caller), or when it would have to grow during a capture (as fused_workspace).
+__half* fused_xh_workspace(const Tensor& like, int64_t m, int64_t k, int64_t col_blocks, int min_rows) {
+    if (!exl3::xh_wanted((int)m, (int)(k / 16), (long)col_blocks, min_rows)) return nullptr;
     std::lock_guard<std::mutex> lock(g_ws_mutex);
     FusedWorkspace& ws = g_ws[like.get_device()];
     if (ws.xh_k_cap < k) {
@@ -346,7 +347,7 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
     a.rope_interleaved = ex.rope_interleaved;
     a.slots = ex.slots;
     a.xh_min_rows = g_xh_min_rows.load(std::memory_order_relaxed);
-    a.xh_buf = fused_xh_workspace(x, x.size(0), x.size(1));
+    a.xh_buf = fused_xh_workspace(x, x.size(0), x.size(1), n_total / exl3::FUSED_COLS, a.xh_min_rows);
     // programmatic dependent launch is Hopper's (sm_90+); torch caches the device properties
     a.pdl = g_pdl.load(std::memory_order_relaxed) && at::cuda::getDeviceProperties(x.device().index())->major >= 9;
     int64_t n_off = 0;

@@ -160,9 +160,39 @@ def test_x_transformed_once_is_bit_exact(fused_ops, K: int, cb: int) -> None:
     assert_workspace_clean(fused_ops)
 
 
+def test_wide_output_paths(fused_ops) -> None:
+    """Wide outputs (>= 512 column blocks of 128, a head's vocabulary) transform x once per launch at any row
+    count, and a grid of two or more waves takes the longest k chunk (exl3_fused.cuh: xh_wanted,
+    pick_kt_per_chunk). With one k chunk the result is bit-exact with the path that has both off
+    (set_xh_min_rows(0): each block transforms its own chunk); with several chunks both match the references."""
+    one = Problem(128, 512 * 128, 4, CB_MUL1)  # 8 k tiles: one chunk
+    deep = Problem(2048, 1024 * 128, 2, CB_MUL1)  # 128 k tiles x 1024 column blocks: >= 2 waves at 32 tiles
+    saved = fused_ops.set_xh_min_rows(8)
+    try:
+        for m in (1, 3):
+            x = xin(m, one.k)
+            y_wide = fused_ops.exl3_linear(x, one.trellis, one.suh, one.svh, CB_MUL1)
+            fused_ops.set_xh_min_rows(0)
+            y_off = fused_ops.exl3_linear(x, one.trellis, one.suh, one.svh, CB_MUL1)
+            fused_ops.set_xh_min_rows(8)
+            assert torch.equal(y_wide.view(torch.int16), y_off.view(torch.int16)), f"m={m}: one chunk"
+            check(y_wide, x, one, f"wide, one chunk, m={m}")
+            x = xin(m, deep.k)
+            poison((m, deep.n))
+            check(fused_ops.exl3_linear(x, deep.trellis, deep.suh, deep.svh, CB_MUL1), x, deep, f"wide, deep, m={m}")
+            fused_ops.set_xh_min_rows(0)
+            poison((m, deep.n))
+            check(fused_ops.exl3_linear(x, deep.trellis, deep.suh, deep.svh, CB_MUL1), x, deep, f"wide, off, m={m}")
+            fused_ops.set_xh_min_rows(8)
+    finally:
+        fused_ops.set_xh_min_rows(saved)
+    assert_workspace_clean(fused_ops)
+
+
 @pytest.mark.parametrize("kt", [0, 1, 5, 8, 13, 16, 24, 26, 32])
 def test_split_k_chunks(fused_ops, kt: int) -> None:
-    """Chunks of any k-tile count: 1, 5, 13 and 26 start and end inside 128-column Hadamard blocks of x."""
+    """Chunks of any k-tile count: 1, 5, 13 and 26 start and end inside 128-column Hadamard blocks of x. At
+    m = 1 chunks of <= 12 tiles run the short trellis ring (exl3_fused.cuh, SHORT_RING), longer ones the deep one."""
     p = Problem(4096, 1024, 4, CB_MUL1)
     for m in (1, 16):
         x = xin(m, 4096)
