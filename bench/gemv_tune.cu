@@ -242,7 +242,7 @@ int main(int argc, char** argv) {
     cudaFuncAttributes fd{};
     CK(cudaFuncGetAttributes(&fd, exl3::gemm_kernel<K, CB, 1, true>));
     std::printf("variant: ring stages %d | fused regs %d, smem %zu B, blocks/SM %d | decode-only regs %d, blocks/SM %d\n",
-                exl3::RING_STAGES, fa.numRegs, fa.sharedSizeBytes, occ_f, fd.numRegs, occ_d);
+                exl3::ring_stages(K), fa.numRegs, fa.sharedSizeBytes, occ_f, fd.numRegs, occ_d);
     for (auto& sh : shapes) {
         const int k = sh.first, n = sh.second, kt = k / 16, nt = n / 16;
         const long words = (long)kt * nt * 8 * K;

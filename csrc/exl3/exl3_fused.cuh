@@ -144,11 +144,11 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 constexpr int SHORT_RING = 4;
 constexpr int SHORT_RING_MAX_KT = 12;
 
-template <int K, bool TR, int S = RING_STAGES>
+template <int K, bool TR, int S = ring_stages(K)>
 constexpr int fused_smem_bytes() {
     return GEMM_WARPS * Ring<K, S>::WARP_WORDS * 4 + (TR ? 8 : 16) * X_STAGE_STRIDE * 2 + 16;
 }
-template <int K, bool TR, int S = RING_STAGES>
+template <int K, bool TR, int S = ring_stages(K)>
 constexpr int fused_min_blocks() {
     if (!TR) return EXL3_FUSED_MINB > 0 ? EXL3_FUSED_MINB : 1;
     const int by_smem = (228 * 1024) / (fused_smem_bytes<K, TR, S>() + 1024);  // 1 KB reserved per block
@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(128) fused_xh_kernel(FusedArgs a) {
 // XH: the prologue copies x transformed once for the launch (FusedArgs::xh_buf, fused_xh_kernel); a
 // variant of its own, so that the kernels without it keep their registers (a runtime branch spilled)
 // S: trellis ring stages (SHORT_RING for short k chunks, launch_fused_t)
-template <int K, int CB, bool TR, bool XH = false, int S = RING_STAGES>
+template <int K, int CB, bool TR, bool XH = false, int S = ring_stages(K)>
 __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR, S>())) fused_linear_kernel(FusedArgs a) {
     constexpr int NT = GEMM_NT;
     const int lane = threadIdx.x & 31;
@@ -515,7 +515,7 @@ inline bool xh_wanted(int m, int k_tiles, long col_blocks, int min_rows) {
 }
 
 // resident blocks per SM of one fused instantiation (same on every H-class device; queried once)
-template <int K, int CB, bool TR, int S = RING_STAGES>
+template <int K, int CB, bool TR, int S = ring_stages(K)>
 inline int fused_occupancy() {
     static int occ = -1;
     if (occ < 0) {
@@ -533,7 +533,7 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     long col_blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) col_blocks += a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS);
     const bool xh = tr && a.xh_buf != nullptr && xh_wanted(a.m, a.k_tiles, col_blocks, a.xh_min_rows);
-    const bool short_ok = tr && !xh && SHORT_RING < RING_STAGES;  // the short ring variant may serve
+    const bool short_ok = tr && !xh && SHORT_RING < ring_stages(K);  // the short ring variant may serve
     if (a.kt_per_chunk <= 0) {
         const int occ = tr ? fused_occupancy<K, CB, true>() : fused_occupancy<K, CB, false>();
         int dev = 0, sms = 0;

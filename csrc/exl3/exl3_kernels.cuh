@@ -119,15 +119,18 @@ constexpr int GEMM_WARPS = EXL3_GEMM_WARPS;
 #endif
 constexpr int GEMM_NT = EXL3_GEMM_NT;  // n tiles (16 cols each) per warp: the A fragments are reused across them
 #ifndef EXL3_RING_STAGES
-#define EXL3_RING_STAGES 6
+#define EXL3_RING_STAGES 0  // 0: ring_stages(K) below; N > 0: N for every K
 #endif
 constexpr int GEMM_KT_MAX = 32;  // k tiles per warp at most: bounds the x staging buffer
 constexpr int X_STAGE_STRIDE = GEMM_KT_MAX * 16 + 8;  // x staging row stride in halves; +8 staggers banks for ldmatrix
-constexpr int RING_STAGES = EXL3_RING_STAGES;  // k tiles of trellis words in flight per warp
+// k tiles of trellis words in flight per warp (the ring below). H200, m = 1, 4096x14336 and 14336x4096
+// (docs/performance.md, run 16): 6 stages are best or level for K = 1-4, 6 and 8; K = 5 is 1.6-4% faster
+// with 5 (16 KB of ring at 6 leaves room for 13 blocks per SM, 14.7 KB at 5 for 14); K = 7 is split.
+constexpr int ring_stages(int K) { return EXL3_RING_STAGES > 0 ? EXL3_RING_STAGES : (K == 5 ? 5 : 6); }
 
 // ---- the decode + mma main loop shared by gemm_kernel and fused_linear_kernel
 //
-// Each warp streams its NT adjacent tiles of every k tile through a private ring of RING_STAGES
+// Each warp streams its NT adjacent tiles of every k tile through a private ring of ring_stages(K)
 // slots in shared memory, filled with 16-byte cp.async (L2 only): the bytes in flight hold no
 // registers, so the ring can be deep (the loop was bound by global-load latency with a register
 // ring: ncu, 2026-11-30) and the kernel keeps more warps resident. A lane then reads the 2-3 words
@@ -140,7 +143,7 @@ constexpr int RING_STAGES = EXL3_RING_STAGES;  // k tiles of trellis words in fl
 // half the accumulators (a lane holds rows 2q, 2q+1 of output columns g and g+8) and a two-register
 // B fragment: fewer registers, more resident warps for the decode-bound GEMV.
 // S: k tiles in flight (the fused linear also instantiates SHORT_RING, exl3_fused.cuh)
-template <int K, int STAGES = RING_STAGES>
+template <int K, int STAGES = ring_stages(K)>
 struct Ring {
     static constexpr int S = STAGES;
     static constexpr int TILE_WORDS = 8 * K;
@@ -157,7 +160,7 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-template <int K, int CB, int MB, bool DECODE_ONLY, bool TR = false, int STAGES = RING_STAGES>
+template <int K, int CB, int MB, bool DECODE_ONLY, bool TR = false, int STAGES = ring_stages(K)>
 struct DecodeMmaLoop {
     static_assert(!TR || (MB == 1 && !DECODE_ONLY), "the transposed form serves one block of <= 8 rows");
     using W = LaneWindow<K>;
