@@ -141,8 +141,14 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 // footprint admits more resident blocks (K = 4: 16 per SM against 14). H200, one linear launched back to back
 // (docs/performance.md, run 16): 1B-shape gate/up 2048x16384 14.30 -> 13.37 us, the 8B q/k/v 11.58 -> 11.24;
 // the 8B gate/up and down (16-32 tiles per chunk) are 0.3-1.2 us faster with the deep ring.
-constexpr int SHORT_RING = 4;
-constexpr int SHORT_RING_MAX_KT = 12;
+#ifndef EXL3_SHORT_RING  // tuning knobs (bench/gemv_tune.cu)
+#define EXL3_SHORT_RING 4
+#endif
+#ifndef EXL3_SHORT_RING_MAX_KT
+#define EXL3_SHORT_RING_MAX_KT 12
+#endif
+constexpr int SHORT_RING = EXL3_SHORT_RING;
+constexpr int SHORT_RING_MAX_KT = EXL3_SHORT_RING_MAX_KT;
 
 template <int K, bool TR, int S = ring_stages(K)>
 constexpr int fused_smem_bytes() {
