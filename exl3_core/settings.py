@@ -22,7 +22,6 @@ them (tests use it after changing the environment).
 | ``EXL3_PDL`` | ``0`` disables programmatic dependent launch (Hopper) of the decode-size EXL3 linear and the early launch signal of the kernels before it |
 | ``EXL3_DEFERRED_NORM`` | ``0``: at decode sizes, run each RMSNorm as its own kernel instead of inside the EXL3 linears around it |
 | ``EXL3_QKV_EPILOGUE`` | ``0``: at decode sizes, run RoPE and the KV-cache write as their own kernel instead of in the q/k/v linear's epilogue |
-| ``EXL3_PREFILL_PREFETCH`` | ``0``: at prefill sizes, rebuild each EXL3 linear's W just before its GEMM instead of one step ahead on a side stream |
 | ``EXL3_LOG_LEVEL`` | log level for the ``exl3`` logger (default ``WARNING``) |
 | ``EXL3_NO_PROGRESS`` | ``1``: never draw progress bars |
 """
@@ -80,7 +79,6 @@ class Settings:
     pdl: bool = True
     deferred_norm: bool = True
     qkv_epilogue: bool = True
-    prefill_prefetch: bool = True
     log_level: str = "WARNING"
     no_progress: bool = False
 
@@ -123,7 +121,6 @@ class Settings:
             pdl=flag("PDL", True),
             deferred_norm=flag("DEFERRED_NORM", True),
             qkv_epilogue=flag("QKV_EPILOGUE", True),
-            prefill_prefetch=flag("PREFILL_PREFETCH", True),
             log_level=(g("LOG_LEVEL") or "WARNING").upper(),
             no_progress=flag("NO_PROGRESS"),
         )

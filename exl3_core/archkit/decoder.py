@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from exl3_core import ext, ops, settings
+from exl3_core import ops, settings
 from exl3_core.archkit.batch import BatchMeta
 from exl3_core.archkit.config import Config, ConfigError, RopeSettings, normalise_rope
 from exl3_core.archkit.model import Model
@@ -23,7 +23,6 @@ from exl3_core.nn.norm import DeferredNorm, RMSNorm
 from exl3_core.nn.rope import RotaryEmbedding
 from exl3_core.quant.exl3 import linear as exl3_linear
 from exl3_core.quant.exl3.linear import project_group
-from exl3_core.quant.exl3.prefetch import Prefetcher
 
 
 class StandardDecoderConfig:
@@ -227,7 +226,6 @@ class StandardDecoder(Model):
         self.norm = self.make_norm(c.final_norm_key)
         self.head = self.make_head()
         self.attention_layers()  # assigns cache indices
-        self.prefetcher = Prefetcher()  # the order of the EXL3 linears' W requests at prefill sizes
 
     # -- hooks (override per family) --------------------------------------------------------------
     def make_embedding(self) -> Embedding:
@@ -274,12 +272,7 @@ class StandardDecoder(Model):
 
     # -- forward ----------------------------------------------------------------------------------
     def forward_batch(self, meta: BatchMeta, cache: Any = None, *, fp32_logits: bool = True) -> torch.Tensor:
-        ids = meta.input_ids
-        # prefill sizes on CUDA: each EXL3 linear's W rebuilt one step ahead on a side stream (prefetch.py)
-        active = (ids.is_cuda and ids.shape[0] >= exl3_linear.GROUP_GEMM_MIN_ROWS and settings.get().prefill_prefetch
-                  and ext.has_op("reconstruct_full_into"))
-        with self.prefetcher.session(ids.device, active):
-            logits = self._forward_batch(meta, cache)
+        logits = self._forward_batch(meta, cache)
         return logits.float() if fp32_logits else logits
 
     def _forward_batch(self, meta: BatchMeta, cache: Any) -> torch.Tensor:

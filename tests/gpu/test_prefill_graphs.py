@@ -212,37 +212,3 @@ def test_mixed_step_splits_into_two_replays(model_cache) -> None:
             top = la[k][n].topk(2).values
             assert top[0] - top[1] <= TOL * la[k][n].abs().max(), f"{k}: graph and eager part at {n} with a clear margin"
         assert n >= 1 and _rel(la[k][:n], lb[k][:n]) < TOL
-
-
-def test_prefill_prefetch_is_bit_exact(model_cache, monkeypatch: pytest.MonkeyPatch) -> None:
-    """At prefill sizes each EXL3 linear's W is rebuilt one step ahead on a side stream
-    (exl3_core/quant/exl3/prefetch.py): a first forward learns the order of the requests (q/k/v, o,
-    gate/up, down per layer), later ones prefetch; the logits and the cache are bit-exact with
-    EXL3_PREFILL_PREFETCH=0 (the same kernels on the same inputs)."""
-    from exl3_core import settings
-
-    model, cache = model_cache
-    n = 300
-    ids = torch.randint(0, 2000, (n,), generator=torch.Generator().manual_seed(7)).tolist()
-    pages = cache.allocator.allocate(-(-n // PAGE))
-    try:
-        monkeypatch.setenv("EXL3_PREFILL_PREFETCH", "0")
-        settings.reload()
-        pf = model.prefetcher
-        pf.order, before = [], pf.sessions
-        ref = _eager(model, cache, ids, pages).clone()
-        kv_ref = _kv(cache, pages, n)
-        assert pf.order == [] and pf.sessions == before, "switched off, nothing is learned or prefetched"
-        monkeypatch.setenv("EXL3_PREFILL_PREFETCH", "1")
-        settings.reload()
-        first = _eager(model, cache, ids, pages).clone()
-        assert len(pf.order) == 4 * len(model.layers) and pf.sessions == before
-        second = _eager(model, cache, ids, pages).clone()
-        assert pf.sessions == before + 1
-        assert torch.equal(ref, first) and torch.equal(ref, second)
-        for a, b in zip(kv_ref, _kv(cache, pages, n)):
-            assert torch.equal(a, b)
-    finally:
-        cache.allocator.release(pages)
-        monkeypatch.delenv("EXL3_PREFILL_PREFETCH", raising=False)
-        settings.reload()

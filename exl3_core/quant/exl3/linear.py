@@ -15,7 +15,7 @@ import torch
 from exl3_core import ext
 from exl3_core.ops import ACT_CODES
 from exl3_core.quant.exl3 import codebook as _cb
-from exl3_core.quant.exl3 import prefetch
+from exl3_core.quant.exl3.cuda_ops import reconstruct_full_into_cuda
 from exl3_core.quant.exl3.dequant import apply_scales_and_rotations, codebook_from_markers
 from exl3_core.quant.exl3.hadamard import EXL3_BLOCK, had_blockwise
 from exl3_core.quant.exl3.trellis import MAX_K, decode_inner
@@ -253,12 +253,6 @@ def exl3_matmul(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
     """
     if x.is_cuda and ext.has_op("exl3_gemm"):
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float16).contiguous()
-        session = prefetch.current()
-        if session is not None and _full_ok(x2, (layer,)):  # prefill sizes: W may be rebuilt ahead
-            w = session.weight((layer,))
-            if w is not None:
-                y = x2 @ w  # the op's own GEMM at these sizes (at::matmul against the rebuilt W)
-                return y.reshape(*x.shape[:-1], y.shape[-1])
         y = ext.op("exl3_gemm")(x2, layer.trellis, layer.suh, layer.svh, layer.codebook)
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return exl3_matmul_reference(x, layer)
@@ -293,13 +287,7 @@ def _hooked(layers: tuple[torch.nn.Module, ...]) -> bool:
 
 
 def _group_gemm_ok(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> bool:
-    return len(layers) >= 2 and _full_ok(x, layers)
-
-
-def _full_ok(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> bool:
-    """Whether ``layers`` on ``x`` multiply by W rebuilt in the original basis (prefill sizes; the op's
-    own test for one linear, csrc ``FULL_MIN_M``: k and n multiples of 128)."""
-    if not (x.is_cuda and len(layers) >= 1 and ext.has_op("reconstruct_full_into")) or _hooked(layers):
+    if not (x.is_cuda and len(layers) >= 2 and ext.has_op("reconstruct_full_into")) or _hooked(layers):
         return False
     first = layers[0]
     if not isinstance(first, EXL3Linear) or x.numel() // max(x.shape[-1], 1) < GROUP_GEMM_MIN_ROWS:
@@ -315,10 +303,11 @@ def group_gemm(x2: torch.Tensor, lins: list[EXL3Linear]) -> list[torch.Tensor]:
     this is one cuBLAS call instead of 2-3 (each costs tens of us of host time, and k/v alone are
     narrow), and the outputs are column views of one result."""
     widths = [m.trellis.shape[1] * 16 for m in lins]
-    session = prefetch.current()
-    w = session.weight(lins) if session is not None else None  # rebuilt ahead (prefetch.py), or None
-    if w is None:
-        w = prefetch.build_full(lins, x2.shape[-1], x2.device)
+    w = torch.empty((x2.shape[-1], sum(widths)), dtype=torch.float16, device=x2.device)
+    off = 0
+    for m, n in zip(lins, widths, strict=True):
+        reconstruct_full_into_cuda(m.trellis, m.suh, m.svh, m.K, m.codebook, w[:, off:off + n])
+        off += n
     y = x2.to(torch.float16) @ w
     return list(y.split(widths, dim=1))
 
