@@ -2,7 +2,7 @@
 # Device script: compile and time variants of the one-launch EXL3 linear (bench/gemv_tune.cu; each
 # build takes seconds), then ncu of the baseline fused kernel and of the decode-only kernel
 # (stall reasons, pipe utilisation, occupancy). Usage: bash bench/gemv_tune.sh [S[:B[:T[:W]]] ...]
-# (S: EXL3_RING_STAGES = k tiles in flight per warp, B = EXL3_FUSED_MINB (m16 kernel, 0 = ptxas
+# (S: EXL3_RING_STAGES = k tiles in flight per warp, 0 = the per-K default ring_stages(K), B = EXL3_FUSED_MINB (m16 kernel, 0 = ptxas
 # decides), T = EXL3_FUSED_TR_MINB (transposed m <= 8 kernel, default 15), W = EXL3_GEMM_WARPS (4 or 8;
 # n tiles per warp = 8 / W); default variants: 4 5 6). Tables go to stdout and $OUT/gemv_tune.txt, ncu
 # to $OUT/ncu_*.txt, the fused kernel's SASS to $OUT/sass_<variant>.txt. NCU_VARIANT=S:B:T:W picks the
