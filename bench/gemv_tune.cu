@@ -235,14 +235,18 @@ int main(int argc, char** argv) {
     int dev = 0, sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     int occ_f = 0, occ_d = 0;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_f, exl3::fused_linear_kernel<K, CB, (bool)EXL3_FUSED_TR>, exl3::GEMM_WARPS * 32, 0));
+    // the fused kernel as the m = 1 linears run it with long chunks (the transposed deep-ring variant)
+    constexpr bool TR = EXL3_FUSED_TR;
+    constexpr int RS = TR ? exl3::tr_ring_stages(K) : exl3::ring_stages(K);
+    auto fk = exl3::fused_linear_kernel<K, CB, TR, false, RS>;
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_f, fk, exl3::GEMM_WARPS * 32, 0));
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_d, exl3::gemm_kernel<K, CB, 1, true>, exl3::GEMM_WARPS * 32, 0));
     cudaFuncAttributes fa{};
-    CK(cudaFuncGetAttributes(&fa, exl3::fused_linear_kernel<K, CB, (bool)EXL3_FUSED_TR>));
+    CK(cudaFuncGetAttributes(&fa, fk));
     cudaFuncAttributes fd{};
     CK(cudaFuncGetAttributes(&fd, exl3::gemm_kernel<K, CB, 1, true>));
-    std::printf("variant: ring stages %d | fused regs %d, smem %zu B, blocks/SM %d | decode-only regs %d, blocks/SM %d\n",
-                exl3::ring_stages(K), fa.numRegs, fa.sharedSizeBytes, occ_f, fd.numRegs, occ_d);
+    std::printf("variant: ring stages %d (decode-only %d) | fused regs %d, smem %zu B, blocks/SM %d | decode-only regs %d, "
+                "blocks/SM %d\n", RS, exl3::ring_stages(K), fa.numRegs, fa.sharedSizeBytes, occ_f, fd.numRegs, occ_d);
     for (auto& sh : shapes) {
         const int k = sh.first, n = sh.second, kt = k / 16, nt = n / 16;
         const long words = (long)kt * nt * 8 * K;

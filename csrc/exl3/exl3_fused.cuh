@@ -149,6 +149,10 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 #endif
 constexpr int SHORT_RING = EXL3_SHORT_RING;
 constexpr int SHORT_RING_MAX_KT = EXL3_SHORT_RING_MAX_KT;
+// The deep ring of the transposed kernel without the x-once prologue (the m = 1 decoder linears): K = 6 is
+// 2.4% faster on 4096x14336 with 4 stages than with 6, while the 6-bit heads, which take the x-once variant
+// (ring_stages(K)), are 2-3% slower with 4 (docs/performance.md, run 16)
+constexpr int tr_ring_stages(int K) { return EXL3_RING_STAGES > 0 ? EXL3_RING_STAGES : K == 6 ? 4 : ring_stages(K); }
 
 template <int K, bool TR, int S = ring_stages(K)>
 constexpr int fused_smem_bytes() {
@@ -521,12 +525,12 @@ inline bool xh_wanted(int m, int k_tiles, long col_blocks, int min_rows) {
 }
 
 // resident blocks per SM of one fused instantiation (same on every H-class device; queried once)
-template <int K, int CB, bool TR, int S = ring_stages(K)>
+template <int K, int CB, bool TR, bool XH = false, int S = (TR && !XH ? tr_ring_stages(K) : ring_stages(K))>
 inline int fused_occupancy() {
     static int occ = -1;
     if (occ < 0) {
         int o = 0;
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, fused_linear_kernel<K, CB, TR, false, S>, GEMM_WARPS * 32, 0);
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, fused_linear_kernel<K, CB, TR, XH, S>, GEMM_WARPS * 32, 0);
         occ = o > 0 ? o : 1;
     }
     return occ;
@@ -539,9 +543,10 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     long col_blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) col_blocks += a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS);
     const bool xh = tr && a.xh_buf != nullptr && xh_wanted(a.m, a.k_tiles, col_blocks, a.xh_min_rows);
-    const bool short_ok = tr && !xh && SHORT_RING < ring_stages(K);  // the short ring variant may serve
+    const bool short_ok = tr && !xh && SHORT_RING < tr_ring_stages(K);  // the short ring variant may serve
     if (a.kt_per_chunk <= 0) {
-        const int occ = tr ? fused_occupancy<K, CB, true>() : fused_occupancy<K, CB, false>();
+        const int occ = xh   ? fused_occupancy<K, CB, true, true>()
+                        : tr ? fused_occupancy<K, CB, true>() : fused_occupancy<K, CB, false>();
         int dev = 0, sms = 0;
         cudaGetDevice(&dev);
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
@@ -549,7 +554,7 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         if (a.kt_per_chunk <= 0) {
             a.kt_per_chunk = pick_kt_per_chunk(a.k_tiles, col_blocks, (long)sms * occ);
             if (short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT) {  // again with the short ring's residency
-                const long res = (long)sms * fused_occupancy<K, CB, true, SHORT_RING>();
+                const long res = (long)sms * fused_occupancy<K, CB, true, false, SHORT_RING>();
                 const int kt = pick_kt_per_chunk(a.k_tiles, col_blocks, res);
                 if (kt <= SHORT_RING_MAX_KT) a.kt_per_chunk = kt;
             }
@@ -558,7 +563,7 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     if (a.kt_per_chunk > GEMM_KT_MAX) a.kt_per_chunk = GEMM_KT_MAX;
     auto kern = xh ? fused_linear_kernel<K, CB, true, true>
                 : short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT ? fused_linear_kernel<K, CB, true, false, SHORT_RING>
-                : tr ? fused_linear_kernel<K, CB, true> : fused_linear_kernel<K, CB, false>;
+                : tr ? fused_linear_kernel<K, CB, true, false, tr_ring_stages(K)> : fused_linear_kernel<K, CB, false>;
     const long chunks = (a.k_tiles + a.kt_per_chunk - 1) / a.kt_per_chunk;
     long blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) {
