@@ -125,8 +125,9 @@ constexpr int GEMM_KT_MAX = 32;  // k tiles per warp at most: bounds the x stagi
 constexpr int X_STAGE_STRIDE = GEMM_KT_MAX * 16 + 8;  // x staging row stride in halves; +8 staggers banks for ldmatrix
 // k tiles of trellis words in flight per warp (the ring below). H200, m = 1, 4096x14336 and 14336x4096
 // (docs/performance.md, run 16): 6 stages are best or level for K = 1-4 and 8; K = 5 is 1.6-4% faster
-// with 5 (16 KB of ring at 6 leaves room for 13 blocks per SM, 14.7 KB at 5 for 14); K = 7 is split; K = 6
-// is 2.4% faster at 4 on 4096x14336 but 2-3% slower on the 6-bit heads, which decide the bench (kept at 6).
+// with 5 (16 KB of ring at 6 leaves room for 13 blocks per SM, 14.7 KB at 5 for 14); K = 7 is split. K = 6
+// keeps 6 here (the 6-bit heads are 2-3% slower at 4); its m = 1 decoder linears take 4 (exl3_fused.cuh,
+// tr_ring_stages).
 constexpr int ring_stages(int K) { return EXL3_RING_STAGES > 0 ? EXL3_RING_STAGES : (K == 5 ? 5 : 6); }
 
 // ---- the decode + mma main loop shared by gemm_kernel and fused_linear_kernel
