@@ -12,8 +12,8 @@
 //
 // Layout: node n = low 16-K bits of the state; candidate a (top K bits) gives state
 // s = a * NN + n (NN = 2^(16-K)) and predecessor node s >> K = a * M + (n >> K) (M = 2^(16-2K)).
-// For a fixed a, lut[s] is contiguous over n, so one SIMD vector covers 16 consecutive nodes; the
-// predecessor costs are a broadcast (K >= 4) or a 16-lane permute of a contiguous load (K < 4).
+// For a fixed a, lut[s] is contiguous over n, so one SIMD vector covers kLanes consecutive nodes; the
+// predecessor costs are a broadcast (2^K >= kLanes) or a lane permute of a contiguous load.
 
 #include <torch/library.h>
 #include <ATen/ATen.h>
@@ -33,7 +33,14 @@ namespace {
 
 constexpr int kSeq = 256;       // weights per tile
 constexpr int kStates = 65536;  // 16-bit trellis states
-constexpr int kLanes = 16;      // SIMD width in floats (one AVX-512 register, two AVX2 ones)
+// SIMD width in floats: one native register. A 64-byte vector type on an AVX2-only build makes gcc
+// scalarise the compare/select (measured ~25x slower on a 2-core AVX2-only EPYC), so the width follows the
+// target instead of being fixed at 16.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
 constexpr int kGroup = 4;       // independent accumulator chains per inner iteration (hides latency)
 constexpr int kBlock = kLanes * kGroup;  // nodes per inner block
 constexpr int kPad = kLanes;    // slack after D arrays: the K < 4 permute loads may read past NN
@@ -57,18 +64,7 @@ inline vf fma_dd(vf d, vf D) {
 #if defined(__AVX512F__)
     return (vf)_mm512_fmadd_ps((__m512)d, (__m512)d, (__m512)D);
 #elif defined(__FMA__)
-    typedef float v8 __attribute__((vector_size(32)));
-    v8 dl, dh, Dl, Dh;
-    std::memcpy(&dl, &d, 32);
-    std::memcpy(&dh, (const char*)&d + 32, 32);
-    std::memcpy(&Dl, &D, 32);
-    std::memcpy(&Dh, (const char*)&D + 32, 32);
-    const v8 rl = (v8)_mm256_fmadd_ps((__m256)dl, (__m256)dl, (__m256)Dl);
-    const v8 rh = (v8)_mm256_fmadd_ps((__m256)dh, (__m256)dh, (__m256)Dh);
-    vf r;
-    std::memcpy(&r, &rl, 32);
-    std::memcpy((char*)&r + 32, &rh, 32);
-    return r;
+    return (vf)_mm256_fmadd_ps((__m256)d, (__m256)d, (__m256)D);
 #else
     vf r;
     for (int i = 0; i < kLanes; ++i) r[i] = std::fma(d[i], d[i], D[i]);
@@ -76,15 +72,14 @@ inline vf fma_dd(vf d, vf D) {
 #endif
 }
 
-// Predecessor costs for the 16 nodes n0..n0+15 and candidate a: D[a*M + ((n0 + lane) >> K)].
+// Predecessor costs for the kLanes nodes n0.. and candidate a: D[a*M + ((n0 + lane) >> K)].
 template <int K>
 inline vf load_pred(const float* Da, int n0) {
-    if constexpr (K >= 4) {
-        return splat(Da[n0 >> K]);  // all 16 lanes share one predecessor
+    if constexpr ((1 << K) >= kLanes) {
+        return splat(Da[n0 >> K]);  // all lanes share one predecessor
     } else {
-        constexpr int sh = K;
-        const vi idx = {0 >> sh, 1 >> sh, 2 >> sh, 3 >> sh, 4 >> sh, 5 >> sh, 6 >> sh, 7 >> sh,
-                        8 >> sh, 9 >> sh, 10 >> sh, 11 >> sh, 12 >> sh, 13 >> sh, 14 >> sh, 15 >> sh};
+        vi idx;
+        for (int i = 0; i < kLanes; ++i) idx[i] = i >> K;  // folded to a constant by the compiler
         return __builtin_shuffle(load_vf(Da + (n0 >> K)), idx);
     }
 }
@@ -162,10 +157,12 @@ int trace_arg(const float* Dp, const float* lut, float w, int n) {
 // recomputes survivors during the traceback; it does a third of the inner-loop work but writes 4x
 // more memory per step, which for K <= 2 (NN >= 16384, 16+ MiB per pass) spills out of the caches.
 // Both modes give bit-identical states.
-// Measured on a 2-core Zen 4: history is ~1.4x faster for K >= 3, survivors ~1.2x for K <= 2.
+// Measured on a 2-core Zen 4 (AVX-512): history is ~1.4x faster for K >= 3, survivors ~1.2x for
+// K <= 2. On a 2-core AVX2-only EPYC history wins at every K (K=2: 364 vs 176 tiles/s, K=4: 665 vs
+// 359), so 8-lane builds always take it.
 template <int K>
 bool use_history(int64_t mode) {
-    return mode == 0 ? K >= 3 : mode == 2;
+    return mode == 0 ? (K >= 3 || kLanes < 16) : mode == 2;
 }
 
 struct Workspace {
