@@ -131,9 +131,9 @@ def one_thread():
 @needs_cpp
 @pytest.mark.parametrize("K, codebook", [(1, cb.CB_MUL1), (2, cb.CB_MUL1), (3, cb.CB_3INST), (4, cb.CB_MCG)])
 def test_cpp_matches_torch_reference(K: int, codebook: int, one_thread: None) -> None:
-    # K = 1, 2 use the C++ survivor table, 3, 4 the cost history; K < 4 permuted, K >= 4 broadcast
-    # predecessor loads (modes 1/2 at every K are cross-checked below). Few tiles: the reference
-    # needs seconds per tile.
+    # K = 1, 2 take permuted predecessor loads, K = 4 a broadcast, K = 3 either (by SIMD width); the
+    # default survivor storage also depends on K and width (viterbi.cpp), and modes 1/2 at every K
+    # are cross-checked below. Few tiles: the reference needs seconds per tile.
     x = torch.cat([_gauss(1, codebook, seed=30 + K), _tie_heavy_tile(K, codebook, seed=40 + K)])
     ref = V.encode_tiles(x, K, codebook, impl="torch")
     got = V.encode_tiles(x, K, codebook, impl="cpp")
