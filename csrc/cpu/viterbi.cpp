@@ -43,7 +43,7 @@ constexpr int kLanes = 8;
 #endif
 constexpr int kGroup = 4;       // independent accumulator chains per inner iteration (hides latency)
 constexpr int kBlock = kLanes * kGroup;  // nodes per inner block
-constexpr int kPad = kLanes;    // slack after D arrays: the K < 4 permute loads may read past NN
+constexpr int kPad = kLanes;    // slack after D arrays: the permuted predecessor loads may read past NN
 
 typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
 typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import time
 from fractions import Fraction
 
 import numpy as np
@@ -162,8 +163,6 @@ def test_cpp_speed_floor() -> None:
     # The conversion tests (and CPU users) lean on this op. A SIMD type wider than the target once
     # made gcc scalarise its inner loop: 64 tiles at K=4 took ~2.1 s on a 2-core AVX2 machine, against
     # ~0.09 s with native vectors. The bound sits between the two with a wide margin for slow runners.
-    import time
-
     x = _gauss(64, cb.CB_MUL1, seed=80)
     V.encode_tiles(x[:2], 4, cb.CB_MUL1, impl="cpp")  # warm-up: workspace pages, the LUT permutation
     t0 = time.perf_counter()
