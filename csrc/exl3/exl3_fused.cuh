@@ -153,6 +153,9 @@ constexpr int SHORT_RING_MAX_KT = EXL3_SHORT_RING_MAX_KT;
 // 2.4% faster on 4096x14336 with 4 stages than with 6, while the 6-bit heads, which take the x-once variant
 // (ring_stages(K)), are 2-3% slower with 4 (docs/performance.md, run 16)
 constexpr int tr_ring_stages(int K) { return EXL3_RING_STAGES > 0 ? EXL3_RING_STAGES : K == 6 ? 4 : ring_stages(K); }
+// The deep ring of one fused variant: the default S of fused_linear_kernel and fused_occupancy, so that the
+// launcher's choice and its occupancy query cannot disagree.
+constexpr int fused_ring(int K, bool TR, bool XH) { return TR && !XH ? tr_ring_stages(K) : ring_stages(K); }
 
 template <int K, bool TR, int S = ring_stages(K)>
 constexpr int fused_smem_bytes() {
@@ -266,8 +269,8 @@ __global__ void __launch_bounds__(128) fused_xh_kernel(FusedArgs a) {
 // TR: m <= 8, transposed main loop (one mma per tile; exl3_kernels.cuh)
 // XH: the prologue copies x transformed once for the launch (FusedArgs::xh_buf, fused_xh_kernel); a
 // variant of its own, so that the kernels without it keep their registers (a runtime branch spilled)
-// S: trellis ring stages (SHORT_RING for short k chunks, launch_fused_t)
-template <int K, int CB, bool TR, bool XH = false, int S = ring_stages(K)>
+// S: trellis ring stages (fused_ring by default; SHORT_RING for short k chunks, launch_fused_t)
+template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH)>
 __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR, S>())) fused_linear_kernel(FusedArgs a) {
     constexpr int NT = GEMM_NT;
     const int lane = threadIdx.x & 31;
@@ -525,7 +528,7 @@ inline bool xh_wanted(int m, int k_tiles, long col_blocks, int min_rows) {
 }
 
 // resident blocks per SM of one fused instantiation (same on every H-class device; queried once)
-template <int K, int CB, bool TR, bool XH = false, int S = (TR && !XH ? tr_ring_stages(K) : ring_stages(K))>
+template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH)>
 inline int fused_occupancy() {
     static int occ = -1;
     if (occ < 0) {
@@ -563,7 +566,7 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     if (a.kt_per_chunk > GEMM_KT_MAX) a.kt_per_chunk = GEMM_KT_MAX;
     auto kern = xh ? fused_linear_kernel<K, CB, true, true>
                 : short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT ? fused_linear_kernel<K, CB, true, false, SHORT_RING>
-                : tr ? fused_linear_kernel<K, CB, true, false, tr_ring_stages(K)> : fused_linear_kernel<K, CB, false>;
+                : tr ? fused_linear_kernel<K, CB, true> : fused_linear_kernel<K, CB, false>;
     const long chunks = (a.k_tiles + a.kt_per_chunk - 1) / a.kt_per_chunk;
     long blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) {

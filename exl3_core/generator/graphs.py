@@ -275,7 +275,6 @@ class DecodeGraphs(_GraphSet):
         self._read: dict[tuple[int, int], torch.cuda.Event] = {}  # after its outputs' latest read-back
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None  # staging, read-back
         self.carried = 0  # replays whose input ids were carried over on the device, inside the graph
-        self._carry_set: set[tuple[int, int]] = set()  # slots whose device-side carry indices are not all -1
 
     @classmethod
     def create(cls, model: Any, cache: Any, table_width: int, max_bucket: int = MAX_GRAPH_BUCKET) -> DecodeGraphs | None:
@@ -339,9 +338,7 @@ class DecodeGraphs(_GraphSet):
         if meta.input_ids.is_cuda:
             for name in _FIELDS:
                 getattr(s, name).copy_(getattr(meta, name), non_blocking=True)
-            if key in self._carry_set:  # a carried replay left its indices: the device path carries nothing
-                blob.views["carry"].fill_(-1)
-                self._carry_set.discard(key)
+            blob.views["carry"].fill_(-1)  # a carried replay may have left its indices; this path carries nothing
         else:
             stage, _ = self._side_streams()
             ring = self._rings[B]
@@ -355,9 +352,6 @@ class DecodeGraphs(_GraphSet):
                 assert src is not None
                 carry[:len(src)] = src
                 self.carried += 1
-                self._carry_set.add(key)
-            else:
-                self._carry_set.discard(key)
             if (ev := self._replayed.get(key)) is not None:
                 stage.wait_event(ev)  # the slot's previous replay has finished reading its inputs
             with torch.cuda.stream(stage):
