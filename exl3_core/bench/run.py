@@ -13,7 +13,8 @@ Figures (each from the same process, so the bounds are measured on the same card
 * bounds: ``roofline`` = bytes read per decode token (weights + KV at that context) / measured
   device-to-device copy bandwidth (read + written bytes), and ``decode_ceiling`` = time to decode
   every quantized weight once at the ``exl3::decode_bench`` rate of its own shape, K and codebook
-  (the integer-pipeline ceiling of on-the-fly decoding; no activations, no attention).
+  (the integer-pipeline ceiling of on-the-fly decoding; no activations, no attention), measured
+  before and again after the b=1 runs; the fractions use the faster of the two.
 """
 from __future__ import annotations
 
@@ -125,6 +126,19 @@ def decode_ceiling(model: torch.nn.Module) -> dict[str, Any] | None:
         rows.append({"trellis": list(shape), "codebook": cb, "count": len(ms), "us": t * 1e6,
                      "tweights_per_s": weights / t / 1e12})
     return {"seconds_per_token": total, "tok_s": 1.0 / total, "per_shape": rows}
+
+
+def tighter_ceiling(first: dict[str, Any], again: dict[str, Any] | None,
+                    log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The faster of two decode-ceiling measurements (the stricter bound), with both kept as
+    ``samples_tok_s``."""
+    if again is None:
+        return first
+    best = dict(again if again["tok_s"] > first["tok_s"] else first)
+    best["samples_tok_s"] = [first["tok_s"], again["tok_s"]]
+    log(f"decode-only ceiling measured again after the b=1 runs: {again['tok_s']:.0f} tok/s; "
+        f"fractions use {best['tok_s']:.0f}")
+    return best
 
 
 def _run_generator(gen: Any, prompts: list[list[int]], new_tokens: int) -> float:
@@ -328,7 +342,6 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
     wbytes = weight_bytes_per_token(model)
     out["weight_bytes_per_token"] = wbytes
     ceiling = decode_ceiling(model)
-    out["decode_ceiling"] = ceiling
     if ceiling:
         log(f"decode-only ceiling of the weights: {ceiling['tok_s']:.0f} tok/s ({ceiling['seconds_per_token'] * 1e3:.3f} ms)")
     elem = torch.empty((), dtype=model.dtype).element_size()
@@ -338,6 +351,11 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
         step = graph_step_time(model, cache, batch=1, ctx=ctx)
         r["graph_step_ms"] = None if step is None else step * 1e3
         decode.append(r)
+    if ceiling:
+        # measured again with the card as warm as the b=1 runs left it: the two differ by up to ~3%
+        # (clocks), and the fractions below take the faster one, the stricter bound
+        ceiling = tighter_ceiling(ceiling, decode_ceiling(model), log)
+    out["decode_ceiling"] = ceiling
     for b in batches:
         r = bench_decode(model, cache, batch=b, ctx=min(contexts), new_tokens=new_tokens)
         step = graph_step_time(model, cache, batch=b, ctx=min(contexts)) if b <= 32 else None
