@@ -263,7 +263,9 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
     graphs = DecodeGraphs.create(model, cache, cache.max_pages_per_seq(ctx + 1))
     if graphs is None:
         raise SystemExit("decode graphs declined for this model/device: nothing to profile")
-    meta, pages = decode_meta(model, cache, batch=batch, ctx=ctx)
+    # inputs built on the host, as the generator stages them (a device-built meta takes DecodeGraphs.run's
+    # device-fed path, which adds a carry reset kernel before every replay)
+    meta, pages = decode_meta(model, cache, batch=batch, ctx=ctx, device="cpu")
     step = graph_step_time(model, cache, batch=batch, ctx=ctx)
     for _ in range(3):
         graphs.run(meta)
