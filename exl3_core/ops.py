@@ -179,18 +179,22 @@ def greedy_pack(logits: torch.Tensor, *, out: torch.Tensor | None = None, impl: 
     return out
 
 
+def _check_carry(what: str, ids: torch.Tensor, carry: torch.Tensor, src: torch.Tensor) -> None:
+    if (ids.dtype != torch.int64 or carry.dtype != torch.int32 or src.dtype != torch.float64 or ids.dim() != 1
+            or carry.shape != ids.shape or src.dim() != 1 or not (ids.device == carry.device == src.device)
+            or not ids.is_contiguous() or not carry.is_contiguous() or not src.is_contiguous()):
+        raise ValueError(
+            f"{what}: want contiguous int64 ids [B], int32 carry [B] and float64 src [S] on one device, got "
+            f"{ids.dtype} {tuple(ids.shape)} on {ids.device}, {carry.dtype} {tuple(carry.shape)} on {carry.device}, "
+            f"{src.dtype} {tuple(src.shape)} on {src.device}")
+
+
 def carry_ids(ids: torch.Tensor, carry: torch.Tensor, src: torch.Tensor, *, impl: Impl = "auto") -> None:
     """In place, for the decode graphs' step start: ``ids[i] = int64(src[carry[i]])`` for every row whose
     ``carry[i]`` indexes ``src`` (the previous step's greedy ids, float64), the other rows unchanged.
     ``ids`` int64 ``[B]``, ``carry`` int32 ``[B]`` (-1: keep), ``src`` float64 ``[S]``, one device. One
     launch on CUDA, so a replayed step takes its ids from the step before without a host round trip."""
-    if (ids.dtype != torch.int64 or carry.dtype != torch.int32 or src.dtype != torch.float64 or ids.dim() != 1
-            or carry.shape != ids.shape or src.dim() != 1 or not (ids.device == carry.device == src.device)
-            or not ids.is_contiguous() or not carry.is_contiguous() or not src.is_contiguous()):
-        raise ValueError(
-            "carry_ids: want contiguous int64 ids [B], int32 carry [B] and float64 src [S] on one device, got "
-            f"{ids.dtype} {tuple(ids.shape)} on {ids.device}, {carry.dtype} {tuple(carry.shape)} on {carry.device}, "
-            f"{src.dtype} {tuple(src.shape)} on {src.device}")
+    _check_carry("carry_ids", ids, carry, src)
     if _use_triton(impl, ids, "carry_ids"):
         kernels().carry_ids(ids, carry, src)  # type: ignore[union-attr]
         return
@@ -198,13 +202,38 @@ def carry_ids(ids: torch.Tensor, carry: torch.Tensor, src: torch.Tensor, *, impl
 
 
 def embed_ss(ids: torch.Tensor, weight: torch.Tensor, scale: float | None, ss_slots: int, *,
+             carry: tuple[torch.Tensor, torch.Tensor] | None = None,
              impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, ss)``: the embedding rows ``weight[ids]`` (times ``scale``, rounded once to the table's
     dtype) and fp32 ``ss [ss_slots, T]``, row 0 their sums of squares and the rest zeros: the decode
-    step's lookup, its first norm's input sums and the zeroed sums of the linears after, in one launch."""
+    step's lookup, its first norm's input sums and the zeroed sums of the linears after, in one launch.
+    ``carry = (carry, src)`` first applies :func:`carry_ids` to ``ids`` (in place) in the same launch."""
+    if carry is not None:
+        _check_carry("embed_ss", ids, *carry)
     if _use_triton(impl, weight, "embed_ss"):
-        return kernels().embed_ss(ids, weight, scale, ss_slots)  # type: ignore[union-attr]
+        return kernels().embed_ss(ids, weight, scale, ss_slots, carry)[:2]  # type: ignore[union-attr]
+    if carry is not None:
+        _ref.carry_ids(ids, *carry)
     return _ref.embed_ss(ids, weight, scale, ss_slots)
+
+
+def step_start(ids: torch.Tensor, weight: torch.Tensor, scale: float | None, ss_slots: int, positions: torch.Tensor,
+               inv_freq: torch.Tensor, factor: float = 1.0, *, carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+               impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(h, ss, cos, sin)``: :func:`embed_ss` (with its ``carry``) and :func:`rope_tables` of ``positions``
+    in one launch on CUDA: a decode step's first kernel."""
+    if carry is not None:
+        _check_carry("step_start", ids, *carry)
+    if (positions.dim() != 1 or positions.shape[0] != ids.shape[0] or inv_freq.dim() != 1
+            or inv_freq.dtype != torch.float32):
+        raise ValueError(f"step_start: want positions [T] for ids [T] and fp32 inv_freq [half]; got "
+                         f"{tuple(positions.shape)}, {tuple(ids.shape)}, {tuple(inv_freq.shape)} {inv_freq.dtype}")
+    if _use_triton(impl, weight, "step_start"):
+        return kernels().embed_ss(ids, weight, scale, ss_slots, carry,  # type: ignore[union-attr, return-value]
+                                  (positions, inv_freq, factor))
+    if carry is not None:
+        _ref.carry_ids(ids, *carry)
+    return (*_ref.embed_ss(ids, weight, scale, ss_slots), *_ref.rope_tables(positions, inv_freq, factor))
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, factor: float = 1.0, *,

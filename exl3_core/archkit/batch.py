@@ -24,6 +24,10 @@ class BatchMeta:
     page_table: torch.Tensor | None = None  # int32 [B, max_pages]; None = no cache
     slot_mapping: torch.Tensor | None = None  # int64 [T], flat cache slot page*page_size+offset
     logits_indices: torch.Tensor | None = None  # int64 [N] rows that need logits; None = all
+    # decode graphs: (int32 carry [B], float64 src [S]): row i's input id is src[carry[i]] when that index
+    # is valid (the previous step's greedy id, on the device), else input_ids[i]. Only a model whose
+    # ``folds_carry`` is True is handed one; its forward applies it (exl3_core.ops.carry_ids' rule).
+    carry: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:

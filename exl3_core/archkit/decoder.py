@@ -281,9 +281,19 @@ class StandardDecoder(Model):
         w = getattr(self.embed, "weight", None)
         if (isinstance(w, torch.Tensor) and ops.fused_enabled(w) and type(self.embed).forward is Embedding.forward
                 and self._chainable() and self._deferrable(meta.input_ids.shape[0], w.dtype)):
-            # decode sizes: the lookup also writes the first norm's row sums and zeroes the others (one launch)
-            h, ss = ops.embed_ss(meta.input_ids, w, self.embed.scale, 2 * len(self.layers) + 1)
+            # decode sizes: the lookup also carries the ids over (decode graphs), writes the first norm's row
+            # sums, zeroes the others and computes the step's RoPE tables: one launch
+            slots, rope = 2 * len(self.layers) + 1, self.rope
+            if (isinstance(rope, RotaryEmbedding) and not rope.dynamic
+                    and type(rope).cos_sin is RotaryEmbedding.cos_sin):
+                h, ss, cos, sin = ops.step_start(meta.input_ids, w, self.embed.scale, slots, meta.positions,
+                                                 rope.inv_freq, rope.attention_factor, carry=meta.carry)
+                state.memoize(("rope", id(rope)), lambda: (cos, sin))  # the key Attention._cos_sin reads
+            else:
+                h, ss = ops.embed_ss(meta.input_ids, w, self.embed.scale, slots, carry=meta.carry)
             return self._forward_deferred(h, meta, state, ss)
+        if meta.carry is not None:
+            ops.carry_ids(meta.input_ids, *meta.carry)
         x = self.embed(meta.input_ids)
         if ops.fused_enabled(x) and self._chainable():
             return self._forward_chain(x, meta, state)
@@ -292,6 +302,13 @@ class StandardDecoder(Model):
         if meta.logits_indices is not None:
             x = x.index_select(0, meta.logits_indices)  # norm + head only for the rows that need logits
         return self.head(self.norm(x))
+
+    @property
+    def folds_carry(self) -> bool:
+        """The forward applies ``meta.carry`` itself (inside the embedding lookup where it can), unless a
+        subclass replaced the forward that does."""
+        return (type(self).forward_batch is StandardDecoder.forward_batch
+                and type(self)._forward_batch is StandardDecoder._forward_batch)
 
     def _chainable(self) -> bool:
         return all(isinstance(b, DecoderBlock) and b.chainable() for b in self.layers) and _fusable_norm(self.norm)

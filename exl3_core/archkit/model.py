@@ -221,6 +221,12 @@ class Model(torch.nn.Module):
         meta = BatchMeta.full(input_ids.to(self.device))
         return self.forward_batch(meta).view(B, S, -1)
 
+    @property
+    def folds_carry(self) -> bool:
+        """True when :meth:`forward_batch` applies ``meta.carry`` (decode graphs' device-side ids) itself;
+        otherwise the graphs run :func:`exl3_core.ops.carry_ids` before it and never pass one."""
+        return False
+
     def forward_batch(self, meta: BatchMeta, cache: Any = None, *, fp32_logits: bool = True) -> torch.Tensor:
         """Packed forward: fp32 logits ``[N, vocab]`` for ``meta.logits_indices`` (all T tokens if None).
 

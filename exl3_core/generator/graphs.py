@@ -42,7 +42,7 @@ import inspect
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -251,8 +251,8 @@ class DecodeGraphs(_GraphSet):
 
     A step whose input ids are the previous step's greedy ids (the overlapped loop) passes that
     step's ``packed[0]`` and the source row of each of its rows; when the previous replay was this
-    bucket's other slot, the graph's first kernel (:func:`exl3_core.ops.carry_ids`) picks them up
-    on the device. Otherwise they are gathered and copied before the replay.
+    bucket's other slot, the graph's first kernel picks them up on the device: the embedding lookup
+    (``ops.embed_ss``) for a model whose ``folds_carry`` holds, else :func:`exl3_core.ops.carry_ids`. Otherwise they are gathered and copied before the replay.
 
     :param model: loaded model on CUDA.
     :param cache: its allocated :class:`~exl3_core.cache.Cache`.
@@ -416,7 +416,11 @@ class DecodeGraphs(_GraphSet):
 
     def _step(self, key: tuple[int, int], meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, slot = key
-        ops.carry_ids(meta.input_ids, self._blobs[key].views["carry"], self._packed[B][1 - slot][0])
+        carry = (self._blobs[key].views["carry"], self._packed[B][1 - slot][0])
+        if getattr(self.model, "folds_carry", False):
+            meta = replace(meta, carry=carry)  # done inside the embedding lookup: one launch fewer per step
+        else:
+            ops.carry_ids(meta.input_ids, *carry)
         # the head's own dtype: the greedy pick reads it as is, and a sampler casts its rows (no fp32
         # copy of [B, V] in every step)
         kw = {"fp32_logits": False} if _takes_fp32_flag(self.model) else {}

@@ -314,15 +314,37 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
 
 
 @triton.jit
-def _embed_ss_kernel(Ids, W, H, SS, stride_w, stride_h, N, V, rows, SS_N, scale,
-                     HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Z: tl.constexpr, PDL: tl.constexpr):
+def _embed_ss_kernel(Ids, W, H, SS, Carry, Src, S, Pos, InvFreq, Cos, Sin, HALF, rfactor,
+                     stride_w, stride_h, N, V, rows, SS_N, scale,
+                     HAS_SCALE: tl.constexpr, HAS_CARRY: tl.constexpr, HAS_ROPE: tl.constexpr,
+                     HAS_RFACTOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Z: tl.constexpr, BLOCK_R: tl.constexpr,
+                     PDL: tl.constexpr):
     # program r: h[r] = W[ids[r]] (* scale, rounded once to h's dtype) and SS[r] = Σ h[r]² in fp32;
-    # SS[rows:] zeroed, a BLOCK_Z stride per program (the sums the linears after it add into)
+    # SS[rows:] zeroed, a BLOCK_Z stride per program (the sums the linears after it add into).
+    # HAS_CARRY: first ids[r] = int64(Src[Carry[r]]) where 0 <= Carry[r] < S (_carry_ids_kernel's rule).
+    # HAS_ROPE: also row r of the RoPE tables, as _rope_tables_kernel computes it (the same operations)
     if PDL:  # see _rms_norm_kernel
         gdc_wait()
         gdc_launch_dependents()
     r = tl.program_id(0)
+    if HAS_ROPE:
+        i = tl.arange(0, BLOCK_R)
+        ok = i < HALF
+        f = tl.load(Pos + r).to(tl.float32) * tl.load(InvFreq + i, mask=ok, other=0.0)
+        c = tl.cos(f)
+        sn = tl.sin(f)
+        if HAS_RFACTOR:
+            c = c * rfactor
+            sn = sn * rfactor
+        tl.store(Cos + r.to(tl.int64) * HALF + i, c, mask=ok)
+        tl.store(Sin + r.to(tl.int64) * HALF + i, sn, mask=ok)
     idx = tl.load(Ids + r).to(tl.int64)
+    if HAS_CARRY:
+        c = tl.load(Carry + r)
+        take = (c >= 0) & (c < S)
+        carried = tl.load(Src + tl.where(take, c, 0), mask=take, other=0.0).to(tl.int64)
+        idx = tl.where(take, carried, idx)
+        tl.store(Ids + r, idx, mask=take)  # the step's ids as carry_ids leaves them
     idx = tl.minimum(tl.maximum(idx, 0), V - 1)  # ids are checked at enqueue; never read outside the table
     cols = tl.arange(0, BLOCK_N)
     x = tl.load(W + idx * stride_w + cols, mask=cols < N, other=0.0)
@@ -336,10 +358,15 @@ def _embed_ss_kernel(Ids, W, H, SS, stride_w, stride_h, N, V, rows, SS_N, scale,
         tl.store(SS + start + z, 0.0, mask=start + z < SS_N)
 
 
-def embed_ss(ids: torch.Tensor, weight: torch.Tensor, scale: float | None,
-             ss_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h, ss)``: ``h = weight[ids] (* scale)`` ``[T, N]`` and fp32 ``ss [ss_slots, T]`` whose first row
-    holds ``h``'s row sums of squares (a deferred norm's input) and the rest zeros, in one launch."""
+def embed_ss(ids: torch.Tensor, weight: torch.Tensor, scale: float | None, ss_slots: int,
+             carry: tuple[torch.Tensor, torch.Tensor] | None = None,
+             rope: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(h, ss, cos, sin)``: ``h = weight[ids] (* scale)`` ``[T, N]`` and fp32 ``ss [ss_slots, T]`` whose
+    first row holds ``h``'s row sums of squares (a deferred norm's input) and the rest zeros, in one launch.
+    ``carry = (carry, src)``: the rows' ids are first carried over as :func:`carry_ids` does. ``rope =
+    (positions [T], inv_freq [half], factor)``: the same launch also writes :func:`rope_tables`' fp32
+    ``cos, sin [T, half]`` (else None). Operands checked by :mod:`exl3_core.ops`."""
     if ids.dim() != 1 or weight.dim() != 2 or ss_slots < 1:
         raise ValueError(f"embed_ss: want ids [T], weight [V, N] and ss_slots >= 1; got {tuple(ids.shape)}, "
                          f"{tuple(weight.shape)}, {ss_slots}")
@@ -347,14 +374,26 @@ def embed_ss(ids: torch.Tensor, weight: torch.Tensor, scale: float | None,
     T, (V, N) = ids.shape[0], w.shape
     h = torch.empty((T, N), dtype=w.dtype, device=w.device)
     ss = torch.empty((ss_slots, T), dtype=torch.float32, device=w.device)
+    cos = sin = None
+    if rope is not None:
+        pos, inv, rfactor = rope[0], rope[1].contiguous(), float(rope[2])
+        cos = torch.empty((T, inv.shape[0]), dtype=torch.float32, device=w.device)
+        sin = torch.empty((T, inv.shape[0]), dtype=torch.float32, device=w.device)
+    else:
+        pos, inv, rfactor = ids, ss, 1.0  # placeholder pointers when absent
     if T == 0:
-        return h, ss
+        return h, ss, cos, sin
     block_n = triton.next_power_of_2(N)
+    c, src = carry if carry is not None else (ids, ids)
+    half = inv.shape[0] if rope is not None else 1
     _embed_ss_kernel[(T,)](
-        ids, w, h, ss, w.stride(0), h.stride(0), N, V, T, ss_slots * T, float(scale if scale is not None else 1.0),
-        HAS_SCALE=scale is not None, BLOCK_N=block_n, BLOCK_Z=256, num_warps=_norm_warps(block_n), **launch_opts(h),
+        ids, w, h, ss, c, src, src.shape[0], pos, inv, cos if cos is not None else ss, sin if sin is not None else ss,
+        half, rfactor, w.stride(0), h.stride(0), N, V, T, ss_slots * T,
+        float(scale if scale is not None else 1.0), HAS_SCALE=scale is not None, HAS_CARRY=carry is not None,
+        HAS_ROPE=rope is not None, HAS_RFACTOR=rfactor != 1.0, BLOCK_N=block_n, BLOCK_Z=256,
+        BLOCK_R=triton.next_power_of_2(half), num_warps=_norm_warps(block_n), **launch_opts(h),
     )
-    return h, ss
+    return h, ss, cos, sin
 
 
 @triton.jit

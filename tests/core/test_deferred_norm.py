@@ -84,3 +84,40 @@ def test_overridden_forward_is_not_deferred() -> None:
         assert not _residual_capable(attn) and not model.layers[0].deferrable()
     finally:
         attn.__class__ = Attention
+
+
+def test_forward_applies_the_carried_ids() -> None:
+    """``meta.carry`` (the decode graphs' device-side ids): the forward takes row i's id from
+    ``src[carry[i]]`` where that index is valid, writes it into ``meta.input_ids`` as ``ops.carry_ids`` does,
+    and gives the logits of a batch built with those ids; a subclass with its own forward does not claim it."""
+    from exl3_core.archkit.decoder import StandardDecoder
+    from exl3_core.archkit.model import Model
+
+    model = _model()
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 500, (4,), generator=g)
+    src = torch.randint(0, 500, (6,), generator=g).double()
+    carry = torch.tensor([3, -1, 0, 9], dtype=torch.int32)  # row 3's index is past src: kept
+    want = ids.clone()
+    want[0], want[2] = int(src[3]), int(src[0])
+    ref = model.forward_batch(BatchMeta.full(want.view(-1, 1)))
+    meta = BatchMeta.full(ids.clone().view(-1, 1))
+    meta.carry = (carry, src)
+    assert model.folds_carry
+    out = model.forward_batch(meta)
+    assert torch.equal(meta.input_ids, want)
+    assert torch.equal(out, ref)
+
+    cls = type(model)
+    assert issubclass(cls, StandardDecoder)
+
+    class OwnForward(cls):  # type: ignore[misc, valid-type]
+        def forward_batch(self, meta, cache=None, *, fp32_logits=True):  # type: ignore[override]
+            return super().forward_batch(meta, cache, fp32_logits=fp32_logits)
+
+    model.__class__ = OwnForward
+    try:
+        assert not model.folds_carry
+    finally:
+        model.__class__ = cls
+    assert model.folds_carry and not Model.folds_carry.fget(model)  # type: ignore[attr-defined]

@@ -279,7 +279,8 @@ def test_decode_with_fused_extras_equals_separate_kernels(ops_, model_cache, bat
     import exl3_core.ops as eops
 
     calls = {"norm": 0, "res": 0, "qkv": 0, "embed": 0}
-    real_norm, real_res, real_embed = lin._project_group_ex, lin.linear_residual, eops.embed_ss
+    real_norm, real_res = lin._project_group_ex, lin.linear_residual
+    real_embed, real_start = eops.embed_ss, eops.step_start
 
     def count_norm(x, layers, ep=None):
         calls["norm"] += not isinstance(x, torch.Tensor)
@@ -294,8 +295,13 @@ def test_decode_with_fused_extras_equals_separate_kernels(ops_, model_cache, bat
         calls["embed"] += 1
         return real_embed(*a, **kw)
 
+    def count_start(*a, **kw):  # the same, with the step's RoPE tables in the launch
+        calls["embed"] += 1
+        return real_start(*a, **kw)
+
     monkeypatch.setattr(lin, "_project_group_ex", count_norm)
     monkeypatch.setattr(eops, "embed_ss", count_embed)
+    monkeypatch.setattr(eops, "step_start", count_start)
     for mod in ("exl3_core.nn.attention", "exl3_core.nn.mlp"):
         monkeypatch.setattr(f"{mod}.linear_residual", count_res)
     monkeypatch.setenv("EXL3_CUDA_GRAPHS", "0")  # eager steps: no capture needed for the comparison

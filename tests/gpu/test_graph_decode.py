@@ -119,12 +119,25 @@ def test_host_built_inputs_replay_like_eager(model_cache) -> None:
         graphs.reset()
 
 
-def test_carried_ids_replay_like_eager(model_cache) -> None:
+@pytest.mark.parametrize("fold", [True, False])
+def test_carried_ids_replay_like_eager(model_cache, fold: bool) -> None:
     """A step whose input ids are the step before's greedy ids, in any row order: taken on the device
     inside the graph when the step before was the bucket's other graph, gathered and copied before the
     replay otherwise (another bucket in between); either way equal to the eager forward fed those ids,
-    and the read-back (on its own stream) equals the replay's argmax."""
+    and the read-back (on its own stream) equals the replay's argmax. ``fold``: the carry inside the
+    embedding lookup (the standard decoder's ``folds_carry``), or a launch of its own before the forward."""
     model, cache = model_cache
+    cls = type(model)
+    if not fold:
+        model.__class__ = type("NoFold", (cls,), {"folds_carry": property(lambda self: False)})
+    assert model.folds_carry is fold
+    try:
+        _carried_ids_replay_like_eager(model, cache)
+    finally:
+        model.__class__ = cls
+
+
+def _carried_ids_replay_like_eager(model, cache) -> None:
     ps, W = cache.page_size, 4
     graphs = DecodeGraphs.create(model, cache, W)
     assert graphs is not None, decline_reason(model, cache)

@@ -283,6 +283,65 @@ def test_embed_ss(rows: int, vocab: int, hidden: int, slots: int, dtype: torch.d
     assert torch.equal(ss[1:], torch.zeros_like(ss[1:])), "the linears' sums were not zeroed"
 
 
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_embed_ss_carries_ids(impl: str, rows: int) -> None:
+    """With ``carry`` the lookup first takes each row's id as ``carry_ids`` does (in place) and embeds that."""
+    g = torch.Generator().manual_seed(10 + rows)
+    w = (torch.randn(300, 96, generator=g) * 0.7).to(torch.float16).to(DEVICE)
+    ids = torch.randint(0, 300, (rows,), generator=g)
+    src = torch.randint(0, 300, (rows + 2,), generator=g).double()
+    carry = torch.randint(-1, rows + 2, (rows,), generator=g).to(torch.int32)
+    carry[0] = rows + 7  # out of range: kept
+    want = ids.clone()
+    ref.carry_ids(want, carry, src)
+    got = ids.to(DEVICE)
+    h, ss = ops.embed_ss(got, w, 2.0, 3, carry=(carry.to(DEVICE), src.to(DEVICE)), impl=impl)
+    assert torch.equal(got.cpu(), want)
+    h_ref, ss_ref = ref.embed_ss(want.to(DEVICE), w, 2.0, 3)
+    assert torch.equal(h, h_ref)
+    torch.testing.assert_close(ss, ss_ref, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("rows,half,factor", [(1, 64, 1.0), (3, 40, 1.2)])
+def test_step_start(impl: str, rows: int, half: int, factor: float) -> None:
+    """The decode step's first launch: the carried lookup with its sums (``embed_ss``) and the RoPE tables
+    (``rope_tables``), each equal to its own op."""
+    from exl3_core.nn.rope import _base_inv_freq
+
+    g = torch.Generator().manual_seed(20 + rows)
+    w = (torch.randn(300, 96, generator=g) * 0.7).to(torch.float16).to(DEVICE)
+    ids = torch.randint(0, 300, (rows,), generator=g)
+    src = torch.randint(0, 300, (rows + 1,), generator=g).double()
+    carry = torch.randint(-1, rows + 1, (rows,), generator=g).to(torch.int32)
+    pos = torch.cat([torch.randint(0, 200_000, (rows - 1,), generator=g), torch.tensor([131_071])]).to(DEVICE)
+    inv = _base_inv_freq(500000.0, 2 * half).to(DEVICE)
+    want = ids.clone()
+    ref.carry_ids(want, carry, src)
+    got = ids.to(DEVICE)
+    h, ss, cos, sin = ops.step_start(got, w, None, 5, pos, inv, factor, carry=(carry.to(DEVICE), src.to(DEVICE)),
+                                     impl=impl)
+    assert torch.equal(got.cpu(), want)
+    h_ref, ss_ref = ops.embed_ss(want.to(DEVICE), w, None, 5, impl=impl)
+    c_ref, s_ref = ops.rope_tables(pos, inv, factor, impl=impl)
+    assert torch.equal(h, h_ref) and torch.equal(ss, ss_ref)
+    assert torch.equal(cos, c_ref) and torch.equal(sin, s_ref)  # the same operations as rope_tables' kernel
+    with pytest.raises(ValueError, match="step_start: want positions"):
+        ops.step_start(got, w, None, 5, pos[:0], inv, factor, impl=impl)
+
+
+def test_embed_ss_rejects_bad_carry() -> None:
+    ids = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    w = torch.zeros(4, 8, device=DEVICE)
+    src = torch.arange(4, dtype=torch.float64, device=DEVICE)
+    for carry in ((torch.zeros(3, dtype=torch.int64, device=DEVICE), src), (torch.zeros(2, dtype=torch.int32,
+                                                                                        device=DEVICE), src)):
+        with pytest.raises(ValueError, match="embed_ss: want"):
+            ops.embed_ss(ids, w, None, 2, carry=carry, impl="triton")
+        assert torch.equal(ids, torch.zeros_like(ids))
+
+
 def test_embed_ss_rejects_bad_shapes() -> None:
     with pytest.raises(ValueError, match="embed_ss"):
         ops.embed_ss(torch.zeros(2, 3, dtype=torch.int64, device=DEVICE), torch.zeros(4, 8, device=DEVICE), None, 3,
