@@ -252,7 +252,8 @@ class DecodeGraphs(_GraphSet):
     A step whose input ids are the previous step's greedy ids (the overlapped loop) passes that
     step's ``packed[0]`` and the source row of each of its rows; when the previous replay was this
     bucket's other slot, the graph's first kernel picks them up on the device: the embedding lookup
-    (``ops.embed_ss``) for a model whose ``folds_carry`` holds, else :func:`exl3_core.ops.carry_ids`. Otherwise they are gathered and copied before the replay.
+    (``ops.step_start`` / ``ops.embed_ss``) for a model whose ``folds_carry`` holds, else
+    :func:`exl3_core.ops.carry_ids`. Otherwise they are gathered and copied before the replay.
 
     :param model: loaded model on CUDA.
     :param cache: its allocated :class:`~exl3_core.cache.Cache`.
