@@ -314,6 +314,34 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
 
 
 @triton.jit
+def _rope_row(Pos, InvFreq, Cos, Sin, t, HALF, factor, HAS_FACTOR: tl.constexpr, BLOCK: tl.constexpr):
+    # cos/sin of position t times every inverse frequency, fp32, into row t. tl.cos/tl.sin lower to
+    # libdevice's precise __nv_cosf/__nv_sinf (checked in the PTX): the arguments reach 1e5 rad and
+    # more at long contexts, where the approximate instructions lose their accuracy.
+    i = tl.arange(0, BLOCK)
+    ok = i < HALF
+    f = tl.load(Pos + t).to(tl.float32) * tl.load(InvFreq + i, mask=ok, other=0.0)
+    c = tl.cos(f)
+    s = tl.sin(f)
+    if HAS_FACTOR:
+        c = c * factor
+        s = s * factor
+    tl.store(Cos + t * HALF + i, c, mask=ok)
+    tl.store(Sin + t * HALF + i, s, mask=ok)
+
+
+@triton.jit
+def _carry_rows(Ids, Carry, Src, S, i, ok):
+    # Ids[i] = int64(Src[Carry[i]]) where ok and 0 <= Carry[i] < S, other rows keep their id; returns
+    # (take, the carried ids): the one rule of _carry_ids_kernel and _embed_ss_kernel's HAS_CARRY
+    c = tl.load(Carry + i, mask=ok, other=-1)
+    take = ok & (c >= 0) & (c < S)
+    v = tl.load(Src + tl.where(take, c, 0), mask=take, other=0.0).to(tl.int64)
+    tl.store(Ids + i, v, mask=take)
+    return take, v
+
+
+@triton.jit
 def _embed_ss_kernel(Ids, W, H, SS, Carry, Src, S, Pos, InvFreq, Cos, Sin, HALF, rfactor,
                      stride_w, stride_h, N, V, rows, SS_N, scale,
                      HAS_SCALE: tl.constexpr, HAS_CARRY: tl.constexpr, HAS_ROPE: tl.constexpr,
@@ -321,30 +349,18 @@ def _embed_ss_kernel(Ids, W, H, SS, Carry, Src, S, Pos, InvFreq, Cos, Sin, HALF,
                      PDL: tl.constexpr):
     # program r: h[r] = W[ids[r]] (* scale, rounded once to h's dtype) and SS[r] = Σ h[r]² in fp32;
     # SS[rows:] zeroed, a BLOCK_Z stride per program (the sums the linears after it add into).
-    # HAS_CARRY: first ids[r] = int64(Src[Carry[r]]) where 0 <= Carry[r] < S (_carry_ids_kernel's rule).
-    # HAS_ROPE: also row r of the RoPE tables, as _rope_tables_kernel computes it (the same operations)
+    # HAS_CARRY: first ids[r] = int64(Src[Carry[r]]) where 0 <= Carry[r] < S (_carry_rows).
+    # HAS_ROPE: also row r of the RoPE tables (_rope_row, as _rope_tables_kernel)
     if PDL:  # see _rms_norm_kernel
         gdc_wait()
         gdc_launch_dependents()
     r = tl.program_id(0)
     if HAS_ROPE:
-        i = tl.arange(0, BLOCK_R)
-        ok = i < HALF
-        f = tl.load(Pos + r).to(tl.float32) * tl.load(InvFreq + i, mask=ok, other=0.0)
-        c = tl.cos(f)
-        sn = tl.sin(f)
-        if HAS_RFACTOR:
-            c = c * rfactor
-            sn = sn * rfactor
-        tl.store(Cos + r.to(tl.int64) * HALF + i, c, mask=ok)
-        tl.store(Sin + r.to(tl.int64) * HALF + i, sn, mask=ok)
+        _rope_row(Pos, InvFreq, Cos, Sin, r.to(tl.int64), HALF, rfactor, HAS_RFACTOR, BLOCK_R)
     idx = tl.load(Ids + r).to(tl.int64)
-    if HAS_CARRY:
-        c = tl.load(Carry + r)
-        take = (c >= 0) & (c < S)
-        carried = tl.load(Src + tl.where(take, c, 0), mask=take, other=0.0).to(tl.int64)
+    if HAS_CARRY:  # the step's ids as carry_ids leaves them
+        take, carried = _carry_rows(Ids, Carry, Src, S, r, r < rows)
         idx = tl.where(take, carried, idx)
-        tl.store(Ids + r, idx, mask=take)  # the step's ids as carry_ids leaves them
     idx = tl.minimum(tl.maximum(idx, 0), V - 1)  # ids are checked at enqueue; never read outside the table
     cols = tl.arange(0, BLOCK_N)
     x = tl.load(W + idx * stride_w + cols, mask=cols < N, other=0.0)
@@ -399,23 +415,11 @@ def embed_ss(ids: torch.Tensor, weight: torch.Tensor, scale: float | None, ss_sl
 @triton.jit
 def _rope_tables_kernel(Pos, InvFreq, Cos, Sin, HALF, factor,
                         HAS_FACTOR: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    # program t: cos/sin of position t times every inverse frequency, fp32. tl.cos/tl.sin lower to
-    # libdevice's precise __nv_cosf/__nv_sinf (checked in the PTX): the arguments reach 1e5 rad and
-    # more at long contexts, where the approximate instructions lose their accuracy.
+    # program t: row t of the tables (_rope_row)
     if PDL:  # see _rms_norm_kernel
         gdc_wait()
         gdc_launch_dependents()
-    t = tl.program_id(0).to(tl.int64)
-    i = tl.arange(0, BLOCK)
-    ok = i < HALF
-    f = tl.load(Pos + t).to(tl.float32) * tl.load(InvFreq + i, mask=ok, other=0.0)
-    c = tl.cos(f)
-    s = tl.sin(f)
-    if HAS_FACTOR:
-        c = c * factor
-        s = s * factor
-    tl.store(Cos + t * HALF + i, c, mask=ok)
-    tl.store(Sin + t * HALF + i, s, mask=ok)
+    _rope_row(Pos, InvFreq, Cos, Sin, tl.program_id(0).to(tl.int64), HALF, factor, HAS_FACTOR, BLOCK)
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
@@ -517,11 +521,7 @@ def _carry_ids_kernel(Ids, Carry, Src, B, S, BLOCK: tl.constexpr, PDL: tl.conste
         gdc_wait()
         gdc_launch_dependents()
     i = tl.arange(0, BLOCK)
-    ok = i < B
-    c = tl.load(Carry + i, mask=ok, other=-1)
-    take = ok & (c >= 0) & (c < S)
-    v = tl.load(Src + tl.where(take, c, 0), mask=take, other=0.0)
-    tl.store(Ids + i, v.to(tl.int64), mask=take)
+    _carry_rows(Ids, Carry, Src, S, i, i < B)
 
 
 def carry_ids(ids: torch.Tensor, carry: torch.Tensor, src: torch.Tensor) -> None:
