@@ -16,19 +16,24 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.bench.run import prefill_meta, time_median
 from exl3_core.generator.graphs import PrefillGraphs
 
+# nvidia-smi's clock event (throttle) reason bits, as its documentation lists them
+_REASONS = {0x1: "idle", 0x2: "app clocks", 0x4: "SW power cap", 0x8: "HW slowdown", 0x10: "sync boost",
+            0x20: "SW thermal", 0x40: "HW thermal", 0x80: "HW power brake", 0x100: "display clocks"}
+# the first query this driver accepts: with the reason mask, power limit and temperature, else the basic one
+_QUERIES = ("timestamp,clocks.sm,power.draw,clocks_throttle_reasons.active,power.limit,temperature.gpu",
+            "timestamp,clocks.sm,power.draw")
 
-def _samples(path: Path, windows: list[tuple[float, float]]) -> tuple[float, float]:
+
+def _samples(path: Path, windows: list[tuple[float, float]]) -> tuple[float, float, str]:
     """Median SM clock (MHz) and power (W) of the nvidia-smi rows logged inside any of ``windows``
-    (epoch seconds)."""
+    (epoch seconds), and the clock event reasons, power limit and temperatures seen there."""
     from datetime import datetime
 
-    rows = []
+    rows, mask, limits, temps = [], 0, set(), []
     for line in path.read_text().splitlines():
         parts = [p.strip() for p in line.split(",")]
         try:
@@ -36,11 +41,33 @@ def _samples(path: Path, windows: list[tuple[float, float]]) -> tuple[float, flo
             clk, pw = float(parts[1].split()[0]), float(parts[2].split()[0])
         except (ValueError, IndexError):
             continue
-        if any(a <= ts <= b for a, b in windows):
-            rows.append((clk, pw))
+        if not any(a <= ts <= b for a, b in windows):
+            continue
+        rows.append((clk, pw))
+        if len(parts) >= 6:
+            try:
+                mask |= int(parts[3], 16)
+                limits.add(parts[4])
+                temps.append(float(parts[5]))
+            except ValueError:
+                pass
     if not rows:
-        return float("nan"), float("nan")
-    return statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
+        return float("nan"), float("nan"), ""
+    extra = ""
+    if limits:
+        names = [n for bit, n in _REASONS.items() if mask & bit] or ["none"]
+        extra = (f"; clock event reasons {', '.join(names)} (mask {mask:#x}); power limit {'/'.join(sorted(limits))}; "
+                 f"temperature {min(temps):.0f}-{max(temps):.0f} C")
+    return statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows), extra
+
+
+def _query() -> str:
+    """The richest nvidia-smi query this driver answers."""
+    for q in _QUERIES:
+        r = subprocess.run(["nvidia-smi", f"--query-gpu={q}", "--format=csv,noheader"], capture_output=True, text=True, check=False)
+        if r.returncode == 0 and "not a valid field" not in r.stdout + r.stderr:
+            return q
+    return _QUERIES[-1]
 
 
 def main() -> None:
@@ -64,7 +91,7 @@ def main() -> None:
         return time_median(run, model.device, warmup=0, iters=1) * 1e3
 
     log = Path(tempfile.mkdtemp()) / "smi.csv"
-    smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw", "--format=csv,noheader",
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_query()}", "--format=csv,noheader",
                             "-lms", "50"], stdout=log.open("w"), stderr=subprocess.DEVNULL)
     try:
         for _ in range(2):
@@ -83,13 +110,14 @@ def main() -> None:
     finally:
         smi.terminate()
         smi.wait()
-    clk_b, pw_b = _samples(log, [(t0, t1)])
-    clk_i, pw_i = _samples(log, idle_windows)
+    clk_b, pw_b, ex_b = _samples(log, [(t0, t1)])
+    clk_i, pw_i, ex_i = _samples(log, idle_windows)
     n = args.tokens
-    for name, ms, clk, pw in (("back to back", b2b, clk_b, pw_b), (f"after {args.idle:.1f} s idle", idle_ms, clk_i, pw_i)):
+    for name, ms, clk, pw, ex in (("back to back", b2b, clk_b, pw_b, ex_b),
+                                  (f"after {args.idle:.1f} s idle", idle_ms, clk_i, pw_i, ex_i)):
         med = statistics.median(ms)
         print(f"{args.shape} prefill {n} (graph) {name}: median {med:.2f} ms = {n / med * 1e3:,.0f} tok/s "
-              f"(min {min(ms):.2f}, max {max(ms):.2f}); nvidia-smi median over the phase: SM {clk:.0f} MHz, {pw:.0f} W")
+              f"(min {min(ms):.2f}, max {max(ms):.2f}); nvidia-smi median over the phase: SM {clk:.0f} MHz, {pw:.0f} W{ex}")
     cache.allocator.release(pages)
     model.unload()
 
