@@ -1,0 +1,88 @@
+"""Device script: how fast can the tensor-core work of a prefill alone run, back to back and from idle?
+
+A 2048-token prefill of the 8B shape is ~28.6 TFLOP of fp16 GEMMs (q/k/v, o, gate/up, down per layer)
+plus everything around them (the W rebuild, attention, norms, SiLU * mul). This script times only those
+GEMMs, one dense fp16 weight per linear and layer (as the rebuilt W the engine multiplies by), captured
+in one CUDA graph with torch.matmul (the engine's cuBLAS call), and logs nvidia-smi as
+bench/prefill_clock.py does. Its back-to-back figure bounds any engine that does the prefill's math as
+fp16 tensor-core GEMMs on this card: the rest of the forward has to fit in the difference.
+
+    python bench/prefill_gemm_bound.py [--shape 8b] [--tokens 2048] [--idle 1.0]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from prefill_clock import _query, _samples
+
+from exl3_core.bench.models import parse_shape
+from exl3_core.bench.run import time_median
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="8b")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--idle", type=float, default=1.0)
+    args = ap.parse_args()
+    s = parse_shape(args.shape)
+    dev = torch.device("cuda")
+    hd = s.head_dim or s.hidden // s.heads
+    dims = [(s.hidden, (s.heads + 2 * s.kv_heads) * hd), (s.heads * hd, s.hidden), (s.hidden, 2 * s.intermediate),
+            (s.intermediate, s.hidden)]
+    ws = [[torch.randn(k, n, device=dev, dtype=torch.float16) * k**-0.5 for k, n in dims] for _ in range(s.layers)]
+    xs = {k: torch.randn(args.tokens, k, device=dev, dtype=torch.float16) for k, _ in dims}
+    outs = {n: torch.empty(args.tokens, n, device=dev, dtype=torch.float16) for _, n in dims}
+    flop = 2.0 * args.tokens * sum(k * n for k, n in dims) * s.layers
+
+    def forward() -> None:
+        for layer in ws:
+            for (k, n), w in zip(dims, layer):
+                torch.matmul(xs[k], w, out=outs[n])
+
+    forward()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        forward()
+
+    def replay_ms() -> float:
+        return time_median(g.replay, dev, warmup=0, iters=1) * 1e3
+
+    log = Path(tempfile.mkdtemp()) / "smi.csv"
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_query()}", "--format=csv,noheader", "-lms", "50"],
+                           stdout=log.open("w"), stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(2):
+            replay_ms()
+        t0 = time.time()
+        b2b = [replay_ms() for _ in range(20)]
+        t1 = time.time()
+        time.sleep(3.0)
+        idle_ms, windows = [], []
+        for _ in range(7):
+            time.sleep(args.idle)
+            t = time.time()
+            idle_ms.append(replay_ms())
+            windows.append((t, time.time()))
+        time.sleep(0.2)
+    finally:
+        smi.terminate()
+        smi.wait()
+    print(f"{args.shape}: {len(dims) * s.layers} fp16 GEMMs of a {args.tokens}-token prefill, {flop / 1e12:.2f} TFLOP")
+    for name, ms, (clk, pw, ex) in (("back to back", b2b, _samples(log, [(t0, t1)])),
+                                    (f"after {args.idle:.1f} s idle", idle_ms, _samples(log, windows))):
+        med = statistics.median(ms)
+        print(f"GEMMs only, {name}: median {med:.2f} ms = {args.tokens / med * 1e3:,.0f} tok/s, "
+              f"{flop / med / 1e9:.0f} TFLOP/s (min {min(ms):.2f}, max {max(ms):.2f}); "
+              f"nvidia-smi: SM {clk:.0f} MHz, {pw:.0f} W{ex}")
+
+
+if __name__ == "__main__":
+    main()
