@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from exl3_core.bench.models import RandomSource, build_model, layer_bits, named_shapes, parse_shape
-from exl3_core.bench.run import kv_bytes_per_token, run_bench, tighter_ceiling, weight_bytes_per_token
+from exl3_core.bench.run import combine_ceilings, kv_bytes_per_token, run_bench, weight_bytes_per_token
 from exl3_core.quant.exl3.linear import EXL3Linear
 
 TINY = "custom(256,384,2,4,2,700)"
@@ -95,16 +95,19 @@ def test_cli_parses(tmp_path) -> None:
     assert res["shape"]["hidden"] == 256 and len(res["decode"]) == 1
 
 
-def test_tighter_ceiling_keeps_the_faster_measurement() -> None:
+def test_combine_ceilings_takes_the_median_sample_and_keeps_the_fastest() -> None:
     import random
 
-    a, b = random.uniform(300, 500), random.uniform(300, 500)
-    first = {"tok_s": a, "seconds_per_token": 1 / a, "per_shape": ["first"]}
-    again = {"tok_s": b, "seconds_per_token": 1 / b, "per_shape": ["again"]}
-    lines: list[str] = []
-    best = tighter_ceiling(first, again, lines.append)
-    assert best["tok_s"] == max(a, b) and best["samples_tok_s"] == [a, b]
-    assert best["per_shape"] == (["again"] if b > a else ["first"])
-    assert "after the b=1 runs" in lines[0] and f"{max(a, b):.0f}" in lines[0]
-    assert "samples_tok_s" not in first and "samples_tok_s" not in again  # inputs untouched
-    assert tighter_ceiling(first, None, lines.append) is first and len(lines) == 1
+    for n in (1, 2, 5, 6):
+        rates = [random.uniform(300, 500) for _ in range(n)]
+        samples = [{"tok_s": r, "seconds_per_token": 1 / r, "per_shape": [f"s{i}"]} for i, r in enumerate(rates)]
+        lines: list[str] = []
+        mid = combine_ceilings(samples, lines.append)
+        order = sorted(range(n), key=lambda i: rates[i])
+        pick = order[(n - 1) // 2]  # the lower middle one for an even count
+        assert mid["tok_s"] == rates[pick] and mid["per_shape"] == [f"s{pick}"]
+        assert mid["samples_tok_s"] == rates and mid["strict_tok_s"] == max(rates)
+        assert len(lines) == 1 and f"{n} samples" in lines[0] and f"{rates[pick]:.0f}" in lines[0]
+        assert all("samples_tok_s" not in s for s in samples)  # inputs untouched
+    with pytest.raises(ValueError, match="at least one"):
+        combine_ceilings([])
