@@ -135,15 +135,15 @@ CEILING_SAMPLES = 3
 
 
 def combine_ceilings(samples: list[dict[str, Any]], log: Callable[[str], None] = print) -> dict[str, Any]:
-    """One ceiling from several :func:`decode_ceiling` measurements: the median sample (its
-    ``per_shape`` rows too; the lower middle one for an even count), with every sample's rate as
+    """One ceiling from several :func:`decode_ceiling` measurements: the median sample with its
+    ``per_shape`` rows (of an even count, the faster middle one: the stricter), every sample's rate as
     ``samples_tok_s`` and the fastest as ``strict_tok_s``. The median, not the fastest: a single
     measurement is noisy (+-2% at the same clock), and the fastest of n noisy samples drifts upward
     with n."""
     if not samples:
         raise ValueError("combine_ceilings needs at least one decode_ceiling measurement")
     ranked = sorted(samples, key=lambda c: c["tok_s"])
-    mid = dict(ranked[(len(ranked) - 1) // 2])
+    mid = dict(ranked[len(ranked) // 2])
     mid["samples_tok_s"] = [c["tok_s"] for c in samples]
     mid["strict_tok_s"] = ranked[-1]["tok_s"]
     log(f"decode-only ceiling, {len(samples)} samples: {min(mid['samples_tok_s']):.0f}-{mid['strict_tok_s']:.0f} tok/s; "
