@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
-from prefill_clock import _query, _samples
+from prefill_clock import SmiLog
 
 from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.bench.run import bench_decode, decode_ceiling
@@ -32,11 +29,8 @@ def main() -> None:
     model, cache = build_model(parse_shape(args.shape), bpw=4.0, head_bits=6, codebook="mul1", device="cuda",
                                cache_tokens=4 * (args.ctx + args.new_tokens + 512))
     bench_decode(model, cache, batch=1, ctx=args.ctx, new_tokens=16)  # graphs captured, kernels loaded
-    log = Path(tempfile.mkdtemp()) / "smi.csv"
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_query()}", "--format=csv,noheader", "-lms", "50"],
-                           stdout=log.open("w"), stderr=subprocess.DEVNULL)
     rounds = []
-    try:
+    with SmiLog() as smi:
         time.sleep(0.5)
         for _ in range(args.rounds):
             t0 = time.time()
@@ -44,14 +38,10 @@ def main() -> None:
             t1 = time.time()
             eng = bench_decode(model, cache, batch=1, ctx=args.ctx, new_tokens=args.new_tokens)["tok_s"]
             rounds.append((ceil, (t0, t1), eng, (t1, time.time())))
-        time.sleep(0.2)
-    finally:
-        smi.terminate()
-        smi.wait()
     fr = []
     for i, (ceil, wc, eng, we) in enumerate(rounds):
-        cc, pc, xc = _samples(log, [wc])
-        ce, pe, xe = _samples(log, [we])
+        cc, pc, xc = smi.phase([wc])
+        ce, pe, xe = smi.phase([we])
         fr.append(eng / ceil)
         print(f"round {i}: ceiling {ceil:.1f} tok/s (SM {cc:.0f} MHz, {pc:.0f} W{xc}) | engine b=1 ctx {args.ctx} "
               f"{eng:.1f} tok/s (SM {ce:.0f} MHz, {pe:.0f} W{xe}) | {100 * eng / ceil:.1f}%")

@@ -14,11 +14,16 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.bench.run import prefill_meta, time_median
 from exl3_core.generator.graphs import PrefillGraphs
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11+; only read by type checkers here
 
 # nvidia-smi's clock event (throttle) reason bits, as its documentation lists them
 _REASONS = {0x1: "idle", 0x2: "app clocks", 0x4: "SW power cap", 0x8: "HW slowdown", 0x10: "sync boost",
@@ -70,6 +75,45 @@ def _query() -> str:
     return _QUERIES[-1]
 
 
+class SmiLog:
+    """nvidia-smi sampled every 50 ms into a temporary file while the context is open; ``phase(windows)``
+    summarises the rows inside the given (start, end) epoch-second windows (:func:`_samples`)."""
+
+    def __enter__(self) -> Self:
+        self.path = Path(tempfile.mkdtemp()) / "smi.csv"
+        self.proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={_query()}", "--format=csv,noheader", "-lms", "50"],
+                                     stdout=self.path.open("w"), stderr=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        time.sleep(0.2)  # the last sample of the last window
+        self.proc.terminate()
+        self.proc.wait()
+
+    def phase(self, windows: list[tuple[float, float]]) -> tuple[float, float, str]:
+        return _samples(self.path, windows)
+
+
+def back_to_back_and_idle(replay_ms: Callable[[], float], idle: float, runs: int = 20,
+                          idle_runs: int = 7) -> list[tuple[str, list[float], tuple[float, float, str]]]:
+    """``replay_ms()`` timed ``runs`` times back to back (after 2 warm-ups), then ``idle_runs`` times each after
+    ``idle`` seconds of idle GPU, with nvidia-smi logged: ``[(phase name, ms list, (MHz, W, reasons))]``."""
+    with SmiLog() as smi:
+        for _ in range(2):
+            replay_ms()
+        t0 = time.time()
+        b2b = [replay_ms() for _ in range(runs)]
+        t1 = time.time()
+        time.sleep(3.0)
+        idle_ms, windows = [], []
+        for _ in range(idle_runs):
+            time.sleep(idle)
+            t = time.time()
+            idle_ms.append(replay_ms())
+            windows.append((t, time.time()))
+    return [("back to back", b2b, smi.phase([(t0, t1)])), (f"after {idle:.1f} s idle", idle_ms, smi.phase(windows))]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8b")
@@ -90,31 +134,9 @@ def main() -> None:
     def replay_ms() -> float:  # one replay by CUDA events
         return time_median(run, model.device, warmup=0, iters=1) * 1e3
 
-    log = Path(tempfile.mkdtemp()) / "smi.csv"
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_query()}", "--format=csv,noheader",
-                            "-lms", "50"], stdout=log.open("w"), stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(2):
-            replay_ms()
-        t0 = time.time()
-        b2b = [replay_ms() for _ in range(20)]
-        t1 = time.time()
-        time.sleep(3.0)
-        idle_ms, idle_windows = [], []
-        for _ in range(7):
-            time.sleep(args.idle)
-            s = time.time()
-            idle_ms.append(replay_ms())
-            idle_windows.append((s, time.time()))
-        time.sleep(0.2)
-    finally:
-        smi.terminate()
-        smi.wait()
-    clk_b, pw_b, ex_b = _samples(log, [(t0, t1)])
-    clk_i, pw_i, ex_i = _samples(log, idle_windows)
+    phases = back_to_back_and_idle(replay_ms, args.idle)
     n = args.tokens
-    for name, ms, clk, pw, ex in (("back to back", b2b, clk_b, pw_b, ex_b),
-                                  (f"after {args.idle:.1f} s idle", idle_ms, clk_i, pw_i, ex_i)):
+    for name, ms, (clk, pw, ex) in phases:
         med = statistics.median(ms)
         print(f"{args.shape} prefill {n} (graph) {name}: median {med:.2f} ms = {n / med * 1e3:,.0f} tok/s "
               f"(min {min(ms):.2f}, max {max(ms):.2f}); nvidia-smi median over the phase: SM {clk:.0f} MHz, {pw:.0f} W{ex}")

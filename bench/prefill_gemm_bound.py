@@ -13,13 +13,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 
 import torch
-from prefill_clock import _query, _samples
+from prefill_clock import back_to_back_and_idle
 
 from exl3_core.bench.models import parse_shape
 from exl3_core.bench.run import time_median
@@ -55,29 +51,9 @@ def main() -> None:
     def replay_ms() -> float:
         return time_median(g.replay, dev, warmup=0, iters=1) * 1e3
 
-    log = Path(tempfile.mkdtemp()) / "smi.csv"
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={_query()}", "--format=csv,noheader", "-lms", "50"],
-                           stdout=log.open("w"), stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(2):
-            replay_ms()
-        t0 = time.time()
-        b2b = [replay_ms() for _ in range(20)]
-        t1 = time.time()
-        time.sleep(3.0)
-        idle_ms, windows = [], []
-        for _ in range(7):
-            time.sleep(args.idle)
-            t = time.time()
-            idle_ms.append(replay_ms())
-            windows.append((t, time.time()))
-        time.sleep(0.2)
-    finally:
-        smi.terminate()
-        smi.wait()
+    phases = back_to_back_and_idle(replay_ms, args.idle)
     print(f"{args.shape}: {len(dims) * s.layers} fp16 GEMMs of a {args.tokens}-token prefill, {flop / 1e12:.2f} TFLOP")
-    for name, ms, (clk, pw, ex) in (("back to back", b2b, _samples(log, [(t0, t1)])),
-                                    (f"after {args.idle:.1f} s idle", idle_ms, _samples(log, windows))):
+    for name, ms, (clk, pw, ex) in phases:
         med = statistics.median(ms)
         print(f"GEMMs only, {name}: median {med:.2f} ms = {args.tokens / med * 1e3:,.0f} tok/s, "
               f"{flop / med / 1e9:.0f} TFLOP/s (min {min(ms):.2f}, max {max(ms):.2f}); "
