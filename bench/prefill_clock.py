@@ -114,12 +114,17 @@ def back_to_back_and_idle(replay_ms: Callable[[], float], idle: float, runs: int
     return [("back to back", b2b, smi.phase([(t0, t1)])), (f"after {idle:.1f} s idle", idle_ms, smi.phase(windows))]
 
 
-def main() -> None:
+def prefill_args() -> argparse.Namespace:
+    """``--shape`` (default 8b), ``--tokens`` (2048) and ``--idle`` (seconds, 1.0): the prefill scripts' options."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8b")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--idle", type=float, default=1.0)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = prefill_args()
     model, cache = build_model(parse_shape(args.shape), bpw=4.0, head_bits=6, codebook="mul1", device="cuda",
                                cache_tokens=2 * args.tokens + 1024)
     pages = cache.allocator.allocate(-(-args.tokens // cache.page_size))

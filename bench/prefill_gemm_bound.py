@@ -11,22 +11,17 @@ fp16 tensor-core GEMMs on this card: the rest of the forward has to fit in the d
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
-from prefill_clock import back_to_back_and_idle
+from prefill_clock import back_to_back_and_idle, prefill_args
 
 from exl3_core.bench.models import parse_shape
 from exl3_core.bench.run import time_median
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="8b")
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--idle", type=float, default=1.0)
-    args = ap.parse_args()
+    args = prefill_args()
     s = parse_shape(args.shape)
     dev = torch.device("cuda")
     hd = s.head_dim or s.hidden // s.heads
