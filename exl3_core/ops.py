@@ -231,9 +231,9 @@ def step_start(ids: torch.Tensor, weight: torch.Tensor, scale: float | None, ss_
     if _use_triton(impl, weight, "step_start"):
         return kernels().embed_ss(ids, weight, scale, ss_slots, carry,  # type: ignore[union-attr, return-value]
                                   (positions, inv_freq, factor))
-    if carry is not None:
-        _ref.carry_ids(ids, *carry)
-    return (*_ref.embed_ss(ids, weight, scale, ss_slots), *_ref.rope_tables(positions, inv_freq, factor))
+    # without Triton: exactly the two ops this launch stands for
+    return (*embed_ss(ids, weight, scale, ss_slots, carry=carry, impl="torch"),
+            *rope_tables(positions, inv_freq, factor, impl="torch"))
 
 
 def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, factor: float = 1.0, *,
