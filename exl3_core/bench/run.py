@@ -134,6 +134,11 @@ def decode_ceiling(model: torch.nn.Module) -> dict[str, Any] | None:
 CEILING_SAMPLES = 3
 
 
+def _ceiling_samples(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """:data:`CEILING_SAMPLES` :func:`decode_ceiling` measurements (none without the op)."""
+    return [c for c in (decode_ceiling(model) for _ in range(CEILING_SAMPLES)) if c]
+
+
 def combine_ceilings(samples: list[dict[str, Any]], log: Callable[[str], None] = print) -> dict[str, Any]:
     """One ceiling from several :func:`decode_ceiling` measurements: the median sample with its
     ``per_shape`` rows (of an even count, the faster middle one: the stricter), every sample's rate as
@@ -351,7 +356,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
     out["memory"] = model.memory_report()
     wbytes = weight_bytes_per_token(model)
     out["weight_bytes_per_token"] = wbytes
-    ceilings = [c for c in (decode_ceiling(model) for _ in range(CEILING_SAMPLES)) if c]
+    ceilings = _ceiling_samples(model)
     if ceilings:
         log("decode-only ceiling of the weights: " + ", ".join(f"{c['tok_s']:.0f}" for c in ceilings) + " tok/s")
     elem = torch.empty((), dtype=model.dtype).element_size()
@@ -363,8 +368,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
         decode.append(r)
     ceiling = None
     if ceilings:  # measured again with the card as warm as the b=1 runs left it
-        ceiling = combine_ceilings(ceilings + [c for c in (decode_ceiling(model) for _ in range(CEILING_SAMPLES)) if c],
-                                   log)
+        ceiling = combine_ceilings(ceilings + _ceiling_samples(model), log)
     out["decode_ceiling"] = ceiling
     for b in batches:
         r = bench_decode(model, cache, batch=b, ctx=min(contexts), new_tokens=new_tokens)
