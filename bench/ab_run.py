@@ -12,7 +12,8 @@ PROGRAMS_PER_SM, MAX_SPLITS and MERGE_USED_SPLITS_ONLY;
 --fused-rows N: the one-launch linear (and the deferred norms) up to N rows
 (exl3_core.quant.exl3.linear.FUSED_GROUP_MAX_ROWS); --xh-min-rows N: x transformed once per fused
 launch from N rows (exl3::set_xh_min_rows). With `--script PATH` the command after `--` runs PATH (a
-bench/ script and its arguments) instead of the exl3 CLI.
+bench/ script and its arguments) instead of the exl3 CLI. --predecode 0|1: the fused linear's
+pre-decoding (exl3::set_predecode; EXL3_PREDECODE is the setting).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def main() -> None:
     ap.add_argument("--fused-rows", type=int, default=0, help="rows up to which the one-launch linear runs (0: default)")
     ap.add_argument("--xh-min-rows", type=int, default=-1,
                     help="rows from which the fused linear transforms x once per launch (0: never; -1: default)")
+    ap.add_argument("--predecode", type=int, choices=(0, 1), default=1,
+                    help="the fused linear decodes short chunks before its wait (1) or not (0)")
     ap.add_argument("--script", default=None, help="run this script with the arguments after -- (not the CLI)")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -57,14 +60,17 @@ def main() -> None:
     if not ext.load():
         sys.exit("exl3_core._C did not load")
     ext.set_kt_exceptions(ext.KT_EXCEPTIONS if a.kt_exceptions else ())
+    import torch
+
+    if hasattr(torch.ops.exl3, "set_predecode"):
+        torch.ops.exl3.set_predecode(bool(a.predecode))
     if a.xh_min_rows >= 0:
-        import torch
 
         torch.ops.exl3.set_xh_min_rows(a.xh_min_rows)
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
     print(f"# ab_run: merge={a.merge} late_trigger={a.late_trigger} merge_tile={a.merge_tile} "
           f"programs_per_sm={a.programs_per_sm} max_splits={a.max_splits} used_only={a.used_only} "
-          f"kt_exceptions={a.kt_exceptions} fused_rows={a.fused_rows} xh_min_rows={a.xh_min_rows}: "
+          f"kt_exceptions={a.kt_exceptions} predecode={a.predecode} fused_rows={a.fused_rows} xh_min_rows={a.xh_min_rows}: "
           f"{a.script or 'exl3'} {' '.join(rest)}", flush=True)
     if a.script:
         sys.argv = [a.script, *rest]

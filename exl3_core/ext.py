@@ -36,6 +36,8 @@ def load() -> bool:
             return False
     if hasattr(torch.ops.exl3, "set_pdl"):
         torch.ops.exl3.set_pdl(settings.get().pdl)
+    if hasattr(torch.ops.exl3, "set_predecode"):
+        torch.ops.exl3.set_predecode(settings.get().predecode)
     if hasattr(torch.ops.exl3, "set_kt_exceptions"):
         set_kt_exceptions(KT_EXCEPTIONS)
     return True

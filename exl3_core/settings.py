@@ -20,6 +20,7 @@ them (tests use it after changing the environment).
 | ``EXL3_PREFILL_GRAPH_MAX`` | largest prefill chunk (tokens) run as a CUDA graph (default 2048; ``0``: prefill always eager) |
 | ``EXL3_OVERLAP_DECODE`` | ``0`` disables the generator's one-step-ahead greedy decode loop (debugging) |
 | ``EXL3_PDL`` | ``0`` disables programmatic dependent launch (Hopper) of the decode-size EXL3 linear and the early launch signal of the kernels before it |
+| ``EXL3_PREDECODE`` | ``0``: the decode-size EXL3 linear never decodes its weights before the wait for its input (short k chunks in one-wave grids do by default) |
 | ``EXL3_DEFERRED_NORM`` | ``0``: at decode sizes, run each RMSNorm as its own kernel instead of inside the EXL3 linears around it |
 | ``EXL3_QKV_EPILOGUE`` | ``0``: at decode sizes, run RoPE and the KV-cache write as their own kernel instead of in the q/k/v linear's epilogue |
 | ``EXL3_LOG_LEVEL`` | log level for the ``exl3`` logger (default ``WARNING``) |
@@ -77,6 +78,7 @@ class Settings:
     prefill_graph_max: int = 2048
     overlap_decode: bool = True
     pdl: bool = True
+    predecode: bool = True
     deferred_norm: bool = True
     qkv_epilogue: bool = True
     log_level: str = "WARNING"
@@ -119,6 +121,7 @@ class Settings:
             prefill_graph_max=prefill_graph_max,
             overlap_decode=flag("OVERLAP_DECODE", True),
             pdl=flag("PDL", True),
+            predecode=flag("PREDECODE", True),
             deferred_norm=flag("DEFERRED_NORM", True),
             qkv_epilogue=flag("QKV_EPILOGUE", True),
             log_level=(g("LOG_LEVEL") or "WARNING").upper(),

@@ -20,6 +20,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include <atomic>
 #include <vector>
 
 #include "exl3_decode.cuh"
@@ -148,6 +149,19 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 #define EXL3_SHORT_RING_MAX_KT 12
 #endif
 constexpr int SHORT_RING = EXL3_SHORT_RING;
+// Pre-decoding (fused_linear_kernel's PD): for a grid that fits in one wave of such blocks and chunks of at
+// most PD_TILES k tiles, each warp decodes its whole chunk into registers (4 per tile) between its trellis
+// requests and griddepcontrol.wait, i.e. while the kernel before it drains; after the wait only the x
+// prologue, the mma and the split-k tail are left. Small grids (a 1B-shape layer's q/k/v and o_proj: 2-3
+// blocks per SM) leave room for these blocks beside the previous kernel's. 0: off (bench/gemv_tune.cu).
+#ifndef EXL3_PD_TILES
+#define EXL3_PD_TILES 8
+#endif
+#ifndef EXL3_PD_MINB
+#define EXL3_PD_MINB 4
+#endif
+constexpr int PD_TILES = EXL3_PD_TILES;
+constexpr int PD_MIN_BLOCKS = EXL3_PD_MINB;
 constexpr int SHORT_RING_MAX_KT = EXL3_SHORT_RING_MAX_KT;
 // The deep ring of the transposed kernel without the x-once prologue (the m = 1 decoder linears): K = 6 is
 // 2.4% faster on 4096x14336 with 4 stages than with 6, while the 6-bit heads, which take the x-once variant
@@ -270,8 +284,10 @@ __global__ void __launch_bounds__(128) fused_xh_kernel(FusedArgs a) {
 // XH: the prologue copies x transformed once for the launch (FusedArgs::xh_buf, fused_xh_kernel); a
 // variant of its own, so that the kernels without it keep their registers (a runtime branch spilled)
 // S: trellis ring stages (fused_ring by default; SHORT_RING for short k chunks, launch_fused_t)
-template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH)>
-__global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR, S>())) fused_linear_kernel(FusedArgs a) {
+// PD: k tiles decoded before griddepcontrol.wait (pre-decoding, TR only; the whole chunk, <= S tiles)
+template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH), int PD = 0>
+__global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fused_min_blocks<K, TR, S>()))
+    fused_linear_kernel(FusedArgs a) {
     constexpr int NT = GEMM_NT;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -307,7 +323,14 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR, S>()
     // it waits for this grid's completion before it reads y
     if (EXL3_PDL_TRIGGER == 0) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
-    loop.start();
+    // pre-decoding: the chunk's tiles decoded now, while the kernel before this one still drains
+    uint32_t pre[PD > 0 ? PD : 1][NT][4];
+    if constexpr (PD > 0) {
+        loop.start_all();
+        loop.template predecode<PD>(pre);
+    } else {
+        loop.start();
+    }
     // Everything below may read what the previous kernel on the stream wrote (x, the workspace that
     // the previous fused launch cleaned): wait for it. A no-op when not launched as a dependent.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -363,7 +386,8 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (fused_min_blocks<K, TR, S>()
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[0][nt][nb][i] = 0.f;
     __half2 unused = __float2half2_rn(0.f);
-    loop.run(xs_lane, 0, acc, unused);
+    if constexpr (PD > 0) loop.template run_pd<PD>(xs_lane, acc, pre);
+    else loop.run(xs_lane, 0, acc, unused);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (EXL3_PDL_TRIGGER == 1) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
@@ -516,6 +540,13 @@ inline int kt_exception(int sms, int K, int k_tiles, long col_blocks) {
     return 0;
 }
 
+// Runtime switch for pre-decoding (exl3::set_predecode, EXL3_PREDECODE in exl3_core/settings.py); read at
+// each launch, so a captured graph keeps what it saw.
+inline std::atomic<bool>& predecode_on() {
+    static std::atomic<bool> on{true};
+    return on;
+}
+
 // Whether a transposed launch (m <= 8) transforms x once (FusedArgs::xh_buf, fused_xh_kernel) instead of in
 // every block: from min_rows rows (0: never), or at any row count when the output is wide (a head's
 // vocabulary: every k chunk of x would be transformed again by each of >= XH_WIDE_COL_BLOCKS column blocks).
@@ -528,12 +559,12 @@ inline bool xh_wanted(int m, int k_tiles, long col_blocks, int min_rows) {
 }
 
 // resident blocks per SM of one fused instantiation (same on every H-class device; queried once)
-template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH)>
+template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH), int PD = 0>
 inline int fused_occupancy() {
     static int occ = -1;
     if (occ < 0) {
         int o = 0;
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, fused_linear_kernel<K, CB, TR, XH, S>, GEMM_WARPS * 32, 0);
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, fused_linear_kernel<K, CB, TR, XH, S, PD>, GEMM_WARPS * 32, 0);
         occ = o > 0 ? o : 1;
     }
     return occ;
@@ -547,12 +578,12 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     for (int i = 0; i < a.n_problems; ++i) col_blocks += a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS);
     const bool xh = tr && a.xh_buf != nullptr && xh_wanted(a.m, a.k_tiles, col_blocks, a.xh_min_rows);
     const bool short_ok = tr && !xh && SHORT_RING < tr_ring_stages(K);  // the short ring variant may serve
+    int dev = 0, sms = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (a.kt_per_chunk <= 0) {
         const int occ = xh   ? fused_occupancy<K, CB, true, true>()
                         : tr ? fused_occupancy<K, CB, true>() : fused_occupancy<K, CB, false>();
-        int dev = 0, sms = 0;
-        cudaGetDevice(&dev);
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
         if (tr && a.m == 1) a.kt_per_chunk = kt_exception(sms, K, a.k_tiles, col_blocks);  // measured at m = 1
         if (a.kt_per_chunk <= 0) {
             a.kt_per_chunk = pick_kt_per_chunk(a.k_tiles, col_blocks, (long)sms * occ);
@@ -564,9 +595,6 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         }
     }
     if (a.kt_per_chunk > GEMM_KT_MAX) a.kt_per_chunk = GEMM_KT_MAX;
-    auto kern = xh ? fused_linear_kernel<K, CB, true, true>
-                : short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT ? fused_linear_kernel<K, CB, true, false, SHORT_RING>
-                : tr ? fused_linear_kernel<K, CB, true> : fused_linear_kernel<K, CB, false>;
     const long chunks = (a.k_tiles + a.kt_per_chunk - 1) / a.kt_per_chunk;
     long blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) {
@@ -574,6 +602,15 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         blocks += (long)(a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS)) * chunks;
     }
     if (blocks <= 0) return a.kt_per_chunk;
+    // pre-decoding: chunks it holds whole, in a grid of at most one wave of its (larger) blocks
+    bool pd = false;
+    if constexpr (PD_TILES > 0)
+        pd = tr && !xh && predecode_on().load(std::memory_order_relaxed) && a.kt_per_chunk <= PD_TILES &&
+             blocks <= (long)sms * fused_occupancy<K, CB, true, false, (PD_TILES > 0 ? PD_TILES : SHORT_RING), PD_TILES>();
+    auto kern = pd   ? fused_linear_kernel<K, CB, true, false, (PD_TILES > 0 ? PD_TILES : SHORT_RING), PD_TILES>
+                : xh ? fused_linear_kernel<K, CB, true, true>
+                : short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT ? fused_linear_kernel<K, CB, true, false, SHORT_RING>
+                : tr ? fused_linear_kernel<K, CB, true> : fused_linear_kernel<K, CB, false>;
     if (xh) {  // x transformed once, then the linear (a dependent of this pass, which waits for it)
         const long items = (long)a.n_problems * a.m * (a.k_tiles / 8);
         const unsigned xblocks = (unsigned)((items + 3) / 4);

@@ -271,6 +271,98 @@ struct DecodeMmaLoop {
         }
         cp_async_wait<0>();  // no copy may still target the ring when the warp moves on
     }
+
+    // ---- pre-decoding (TR only): the first PD k tiles decoded before the caller's x exists.
+    // The fused linear calls predecode between its trellis requests and griddepcontrol.wait, so the
+    // integer work of those tiles runs while the kernel before it drains (run_pd then only multiplies).
+
+    // The A fragments (Ŵᵀ, {f0, f2, f1, f3}) of this warp's NT tiles from their window words
+    __device__ __forceinline__ void decode_tr(uint32_t (&w)[NT][W::NW], uint32_t (&fr)[NT][4]) const {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            W::align(lane, w[nt]);
+            __half2 f[4];
+            decode_lane<K, CB>(w[nt], f);
+            fr[nt][0] = h2_bits(f[0]);
+            fr[nt][1] = h2_bits(f[2]);
+            fr[nt][2] = h2_bits(f[1]);
+            fr[nt][3] = h2_bits(f[3]);
+        }
+    }
+
+    // x's B fragment of k tile `step` and one mma per n tile (the TR arithmetic of step_mma)
+    __device__ __forceinline__ void mma_tr(int step, const uint32_t (&fr)[NT][4], uint32_t xs_lane,
+                                           float (&acc)[MB][NT][2][4]) const {
+        uint32_t b0, b1;
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                     : "=r"(b0), "=r"(b1)
+                     : "r"(xs_lane + (uint32_t)step * 32u));
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) mma_16816(acc[0][nt][0], fr[nt], b0, b1);
+    }
+
+    // the lane's window words of k tile `j` (ring slot j % S) from the slot-0 pointers rp
+    __device__ __forceinline__ void slot_words(const uint32_t* const (&rp)[W::NW], int j, uint32_t (&w)[NT][W::NW]) const {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int i = 0; i < W::NW; ++i) w[nt][i] = rp[i][(j % R::S) * R::STAGE_WORDS + nt * R::TILE_WORDS];
+    }
+
+    __device__ __forceinline__ void slot0_pointers(const uint32_t* (&rp)[W::NW]) const {
+        const int i0 = lane_start_bit(K, lane) >> 5;
+#pragma unroll
+        for (int i = 0; i < W::NW; ++i) rp[i] = ring + (i0 + i) % R::TILE_WORDS;
+    }
+
+    // Pre-decoding's start(): the whole chunk (steps <= S, the launcher's condition) requested at once,
+    // one group per slot (S groups, some possibly empty), so that predecode can wait for its first PD.
+    __device__ __forceinline__ void start_all() const {
+#pragma unroll
+        for (int s = 0; s < R::S; ++s) issue(s, s);
+    }
+
+    // After start_all(): wait for the first PD k tiles (PD <= S) and decode them into fr.
+    template <int PD>
+    __device__ __forceinline__ void predecode(uint32_t (&fr)[PD][NT][4]) const {
+        static_assert(TR && PD >= 1 && PD <= R::S, "pre-decoding serves the transposed form, PD <= S");
+        cp_async_wait<R::S - PD>();
+        __syncwarp();
+        const uint32_t* rp[W::NW];
+        slot0_pointers(rp);
+#pragma unroll
+        for (int j = 0; j < PD; ++j) {
+            if (j >= steps) break;
+            uint32_t w[NT][W::NW];
+            slot_words(rp, j, w);
+            decode_tr(w, fr[j]);
+        }
+    }
+
+    // run() for a chunk of at most S k tiles, all requested by start_all(), whose first PD were
+    // pre-decoded into fr: the rest are decoded from the ring, then every tile meets x.
+    template <int PD>
+    __device__ __forceinline__ void run_pd(uint32_t xs_lane, float (&acc)[MB][NT][2][4],
+                                           const uint32_t (&fr)[PD][NT][4]) const {
+        static_assert(TR && PD >= 1 && PD <= R::S, "pre-decoding serves the transposed form, PD <= S");
+        cp_async_wait<0>();  // the tiles beyond PD (none in flight when PD = S: a no-op)
+        __syncwarp();
+        const uint32_t* rp[W::NW];
+        slot0_pointers(rp);
+#pragma unroll
+        for (int j = 0; j < R::S; ++j) {
+            if (j >= steps) break;
+            if (j < PD) {
+                mma_tr(j, fr[j < PD ? j : 0], xs_lane, acc);
+            } else {
+                uint32_t w[NT][W::NW];
+                slot_words(rp, j, w);
+                uint32_t f[NT][4];
+                decode_tr(w, f);
+                mma_tr(j, f, xs_lane, acc);
+            }
+        }
+    }
 };
 
 // Each warp owns NT adjacent n tiles and a run of kt_per_warp k tiles; MB m16 blocks of rows.

@@ -201,6 +201,39 @@ def test_split_k_chunks(fused_ops, kt: int) -> None:
     assert_workspace_clean(fused_ops)
 
 
+@pytest.mark.parametrize("K,cb", [(4, CB_MUL1), (2, CB_3INST), (6, CB_MCG), (8, CB_MUL1)])
+def test_predecode_matches_plain_path(fused_ops, K: int, cb: int) -> None:
+    """Pre-decoding (exl3_fused.cuh, PD_TILES: a one-wave grid of <= 8-tile chunks decodes its tiles before
+    griddepcontrol.wait) does the plain path's arithmetic in the same order: bit-equal outputs with one k
+    chunk (no atomics order), the reference's tolerance with 16 chunks (the 1B-shape o_proj)."""
+    if not hasattr(fused_ops, "set_predecode"):
+        pytest.fail("exl3_core._C predates exl3::set_predecode; rebuild it")
+    one = Problem(128, 1024, K, cb)  # 8 k tiles: one chunk per column block, 8 blocks
+    many = Problem(2048, 2048, K, cb)  # 16 chunks of 8 tiles x 16 column blocks: 256 blocks
+    saved = fused_ops.set_predecode(True)
+    assert fused_ops.set_predecode(False) is True and fused_ops.set_predecode(True) is False, "returns the previous value"
+    try:
+        for m in (1, 3):
+            x = xin(m, 128)
+            y = {}
+            for on in (True, False):
+                fused_ops.set_predecode(on)
+                poison((m, 1024))
+                y[on] = fused_ops.exl3_linear(x, one.trellis, one.suh, one.svh, cb)
+                check(y[on], x, one, f"one chunk, predecode={on}, K={K} cb={cb} m={m}")
+            diff = (y[True].view(torch.int16) != y[False].view(torch.int16)).sum().item()
+            assert diff == 0, f"K={K} cb={cb} m={m}: {diff} fp16 values differ between pre-decoding and the plain path"
+            x = xin(m, 2048)
+            for on in (True, False):
+                fused_ops.set_predecode(on)
+                poison((m, 2048))
+                check(fused_ops.exl3_linear(x, many.trellis, many.suh, many.svh, cb, 8), x, many,
+                      f"16 chunks, predecode={on}, K={K} cb={cb} m={m}")
+    finally:
+        fused_ops.set_predecode(saved)
+    assert_workspace_clean(fused_ops)
+
+
 def test_kt_exception_table(fused_ops) -> None:
     """A measured k-chunk exception (exl3_core.ext.KT_EXCEPTIONS) for this device's SM count takes the
     launcher's place for its shape: outputs stay correct at an odd chunk; bad rows are refused in Python."""
