@@ -149,18 +149,25 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 #define EXL3_SHORT_RING_MAX_KT 12
 #endif
 constexpr int SHORT_RING = EXL3_SHORT_RING;
-// Pre-decoding (fused_linear_kernel's PD): for a grid that fits in one wave of such blocks and chunks of at
-// most PD_TILES k tiles, each warp decodes its whole chunk into registers (4 per tile) between its trellis
-// requests and griddepcontrol.wait, i.e. while the kernel before it drains; after the wait only the x
-// prologue, the mma and the split-k tail are left. Small grids (a 1B-shape layer's q/k/v and o_proj: 2-3
-// blocks per SM) leave room for these blocks beside the previous kernel's. 0: off (bench/gemv_tune.cu).
+// Pre-decoding (fused_linear_kernel's PD): in a grid that fits in one wave of such blocks, with chunks of at
+// most PD_TILES k tiles, each warp requests its whole chunk at once and decodes its first PD_STEPS k tiles
+// into registers (4 per tile) before griddepcontrol.wait, i.e. while the kernel before it drains; after the
+// wait only the rest of the decoding, the x prologue, the mma and the split-k tail are left. Small grids (a
+// 1B-shape layer's q/k/v and o_proj: 2-3 blocks per SM) leave room for these blocks beside the previous
+// kernel's. PD_TILES 0: off (bench/gemv_tune.cu builds it for A/B runs).
 #ifndef EXL3_PD_TILES
-#define EXL3_PD_TILES 8
+#define EXL3_PD_TILES 16
+#endif
+#ifndef EXL3_PD_STEPS
+#define EXL3_PD_STEPS 8
 #endif
 #ifndef EXL3_PD_MINB
 #define EXL3_PD_MINB 4
 #endif
 constexpr int PD_TILES = EXL3_PD_TILES;
+constexpr int PD_STEPS = EXL3_PD_STEPS < EXL3_PD_TILES ? EXL3_PD_STEPS : EXL3_PD_TILES;
+// the variant's ring (a whole chunk) and pre-decoded steps; SHORT_RING stands in when pre-decoding is off
+constexpr int PD_RING = PD_TILES > 0 ? PD_TILES : SHORT_RING;
 constexpr int PD_MIN_BLOCKS = EXL3_PD_MINB;
 constexpr int SHORT_RING_MAX_KT = EXL3_SHORT_RING_MAX_KT;
 // The deep ring of the transposed kernel without the x-once prologue (the m = 1 decoder linears): K = 6 is
@@ -578,6 +585,7 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     for (int i = 0; i < a.n_problems; ++i) col_blocks += a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS);
     const bool xh = tr && a.xh_buf != nullptr && xh_wanted(a.m, a.k_tiles, col_blocks, a.xh_min_rows);
     const bool short_ok = tr && !xh && SHORT_RING < tr_ring_stages(K);  // the short ring variant may serve
+    const bool picked = a.kt_per_chunk <= 0;  // the launcher's choice (a caller's chunk is kept as given)
     int dev = 0, sms = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
@@ -595,6 +603,19 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         }
     }
     if (a.kt_per_chunk > GEMM_KT_MAX) a.kt_per_chunk = GEMM_KT_MAX;
+    auto grid_blocks = [&](int kt) { return col_blocks * ((a.k_tiles + kt - 1) / kt); };
+    // pre-decoding: chunks its ring holds whole, in a grid of at most one wave of its (larger) blocks. A
+    // launcher-picked chunk whose grid is too large for that grows to the shortest one that fits.
+    bool pd = false;
+    if constexpr (PD_TILES > 0) {
+        if (tr && !xh && predecode_on().load(std::memory_order_relaxed)) {
+            const long slots = (long)sms * fused_occupancy<K, CB, true, false, PD_RING, PD_STEPS>();
+            int kt = a.kt_per_chunk;
+            while (picked && kt < PD_TILES && grid_blocks(kt) > slots) ++kt;
+            pd = kt <= PD_TILES && grid_blocks(kt) <= slots;
+            if (pd) a.kt_per_chunk = kt;
+        }
+    }
     const long chunks = (a.k_tiles + a.kt_per_chunk - 1) / a.kt_per_chunk;
     long blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) {
@@ -602,12 +623,7 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         blocks += (long)(a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS)) * chunks;
     }
     if (blocks <= 0) return a.kt_per_chunk;
-    // pre-decoding: chunks it holds whole, in a grid of at most one wave of its (larger) blocks
-    bool pd = false;
-    if constexpr (PD_TILES > 0)
-        pd = tr && !xh && predecode_on().load(std::memory_order_relaxed) && a.kt_per_chunk <= PD_TILES &&
-             blocks <= (long)sms * fused_occupancy<K, CB, true, false, (PD_TILES > 0 ? PD_TILES : SHORT_RING), PD_TILES>();
-    auto kern = pd   ? fused_linear_kernel<K, CB, true, false, (PD_TILES > 0 ? PD_TILES : SHORT_RING), PD_TILES>
+    auto kern = pd   ? fused_linear_kernel<K, CB, true, false, PD_RING, PD_STEPS>
                 : xh ? fused_linear_kernel<K, CB, true, true>
                 : short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT ? fused_linear_kernel<K, CB, true, false, SHORT_RING>
                 : tr ? fused_linear_kernel<K, CB, true> : fused_linear_kernel<K, CB, false>;

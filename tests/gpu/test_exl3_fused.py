@@ -210,6 +210,8 @@ def test_predecode_matches_plain_path(fused_ops, K: int, cb: int) -> None:
         pytest.fail("exl3_core._C predates exl3::set_predecode; rebuild it")
     one = Problem(128, 1024, K, cb)  # 8 k tiles: one chunk per column block, 8 blocks
     many = Problem(2048, 2048, K, cb)  # 16 chunks of 8 tiles x 16 column blocks: 256 blocks
+    # the 1B down shape: the launcher's 8-tile chunks make 1,024 blocks; pre-decoding grows them to 16 (512)
+    grow = Problem(8192, 2048, K, cb)
     saved = fused_ops.set_predecode(True)
     assert fused_ops.set_predecode(False) is True and fused_ops.set_predecode(True) is False, "returns the previous value"
     try:
@@ -229,6 +231,12 @@ def test_predecode_matches_plain_path(fused_ops, K: int, cb: int) -> None:
                 poison((m, 2048))
                 check(fused_ops.exl3_linear(x, many.trellis, many.suh, many.svh, cb, 8), x, many,
                       f"16 chunks, predecode={on}, K={K} cb={cb} m={m}")
+            x = xin(m, 8192)
+            for on in (True, False):
+                fused_ops.set_predecode(on)
+                poison((m, 2048))
+                check(fused_ops.exl3_linear(x, grow.trellis, grow.suh, grow.svh, cb), x, grow,
+                      f"launcher's chunks, predecode={on}, K={K} cb={cb} m={m}")
     finally:
         fused_ops.set_predecode(saved)
     assert_workspace_clean(fused_ops)
