@@ -26,7 +26,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--merge", type=int, choices=(0, 1), default=1)
     ap.add_argument("--kt-exceptions", type=int, choices=(0, 1), default=1)
-    ap.add_argument("--late-trigger", type=int, choices=(0, 1), default=1)
+    ap.add_argument("--late-trigger", type=int, choices=(-1, 0, 1), default=-1, help="-1: the module's default")
     ap.add_argument("--programs-per-sm", type=int, default=0, help="split-KV programs per SM (0: default)")
     ap.add_argument("--merge-tile", type=int, default=0, help="fp32 elements of the merge's tile per round (0: default)")
     ap.add_argument("--max-splits", type=int, default=0, help="split-KV splits at most (0: default)")
@@ -49,7 +49,8 @@ def main() -> None:
 
         linear.FUSED_GROUP_MAX_ROWS = a.fused_rows
     tp.MERGE_IN_SPLIT_KERNEL = bool(a.merge)
-    tp.LATE_TRIGGER_WHEN_MERGED = bool(a.late_trigger)
+    if a.late_trigger >= 0:
+        tp.LATE_TRIGGER_WHEN_MERGED = bool(a.late_trigger)
     if a.programs_per_sm:
         tp.PROGRAMS_PER_SM = a.programs_per_sm
     if a.max_splits:

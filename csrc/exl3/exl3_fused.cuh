@@ -131,12 +131,18 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 #endif
 // Tuning knob (bench/gemv_tune.cu): where the kernel lets its programmatic dependent launch. 0: at
 // its start, so the dependent's blocks take free slots and prefetch their trellis during this
-// kernel's main loop; 1 (default): after the main loop, so they do not compete with it for slots and
+// kernel's main loop; 1: after the main loop, so they do not compete with it for slots and
 // DRAM. H200, back-to-back PDL launches (docs/performance.md, run 9): 4096x4096 11.80 -> 8.56 us,
 // 4096x14336 unchanged, one 1B-shape layer's four linears 36.8 -> 32.8 us, an 8B layer's 76.3 -> 75.8.
+// 2 (default): pre-decoding kernels (PD below) at their start, the others after the main loop. With
+// pre-decoding the dependent's early blocks do useful work (their chunk's decoding) instead of only
+// prefetching: H200, PDL layer chain (docs/performance.md, run 19): 1B-shape layer 32.5 -> 29.4 us.
 #ifndef EXL3_PDL_TRIGGER
-#define EXL3_PDL_TRIGGER 1
+#define EXL3_PDL_TRIGGER 2
 #endif
+__host__ __device__ constexpr bool pdl_trigger_early(int pd) {
+    return EXL3_PDL_TRIGGER == 0 || (EXL3_PDL_TRIGGER == 2 && pd > 0);
+}
 // The short trellis ring of the transposed kernel for short k chunks (launch_fused_t): at <= SHORT_RING_MAX_KT
 // k tiles per block a ring of SHORT_RING stages already holds most of the chunk, and its smaller shared
 // footprint admits more resident blocks (K = 4: 16 per SM against 14). H200, one linear launched back to back
@@ -156,7 +162,7 @@ constexpr int SHORT_RING = EXL3_SHORT_RING;
 // 1B-shape layer's q/k/v and o_proj: 2-3 blocks per SM) leave room for these blocks beside the previous
 // kernel's. PD_TILES 0: off (bench/gemv_tune.cu builds it for A/B runs).
 #ifndef EXL3_PD_TILES
-#define EXL3_PD_TILES 16
+#define EXL3_PD_TILES 32
 #endif
 #ifndef EXL3_PD_STEPS
 #define EXL3_PD_STEPS 8
@@ -328,7 +334,7 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fus
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // a programmatic dependent launched after this grid (exl3_core/kernels/pdl.py) may start now;
     // it waits for this grid's completion before it reads y
-    if (EXL3_PDL_TRIGGER == 0) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    if (pdl_trigger_early(PD)) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
     // pre-decoding: the chunk's tiles decoded now, while the kernel before this one still drains
     uint32_t pre[PD > 0 ? PD : 1][NT][4];
@@ -396,7 +402,7 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fus
     if constexpr (PD > 0) loop.template run_pd<PD>(xs_lane, acc, pre);
     else loop.run(xs_lane, 0, acc, unused);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (EXL3_PDL_TRIGGER == 1) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    if (!pdl_trigger_early(PD)) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 
     // ---- split-k partials into z (fp32 atomics at L2)

@@ -445,8 +445,10 @@ MAX_SPLITS = 32
 #: between attention and o_proj); False: the separate combine kernel. For A/B runs and tests.
 MERGE_IN_SPLIT_KERNEL = True
 #: With the merge in the split kernel, signal the dependent (o_proj) after the partial stores instead
-#: of right after the wait (its prefetch would compete with the split programs' key/value loads).
-LATE_TRIGGER_WHEN_MERGED = True
+#: of right after the wait. Late was faster while o_proj's early blocks only prefetched (their loads
+#: competed with the split programs'); since o_proj decodes its weights before its wait (pre-decoding,
+#: csrc/exl3/exl3_fused.cuh), early is faster (docs/performance.md, run 19). False: early.
+LATE_TRIGGER_WHEN_MERGED = False
 #: fp32 elements of the merge's [heads, splits, dv] partial tile per round (8192: 64 registers a
 #: thread at 4 warps); more splits than fit take several rounds with a running max.
 MERGE_TILE = 8192
