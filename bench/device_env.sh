@@ -15,7 +15,11 @@ export PYTHONPATH=$PWD:$PWD/plugins/attn_backends/src:$PWD/plugins/arch_llama/sr
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 if [ "${SKIP_BUILD:-0}" != 1 ] || [ ! -f exl3_core/_C.so ]; then
   t=$(date +%s)
-  TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 \
+  # setuptools tracks no header dependencies: a changed csrc header (a warm machine keeps the last call's
+  # objects) forces every source to rebuild
+  force=""
+  [ -f exl3_core/_C.so ] && [ -n "$(find csrc \( -name '*.cuh' -o -name '*.h' \) -newer exl3_core/_C.so)" ] && force=--force
+  TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace $force > "$OUT/build.log" 2>&1 \
     || { tail -30 "$OUT/build.log"; exit 1; }
-  echo "build $(( $(date +%s) - t )) s"
+  echo "build $(( $(date +%s) - t )) s${force:+ (forced: a header changed)}"
 fi
