@@ -21,5 +21,7 @@ if [ "${SKIP_BUILD:-0}" != 1 ] || [ ! -f exl3_core/_C.so ]; then
   [ -f exl3_core/_C.so ] && [ -n "$(find csrc \( -name '*.cuh' -o -name '*.h' \) -newer exl3_core/_C.so)" ] && force=--force
   TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace $force > "$OUT/build.log" 2>&1 \
     || { tail -30 "$OUT/build.log"; exit 1; }
+  # setup.py's optional build only warns on a compile error: say so here, loudly
+  [ -f exl3_core/_C.so ] || { grep -m5 -E "error" "$OUT/build.log"; echo "BUILD FAILED: no exl3_core/_C.so"; }
   echo "build $(( $(date +%s) - t )) s${force:+ (forced: a header changed)}"
 fi

@@ -172,8 +172,11 @@ constexpr int SHORT_RING = EXL3_SHORT_RING;
 #endif
 constexpr int PD_TILES = EXL3_PD_TILES;
 constexpr int PD_STEPS = EXL3_PD_STEPS < EXL3_PD_TILES ? EXL3_PD_STEPS : EXL3_PD_TILES;
-// the variant's ring (a whole chunk) and pre-decoded steps; SHORT_RING stands in when pre-decoding is off
-constexpr int PD_RING = PD_TILES > 0 ? PD_TILES : SHORT_RING;
+// the variant's ring (a whole chunk: 256 K bytes per k tile and block) and so its longest chunk at K, within
+// the 48 KB of static shared memory; SHORT_RING stands in when pre-decoding is off
+constexpr int pd_ring(int K) {
+    return PD_TILES <= 0 ? SHORT_RING : (K <= 4 || PD_TILES <= 16) ? PD_TILES : 16;
+}
 constexpr int PD_MIN_BLOCKS = EXL3_PD_MINB;
 constexpr int SHORT_RING_MAX_KT = EXL3_SHORT_RING_MAX_KT;
 // The deep ring of the transposed kernel without the x-once prologue (the m = 1 decoder linears): K = 6 is
@@ -615,10 +618,11 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     bool pd = false;
     if constexpr (PD_TILES > 0) {
         if (tr && !xh && predecode_on().load(std::memory_order_relaxed)) {
-            const long slots = (long)sms * fused_occupancy<K, CB, true, false, PD_RING, PD_STEPS>();
+            constexpr int ring = pd_ring(K);
+            const long slots = (long)sms * fused_occupancy<K, CB, true, false, ring, PD_STEPS>();
             int kt = a.kt_per_chunk;
-            while (picked && kt < PD_TILES && grid_blocks(kt) > slots) ++kt;
-            pd = kt <= PD_TILES && grid_blocks(kt) <= slots;
+            while (picked && kt < ring && grid_blocks(kt) > slots) ++kt;
+            pd = kt <= ring && grid_blocks(kt) <= slots;
             if (pd) a.kt_per_chunk = kt;
         }
     }
@@ -629,7 +633,7 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         blocks += (long)(a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS)) * chunks;
     }
     if (blocks <= 0) return a.kt_per_chunk;
-    auto kern = pd   ? fused_linear_kernel<K, CB, true, false, PD_RING, PD_STEPS>
+    auto kern = pd   ? fused_linear_kernel<K, CB, true, false, pd_ring(K), PD_STEPS>
                 : xh ? fused_linear_kernel<K, CB, true, true>
                 : short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT ? fused_linear_kernel<K, CB, true, false, SHORT_RING>
                 : tr ? fused_linear_kernel<K, CB, true> : fused_linear_kernel<K, CB, false>;
