@@ -12,8 +12,8 @@ PROGRAMS_PER_SM, MAX_SPLITS and MERGE_USED_SPLITS_ONLY;
 --fused-rows N: the one-launch linear (and the deferred norms) up to N rows
 (exl3_core.quant.exl3.linear.FUSED_GROUP_MAX_ROWS); --xh-min-rows N: x transformed once per fused
 launch from N rows (exl3::set_xh_min_rows). With `--script PATH` the command after `--` runs PATH (a
-bench/ script and its arguments) instead of the exl3 CLI. --predecode 0|1: the fused linear's
-pre-decoding (exl3::set_predecode; EXL3_PREDECODE is the setting).
+bench/ script and its arguments) instead of the exl3 CLI. --predecode 0|1|2: the fused linear's
+pre-decoding mode (exl3::set_predecode; EXL3_PREDECODE is the setting; -1: the setting's).
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def main() -> None:
     ap.add_argument("--fused-rows", type=int, default=0, help="rows up to which the one-launch linear runs (0: default)")
     ap.add_argument("--xh-min-rows", type=int, default=-1,
                     help="rows from which the fused linear transforms x once per launch (0: never; -1: default)")
-    ap.add_argument("--predecode", type=int, choices=(0, 1), default=1,
-                    help="the fused linear decodes short chunks before its wait (1) or not (0)")
+    ap.add_argument("--predecode", type=int, choices=(-1, 0, 1, 2), default=-1,
+                    help="pre-decoding: 0 off, 1 on, 2 on with the early signal (-1: EXL3_PREDECODE)")
     ap.add_argument("--script", default=None, help="run this script with the arguments after -- (not the CLI)")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -63,8 +63,8 @@ def main() -> None:
     ext.set_kt_exceptions(ext.KT_EXCEPTIONS if a.kt_exceptions else ())
     import torch
 
-    if hasattr(torch.ops.exl3, "set_predecode"):
-        torch.ops.exl3.set_predecode(bool(a.predecode))
+    if a.predecode >= 0 and hasattr(torch.ops.exl3, "set_predecode"):
+        torch.ops.exl3.set_predecode(a.predecode)
     if a.xh_min_rows >= 0:
 
         torch.ops.exl3.set_xh_min_rows(a.xh_min_rows)

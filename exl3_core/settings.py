@@ -20,7 +20,7 @@ them (tests use it after changing the environment).
 | ``EXL3_PREFILL_GRAPH_MAX`` | largest prefill chunk (tokens) run as a CUDA graph (default 2048; ``0``: prefill always eager) |
 | ``EXL3_OVERLAP_DECODE`` | ``0`` disables the generator's one-step-ahead greedy decode loop (debugging) |
 | ``EXL3_PDL`` | ``0`` disables programmatic dependent launch (Hopper) of the decode-size EXL3 linear and the early launch signal of the kernels before it |
-| ``EXL3_PREDECODE`` | ``0``: the decode-size EXL3 linear never decodes its weights before the wait for its input (short k chunks in one-wave grids do by default) |
+| ``EXL3_PREDECODE`` | the decode-size EXL3 linear's pre-decoding (weights decoded before the wait for its input, in one-wave grids of short k chunks): ``0`` off, ``1`` on, ``2`` (default) on, and such a launch lets the next kernel start at once |
 | ``EXL3_DEFERRED_NORM`` | ``0``: at decode sizes, run each RMSNorm as its own kernel instead of inside the EXL3 linears around it |
 | ``EXL3_QKV_EPILOGUE`` | ``0``: at decode sizes, run RoPE and the KV-cache write as their own kernel instead of in the q/k/v linear's epilogue |
 | ``EXL3_LOG_LEVEL`` | log level for the ``exl3`` logger (default ``WARNING``) |
@@ -78,7 +78,7 @@ class Settings:
     prefill_graph_max: int = 2048
     overlap_decode: bool = True
     pdl: bool = True
-    predecode: bool = True
+    predecode: int = 2
     deferred_norm: bool = True
     qkv_epilogue: bool = True
     log_level: str = "WARNING"
@@ -105,6 +105,9 @@ class Settings:
         prefill_graph_max = _int("PREFILL_GRAPH_MAX", g("PREFILL_GRAPH_MAX"), 2048)
         if prefill_graph_max < 0:
             raise ValueError(f"{PREFIX}PREFILL_GRAPH_MAX={prefill_graph_max} must be >= 0 (0 disables prefill graphs)")
+        predecode = _int("PREDECODE", g("PREDECODE"), 2)
+        if predecode not in (0, 1, 2):
+            raise ValueError(f"{PREFIX}PREDECODE={predecode} must be 0 (off), 1 (on) or 2 (on, early signal)")
         dm = g("DEFAULT_MODEL")
         return cls(
             plugins=_list(g("PLUGINS")),
@@ -121,7 +124,7 @@ class Settings:
             prefill_graph_max=prefill_graph_max,
             overlap_decode=flag("OVERLAP_DECODE", True),
             pdl=flag("PDL", True),
-            predecode=flag("PREDECODE", True),
+            predecode=predecode,
             deferred_norm=flag("DEFERRED_NORM", True),
             qkv_epilogue=flag("QKV_EPILOGUE", True),
             log_level=(g("LOG_LEVEL") or "WARNING").upper(),

@@ -107,6 +107,9 @@ struct FusedArgs {
     // waits (griddepcontrol.wait) before touching x or the workspace. The kernel always signals its
     // own dependents at its start (a no-op when none is launched as one). sm_90 or newer only.
     bool pdl;
+    // a pre-decoding launch (PD > 0) signals its dependent at its start instead of after its main loop
+    // (set by the launcher from predecode_mode(); EXL3_PDL_TRIGGER 2)
+    bool pd_early;
 };
 
 __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
@@ -140,8 +143,8 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
 #ifndef EXL3_PDL_TRIGGER
 #define EXL3_PDL_TRIGGER 2
 #endif
-__host__ __device__ constexpr bool pdl_trigger_early(int pd) {
-    return EXL3_PDL_TRIGGER == 0 || (EXL3_PDL_TRIGGER == 2 && pd > 0);
+__host__ __device__ constexpr bool pdl_trigger_early(int pd, bool pd_early) {
+    return EXL3_PDL_TRIGGER == 0 || (EXL3_PDL_TRIGGER == 2 && pd > 0 && pd_early);
 }
 // The short trellis ring of the transposed kernel for short k chunks (launch_fused_t): at <= SHORT_RING_MAX_KT
 // k tiles per block a ring of SHORT_RING stages already holds most of the chunk, and its smaller shared
@@ -337,7 +340,7 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fus
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     // a programmatic dependent launched after this grid (exl3_core/kernels/pdl.py) may start now;
     // it waits for this grid's completion before it reads y
-    if (pdl_trigger_early(PD)) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    if (pdl_trigger_early(PD, a.pd_early)) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
     // pre-decoding: the chunk's tiles decoded now, while the kernel before this one still drains
     uint32_t pre[PD > 0 ? PD : 1][NT][4];
@@ -405,7 +408,7 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fus
     if constexpr (PD > 0) loop.template run_pd<PD>(xs_lane, acc, pre);
     else loop.run(xs_lane, 0, acc, unused);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (!pdl_trigger_early(PD)) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    if (!pdl_trigger_early(PD, a.pd_early)) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
 
     // ---- split-k partials into z (fp32 atomics at L2)
@@ -556,11 +559,12 @@ inline int kt_exception(int sms, int K, int k_tiles, long col_blocks) {
     return 0;
 }
 
-// Runtime switch for pre-decoding (exl3::set_predecode, EXL3_PREDECODE in exl3_core/settings.py); read at
-// each launch, so a captured graph keeps what it saw.
-inline std::atomic<bool>& predecode_on() {
-    static std::atomic<bool> on{true};
-    return on;
+// Runtime mode of pre-decoding (exl3::set_predecode, EXL3_PREDECODE in exl3_core/settings.py): 0 off, 1 on with
+// the dependent signalled after the main loop, 2 on with the signal at the kernel's start. Read at each launch,
+// so a captured graph keeps what it saw.
+inline std::atomic<int>& predecode_mode() {
+    static std::atomic<int> mode{2};
+    return mode;
 }
 
 // Whether a transposed launch (m <= 8) transforms x once (FusedArgs::xh_buf, fused_xh_kernel) instead of in
@@ -617,7 +621,9 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     // launcher-picked chunk whose grid is too large for that grows to the shortest one that fits.
     bool pd = false;
     if constexpr (PD_TILES > 0) {
-        if (tr && !xh && predecode_on().load(std::memory_order_relaxed)) {
+        const int mode = predecode_mode().load(std::memory_order_relaxed);
+        a.pd_early = mode == 2;
+        if (tr && !xh && mode > 0) {
             constexpr int ring = pd_ring(K);
             const long slots = (long)sms * fused_occupancy<K, CB, true, false, ring, PD_STEPS>();
             int kt = a.kt_per_chunk;

@@ -291,8 +291,8 @@ std::atomic<bool> g_pdl{true};
 bool set_pdl(bool on) { return g_pdl.exchange(on); }
 
 // Pre-decoding of the fused linear's short chunks (exl3_fused.cuh, PD_TILES), set from Python
-// (EXL3_PREDECODE, exl3_core/ext.py); returns the previous setting
-bool set_predecode(bool on) { return exl3::predecode_on().exchange(on); }
+// (EXL3_PREDECODE, exl3_core/ext.py): 0 off, 1 on, 2 on with the early signal; returns the previous mode
+int64_t set_predecode(int64_t mode) { return exl3::predecode_mode().exchange(mode < 0 ? 0 : mode > 2 ? 2 : (int)mode); }
 
 // The fused linear's k-chunk exceptions (exl3_fused.cuh), flat (sms, K, k_tiles, col_blocks, kt) rows,
 // validated by the Python caller (exl3_core/ext.py); replaces the table, returns its new row count.
@@ -697,7 +697,7 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
           "Tensor res, Tensor(a!) ss) -> Tensor");
     // no tensor argument: a catch-all kernel. Returns the previous setting.
     m.def("set_pdl(bool on) -> bool", &set_pdl);
-    m.def("set_predecode(bool on) -> bool", &set_predecode);
+    m.def("set_predecode(int mode) -> int", &set_predecode);
     m.def("set_kt_exceptions(int[] rows) -> int", &set_kt_exceptions);
     m.def("set_xh_min_rows(int rows) -> int", &set_xh_min_rows);
 }

@@ -32,3 +32,19 @@ def test_cpu_tensors_get_no_pdl_launch(clean_settings: pytest.MonkeyPatch) -> No
     x = torch.zeros(2, 8)
     assert early_launch(x) is False
     assert launch_opts(x) == {"PDL": False}
+
+
+@pytest.mark.parametrize("value,mode", [(None, 2), ("0", 0), ("1", 1), ("2", 2)])
+def test_predecode_setting(clean_settings: pytest.MonkeyPatch, value: str | None, mode: int) -> None:
+    if value is not None:
+        clean_settings.setenv("EXL3_PREDECODE", value)
+        settings.reload()
+    assert settings.get().predecode == mode
+
+
+@pytest.mark.parametrize("value", ["3", "-1", "on"])
+def test_predecode_setting_rejects_other_values(clean_settings: pytest.MonkeyPatch, value: str) -> None:
+    clean_settings.setenv("EXL3_PREDECODE", value)
+    with pytest.raises(ValueError, match="EXL3_PREDECODE"):
+        settings.reload()
+        settings.get()

@@ -203,40 +203,42 @@ def test_split_k_chunks(fused_ops, kt: int) -> None:
 
 @pytest.mark.parametrize("K,cb", [(4, CB_MUL1), (2, CB_3INST), (6, CB_MCG), (8, CB_MUL1)])
 def test_predecode_matches_plain_path(fused_ops, K: int, cb: int) -> None:
-    """Pre-decoding (exl3_fused.cuh, PD_TILES: a one-wave grid of <= 8-tile chunks decodes its tiles before
-    griddepcontrol.wait) does the plain path's arithmetic in the same order: bit-equal outputs with one k
-    chunk (no atomics order), the reference's tolerance with 16 chunks (the 1B-shape o_proj)."""
+    """Pre-decoding (exl3_fused.cuh, PD_TILES: in a one-wave grid each warp decodes the first 8 k tiles of
+    its chunk before griddepcontrol.wait) does the plain path's arithmetic in the same order, in both of its
+    modes: bit-equal outputs with one k chunk (no atomics order), the reference's tolerance with 16 chunks
+    (the 1B-shape o_proj) and with the launcher's chunks grown to fit one wave (the 1B-shape down_proj)."""
     if not hasattr(fused_ops, "set_predecode"):
         pytest.fail("exl3_core._C predates exl3::set_predecode; rebuild it")
     one = Problem(128, 1024, K, cb)  # 8 k tiles: one chunk per column block, 8 blocks
     many = Problem(2048, 2048, K, cb)  # 16 chunks of 8 tiles x 16 column blocks: 256 blocks
     # the 1B down shape: the launcher's 8-tile chunks make 1,024 blocks; pre-decoding grows them to 16 (512)
     grow = Problem(8192, 2048, K, cb)
-    saved = fused_ops.set_predecode(True)
-    assert fused_ops.set_predecode(False) is True and fused_ops.set_predecode(True) is False, "returns the previous value"
+    saved = fused_ops.set_predecode(2)
+    assert fused_ops.set_predecode(0) == 2 and fused_ops.set_predecode(1) == 0, "returns the previous mode"
     try:
         for m in (1, 3):
             x = xin(m, 128)
             y = {}
-            for on in (True, False):
-                fused_ops.set_predecode(on)
+            for mode in (2, 1, 0):
+                fused_ops.set_predecode(mode)
                 poison((m, 1024))
-                y[on] = fused_ops.exl3_linear(x, one.trellis, one.suh, one.svh, cb)
-                check(y[on], x, one, f"one chunk, predecode={on}, K={K} cb={cb} m={m}")
-            diff = (y[True].view(torch.int16) != y[False].view(torch.int16)).sum().item()
-            assert diff == 0, f"K={K} cb={cb} m={m}: {diff} fp16 values differ between pre-decoding and the plain path"
+                y[mode] = fused_ops.exl3_linear(x, one.trellis, one.suh, one.svh, cb)
+                check(y[mode], x, one, f"one chunk, predecode={mode}, K={K} cb={cb} m={m}")
+            for mode in (2, 1):
+                diff = (y[mode].view(torch.int16) != y[0].view(torch.int16)).sum().item()
+                assert diff == 0, f"K={K} cb={cb} m={m} mode {mode}: {diff} fp16 values differ from the plain path"
             x = xin(m, 2048)
-            for on in (True, False):
-                fused_ops.set_predecode(on)
+            for mode in (2, 0):
+                fused_ops.set_predecode(mode)
                 poison((m, 2048))
                 check(fused_ops.exl3_linear(x, many.trellis, many.suh, many.svh, cb, 8), x, many,
-                      f"16 chunks, predecode={on}, K={K} cb={cb} m={m}")
+                      f"16 chunks, predecode={mode}, K={K} cb={cb} m={m}")
             x = xin(m, 8192)
-            for on in (True, False):
-                fused_ops.set_predecode(on)
+            for mode in (2, 0):
+                fused_ops.set_predecode(mode)
                 poison((m, 2048))
                 check(fused_ops.exl3_linear(x, grow.trellis, grow.suh, grow.svh, cb), x, grow,
-                      f"launcher's chunks, predecode={on}, K={K} cb={cb} m={m}")
+                      f"launcher's chunks, predecode={mode}, K={K} cb={cb} m={m}")
     finally:
         fused_ops.set_predecode(saved)
     assert_workspace_clean(fused_ops)

@@ -80,6 +80,7 @@ def test_graph_decode_equals_eager(model_cache, batch: int) -> None:
             if lb is not None and n:
                 err = ((la[:n] - lb[:n]).abs().max() / la[:n].abs().max()).item()
                 assert err < tol, err
+        print(f"batch={batch} want_logits={want_logits}: sequences part at steps {parted}")  # shown with -s
         # the comparison covered most steps
         assert sum(parted) >= 32 * batch, f"want_logits={want_logits}: sequences part at steps {parted}"
     assert graphed.graphs.replays >= 2 * 63
