@@ -56,7 +56,10 @@ def test_graph_decode_equals_eager(model_cache, batch: int) -> None:
     The EXL3 GEMM's split-k sums in fp32 atomics, whose order varies from run to run (eager runs
     differ from each other too), and activations are fp16: a relative logit difference of 1.9e-3
     was seen on an H200. So two runs may part at a near-tie (top-2 gap within that tolerance); the
-    comparison of a sequence stops there, and a parting at a clear margin fails.
+    comparison of a sequence stops there, and a parting at a clear margin fails. With this random model
+    the batch of 3 parts at near-ties after 6-49 steps in its second and third sequences, with and
+    without the linear's pre-decoding alike (docs/performance.md, run 19): the guard against an empty
+    comparison asks for one sequence's worth of compared steps, not most of them.
     """
     model, cache = model_cache
     g = torch.Generator().manual_seed(batch)
@@ -81,8 +84,8 @@ def test_graph_decode_equals_eager(model_cache, batch: int) -> None:
                 err = ((la[:n] - lb[:n]).abs().max() / la[:n].abs().max()).item()
                 assert err < tol, err
         print(f"batch={batch} want_logits={want_logits}: sequences part at steps {parted}")  # shown with -s
-        # the comparison covered most steps
-        assert sum(parted) >= 32 * batch, f"want_logits={want_logits}: sequences part at steps {parted}"
+        # the comparison is not empty: at least one sequence's worth of steps compared
+        assert sum(parted) >= 64, f"want_logits={want_logits}: sequences part at steps {parted}"
     assert graphed.graphs.replays >= 2 * 63
 
 
