@@ -103,9 +103,10 @@ struct FusedArgs {
     __half* xh_buf;
     int xh_min_rows;
     // programmatic dependent launch (Hopper): the grid may start while the previous kernel on the
-    // stream is still finishing; it prefetches trellis words (which nothing before it writes), then
-    // waits (griddepcontrol.wait) before touching x or the workspace. The kernel always signals its
-    // own dependents at its start (a no-op when none is launched as one). sm_90 or newer only.
+    // stream is still finishing; it prefetches (and, pre-decoding, decodes) trellis words, which nothing
+    // before it writes, then waits (griddepcontrol.wait) before touching x or the workspace. The kernel
+    // always signals its own dependents (a no-op when none is launched as one): after its main loop, or at
+    // its start (EXL3_PDL_TRIGGER, pd_early). sm_90 or newer only.
     bool pdl;
     // a pre-decoding launch (PD > 0) signals its dependent at its start instead of after its main loop
     // (set by the launcher from predecode_mode(); EXL3_PDL_TRIGGER 2)
@@ -159,11 +160,13 @@ __host__ __device__ constexpr bool pdl_trigger_early(int pd, bool pd_early) {
 #endif
 constexpr int SHORT_RING = EXL3_SHORT_RING;
 // Pre-decoding (fused_linear_kernel's PD): in a grid that fits in one wave of such blocks, with chunks of at
-// most PD_TILES k tiles, each warp requests its whole chunk at once and decodes its first PD_STEPS k tiles
+// most pd_ring(K) k tiles, each warp requests its whole chunk at once and decodes its first PD_STEPS k tiles
 // into registers (4 per tile) before griddepcontrol.wait, i.e. while the kernel before it drains; after the
 // wait only the rest of the decoding, the x prologue, the mma and the split-k tail are left. Small grids (a
 // 1B-shape layer's q/k/v and o_proj: 2-3 blocks per SM) leave room for these blocks beside the previous
-// kernel's. PD_TILES 0: off (bench/gemv_tune.cu builds it for A/B runs).
+// kernel's, and larger ones grow their chunks to fit: all four linears of a 1B-shape layer, the 8B shape's
+// q/k/v and o_proj (docs/performance.md, run 19: 1B b=1 1402 -> 1632 tok/s, 8B 355 -> 371). PD_TILES 0: off
+// (bench/gemv_tune.cu builds it for A/B runs).
 #ifndef EXL3_PD_TILES
 #define EXL3_PD_TILES 32
 #endif
@@ -303,7 +306,8 @@ __global__ void __launch_bounds__(128) fused_xh_kernel(FusedArgs a) {
 // XH: the prologue copies x transformed once for the launch (FusedArgs::xh_buf, fused_xh_kernel); a
 // variant of its own, so that the kernels without it keep their registers (a runtime branch spilled)
 // S: trellis ring stages (fused_ring by default; SHORT_RING for short k chunks, launch_fused_t)
-// PD: k tiles decoded before griddepcontrol.wait (pre-decoding, TR only; the whole chunk, <= S tiles)
+// PD: the k tiles decoded before griddepcontrol.wait (pre-decoding, TR only: the whole chunk, <= S tiles, is
+// requested at once; its first PD tiles are decoded into registers)
 template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH), int PD = 0>
 __global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fused_min_blocks<K, TR, S>()))
     fused_linear_kernel(FusedArgs a) {
@@ -342,7 +346,7 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fus
     // it waits for this grid's completion before it reads y
     if (pdl_trigger_early(PD, a.pd_early)) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
-    // pre-decoding: the chunk's tiles decoded now, while the kernel before this one still drains
+    // pre-decoding: the chunk's first PD tiles decoded now, while the kernel before this one still runs
     uint32_t pre[PD > 0 ? PD : 1][NT][4];
     if constexpr (PD > 0) {
         loop.start_all();

@@ -262,10 +262,12 @@ def _decode_split(
     hblk = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
     # Before the wait for the kernel that wrote q (and this step's keys/values): the batch
-    # description and every cached key/value of earlier steps. As a programmatic dependent this
-    # grid starts only once its predecessor has passed its own wait, so everything written before
-    # that predecessor (the step's inputs, earlier steps' cache rows) is complete; only this
-    # step's own position (seq_k - 1) is reloaded after the wait.
+    # description and every cached key/value of earlier steps. Both were complete before this step's
+    # first kernel started: the inputs are copied before it (or the graph replay starts after them),
+    # and a step begins after the previous one has finished (a copy or a graph launch in between).
+    # Within a step this grid may start before its predecessor has even waited (a pre-decoding EXL3
+    # linear signals at its start, csrc/exl3/exl3_fused.cuh), so nothing written within the step is
+    # read here; the one such value, this step's own position (seq_k - 1), is reloaded after the wait.
     q_start = tl.load(CuQ + b)
     q_len = tl.load(CuQ + b + 1) - q_start
     seq_k = tl.load(SeqLensK + b)
