@@ -68,7 +68,8 @@ static void decode_only_pdl_t(exl3::GemmArgs a, cudaStream_t st) {
 // letters forces N k tiles per chunk; an entry "c" is a small combine-like kernel (32 blocks of 128
 // threads: wait, signal, read 16 KB, write 8 KB), the attention combine before o_proj. TUNE_M=1..8: rows
 // per launch (a batched decode step; default 1). TUNE_XH=N: from N rows, x is transformed once per launch
-// (fused_xh_kernel) instead of in every block's prologue.
+// (fused_xh_kernel) instead of in every block's prologue. TUNE_PREDECODE=0|1|2: the launcher's pre-decoding
+// mode (exl3::predecode_mode: off, on, on with the early signal; default 2), for A/B runs in one build.
 struct CombineLike {
     const float* in;
     __half* out;
@@ -216,6 +217,7 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) kts.push_back(std::atoi(argv[i]));
     if (kts.empty()) kts = {0, 8, 16, 24, 25, 26, 32};
     constexpr int K = TUNE_K, CB = TUNE_CB;
+    if (const char* pd = std::getenv("TUNE_PREDECODE")) exl3::predecode_mode() = std::max(0, std::min(2, std::atoi(pd)));
     // shapes k x n: the 8B MLP by default (the last: gate/up as one problem); TUNE_SHAPES="4096x6144,4096x4096"
     // (e.g. the 8B q/k/v group and o_proj) replaces them
     std::vector<std::pair<int, int>> shapes = {{4096, 14336}, {14336, 4096}, {4096, 28672}};
