@@ -249,6 +249,15 @@ int main(int argc, char** argv) {
     CK(cudaFuncGetAttributes(&fd, exl3::gemm_kernel<K, CB, 1, true>));
     std::printf("variant: ring stages %d (decode-only %d) | fused regs %d, smem %zu B, blocks/SM %d | decode-only regs %d, "
                 "blocks/SM %d\n", RS, exl3::ring_stages(K), fa.numRegs, fa.sharedSizeBytes, occ_f, fd.numRegs, occ_d);
+    if constexpr (exl3::PD_TILES > 0) {  // the pre-decoding variant the launcher may pick
+        auto pk = exl3::fused_linear_kernel<K, CB, true, false, exl3::pd_ring(K), exl3::PD_STEPS>;
+        cudaFuncAttributes fp{};
+        CK(cudaFuncGetAttributes(&fp, pk));
+        std::printf("pre-decoding: chunks <= %d k tiles, %d decoded before the wait | regs %d, smem %zu B, blocks/SM %d | "
+                    "mode %d\n", exl3::pd_ring(K), exl3::PD_STEPS, fp.numRegs, fp.sharedSizeBytes,
+                    exl3::fused_occupancy<K, CB, true, false, exl3::pd_ring(K), exl3::PD_STEPS>(),
+                    exl3::predecode_mode().load());
+    }
     for (auto& sh : shapes) {
         const int k = sh.first, n = sh.second, kt = k / 16, nt = n / 16;
         const long words = (long)kt * nt * 8 * K;
