@@ -13,7 +13,8 @@ PROGRAMS_PER_SM, MAX_SPLITS and MERGE_USED_SPLITS_ONLY;
 (exl3_core.quant.exl3.linear.FUSED_GROUP_MAX_ROWS); --xh-min-rows N: x transformed once per fused
 launch from N rows (exl3::set_xh_min_rows). With `--script PATH` the command after `--` runs PATH (a
 bench/ script and its arguments) instead of the exl3 CLI. --predecode 0|1|2: the fused linear's
-pre-decoding mode (exl3::set_predecode; EXL3_PREDECODE is the setting; -1: the setting's).
+pre-decoding mode (exl3::set_predecode; EXL3_PREDECODE is the setting; -1: the setting's); --pd-max-kt N:
+its longest chunk (exl3::set_predecode_max_kt; 0: the ring's length).
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ def main() -> None:
                     help="rows from which the fused linear transforms x once per launch (0: never; -1: default)")
     ap.add_argument("--predecode", type=int, choices=(-1, 0, 1, 2), default=-1,
                     help="pre-decoding: 0 off, 1 on, 2 on with the early signal (-1: EXL3_PREDECODE)")
+    ap.add_argument("--pd-max-kt", type=int, default=-1,
+                    help="longest chunk of a pre-decoding launch (0: the ring's length; -1: leave as built)")
     ap.add_argument("--script", default=None, help="run this script with the arguments after -- (not the CLI)")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -65,13 +68,15 @@ def main() -> None:
 
     if a.predecode >= 0 and hasattr(torch.ops.exl3, "set_predecode"):
         torch.ops.exl3.set_predecode(a.predecode)
+    if a.pd_max_kt >= 0 and hasattr(torch.ops.exl3, "set_predecode_max_kt"):
+        torch.ops.exl3.set_predecode_max_kt(a.pd_max_kt)
     if a.xh_min_rows >= 0:
 
         torch.ops.exl3.set_xh_min_rows(a.xh_min_rows)
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
     print(f"# ab_run: merge={a.merge} late_trigger={a.late_trigger} merge_tile={a.merge_tile} "
           f"programs_per_sm={a.programs_per_sm} max_splits={a.max_splits} used_only={a.used_only} "
-          f"kt_exceptions={a.kt_exceptions} predecode={a.predecode} fused_rows={a.fused_rows} xh_min_rows={a.xh_min_rows}: "
+          f"kt_exceptions={a.kt_exceptions} predecode={a.predecode} pd_max_kt={a.pd_max_kt} fused_rows={a.fused_rows} xh_min_rows={a.xh_min_rows}: "
           f"{a.script or 'exl3'} {' '.join(rest)}", flush=True)
     if a.script:
         sys.argv = [a.script, *rest]

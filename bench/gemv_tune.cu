@@ -69,7 +69,8 @@ static void decode_only_pdl_t(exl3::GemmArgs a, cudaStream_t st) {
 // threads: wait, signal, read 16 KB, write 8 KB), the attention combine before o_proj. TUNE_M=1..8: rows
 // per launch (a batched decode step; default 1). TUNE_XH=N: from N rows, x is transformed once per launch
 // (fused_xh_kernel) instead of in every block's prologue. TUNE_PREDECODE=0|1|2: the launcher's pre-decoding
-// mode (exl3::predecode_mode: off, on, on with the early signal; default 2), for A/B runs in one build.
+// mode (exl3::predecode_mode: off, on, on with the early signal; default 2), for A/B runs in one build;
+// TUNE_PD_MAX_KT=N: its longest chunk (exl3::predecode_max_kt; 0: the ring's length).
 struct CombineLike {
     const float* in;
     __half* out;
@@ -218,6 +219,7 @@ int main(int argc, char** argv) {
     if (kts.empty()) kts = {0, 8, 16, 24, 25, 26, 32};
     constexpr int K = TUNE_K, CB = TUNE_CB;
     if (const char* pd = std::getenv("TUNE_PREDECODE")) exl3::predecode_mode() = std::max(0, std::min(2, std::atoi(pd)));
+    if (const char* pk = std::getenv("TUNE_PD_MAX_KT")) exl3::predecode_max_kt() = std::max(0, std::atoi(pk));
     // shapes k x n: the 8B MLP by default (the last: gate/up as one problem); TUNE_SHAPES="4096x6144,4096x4096"
     // (e.g. the 8B q/k/v group and o_proj) replaces them
     std::vector<std::pair<int, int>> shapes = {{4096, 14336}, {14336, 4096}, {4096, 28672}};

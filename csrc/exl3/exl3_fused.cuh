@@ -570,6 +570,13 @@ inline std::atomic<int>& predecode_mode() {
     static std::atomic<int> mode{2};
     return mode;
 }
+// Tuning knob (exl3::set_predecode_max_kt, bench/ab_run.py --pd-max-kt, TUNE_PD_MAX_KT): the longest chunk a
+// pre-decoding launch takes, below the ring's length (0: the ring's length). E.g. 16 keeps the 1B-shape gate/up
+// (which needs 32-tile chunks to fit one wave) on the plain path.
+inline std::atomic<int>& predecode_max_kt() {
+    static std::atomic<int> kt{0};
+    return kt;
+}
 
 // Whether a transposed launch (m <= 8) transforms x once (FusedArgs::xh_buf, fused_xh_kernel) instead of in
 // every block: from min_rows rows (0: never), or at any row count when the output is wide (a head's
@@ -629,10 +636,12 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         a.pd_early = mode == 2;
         if (tr && !xh && mode > 0) {
             constexpr int ring = pd_ring(K);
+            const int cap = predecode_max_kt().load(std::memory_order_relaxed);
+            const int longest = cap > 0 && cap < ring ? cap : ring;
             const long slots = (long)sms * fused_occupancy<K, CB, true, false, ring, PD_STEPS>();
             int kt = a.kt_per_chunk;
-            while (picked && kt < ring && grid_blocks(kt) > slots) ++kt;
-            pd = kt <= ring && grid_blocks(kt) <= slots;
+            while (picked && kt < longest && grid_blocks(kt) > slots) ++kt;
+            pd = kt <= longest && grid_blocks(kt) <= slots;
             if (pd) a.kt_per_chunk = kt;
         }
     }

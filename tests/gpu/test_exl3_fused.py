@@ -244,6 +244,26 @@ def test_predecode_matches_plain_path(fused_ops, K: int, cb: int) -> None:
     assert_workspace_clean(fused_ops)
 
 
+def test_predecode_chunk_cap(fused_ops) -> None:
+    """exl3::set_predecode_max_kt caps a pre-decoding launch's chunk: the 1B-shape gate/up (2048 x 16384) needs
+    32-tile chunks to fit one wave, so a cap of 16 sends it down the plain path; both must match the reference."""
+    if not hasattr(fused_ops, "set_predecode_max_kt"):
+        pytest.fail("exl3_core._C predates exl3::set_predecode_max_kt; rebuild it")
+    p = Problem(2048, 16384, 4, CB_MUL1)
+    saved = fused_ops.set_predecode_max_kt(16)
+    assert fused_ops.set_predecode_max_kt(16) == 16, "returns the previous cap"
+    try:
+        for cap in (16, 0):
+            fused_ops.set_predecode_max_kt(cap)
+            for m in (1, 3):
+                x = xin(m, 2048)
+                poison((m, 16384))
+                check(fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, CB_MUL1), x, p, f"cap={cap} m={m}")
+    finally:
+        fused_ops.set_predecode_max_kt(saved)
+    assert_workspace_clean(fused_ops)
+
+
 def test_kt_exception_table(fused_ops) -> None:
     """A measured k-chunk exception (exl3_core.ext.KT_EXCEPTIONS) for this device's SM count takes the
     launcher's place for its shape: outputs stay correct at an odd chunk; bad rows are refused in Python."""
