@@ -196,10 +196,7 @@ struct DecodeMmaLoop {
                                              float (&acc)[MB][NT][2][4], __half2& dsum) const {
         uint32_t a[MB][4];
         if constexpr (TR) {
-            const uint32_t addr = xs_lane + (uint32_t)step * 32u;
-            asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
-                         : "=r"(a[0][0]), "=r"(a[0][1])
-                         : "r"(addr));
+            x_frag_tr(step, xs_lane, a[0][0], a[0][1]);
         } else if constexpr (!DECODE_ONLY) {
 #pragma unroll
             for (int mb = 0; mb < MB; ++mb) {
@@ -211,6 +208,12 @@ struct DecodeMmaLoop {
         }
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
+            if constexpr (TR) {
+                uint32_t wt[4];
+                decode_tile_tr(w[nt], wt);
+                mma_16816(acc[0][nt][0], wt, a[0][0], a[0][1]);
+                continue;
+            }
             W::align(lane, w[nt]);
             __half2 f[4];
             decode_lane<K, CB>(w[nt], f);
@@ -218,9 +221,6 @@ struct DecodeMmaLoop {
                 const __half2 one = __float2half2_rn(1.f);
 #pragma unroll
                 for (int i = 0; i < 4; ++i) dsum = __hfma2(f[i], one, dsum);
-            } else if constexpr (TR) {
-                const uint32_t wt[4] = {h2_bits(f[0]), h2_bits(f[2]), h2_bits(f[1]), h2_bits(f[3])};
-                mma_16816(acc[0][nt][0], wt, a[0][0], a[0][1]);
             } else {
 #pragma unroll
                 for (int mb = 0; mb < MB; ++mb) {
@@ -242,11 +242,7 @@ struct DecodeMmaLoop {
         // 16 bytes + constant]; the trellis pointer advances by one k tile per step. (A runtime slot
         // cost ~30 address instructions per k tile next to ~70 of decoding.)
         const uint32_t* rp[W::NW];  // the lane's window words in slot 0 (circular: the stream is tail-biting)
-        {
-            const int i0 = lane_start_bit(K, lane) >> 5;
-#pragma unroll
-            for (int i = 0; i < W::NW; ++i) rp[i] = ring + (i0 + i) % R::TILE_WORDS;
-        }
+        slot0_pointers(rp);
         const uint32_t wr = (uint32_t)__cvta_generic_to_shared(ring + 4 * lane);
         const bool copier = lane < R::CHUNKS;
         const uint32_t* gp = src + (long)(R::S - 1) * row_words + 4 * lane;  // k tile step + S - 1
@@ -262,41 +258,46 @@ struct DecodeMmaLoop {
                 cp_async_commit();  // always a group, possibly empty: uniform counts across lanes and steps
                 gp += row_words;
                 uint32_t w[NT][W::NW];
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int i = 0; i < W::NW; ++i) w[nt][i] = rp[i][j * R::STAGE_WORDS + nt * R::TILE_WORDS];
+                slot_words(rp, j, w);
                 step_mma(step, w, xs_lane, xs_mb_bytes, acc, dsum);
             }
         }
         cp_async_wait<0>();  // no copy may still target the ring when the warp moves on
     }
 
+    // TR: one tile's A fragment (Ŵᵀ: decode_lane's half2 reordered {f0, f2, f1, f3}) from its window words
+    __device__ __forceinline__ void decode_tile_tr(uint32_t (&w)[W::NW], uint32_t (&fr)[4]) const {
+        W::align(lane, w);
+        __half2 f[4];
+        decode_lane<K, CB>(w, f);
+        fr[0] = h2_bits(f[0]);
+        fr[1] = h2_bits(f[2]);
+        fr[2] = h2_bits(f[1]);
+        fr[3] = h2_bits(f[3]);
+    }
+
+    // TR: x's B fragment of k tile `step` (rows lane&7, column half (lane>>3)&1, see run)
+    __device__ __forceinline__ void x_frag_tr(int step, uint32_t xs_lane, uint32_t& b0, uint32_t& b1) const {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                     : "=r"(b0), "=r"(b1)
+                     : "r"(xs_lane + (uint32_t)step * 32u));
+    }
+
     // ---- pre-decoding (TR only): the first PD k tiles decoded before the caller's x exists.
     // The fused linear calls predecode between its trellis requests and griddepcontrol.wait, so the
     // integer work of those tiles runs while the kernel before it drains (run_pd then only multiplies).
 
-    // The A fragments (Ŵᵀ, {f0, f2, f1, f3}) of this warp's NT tiles from their window words
+    // The A fragments of this warp's NT tiles
     __device__ __forceinline__ void decode_tr(uint32_t (&w)[NT][W::NW], uint32_t (&fr)[NT][4]) const {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            W::align(lane, w[nt]);
-            __half2 f[4];
-            decode_lane<K, CB>(w[nt], f);
-            fr[nt][0] = h2_bits(f[0]);
-            fr[nt][1] = h2_bits(f[2]);
-            fr[nt][2] = h2_bits(f[1]);
-            fr[nt][3] = h2_bits(f[3]);
-        }
+        for (int nt = 0; nt < NT; ++nt) decode_tile_tr(w[nt], fr[nt]);
     }
 
     // x's B fragment of k tile `step` and one mma per n tile (the TR arithmetic of step_mma)
     __device__ __forceinline__ void mma_tr(int step, const uint32_t (&fr)[NT][4], uint32_t xs_lane,
                                            float (&acc)[MB][NT][2][4]) const {
         uint32_t b0, b1;
-        asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
-                     : "=r"(b0), "=r"(b1)
-                     : "r"(xs_lane + (uint32_t)step * 32u));
+        x_frag_tr(step, xs_lane, b0, b1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) mma_16816(acc[0][nt][0], fr[nt], b0, b1);
     }
