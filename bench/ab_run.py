@@ -71,7 +71,6 @@ def main() -> None:
     if a.pd_max_kt >= 0 and hasattr(torch.ops.exl3, "set_predecode_max_kt"):
         torch.ops.exl3.set_predecode_max_kt(a.pd_max_kt)
     if a.xh_min_rows >= 0:
-
         torch.ops.exl3.set_xh_min_rows(a.xh_min_rows)
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
     print(f"# ab_run: merge={a.merge} late_trigger={a.late_trigger} merge_tile={a.merge_tile} "

@@ -292,10 +292,10 @@ bool set_pdl(bool on) { return g_pdl.exchange(on); }
 
 // Pre-decoding of the fused linear's short chunks (exl3_fused.cuh, PD_TILES), set from Python
 // (EXL3_PREDECODE, exl3_core/ext.py): 0 off, 1 on, 2 on with the early signal; returns the previous mode
+int64_t set_predecode(int64_t mode) { return exl3::predecode_mode().exchange(mode < 0 ? 0 : mode > 2 ? 2 : (int)mode); }
+
 // The longest chunk a pre-decoding launch takes (0: the ring's; a tuning knob); returns the previous value
 int64_t set_predecode_max_kt(int64_t kt) { return exl3::predecode_max_kt().exchange(kt < 0 ? 0 : (int)kt); }
-
-int64_t set_predecode(int64_t mode) { return exl3::predecode_mode().exchange(mode < 0 ? 0 : mode > 2 ? 2 : (int)mode); }
 
 // The fused linear's k-chunk exceptions (exl3_fused.cuh), flat (sms, K, k_tiles, col_blocks, kt) rows,
 // validated by the Python caller (exl3_core/ext.py); replaces the table, returns its new row count.
