@@ -14,13 +14,47 @@ PROGRAMS_PER_SM, MAX_SPLITS and MERGE_USED_SPLITS_ONLY;
 launch from N rows (exl3::set_xh_min_rows). With `--script PATH` the command after `--` runs PATH (a
 bench/ script and its arguments) instead of the exl3 CLI. --predecode 0|1|2: the fused linear's
 pre-decoding mode (exl3::set_predecode; EXL3_PREDECODE is the setting; -1: the setting's); --pd-max-kt N:
-its longest chunk (exl3::set_predecode_max_kt; 0: the ring's length).
+its longest chunk (exl3::set_predecode_max_kt; 0: the ring's length). --preload-bytes N, --split-warps N:
+the split-KV kernel's key tile loaded before its wait and its warps (PRELOAD_BYTES, SPLIT_WARPS).
+--ablate-attention: TIMING ONLY, the outputs are wrong: every split-KV decode call is replaced by one
+minimal dependent kernel (wait, signal, copy q's leading channels to the output), which bounds what a
+faster decode attention could save in the step.
 """
 from __future__ import annotations
 
 import argparse
 import runpy
 import sys
+
+
+def _ablated_attention():  # the minimal stand-in for --ablate-attention (Triton imported only then)
+    import torch
+    import triton
+    import triton.language as tl
+
+    from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
+
+    @triton.jit
+    def _copy_q(Q, Out, stride_qt, stride_qh, stride_ot, stride_oh, DV: tl.constexpr, BLOCK: tl.constexpr,
+                PDL: tl.constexpr):
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        d = tl.arange(0, BLOCK)
+        x = tl.load(Q + t * stride_qt + h * stride_qh + d, mask=d < DV, other=0.0)
+        tl.store(Out + t * stride_ot + h * stride_oh + d, x, mask=d < DV)
+
+    def decode(args, num_splits, reload_fresh=None, merge=None, block_n0=None):
+        q = args.q
+        out = torch.empty((q.shape[0], q.shape[1], args.spec.v_dim), dtype=q.dtype, device=q.device)
+        _copy_q[(q.shape[0], q.shape[1])](q, out, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                                          DV=args.spec.v_dim, BLOCK=triton.next_power_of_2(args.spec.v_dim),
+                                          **launch_opts(out))
+        return out
+
+    return decode
 
 
 def main() -> None:
@@ -40,6 +74,11 @@ def main() -> None:
                     help="pre-decoding: 0 off, 1 on, 2 on with the early signal (-1: EXL3_PREDECODE)")
     ap.add_argument("--pd-max-kt", type=int, default=-1,
                     help="longest chunk of a pre-decoding launch (0: the ring's length; -1: leave as built)")
+    ap.add_argument("--preload-bytes", type=int, default=-1,
+                    help="split-KV key tile loaded before the wait, bytes (0: one chunk; -1: default)")
+    ap.add_argument("--split-warps", type=int, default=-1, help="split-KV kernel's warps (0: its rule; -1: default)")
+    ap.add_argument("--ablate-attention", action="store_true",
+                    help="TIMING ONLY (wrong outputs): a minimal kernel in the split-KV decode's place")
     ap.add_argument("--script", default=None, help="run this script with the arguments after -- (not the CLI)")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -59,6 +98,12 @@ def main() -> None:
     if a.max_splits:
         tp.MAX_SPLITS = a.max_splits
     tp.MERGE_USED_SPLITS_ONLY = bool(a.used_only)
+    if a.preload_bytes >= 0:
+        tp.PRELOAD_BYTES = a.preload_bytes
+    if a.split_warps >= 0:
+        tp.SPLIT_WARPS = a.split_warps
+    if a.ablate_attention:
+        tp.decode_split_kv = _ablated_attention()
     if a.merge_tile:
         tp.MERGE_TILE = a.merge_tile
     if not ext.load():
@@ -75,7 +120,8 @@ def main() -> None:
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
     print(f"# ab_run: merge={a.merge} late_trigger={a.late_trigger} merge_tile={a.merge_tile} "
           f"programs_per_sm={a.programs_per_sm} max_splits={a.max_splits} used_only={a.used_only} "
-          f"kt_exceptions={a.kt_exceptions} predecode={a.predecode} pd_max_kt={a.pd_max_kt} fused_rows={a.fused_rows} xh_min_rows={a.xh_min_rows}: "
+          f"kt_exceptions={a.kt_exceptions} predecode={a.predecode} pd_max_kt={a.pd_max_kt} fused_rows={a.fused_rows} xh_min_rows={a.xh_min_rows} "
+          f"preload_bytes={a.preload_bytes} split_warps={a.split_warps} ablate_attention={a.ablate_attention}: "
           f"{a.script or 'exl3'} {' '.join(rest)}", flush=True)
     if a.script:
         sys.argv = [a.script, *rest]

@@ -60,22 +60,76 @@ DECODE_CASES = [
 ]
 
 
+def _one_chunk(case: Case) -> int:
+    import exl3_attn_backends.triton_paged as tp
+
+    return tp._block_sizes(case.spec)[2]
+
+
+@pytest.mark.parametrize("preload", [0, 32768], ids=["one_chunk", "preload32k"])
 @pytest.mark.parametrize("case,splits", [(c, s) for c in DECODE_CASES for s in (None, 7)]  # None = heuristic
                          + [(DECODE_CASES[0], 3), (DECODE_CASES[4], 3), (DECODE_CASES[6], 40)],  # 40: many empty
                          ids=lambda x: x.id if isinstance(x, Case) else f"splits{x}")
-def test_split_kv_decode_matches_reference(case: Case, splits: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_kv_decode_matches_reference(case: Case, splits: int | None, preload: int,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split kernel against the reference: its key tile before the wait one BLOCK_N chunk (most
+    lengths take several splits and the merge), or 32 KB (fp16 at head dim <= 64: 256 keys, so
+    shorter sequences are their first split's alone, without the merge)."""
     import exl3_attn_backends.triton_paged as tp
 
     used: list[int] = []
     real = tp.decode_split_kv
+    monkeypatch.setattr(tp, "PRELOAD_BYTES", preload)
     monkeypatch.setattr(tp, "decode_split_kv", lambda a, n: used.append(n) or real(a, n))
     b = TritonPagedAttention()
     b.decode_num_splits = splits
     assert b.unsupported_reasons(case.spec) == []
     check_backend(b, case, DEVICE, seed=11)
-    assert used and used[0] > 1, "decode over a long paged context did not take the split-KV path"
+    assert used, "a paged decode call did not take the split kernel"
     if splits is not None:
         assert used[0] == splits
+
+
+def test_split_kv_short_sequence_needs_no_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lengths within one least share (a split's preloaded key tile) take no merge: the arrival
+    counters stay untouched and the partials unwritten, the output is the reference's; one key more
+    than the share takes the merge, with the same result."""
+    import exl3_attn_backends.triton_paged as tp
+
+    import exl3_core.kernels.counters as kc
+    from exl3_core.reference.attention import attention as reference_attention
+
+    monkeypatch.setattr(tp, "PRELOAD_BYTES", 32768)
+    case = _decode_case(64, 8, 2, (255, 0, 100), torch.float16)  # fp16 out: the fp32 tensors are the partials
+    args = make_args(case, DEVICE, seed=21)
+    share = tp.preload_keys(case.spec, args.max_seqlen_k)
+    assert share == 256
+    parts: list[torch.Tensor] = []
+    real_empty = torch.empty
+
+    def spy(*a: object, **kw: object) -> torch.Tensor:  # the partial buffers, poisoned
+        t = real_empty(*a, **kw)  # type: ignore[arg-type]
+        if t.dtype == torch.float32:
+            t.fill_(float("nan"))
+            parts.append(t)
+        return t
+
+    monkeypatch.setattr(tp.torch, "empty", spy)
+    out = tp.decode_split_kv(args, 4, merge=True)
+    monkeypatch.setattr(tp.torch, "empty", real_empty)
+    torch.testing.assert_close(out, reference_attention(args), atol=2e-3, rtol=2e-3)
+    assert len(parts) == 3 and all(bool(p.isnan().all()) for p in parts), "a one-split sequence stored partials"
+    dev = args.q.device
+    counts = kc._cache[("decode_split", dev.type, dev.index)]
+    assert int(counts.abs().sum()) == 0
+    longer = make_args(_decode_case(64, 8, 2, (share, 3), torch.float16), DEVICE, seed=22)  # share + 1 keys
+    parts.clear()
+    monkeypatch.setattr(tp.torch, "empty", spy)
+    out = tp.decode_split_kv(longer, 4, merge=True, block_n0=share)
+    monkeypatch.setattr(tp.torch, "empty", real_empty)
+    torch.testing.assert_close(out, reference_attention(longer), atol=2e-3, rtol=2e-3)
+    assert not bool(parts[0].isnan().all()), "a sequence of two shares was not merged"
+    assert int(kc._cache[("decode_split", dev.type, dev.index)].abs().sum()) == 0
 
 
 @pytest.mark.parametrize("case", DECODE_CASES[:5] + DECODE_CASES[6:7], ids=lambda c: c.id)
@@ -103,7 +157,7 @@ def test_split_kv_merge_paths(case: Case, merge: bool) -> None:
     from exl3_core.reference.attention import attention as reference_attention
 
     args = make_args(case, DEVICE, seed=5)
-    out = tp.decode_split_kv(args, 40, merge=merge)
+    out = tp.decode_split_kv(args, 40, merge=merge, block_n0=_one_chunk(case))
     ref = reference_attention(args)
     tol = 2e-5 if case.spec.dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
@@ -111,7 +165,7 @@ def test_split_kv_merge_paths(case: Case, merge: bool) -> None:
         dev = args.q.device  # "cuda:N": the counters are cached per device index
         counts = kc._cache[("decode_split", dev.type, dev.index)]
         assert int(counts.abs().sum()) == 0, "a head block's counter was not reset by its last program"
-        again = tp.decode_split_kv(args, 40, merge=True)
+        again = tp.decode_split_kv(args, 40, merge=True, block_n0=_one_chunk(case))
         torch.testing.assert_close(again, out, atol=0, rtol=0)
 
 
@@ -144,7 +198,7 @@ def test_split_kv_graph_bound_reads_nothing_past_lengths() -> None:
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
-def test_num_splits_from_static_values_only() -> None:
+def test_num_splits_from_static_values_only(monkeypatch: pytest.MonkeyPatch) -> None:
     import exl3_attn_backends.triton_paged as tp
 
     case = _decode_case(128, 32, 8, (700,), torch.float16)
@@ -153,4 +207,9 @@ def test_num_splits_from_static_values_only() -> None:
     short = args._replace(seq_lens_k=torch.ones_like(args.seq_lens_k))
     assert tp.choose_num_splits(args) == tp.choose_num_splits(short)
     assert tp.choose_num_splits(args._replace(max_seqlen_k=16)) == 1  # one chunk: nothing to split
+    monkeypatch.setattr(tp, "PRELOAD_BYTES", 65536)
+    share = tp.preload_keys(case.spec, 1 << 20)
+    assert share == 256  # 64 KB of fp16 keys at head dim 128
+    assert tp.choose_num_splits(args._replace(max_seqlen_k=share)) == 1  # one least share
+    assert tp.choose_num_splits(args._replace(max_seqlen_k=share + 1)) == 2
     assert tp.choose_num_splits(args._replace(max_seqlen_k=1 << 20)) <= tp.MAX_SPLITS

@@ -251,12 +251,14 @@ def _decode_split(
     NUM_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N0: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
     RELOAD_FRESH: tl.constexpr, MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
     LATE_TRIGGER: tl.constexpr, USED_ONLY: tl.constexpr,
 ):
-    # grid (batch, kv_heads * HEAD_BLOCKS, NUM_SPLITS); rows = BLOCK_H heads of one GQA group
+    # grid (batch, kv_heads * HEAD_BLOCKS, NUM_SPLITS); rows = BLOCK_H heads of one GQA group. A split's
+    # first BLOCK_N0 keys (a multiple of BLOCK_N, and its least share) are loaded before the wait, the
+    # rest in BLOCK_N chunks after it.
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
     hblk = tl.program_id(1) % HEAD_BLOCKS
@@ -279,15 +281,16 @@ def _decode_split(
     dv = tl.arange(0, BLOCK_DV)
 
     # This split's key range, from this sequence's own length: equal shares rounded up to whole
-    # BLOCK_N chunks, so short sequences leave trailing splits empty (no cache reads below).
-    per = tl.cdiv(tl.cdiv(seq_k, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # BLOCK_N chunks, at least BLOCK_N0 keys, so short sequences leave trailing splits empty (no cache
+    # reads below) and one that fits BLOCK_N0 is the first split's alone.
+    per = tl.maximum(tl.cdiv(tl.cdiv(seq_k, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N0)
     lo = split * per
     hi = tl.minimum(lo + per, seq_k)
     if WINDOW > 0:  # the one query sits at seq_k - 1 and sees keys n > seq_k - 1 - WINDOW
         lo = tl.maximum(lo, seq_k - WINDOW)
     hi = tl.where(q_len > 0, hi, lo)  # padded/empty rows read nothing
-    n0_ok = lo + tl.arange(0, BLOCK_N) < hi
-    page0, slot0 = _split_rows(PageTable, b, lo, stride_pt, PAGE_SIZE, BLOCK_N, n0_ok)
+    n0_ok = lo + tl.arange(0, BLOCK_N0) < hi
+    page0, slot0 = _split_rows(PageTable, b, lo, stride_pt, PAGE_SIZE, BLOCK_N0, n0_ok)
     k0, v0 = _split_load(K, V, page0, slot0, kvh, n0_ok, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
                          stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
     if PDL:  # a programmatic dependent of the cache write (exl3_core/kernels/pdl.py)
@@ -304,13 +307,13 @@ def _decode_split(
     if lo < hi:
         if RELOAD_FRESH:  # this step's own key/value, if in the first chunk, may postdate the loads above
             # (its cache row is already known: one round trip, alongside q's)
-            new = lo + tl.arange(0, BLOCK_N) == seq_k - 1
+            new = lo + tl.arange(0, BLOCK_N0) == seq_k - 1
             kn, vn = _split_load(K, V, page0, slot0, kvh, new & n0_ok, stride_kp, stride_ks, stride_kh, stride_vp,
                                  stride_vs, stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
             k0 = tl.where(new[None, :], kn, k0)
             v0 = tl.where(new[:, None], vn, v0)
-        m_i, l_i, acc = _split_step(q, k0, v0, lo, hi, m_i, l_i, acc, scale, softcap, BLOCK_N, SOFTCAP, DOT_PREC)
-    for start in range(lo + BLOCK_N, hi, BLOCK_N):
+        m_i, l_i, acc = _split_step(q, k0, v0, lo, hi, m_i, l_i, acc, scale, softcap, BLOCK_N0, SOFTCAP, DOT_PREC)
+    for start in range(lo + BLOCK_N0, hi, BLOCK_N):
         k, v = _split_tiles(K, V, PageTable, b, kvh, start, hi, stride_pt, stride_kp, stride_ks, stride_kh, stride_vp,
                             stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N)
         m_i, l_i, acc = _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, BLOCK_N, SOFTCAP, DOT_PREC)
@@ -321,7 +324,16 @@ def _decode_split(
     # merge waits for the used splits only (at least split 0, so a zero-length row still gets its output).
     # USED_ONLY is off for one sequence, where waiting for all measured faster (MERGE_USED_SPLITS_ONLY).
     n_used = tl.minimum(tl.cdiv(seq_k, tl.maximum(per, 1)), NUM_SPLITS)
+    # With the merge, a sequence that one split holds takes no partials and no arrival: its first
+    # split writes the output itself (the merge of one split is this same division, bit for bit).
     n_arrive = tl.maximum(n_used, 1) if MERGE and USED_ONLY else NUM_SPLITS
+    if MERGE:
+        alone = n_used <= 1
+        n_arrive = tl.where(alone, 0, n_arrive)
+        if alone and split == 0:
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(Out + q_start * stride_ot + head[:, None] * stride_oh + dv[None, :], out.to(Out.dtype.element_ty),
+                     mask=(h_ok & (hrow * 0 + q_len > 0))[:, None] & (dv[None, :] < HEAD_DIM_V))
     if split < n_arrive:
         part = (b * NUM_HEADS + head) * NUM_SPLITS + split
         tl.store(PartM + part, m_i, mask=h_ok)
@@ -430,8 +442,9 @@ class TritonPagedAttention:
         if self.dense_prefill and args.q.is_cuda and fresh_single_sequence(args):
             return dense_causal(args)  # torch's fused kernels: 8B shape, 2048 tokens, docs/performance.md
         if spec.phase == "decode" and spec.cache is not None and args.max_seqlen_q == 1:
+            # the split kernel even at one split: its key tile is loaded before its wait
             splits = self.decode_num_splits if self.decode_num_splits is not None else choose_num_splits(args)
-            if splits > 1:
+            if splits > 1 or self.decode_num_splits is None:
                 return decode_split_kv(args, splits)
         return attention_single_pass(args)
 
@@ -451,6 +464,14 @@ MERGE_IN_SPLIT_KERNEL = True
 #: competed with the split programs'); since o_proj decodes its weights before its wait (pre-decoding,
 #: csrc/exl3/exl3_fused.cuh), early is faster (docs/performance.md, run 19). False: early.
 LATE_TRIGGER_WHEN_MERGED = False
+#: Bytes of a split program's key tile (keys x padded head dim x element size) loaded before its wait,
+#: which is also its least share of the keys: a sequence within one share is one program's (no
+#: partials, no merge). 0: one BLOCK_N chunk. H200 (docs/performance.md, run 20): 64 KB (512 keys at
+#: head dim 64, 256 at 128) ran slower than one chunk at ctx 256, 1B 7.6 against 6.7 us after q/k/v
+#: and 8B 347 against 368 tok/s: one program's post-wait work on the wide tile outweighs the merge.
+PRELOAD_BYTES = 0
+#: warps of the split kernel (0: 8 when the preloaded key tile exceeds 16 KB, else 4)
+SPLIT_WARPS = 0
 #: fp32 elements of the merge's [heads, splits, dv] partial tile per round (8192: 64 registers a
 #: thread at 4 warps); more splits than fit take several rounds with a running max.
 MERGE_TILE = 8192
@@ -489,30 +510,43 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def preload_keys(spec: AttnSpec, max_seqlen_k: int) -> int:
+    """Keys a split program loads before its wait (its least share): :data:`PRELOAD_BYTES` of keys at
+    the padded head dim, no more than ``max_seqlen_k`` needs (a static bound), at least one BLOCK_N chunk
+    (always for head dims over 256). A power of two."""
+    block_d, block_dv, block_n = _block_sizes(spec)
+    widest = max(block_d, block_dv)
+    keys = PRELOAD_BYTES // (widest * spec.dtype.itemsize)
+    if keys <= block_n or widest > 256:
+        return block_n
+    return max(block_n, min(1 << (keys.bit_length() - 1), triton.next_power_of_2(max(max_seqlen_k, 1))))
+
+
 def choose_num_splits(args: AttnArgs) -> int:
     """Splits over the key axis for a paged decode call, from static host values only.
 
     Enough (batch x kv_heads x head_blocks x splits) programs to give every SM a few, but no
-    more splits than ``max_seqlen_k`` (the bound a CUDA graph is captured with) has BLOCK_N
-    chunks: each split's range is rounded up to whole chunks on the device.
+    more splits than ``max_seqlen_k`` (the bound a CUDA graph is captured with) has least shares
+    (:func:`preload_keys`): each split's range is rounded up to whole chunks on the device.
     """
     spec = args.spec
-    _, _, block_n = _block_sizes(spec)
     group = spec.num_q_heads // spec.num_kv_heads
     programs = args.seq_lens_k.shape[0] * spec.num_kv_heads * triton.cdiv(group, 16)
     want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(args.q.device), programs)
-    return max(1, min(want, triton.cdiv(max(args.max_seqlen_k, 1), block_n), MAX_SPLITS))
+    share = preload_keys(spec, args.max_seqlen_k)
+    return max(1, min(want, triton.cdiv(max(args.max_seqlen_k, 1), share), MAX_SPLITS))
 
 
 def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None = None,
-                    merge: bool | None = None) -> torch.Tensor:
+                    merge: bool | None = None, block_n0: int | None = None) -> torch.Tensor:
     """Split-KV decode over a paged cache (one query per sequence): the split kernel, whose last
     program per head block merges the splits, or (``merge=False``) the split kernel + a combine kernel.
 
     ``reload_fresh``: reload each sequence's newest key/value after the wait for the kernel that wrote
     them (the split kernel loads its first chunk before that wait); None = when launched as a
     programmatic dependent, the only case where the early loads can see the old row. Tests force it.
-    ``merge``: None = :data:`MERGE_IN_SPLIT_KERNEL`.
+    ``merge``: None = :data:`MERGE_IN_SPLIT_KERNEL`. ``block_n0``: keys loaded before the wait, a
+    power-of-two multiple of BLOCK_N (None = :func:`preload_keys`; tests force BLOCK_N for many splits).
     """
     spec = args.spec
     q = args.q
@@ -524,6 +558,10 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
     pt = args.page_table
     assert k is not None and pt is not None
     block_d, block_dv, block_n = _block_sizes(spec)
+    block_n0 = preload_keys(spec, args.max_seqlen_k) if block_n0 is None else block_n0
+    if block_n0 % block_n or block_n0 & (block_n0 - 1):
+        raise ValueError(f"block_n0={block_n0} must be a power-of-two multiple of BLOCK_N={block_n}")
+    warps = SPLIT_WARPS or (8 if block_n0 * max(block_d, block_dv) * spec.dtype.itemsize > 16384 else 4)
     block_h = 16  # tl.dot needs M >= 16: small GQA groups leave rows masked, which costs no memory traffic
     head_blocks = triton.cdiv(group, block_h)
     dev = q.device
@@ -544,12 +582,12 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
         pt.stride(0), out.stride(0), out.stride(1), num_splits,
         NUM_HEADS=Hq, PAGE_SIZE=k.shape[1], GROUP=group, HEAD_BLOCKS=head_blocks,
         HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.v_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_H=block_h, BLOCK_N=block_n,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_N0=block_n0,
         WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0, DOT_PREC=_dot_precision(spec.dtype),
         RELOAD_FRESH=opts["PDL"] if reload_fresh is None else reload_fresh,
         MERGE=merge, BLOCK_HM=block_hm, LATE_TRIGGER=merge and LATE_TRIGGER_WHEN_MERGED,
         SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), max(1, MERGE_TILE // (block_hm * block_dv))),
-        USED_ONLY=MERGE_USED_SPLITS_ONLY and B > 1, **opts,
+        USED_ONLY=MERGE_USED_SPLITS_ONLY and B > 1, num_warps=warps, **opts,
     )
     if merge:
         return out
