@@ -15,7 +15,9 @@ launch from N rows (exl3::set_xh_min_rows). With `--script PATH` the command aft
 bench/ script and its arguments) instead of the exl3 CLI. --predecode 0|1|2: the fused linear's
 pre-decoding mode (exl3::set_predecode; EXL3_PREDECODE is the setting; -1: the setting's); --pd-max-kt N:
 its longest chunk (exl3::set_predecode_max_kt; 0: the ring's length). --preload-bytes N, --split-warps N:
-the split-KV kernel's key tile loaded before its wait and its warps (PRELOAD_BYTES, SPLIT_WARPS).
+the split-KV kernel's key tile loaded before its wait and its warps (PRELOAD_BYTES, SPLIT_WARPS);
+--decode-block-n N, --used-only-b1 0|1: its key chunk and whether one sequence arrives with its used
+splits only (DECODE_BLOCK_N, USED_ONLY_AT_B1).
 --ablate-attention: TIMING ONLY, the outputs are wrong: every split-KV decode call is replaced by one
 minimal dependent kernel (wait, signal, copy q's leading channels to the output), which bounds what a
 faster decode attention could save in the step.
@@ -77,6 +79,9 @@ def main() -> None:
     ap.add_argument("--preload-bytes", type=int, default=-1,
                     help="split-KV key tile loaded before the wait, bytes (0: one chunk; -1: default)")
     ap.add_argument("--split-warps", type=int, default=-1, help="split-KV kernel's warps (0: its rule; -1: default)")
+    ap.add_argument("--decode-block-n", type=int, default=0, help="split-KV key chunk (0: default)")
+    ap.add_argument("--used-only-b1", type=int, choices=(0, 1), default=0,
+                    help="split-KV merge: one sequence arrives with its used splits only (1)")
     ap.add_argument("--ablate-attention", action="store_true",
                     help="TIMING ONLY (wrong outputs): a minimal kernel in the split-KV decode's place")
     ap.add_argument("--script", default=None, help="run this script with the arguments after -- (not the CLI)")
@@ -102,6 +107,9 @@ def main() -> None:
         tp.PRELOAD_BYTES = a.preload_bytes
     if a.split_warps >= 0:
         tp.SPLIT_WARPS = a.split_warps
+    if a.decode_block_n:
+        tp.DECODE_BLOCK_N = a.decode_block_n
+    tp.USED_ONLY_AT_B1 = bool(a.used_only_b1)
     if a.ablate_attention:
         tp.decode_split_kv = _ablated_attention()
     if a.merge_tile:
@@ -121,7 +129,8 @@ def main() -> None:
     print(f"# ab_run: merge={a.merge} late_trigger={a.late_trigger} merge_tile={a.merge_tile} "
           f"programs_per_sm={a.programs_per_sm} max_splits={a.max_splits} used_only={a.used_only} "
           f"kt_exceptions={a.kt_exceptions} predecode={a.predecode} pd_max_kt={a.pd_max_kt} fused_rows={a.fused_rows} xh_min_rows={a.xh_min_rows} "
-          f"preload_bytes={a.preload_bytes} split_warps={a.split_warps} ablate_attention={a.ablate_attention}: "
+          f"preload_bytes={a.preload_bytes} split_warps={a.split_warps} ablate_attention={a.ablate_attention} "
+          f"decode_block_n={a.decode_block_n} used_only_b1={a.used_only_b1}: "
           f"{a.script or 'exl3'} {' '.join(rest)}", flush=True)
     if a.script:
         sys.argv = [a.script, *rest]

@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 from exl3_attn_backends.triton_paged import TritonPagedAttention
 
 from exl3_core.attention import AttnSpec
-from exl3_core.attention.spec import device_cc
+from exl3_core.attention.spec import AttnArgs, device_cc
 from exl3_core.testing.attention import Case, check_backend, default_cases, make_args
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,10 +60,10 @@ DECODE_CASES = [
 ]
 
 
-def _one_chunk(case: Case) -> int:
+def _one_chunk(args: AttnArgs) -> int:
     import exl3_attn_backends.triton_paged as tp
 
-    return tp._block_sizes(case.spec)[2]
+    return tp._decode_block_n(args.spec, args.max_seqlen_k)
 
 
 @pytest.mark.parametrize("preload", [0, 32768], ids=["one_chunk", "preload32k"])
@@ -157,7 +157,7 @@ def test_split_kv_merge_paths(case: Case, merge: bool) -> None:
     from exl3_core.reference.attention import attention as reference_attention
 
     args = make_args(case, DEVICE, seed=5)
-    out = tp.decode_split_kv(args, 40, merge=merge, block_n0=_one_chunk(case))
+    out = tp.decode_split_kv(args, 40, merge=merge, block_n0=_one_chunk(args))
     ref = reference_attention(args)
     tol = 2e-5 if case.spec.dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
@@ -165,7 +165,7 @@ def test_split_kv_merge_paths(case: Case, merge: bool) -> None:
         dev = args.q.device  # "cuda:N": the counters are cached per device index
         counts = kc._cache[("decode_split", dev.type, dev.index)]
         assert int(counts.abs().sum()) == 0, "a head block's counter was not reset by its last program"
-        again = tp.decode_split_kv(args, 40, merge=True, block_n0=_one_chunk(case))
+        again = tp.decode_split_kv(args, 40, merge=True, block_n0=_one_chunk(args))
         torch.testing.assert_close(again, out, atol=0, rtol=0)
 
 
@@ -207,6 +207,9 @@ def test_num_splits_from_static_values_only(monkeypatch: pytest.MonkeyPatch) -> 
     short = args._replace(seq_lens_k=torch.ones_like(args.seq_lens_k))
     assert tp.choose_num_splits(args) == tp.choose_num_splits(short)
     assert tp.choose_num_splits(args._replace(max_seqlen_k=16)) == 1  # one chunk: nothing to split
+    # the key chunk: 32 while the bound holds at most MAX_SPLITS of them, else the single-pass kernel's 64
+    assert tp._decode_block_n(case.spec, 32 * tp.MAX_SPLITS) == 32
+    assert tp._decode_block_n(case.spec, 32 * tp.MAX_SPLITS + 1) == 64
     monkeypatch.setattr(tp, "PRELOAD_BYTES", 65536)
     share = tp.preload_keys(case.spec, 1 << 20)
     assert share == 256  # 64 KB of fp16 keys at head dim 128

@@ -472,6 +472,15 @@ LATE_TRIGGER_WHEN_MERGED = False
 PRELOAD_BYTES = 0
 #: warps of the split kernel (0: 8 when the preloaded key tile exceeds 16 KB, else 4)
 SPLIT_WARPS = 0
+#: The split kernel's key chunk while the static bound holds at most MAX_SPLITS such chunks: then every
+#: split has one chunk, loaded before its wait. Longer bounds keep the single-pass kernel's (64 up to head
+#: dim 128). H200, b=1 (docs/performance.md, run 20): ctx 256 (bound 512) 1B 1650.6-1652.8 tok/s against
+#: 1627.7-1632.8, 8B 375.5 against 367.2; at ctx 4096 32 was slower (1357 against 1376, 324 against 326).
+SHORT_BOUND_BLOCK_N = 32
+#: the split kernel's key chunk for every bound (0: the rule above); a tuning knob
+DECODE_BLOCK_N = 0
+#: with the merge, only the used splits arrive at one sequence too (MERGE_USED_SPLITS_ONLY); a tuning knob
+USED_ONLY_AT_B1 = False
 #: fp32 elements of the merge's [heads, splits, dv] partial tile per round (8192: 64 registers a
 #: thread at 4 warps); more splits than fit take several rounds with a running max.
 MERGE_TILE = 8192
@@ -510,11 +519,22 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _decode_block_n(spec: AttnSpec, max_seqlen_k: int) -> int:
+    """The split kernel's key chunk for this static bound (see :data:`SHORT_BOUND_BLOCK_N`)."""
+    if DECODE_BLOCK_N:
+        return DECODE_BLOCK_N
+    block_n = _block_sizes(spec)[2]
+    if 16 <= SHORT_BOUND_BLOCK_N < block_n and triton.cdiv(max(max_seqlen_k, 1), SHORT_BOUND_BLOCK_N) <= MAX_SPLITS:
+        return SHORT_BOUND_BLOCK_N
+    return block_n
+
+
 def preload_keys(spec: AttnSpec, max_seqlen_k: int) -> int:
     """Keys a split program loads before its wait (its least share): :data:`PRELOAD_BYTES` of keys at
     the padded head dim, no more than ``max_seqlen_k`` needs (a static bound), at least one BLOCK_N chunk
     (always for head dims over 256). A power of two."""
-    block_d, block_dv, block_n = _block_sizes(spec)
+    block_d, block_dv, _ = _block_sizes(spec)
+    block_n = _decode_block_n(spec, max_seqlen_k)
     widest = max(block_d, block_dv)
     keys = PRELOAD_BYTES // (widest * spec.dtype.itemsize)
     if keys <= block_n or widest > 256:
@@ -557,7 +577,8 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
     v = args.v_cache if args.v_cache is not None else args.k_cache  # latent: values = leading channels
     pt = args.page_table
     assert k is not None and pt is not None
-    block_d, block_dv, block_n = _block_sizes(spec)
+    block_d, block_dv, _ = _block_sizes(spec)
+    block_n = _decode_block_n(spec, args.max_seqlen_k)
     block_n0 = preload_keys(spec, args.max_seqlen_k) if block_n0 is None else block_n0
     if block_n0 % block_n or block_n0 & (block_n0 - 1):
         raise ValueError(f"block_n0={block_n0} must be a power-of-two multiple of BLOCK_N={block_n}")
@@ -587,7 +608,7 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
         RELOAD_FRESH=opts["PDL"] if reload_fresh is None else reload_fresh,
         MERGE=merge, BLOCK_HM=block_hm, LATE_TRIGGER=merge and LATE_TRIGGER_WHEN_MERGED,
         SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), max(1, MERGE_TILE // (block_hm * block_dv))),
-        USED_ONLY=MERGE_USED_SPLITS_ONLY and B > 1, num_warps=warps, **opts,
+        USED_ONLY=MERGE_USED_SPLITS_ONLY and (B > 1 or USED_ONLY_AT_B1), num_warps=warps, **opts,
     )
     if merge:
         return out
