@@ -470,7 +470,7 @@ LATE_TRIGGER_WHEN_MERGED = False
 #: head dim 64, 256 at 128) ran slower than one chunk at ctx 256, 1B 7.6 against 6.7 us after q/k/v
 #: and 8B 347 against 368 tok/s: one program's post-wait work on the wide tile outweighs the merge.
 PRELOAD_BYTES = 0
-#: warps of the split kernel (0: 8 when the preloaded key tile exceeds 16 KB, else 4)
+#: warps of the split kernel (0: 8 when the preloaded key tile is wider than one chunk and over 16 KB, else 4)
 SPLIT_WARPS = 0
 #: The split kernel's key chunk while the static bound holds at most MAX_SPLITS such chunks: then every
 #: split has one chunk, loaded before its wait. Longer bounds keep the single-pass kernel's (64 up to head
@@ -582,7 +582,9 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
     block_n0 = preload_keys(spec, args.max_seqlen_k) if block_n0 is None else block_n0
     if block_n0 % block_n or block_n0 & (block_n0 - 1):
         raise ValueError(f"block_n0={block_n0} must be a power-of-two multiple of BLOCK_N={block_n}")
-    warps = SPLIT_WARPS or (8 if block_n0 * max(block_d, block_dv) * spec.dtype.itemsize > 16384 else 4)
+    # Triton's default 4, or 8 for a preloaded tile wider than one chunk and over 16 KB
+    wide = block_n0 > block_n and block_n0 * max(block_d, block_dv) * spec.dtype.itemsize > 16384
+    warps = SPLIT_WARPS or (8 if wide else 4)
     block_h = 16  # tl.dot needs M >= 16: small GQA groups leave rows masked, which costs no memory traffic
     head_blocks = triton.cdiv(group, block_h)
     dev = q.device
