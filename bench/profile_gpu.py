@@ -288,10 +288,11 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
              f"{'group':24s} {'kernels/step':>12s} {'us/step (sum of durations)':>28s}\n"]
     for g, ds in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
         lines.append(f"{g:24s} {len(ds) / steps:12.1f} {sum(ds) / steps:28.1f}\n")
-    lines.append("\ntimeline of the last step (us): start, duration, gap after the previous kernel's end\n")
+    lines.append("\ntimeline of the last step (us): start, duration, gap after the previous kernel's end, end after\n"
+                 "the previous kernel's end (a chain of programmatic dependents: each kernel's share of the step)\n")
     prev_end = last[0][1]
     for name, t0, t1 in last:
-        lines.append(f"{t0 - last[0][1]:9.1f} {t1 - t0:8.2f} {t0 - prev_end:7.2f}  {name[:90]}\n")
+        lines.append(f"{t0 - last[0][1]:9.1f} {t1 - t0:8.2f} {t0 - prev_end:7.2f} {t1 - prev_end:7.2f}  {name[:90]}\n")
         prev_end = max(prev_end, t1)
     cache.allocator.release(pages)
     graphs.reset()
