@@ -114,19 +114,20 @@ def test_split_kv_short_sequence_needs_no_merge(monkeypatch: pytest.MonkeyPatch)
             parts.append(t)
         return t
 
-    monkeypatch.setattr(tp.torch, "empty", spy)
-    out = tp.decode_split_kv(args, 4, merge=True)
-    monkeypatch.setattr(tp.torch, "empty", real_empty)
+    def decode_spied(a: AttnArgs, **kw: object) -> torch.Tensor:  # parts: this call's partial buffers
+        parts.clear()
+        with monkeypatch.context() as m:
+            m.setattr(tp.torch, "empty", spy)
+            return tp.decode_split_kv(a, 4, merge=True, **kw)  # type: ignore[arg-type]
+
+    out = decode_spied(args)
     torch.testing.assert_close(out, reference_attention(args), atol=2e-3, rtol=2e-3)
     assert len(parts) == 3 and all(bool(p.isnan().all()) for p in parts), "a one-split sequence stored partials"
     dev = args.q.device
     counts = kc._cache[("decode_split", dev.type, dev.index)]
     assert int(counts.abs().sum()) == 0
     longer = make_args(_decode_case(64, 8, 2, (share, 3), torch.float16), DEVICE, seed=22)  # share + 1 keys
-    parts.clear()
-    monkeypatch.setattr(tp.torch, "empty", spy)
-    out = tp.decode_split_kv(longer, 4, merge=True, block_n0=share)
-    monkeypatch.setattr(tp.torch, "empty", real_empty)
+    out = decode_spied(longer, block_n0=share)
     torch.testing.assert_close(out, reference_attention(longer), atol=2e-3, rtol=2e-3)
     assert not bool(parts[0].isnan().all()), "a sequence of two shares was not merged"
     assert int(kc._cache[("decode_split", dev.type, dev.index)].abs().sum()) == 0
