@@ -66,20 +66,23 @@ def _one_chunk(args: AttnArgs) -> int:
     return tp._decode_block_n(args.spec, args.max_seqlen_k)
 
 
-@pytest.mark.parametrize("preload", [0, 32768], ids=["one_chunk", "preload32k"])
+@pytest.mark.parametrize("preload,short_chunk", [(0, 0), (32768, 0), (0, 32)],
+                         ids=["one_chunk", "preload32k", "short_bound_chunk32"])
 @pytest.mark.parametrize("case,splits", [(c, s) for c in DECODE_CASES for s in (None, 7)]  # None = heuristic
                          + [(DECODE_CASES[0], 3), (DECODE_CASES[4], 3), (DECODE_CASES[6], 40)],  # 40: many empty
                          ids=lambda x: x.id if isinstance(x, Case) else f"splits{x}")
-def test_split_kv_decode_matches_reference(case: Case, splits: int | None, preload: int,
+def test_split_kv_decode_matches_reference(case: Case, splits: int | None, preload: int, short_chunk: int,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The split kernel against the reference: its key tile before the wait one BLOCK_N chunk (most
     lengths take several splits and the merge), or 32 KB (fp16 at head dim <= 64: 256 keys, so
-    shorter sequences are their first split's alone, without the merge)."""
+    shorter sequences are their first split's alone, without the merge); 64-key chunks, or 32 for these
+    short bounds (SHORT_BOUND_BLOCK_N)."""
     import exl3_attn_backends.triton_paged as tp
 
     used: list[int] = []
     real = tp.decode_split_kv
     monkeypatch.setattr(tp, "PRELOAD_BYTES", preload)
+    monkeypatch.setattr(tp, "SHORT_BOUND_BLOCK_N", short_chunk)
     monkeypatch.setattr(tp, "decode_split_kv", lambda a, n: used.append(n) or real(a, n))
     b = TritonPagedAttention()
     b.decode_num_splits = splits
@@ -208,7 +211,10 @@ def test_num_splits_from_static_values_only(monkeypatch: pytest.MonkeyPatch) -> 
     short = args._replace(seq_lens_k=torch.ones_like(args.seq_lens_k))
     assert tp.choose_num_splits(args) == tp.choose_num_splits(short)
     assert tp.choose_num_splits(args._replace(max_seqlen_k=16)) == 1  # one chunk: nothing to split
-    # the key chunk: 32 while the bound holds at most MAX_SPLITS of them, else the single-pass kernel's 64
+    # the key chunk: the single-pass kernel's 64 by default; with the short-bound rule on, 32 while the
+    # bound holds at most MAX_SPLITS of them
+    assert tp._decode_block_n(case.spec, 32 * tp.MAX_SPLITS) == 64
+    monkeypatch.setattr(tp, "SHORT_BOUND_BLOCK_N", 32)
     assert tp._decode_block_n(case.spec, 32 * tp.MAX_SPLITS) == 32
     assert tp._decode_block_n(case.spec, 32 * tp.MAX_SPLITS + 1) == 64
     monkeypatch.setattr(tp, "PRELOAD_BYTES", 65536)
