@@ -22,10 +22,7 @@ splits only (DECODE_BLOCK_N, USED_ONLY_AT_B1).
 minimal dependent kernel (wait, signal, copy q's leading channels to the output), which bounds what a
 faster decode attention could save in the step. --ablate-merge: TIMING ONLY, the outputs are wrong: the
 split kernel stores every split's partials and nothing merges them (no arrival, no combine launch), which
-bounds what a merge moved out of the attention's critical path (into o_proj's x prologue) could save.
---partials-rows N: decode steps of at most N sequences hand o_proj the split-KV partials to merge in its
-prologue (exl3_core.nn.attention.PARTIALS_MAX_ROWS; 0: never, the split kernel merges). --trigger-start 0|1:
-the split kernel signals o_proj before its own wait (1) or after it (0) (TRIGGER_AT_START).
+bounds what a merge moved out of the attention's critical path could save.
 """
 from __future__ import annotations
 
@@ -53,7 +50,7 @@ def _ablated_attention():  # the minimal stand-in for --ablate-attention (Triton
         x = tl.load(Q + t * stride_qt + h * stride_qh + d, mask=d < DV, other=0.0)
         tl.store(Out + t * stride_ot + h * stride_oh + d, x, mask=d < DV)
 
-    def decode(args, num_splits, reload_fresh=None, merge=None, block_n0=None, defer=False):
+    def decode(args, num_splits, reload_fresh=None, merge=None, block_n0=None):
         q = args.q
         out = torch.empty((q.shape[0], q.shape[1], args.spec.v_dim), dtype=q.dtype, device=q.device)
         _copy_q[(q.shape[0], q.shape[1])](q, out, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -98,10 +95,6 @@ def main() -> None:
                     help="TIMING ONLY (wrong outputs): a minimal kernel in the split-KV decode's place")
     ap.add_argument("--ablate-merge", action="store_true",
                     help="TIMING ONLY (wrong outputs): split-KV partials stored, never merged")
-    ap.add_argument("--partials-rows", type=int, default=-1,
-                    help="o_proj merges the split-KV partials up to N rows (0: never; -1: default)")
-    ap.add_argument("--trigger-start", type=int, choices=(-1, 0, 1), default=-1,
-                    help="split-KV kernel signals o_proj at its start (1) or after its wait (0); -1: default")
     ap.add_argument("--script", default=None, help="run this script with the arguments after -- (not the CLI)")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -133,12 +126,6 @@ def main() -> None:
     if a.ablate_merge:
         tp.MERGE_IN_SPLIT_KERNEL = False
         tp._decode_combine = _NoLaunch()
-    if a.trigger_start >= 0:
-        tp.TRIGGER_AT_START = bool(a.trigger_start)
-    if a.partials_rows >= 0:
-        from exl3_core.nn import attention
-
-        attention.PARTIALS_MAX_ROWS = a.partials_rows
     if a.merge_tile:
         tp.MERGE_TILE = a.merge_tile
     if not ext.load():
@@ -157,7 +144,7 @@ def main() -> None:
           f"programs_per_sm={a.programs_per_sm} max_splits={a.max_splits} used_only={a.used_only} "
           f"kt_exceptions={a.kt_exceptions} predecode={a.predecode} pd_max_kt={a.pd_max_kt} fused_rows={a.fused_rows} xh_min_rows={a.xh_min_rows} "
           f"preload_bytes={a.preload_bytes} split_warps={a.split_warps} ablate_attention={a.ablate_attention} "
-          f"ablate_merge={a.ablate_merge} partials_rows={a.partials_rows} trigger_start={a.trigger_start} "
+          f"ablate_merge={a.ablate_merge} "
           f"decode_block_n={a.decode_block_n} used_only_b1={a.used_only_b1}: "
           f"{a.script or 'exl3'} {' '.join(rest)}", flush=True)
     if a.script:

@@ -102,15 +102,6 @@ struct FusedArgs {
     // copy their chunk instead of each transforming it again; nullptr: every block transforms its chunk.
     __half* xh_buf;
     int xh_min_rows;
-    // Split-KV decode attention's partials as the input (the ATT variant; exl3_core.attention.spec.SplitPartials):
-    // x is attention's output, row r's columns heads of att_dv channels, merged in the prologue instead of by
-    // the attention kernel: x[r, h att_dv + c] = fp16(Σ_s e^(m_s - M) acc_s[c] / Σ_s e^(m_s - M) l_s), M = max_s m_s,
-    // over the att_splits partials of (r, h): att_m, att_l [m, att_heads, att_splits] (natural-log maxima and
-    // sums; an empty split is (-inf, 0)), att_acc [m, att_heads, att_splits, att_dv]; 0 where every split is empty.
-    const float* att_m;
-    const float* att_l;
-    const float* att_acc;
-    int att_heads, att_splits, att_dv;
     // programmatic dependent launch (Hopper): the grid may start while the previous kernel on the
     // stream is still finishing; it prefetches (and, pre-decoding, decodes) trellis words, which nothing
     // before it writes, then waits (griddepcontrol.wait) before touching x or the workspace. The kernel
@@ -253,8 +244,6 @@ __device__ __forceinline__ void rope_apply(const FusedArgs& a, int d0, const flo
 // One prologue item: x' = (gate ? act(gate) * x : x), normalised if deferred, times suh, Hadamard over
 // the 128 columns of row r whose lane's 4 start at gc, rounded to fp16. The fused linear's prologue and
 // fused_xh_kernel share it (the same arithmetic bit for bit).
-__device__ __forceinline__ uint2 prologue_transform(const __half* suh, uint2 xu, long gc, int lane);
-
 __device__ __forceinline__ uint2 prologue_item(const FusedArgs& a, const __half* suh, int r, long gc, long kdim,
                                                int lane) {
     uint2 xu = __ldg(reinterpret_cast<const uint2*>(a.x + (long)r * kdim + gc));
@@ -277,11 +266,6 @@ __device__ __forceinline__ uint2 prologue_item(const FusedArgs& a, const __half*
         xu.x = h2_bits(__floats2half2_rn(__low2float(h0) * rs * w.x, __high2float(h0) * rs * w.y));
         xu.y = h2_bits(__floats2half2_rn(__low2float(h1) * rs * w.z, __high2float(h1) * rs * w.w));
     }
-    return prologue_transform(suh, xu, gc, lane);
-}
-
-// x' times suh, Hadamard over the warp's 128 columns (the lane's 4 at gc), rounded to fp16
-__device__ __forceinline__ uint2 prologue_transform(const __half* suh, uint2 xu, long gc, int lane) {
     const uint2 su = __ldg(reinterpret_cast<const uint2*>(suh + gc));
     const __half2 p0 = __hmul2(bits_h2(xu.x), bits_h2(su.x));  // fp16 product, as had128's pre-scale
     const __half2 p1 = __hmul2(bits_h2(xu.y), bits_h2(su.y));
@@ -290,49 +274,6 @@ __device__ __forceinline__ uint2 prologue_transform(const __half* suh, uint2 xu,
     __half h[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) h[j] = __float2half_rn(v[j]);
-    return pack_half4(h);
-}
-
-// One warp's share of the split-KV merge (FusedArgs::att_*) for the lane's 4 columns at gc of row r: the
-// splits s = first, first + step, ... folded into st = {M, L, A0..A3} (running max, rescaled sums). Loads at
-// L2 (.cg): the partials were written by the kernel just before this one.
-__device__ __forceinline__ void att_share(const FusedArgs& a, int r, long gc, int first, int step, float (&st)[6]) {
-    const int head = (int)(gc / a.att_dv), ch = (int)(gc - (long)head * a.att_dv);
-    const long base = ((long)r * a.att_heads + head) * a.att_splits;
-    float M = -INFINITY, L = 0.f, A[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-    for (int s = first; s < a.att_splits; s += step) {
-        const float ms = __ldcg(a.att_m + base + s), ls = __ldcg(a.att_l + base + s);
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(a.att_acc + (base + s) * a.att_dv + ch));
-        const float mn = fmaxf(M, ms);
-        const float ref = mn == -INFINITY ? 0.f : mn;  // both empty so far: every weight is e^-inf = 0
-        const float wa = __expf(M - ref), wb = __expf(ms - ref);
-        L = L * wa + ls * wb;
-        A[0] = A[0] * wa + v.x * wb, A[1] = A[1] * wa + v.y * wb, A[2] = A[2] * wa + v.z * wb;
-        A[3] = A[3] * wa + v.w * wb;
-        M = mn;
-    }
-    st[0] = M, st[1] = L;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) st[2 + j] = A[j];
-}
-
-// The shares of n warps (sh[w][j][lane], att_share's st) combined into the lane's 4 values of x, fp16
-__device__ __forceinline__ uint2 att_combine(const float (*sh)[6][32], int n, int lane) {
-    float M = -INFINITY;
-    for (int w = 0; w < n; ++w) M = fmaxf(M, sh[w][0][lane]);
-    const float ref = M == -INFINITY ? 0.f : M;
-    float L = 0.f, A[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int w = 0; w < n; ++w) {
-        const float e = __expf(sh[w][0][lane] - ref);
-        L += sh[w][1][lane] * e;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) A[j] += sh[w][2 + j][lane] * e;
-    }
-    const float inv = 1.f / (L == 0.f ? 1.f : L);
-    __half h[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) h[j] = __float2half_rn(A[j] * inv);
     return pack_half4(h);
 }
 
@@ -367,8 +308,7 @@ __global__ void __launch_bounds__(128) fused_xh_kernel(FusedArgs a) {
 // S: trellis ring stages (fused_ring by default; SHORT_RING for short k chunks, launch_fused_t)
 // PD: the k tiles decoded before griddepcontrol.wait (pre-decoding, TR only: the whole chunk, <= S tiles, is
 // requested at once; its first PD tiles are decoded into registers)
-// ATT: x is split-KV attention partials merged in the prologue (FusedArgs::att_*; TR, not XH)
-template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH), int PD = 0, bool ATT = false>
+template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH), int PD = 0>
 __global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fused_min_blocks<K, TR, S>()))
     fused_linear_kernel(FusedArgs a) {
     constexpr int NT = GEMM_NT;
@@ -445,26 +385,6 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fus
             }
             cp_async_commit();
             cp_async_wait<0>();
-        } else if constexpr (ATT) {
-            // the attention's merge: every warp folds its share of the splits of one (row, 128 columns)
-            // item, warp 0 combines the shares and transforms. One item at a time keeps the shared
-            // footprint at 3 KB (the pre-decoding variants sit near the 48 KB of static shared memory).
-            __shared__ float att_sh[GEMM_WARPS][6][32];
-            for (int i = 0; i < a.m * hb; ++i) {
-                const int r = i / hb;
-                const long gc = (long)(hb0 + i % hb) * 128 + 4 * lane;
-                float st[6];
-                att_share(a, r, gc, warp, GEMM_WARPS, st);
-#pragma unroll
-                for (int j = 0; j < 6; ++j) att_sh[warp][j][lane] = st[j];
-                __syncthreads();
-                if (warp == 0) {
-                    const int c = (int)(gc - c0);
-                    const uint2 h = prologue_transform(P.suh, att_combine(att_sh, GEMM_WARPS, lane), gc, lane);
-                    if (c >= 0 && c < cols) *reinterpret_cast<uint2*>(&xs[r * XS + c]) = h;
-                }
-                __syncthreads();  // att_sh is reused by the next item
-            }
         } else {
             for (int i = warp; i < a.m * hb; i += GEMM_WARPS) {
                 const int r = i / hb;
@@ -670,13 +590,12 @@ inline bool xh_wanted(int m, int k_tiles, long col_blocks, int min_rows) {
 }
 
 // resident blocks per SM of one fused instantiation (same on every H-class device; queried once)
-template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH), int PD = 0, bool ATT = false>
+template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH), int PD = 0>
 inline int fused_occupancy() {
     static int occ = -1;
     if (occ < 0) {
         int o = 0;
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, fused_linear_kernel<K, CB, TR, XH, S, PD, ATT>,
-                                                      GEMM_WARPS * 32, 0);
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, fused_linear_kernel<K, CB, TR, XH, S, PD>, GEMM_WARPS * 32, 0);
         occ = o > 0 ? o : 1;
     }
     return occ;
@@ -685,13 +604,11 @@ inline int fused_occupancy() {
 // Fills a.kt_per_chunk (when <= 0) and the problems' block0, launches; returns the k tiles per chunk.
 template <int K, int CB>
 int launch_fused_t(FusedArgs a, cudaStream_t st) {
-    // the attention merge (ATT) has only transposed variants: its caller keeps m <= 8 (exl3_ops.cu)
-    const bool att = a.att_acc != nullptr;
-    const bool tr = (EXL3_FUSED_TR || att) && a.m <= 8;
+    const bool tr = EXL3_FUSED_TR && a.m <= 8;
     long col_blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) col_blocks += a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS);
-    const bool xh = tr && !att && a.xh_buf != nullptr && xh_wanted(a.m, a.k_tiles, col_blocks, a.xh_min_rows);
-    const bool short_ok = tr && !xh && !att && SHORT_RING < tr_ring_stages(K);  // the short ring variant may serve
+    const bool xh = tr && a.xh_buf != nullptr && xh_wanted(a.m, a.k_tiles, col_blocks, a.xh_min_rows);
+    const bool short_ok = tr && !xh && SHORT_RING < tr_ring_stages(K);  // the short ring variant may serve
     const bool picked = a.kt_per_chunk <= 0;  // the launcher's choice (a caller's chunk is kept as given)
     int dev = 0, sms = 0;
     cudaGetDevice(&dev);
@@ -721,8 +638,7 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
             constexpr int ring = pd_ring(K);
             const int cap = predecode_max_kt().load(std::memory_order_relaxed);
             const int longest = cap > 0 && cap < ring ? cap : ring;
-            const long slots = (long)sms * (att ? fused_occupancy<K, CB, true, false, ring, PD_STEPS, true>()
-                                                : fused_occupancy<K, CB, true, false, ring, PD_STEPS>());
+            const long slots = (long)sms * fused_occupancy<K, CB, true, false, ring, PD_STEPS>();
             int kt = a.kt_per_chunk;
             while (picked && kt < longest && grid_blocks(kt) > slots) ++kt;
             pd = kt <= longest && grid_blocks(kt) <= slots;
@@ -736,10 +652,8 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         blocks += (long)(a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS)) * chunks;
     }
     if (blocks <= 0) return a.kt_per_chunk;
-    auto kern = pd && att ? fused_linear_kernel<K, CB, true, false, pd_ring(K), PD_STEPS, true>
-                : pd  ? fused_linear_kernel<K, CB, true, false, pd_ring(K), PD_STEPS>
-                : att ? fused_linear_kernel<K, CB, true, false, tr_ring_stages(K), 0, true>
-                : xh  ? fused_linear_kernel<K, CB, true, true>
+    auto kern = pd   ? fused_linear_kernel<K, CB, true, false, pd_ring(K), PD_STEPS>
+                : xh ? fused_linear_kernel<K, CB, true, true>
                 : short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT ? fused_linear_kernel<K, CB, true, false, SHORT_RING>
                 : tr ? fused_linear_kernel<K, CB, true> : fused_linear_kernel<K, CB, false>;
     if (xh) {  // x transformed once, then the linear (a dependent of this pass, which waits for it)

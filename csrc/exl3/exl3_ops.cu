@@ -321,10 +321,6 @@ struct FusedExtras {
     const int64_t* slots = nullptr;
     int rope[exl3::FUSED_MAX_PROBLEMS] = {0, 0, 0};
     __half* cache[exl3::FUSED_MAX_PROBLEMS] = {nullptr, nullptr, nullptr};
-    const float* att_m = nullptr;  // x from split-KV attention partials (FusedArgs::att_*)
-    const float* att_l = nullptr;
-    const float* att_acc = nullptr;
-    int att_heads = 0, att_splits = 0, att_dv = 0;
 };
 
 // One launch for up to 3 problems sharing x (same K, codebook); returns false (nothing launched)
@@ -357,12 +353,6 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
     a.rope_half = ex.rope_half;
     a.rope_interleaved = ex.rope_interleaved;
     a.slots = ex.slots;
-    a.att_m = ex.att_m;
-    a.att_l = ex.att_l;
-    a.att_acc = ex.att_acc;
-    a.att_heads = ex.att_heads;
-    a.att_splits = ex.att_splits;
-    a.att_dv = ex.att_dv;
     a.xh_min_rows = g_xh_min_rows.load(std::memory_order_relaxed);
     a.xh_buf = fused_xh_workspace(x, x.size(0), x.size(1), n_total / exl3::FUSED_COLS, a.xh_min_rows);
     // programmatic dependent launch is Hopper's (sm_90+); torch caches the device properties
@@ -640,63 +630,6 @@ Tensor linear_residual(const Tensor& x, const c10::optional<Tensor>& gate, int64
     return y;
 }
 
-// The split-KV merge with ATen (the capture fallback of linear_residual_attn; the fused prologue's math):
-// fp16 [m, heads * dv] from part_m, part_l [m, heads, splits] and part_acc [m, heads, splits, dv]
-Tensor aten_merge_partials(const Tensor& pm, const Tensor& pl, const Tensor& pa) {
-    Tensor mx = std::get<0>(pm.max(-1, true));
-    Tensor ref = at::where(at::isinf(mx) & (mx < 0), at::zeros_like(mx), mx);
-    Tensor w = at::exp(pm - ref);  // an empty split (-inf) weighs 0
-    Tensor den = (w * pl).sum(-1, true);
-    Tensor num = (w.unsqueeze(-1) * pa).sum(-2);
-    Tensor out = num / at::where(den == 0, at::ones_like(den), den);
-    return out.reshape({pm.size(0), -1}).to(at::kHalf);
-}
-
-// res + linear(attention's output) in one launch, the output given as a split-KV decode's partials
-// (exl3_core.attention.spec.SplitPartials): part_m, part_l fp32 [m, heads, splits], part_acc fp32
-// [m, heads, splits, dv]. The fused linear's prologue merges them (FusedArgs::att_*), so the attention
-// kernel neither merges nor waits for its splits. m <= 8; heads * dv = k; dv a multiple of 4.
-Tensor linear_residual_attn(const Tensor& part_m, const Tensor& part_l, const Tensor& part_acc, const Tensor& trellis,
-                            const Tensor& suh, const Tensor& svh, int64_t codebook, const Tensor& res, const Tensor& ss) {
-    const char* op = "exl3::exl3_linear_residual_attn";
-    c10::cuda::CUDAGuard guard(part_acc.device());
-    TORCH_CHECK(part_acc.is_cuda() && part_acc.scalar_type() == at::kFloat && part_acc.dim() == 4, op,
-                ": part_acc must be CUDA fp32 [rows, heads, splits, dv], got ", part_acc.scalar_type(), " ",
-                part_acc.sizes());
-    const int64_t m = part_acc.size(0), heads = part_acc.size(1), splits = part_acc.size(2), dv = part_acc.size(3);
-    for (const Tensor* t : {&part_m, &part_l})
-        TORCH_CHECK(t->scalar_type() == at::kFloat && t->device() == part_acc.device() &&
-                        t->sizes() == part_acc.sizes().slice(0, 3),
-                    op, ": part_m and part_l must be fp32 [", m, ", ", heads, ", ", splits, "] on part_acc's device, got ",
-                    t->scalar_type(), " ", t->sizes());
-    TORCH_CHECK(m <= 8, op, ": at most 8 rows (the transposed kernel), got ", m);
-    TORCH_CHECK(splits >= 1 && dv % 4 == 0, op, ": need >= 1 split and dv a multiple of 4, got ", splits, " and ", dv);
-    const Tensor xshape = at::empty({m, heads * dv}, part_acc.options().dtype(at::kHalf));  // x's shape, never read
-    Group g = prepare_group(op, xshape, {trellis}, {suh}, {svh}, codebook);
-    const int64_t nd = trellis.size(1) * 16;
-    TORCH_CHECK(res.is_cuda() && res.scalar_type() == at::kHalf && res.dim() == 2 && res.size(0) == m &&
-                    res.size(1) == nd && res.device() == part_acc.device(),
-                op, ": res must be a CUDA fp16 [", m, ", ", nd, "] tensor on part_acc's device, got ",
-                res.scalar_type(), " ", res.sizes());
-    check_ss(ss, m, op, "ss");
-    if (m == 0) return g.ys[0];
-    Tensor pm = part_m.contiguous(), pl = part_l.contiguous(), pa = aligned16(part_acc.contiguous());
-    Tensor rc = aligned16(res.contiguous());
-    FusedExtras ex;
-    ex.res = reinterpret_cast<const __half*>(rc.data_ptr());
-    ex.res_ss = ss.data_ptr<float>();
-    ex.att_m = pm.data_ptr<float>();
-    ex.att_l = pl.data_ptr<float>();
-    ex.att_acc = pa.data_ptr<float>();
-    ex.att_heads = (int)heads, ex.att_splits = (int)splits, ex.att_dv = (int)dv;
-    if (fused_launch(xshape, {trellis}, g.su, g.sv, g.ys, g.k, codebook, 0, nullptr, 0, ex)) return g.ys[0];
-    // no workspace during capture: the merge with ATen, the chain, the add and the sums
-    Tensor y = (gemm_4kernel(aten_merge_partials(pm, pl, pa), trellis, g.su[0], g.sv[0], g.k, codebook)
-                    .to(at::kFloat) + rc.to(at::kFloat)).to(at::kHalf);
-    ss.narrow(0, 0, m).add_(y.to(at::kFloat).pow(2).sum(-1));
-    return y;
-}
-
 // debugging/tests: copies of this device's fused-op workspace (z, counters); empty before first use
 std::tuple<Tensor, Tensor> linear_workspace(const Tensor& like) {
     TORCH_CHECK(like.is_cuda(), "exl3::exl3_linear_workspace: pass a CUDA tensor of the device to inspect");
@@ -765,8 +698,6 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
           "bool rope_interleaved, int[] rope_on, Tensor? slots, Tensor?[] caches) -> Tensor[]");
     m.def("exl3_linear_residual(Tensor x, Tensor? gate, int act, Tensor trellis, Tensor suh, Tensor svh, int codebook, "
           "Tensor res, Tensor(a!) ss) -> Tensor");
-    m.def("exl3_linear_residual_attn(Tensor part_m, Tensor part_l, Tensor part_acc, Tensor trellis, Tensor suh, "
-          "Tensor svh, int codebook, Tensor res, Tensor(a!) ss) -> Tensor");
     // no tensor argument: a catch-all kernel. Returns the previous setting.
     m.def("set_pdl(bool on) -> bool", &set_pdl);
     m.def("set_predecode(int mode) -> int", &set_predecode);
@@ -789,5 +720,4 @@ TORCH_LIBRARY_IMPL(exl3, CUDA, m) {
     m.impl("exl3_linear_act", &linear_act);
     m.impl("exl3_linear_group_ex", &linear_group_ex);
     m.impl("exl3_linear_residual", &linear_residual);
-    m.impl("exl3_linear_residual_attn", &linear_residual_attn);
 }

@@ -40,9 +40,6 @@ class AttentionBackend(Protocol):
     def forward(self, args: AttnArgs) -> torch.Tensor:
         """Attention output ``[T, num_q_heads, v_dim]`` in ``args.q.dtype``. Never None.
 
-        With ``args.partials_ok`` a split-KV decode may return its unmerged
-        :class:`~exl3_core.attention.spec.SplitPartials` instead (the caller merges them).
-
         Must succeed for any args whose spec passed :meth:`unsupported_reasons`.
         """
         ...

@@ -19,7 +19,6 @@ Layout contract shared by every backend (packed "varlen" layout, one row per tok
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
@@ -66,33 +65,6 @@ class AttnArgs(NamedTuple):
     v_cache: torch.Tensor | None = None
     page_table: torch.Tensor | None = None  # int32 [B, max_pages]
     sinks: torch.Tensor | None = None  # [num_q_heads] attention-sink logits
-    #: the caller takes a :class:`SplitPartials` in place of the output tensor (a decode step whose
-    #: o_proj merges the splits in its prologue); a backend may still return the tensor
-    partials_ok: bool = False
-
-
-@dataclass(frozen=True)
-class SplitPartials:
-    """A split-KV decode's output before its merge, for a consumer that merges it (the EXL3 o_proj's
-    prologue, ``exl3_core.quant.exl3.linear.linear_residual``): one query per sequence, row b is
-    sequence b's query. Split s of (b, head) holds the softmax state of its key range in fp32:
-    ``m [B, Hq, S]`` the largest score (natural-log units, scale applied), ``l [B, Hq, S]`` the sum of
-    ``exp(score - m)``, ``acc [B, Hq, S, Dv]`` the matching sum of value rows; an empty split is
-    ``(-inf, 0, 0)``. The output is ``Σ_s e^(m_s - M) acc_s / Σ_s e^(m_s - M) l_s`` with ``M = max m_s``
-    (0 where every split is empty), in ``dtype``."""
-
-    m: torch.Tensor
-    l: torch.Tensor
-    acc: torch.Tensor
-    dtype: torch.dtype
-
-    def materialize(self) -> torch.Tensor:
-        """The merged output ``[B, Hq, Dv]`` in :attr:`dtype`, with torch ops (fp32 math)."""
-        mx = self.m.amax(-1, keepdim=True)
-        w = torch.exp(self.m - torch.where(torch.isneginf(mx), torch.zeros_like(mx), mx))  # empty: e^-inf = 0
-        den = (w * self.l).sum(-1, keepdim=True)
-        out = (w.unsqueeze(-1) * self.acc).sum(-2) / torch.where(den == 0, torch.ones_like(den), den)
-        return out.to(self.dtype)
 
 
 def device_cc(device: torch.device) -> tuple[int, int]:

@@ -14,24 +14,17 @@ import torch
 
 from exl3_core import ops, settings
 from exl3_core.attention.dispatch import get_dispatcher
-from exl3_core.attention.spec import AttnArgs, AttnSpec, SplitPartials, device_cc
+from exl3_core.attention.spec import AttnArgs, AttnSpec, device_cc
 from exl3_core.nn.module import ForwardState, LoadContext, Module
 from exl3_core.nn.norm import DeferredNorm, RMSNorm, add_residual_ss
 from exl3_core.nn.rope import RotaryEmbedding
 from exl3_core.quant.exl3.linear import (
     QKVEpilogue,
     linear_residual,
-    partials_fusable,
     project_group,
     qkv_epilogue_ok,
     residual_fusable,
 )
-
-#: Decode steps of at most this many sequences hand o_proj the split-KV attention's unmerged partials
-#: where the backend and o_proj allow it (AttnArgs.partials_ok, linear.partials_fusable): the merge moves
-#: from the attention kernel's last split program into o_proj's prologue. H200, 1B shape, b=1
-#: (docs/performance.md, run 21). 0: never. A tuning knob (bench/ab_run.py --partials-rows).
-PARTIALS_MAX_ROWS = 1
 
 
 class Attention(Module):
@@ -154,20 +147,13 @@ class Attention(Module):
         """``residual + self(x)`` with each row's sum of squares of the result added into ``ss`` (fp32,
         zero before): at decode sizes o_proj adds the residual in its epilogue and the next linear
         normalises with ``ss`` (:class:`DeferredNorm`), so no norm kernel runs in between."""
-        rows = residual.numel() // max(residual.shape[-1], 1)
-        ok = rows <= PARTIALS_MAX_ROWS and partials_fusable(self.o_proj, rows, self.num_heads * self.head_dim_v,
-                                                            residual)
-        o = self.attend(x, state, partials_ok=ok)
-        if isinstance(o, SplitPartials):
-            return linear_residual(self.o_proj, o, residual, ss)  # type: ignore[arg-type]
+        o = self.attend(x, state)
         if residual_fusable(self.o_proj, o, residual):
             return linear_residual(self.o_proj, o, residual, ss)  # type: ignore[arg-type]
         return add_residual_ss(residual, self.o_proj(o), ss)
 
-    def attend(self, x: torch.Tensor | DeferredNorm, state: ForwardState,
-               partials_ok: bool = False) -> torch.Tensor | SplitPartials:
-        """Attention up to o_proj's input ``[T, Hq * Dv]``; with ``partials_ok`` a paged decode call may
-        return the backend's unmerged :class:`SplitPartials` instead."""
+    def attend(self, x: torch.Tensor | DeferredNorm, state: ForwardState) -> torch.Tensor:
+        """Attention up to o_proj's input ``[T, Hq * Dv]``."""
         meta = state.meta
         layer = state.cache_layer(self.cache_index)
         own_qkv = type(self).project_qkv is Attention.project_qkv  # a subclass's may not take rotate=False
@@ -198,13 +184,9 @@ class Attention(Module):
             spec = self.attn_spec(q.dtype, q.device, layer.views()[0], meta.phase)
             args = AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
                             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=self.scale,
-                            k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table, k=k, v=v,
-                            partials_ok=partials_ok)
+                            k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table, k=k, v=v)
         backend = get_dispatcher(state.plugins).select(spec, state.allowed_backends)
-        o = backend.forward(args)
-        if isinstance(o, SplitPartials):
-            return o
-        return o.reshape(T, self.num_heads * self.head_dim_v)
+        return backend.forward(args).reshape(T, self.num_heads * self.head_dim_v)
 
     def _qkv_epilogue(self, x: torch.Tensor | DeferredNorm, layer: Any, state: ForwardState) -> QKVEpilogue | None:
         """RoPE and the KV write for q/k/v's epilogue, where the linears, the rotary and the cache allow it."""

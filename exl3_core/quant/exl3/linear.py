@@ -21,7 +21,6 @@ from exl3_core.quant.exl3.hadamard import EXL3_BLOCK, had_blockwise
 from exl3_core.quant.exl3.trellis import MAX_K, decode_inner
 
 if TYPE_CHECKING:
-    from exl3_core.attention.spec import SplitPartials
     from exl3_core.nn.norm import DeferredNorm
 
 PAD = EXL3_BLOCK  # quantized in/out features are zero-padded to multiples of 128 (spec 1.4)
@@ -439,32 +438,11 @@ def residual_fusable(layer: torch.nn.Module, x: torch.Tensor, residual: torch.Te
             and (gate is None or (gate.shape == x.shape and gate.dtype == torch.float16)))
 
 
-def partials_fusable(layer: torch.nn.Module, rows: int, width: int, residual: torch.Tensor) -> bool:
-    """Whether :func:`linear_residual` takes attention's output ``[rows, width]`` as a split-KV decode's
-    :class:`~exl3_core.attention.spec.SplitPartials` (merged in the fused linear's prologue): as
-    :func:`residual_fusable`, at most 8 rows (the transposed kernel), fp16."""
-    if not (isinstance(layer, EXL3Linear) and residual.is_cuda and residual.dtype == torch.float16
-            and ext.has_op("exl3_linear_residual_attn") and layer.bias is None and not _hooked((layer,))):
-        return False
-    return (1 <= rows <= 8 and width == layer.in_features == layer.padded_in_features
-            and layer.out_features == layer.padded_out_features == residual.shape[-1]
-            and residual.numel() == rows * residual.shape[-1] and layer.trellis.device == residual.device)
-
-
-def linear_residual(layer: EXL3Linear, x: torch.Tensor | SplitPartials, residual: torch.Tensor, ss: torch.Tensor,
+def linear_residual(layer: EXL3Linear, x: torch.Tensor, residual: torch.Tensor, ss: torch.Tensor,
                     gate: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
     """``residual + layer(x)`` (``layer(act(gate) * x)`` with ``gate``) in one launch, each row's sum of
     squares of the result added into ``ss`` (fp32, zero before) for the next linear's deferred norm.
-    Only where :func:`residual_fusable` holds; ``act`` in :data:`exl3_core.ops.ACT_CODES`. ``x`` may be
-    attention's unmerged :class:`~exl3_core.attention.spec.SplitPartials` where :func:`partials_fusable`
-    holds (no gate): the prologue merges the splits."""
-    if not isinstance(x, torch.Tensor):
-        if gate is not None or x.dtype != torch.float16:
-            raise ValueError(f"{layer.key}: linear_residual takes SplitPartials of fp16 attention without a gate")
-        rows = x.acc.shape[0]
-        y = ext.op("exl3_linear_residual_attn")(x.m, x.l, x.acc, layer.trellis, layer.suh, layer.svh, layer.codebook,
-                                                residual.reshape(rows, -1), ss)
-        return y.reshape(residual.shape)
+    Only where :func:`residual_fusable` holds; ``act`` in :data:`exl3_core.ops.ACT_CODES`."""
     rows = x.numel() // x.shape[-1]
     if gate is not None and act not in ACT_CODES:
         raise ValueError(f"{layer.key}: linear_residual with a gate needs act in {sorted(ACT_CODES)}, got {act!r}")

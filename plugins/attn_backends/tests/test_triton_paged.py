@@ -83,7 +83,7 @@ def test_split_kv_decode_matches_reference(case: Case, splits: int | None, prelo
     real = tp.decode_split_kv
     monkeypatch.setattr(tp, "PRELOAD_BYTES", preload)
     monkeypatch.setattr(tp, "SHORT_BOUND_BLOCK_N", short_chunk)
-    monkeypatch.setattr(tp, "decode_split_kv", lambda a, n, **kw: used.append(n) or real(a, n, **kw))
+    monkeypatch.setattr(tp, "decode_split_kv", lambda a, n: used.append(n) or real(a, n))
     b = TritonPagedAttention()
     b.decode_num_splits = splits
     assert b.unsupported_reasons(case.spec) == []
@@ -144,7 +144,7 @@ def test_split_kv_reload_of_the_newest_row(case: Case, monkeypatch: pytest.Monke
 
     real = tp.decode_split_kv
     forced: list[bool] = []
-    monkeypatch.setattr(tp, "decode_split_kv", lambda a, n, **kw: forced.append(True) or real(a, n, reload_fresh=True, **kw))
+    monkeypatch.setattr(tp, "decode_split_kv", lambda a, n: forced.append(True) or real(a, n, reload_fresh=True))
     check_backend(TritonPagedAttention(), case, DEVICE, seed=12)
     assert forced
 
@@ -171,41 +171,6 @@ def test_split_kv_merge_paths(case: Case, merge: bool) -> None:
         assert int(counts.abs().sum()) == 0, "a head block's counter was not reset by its last program"
         again = tp.decode_split_kv(args, 40, merge=True, block_n0=_one_chunk(args))
         torch.testing.assert_close(again, out, atol=0, rtol=0)
-
-
-@pytest.mark.parametrize("case", [DECODE_CASES[i] for i in (0, 3, 4, 6)], ids=lambda c: c.id)
-def test_split_kv_deferred_partials(case: Case) -> None:
-    """With ``partials_ok`` a split decode returns every split's partials unmerged (SplitPartials), and
-    their merge by its own torch ops equals the reference: trailing splits of short sequences are empty
-    (-inf, 0, 0) and a length-1 sequence has one used split. Callers that do not take partials get the
-    tensor; one split (nothing to merge) returns the tensor too; q rows that are not one per sequence
-    are refused."""
-    import exl3_attn_backends.triton_paged as tp
-
-    from exl3_core.attention.spec import SplitPartials
-    from exl3_core.reference.attention import attention as reference_attention
-
-    args = make_args(case, DEVICE, seed=9)
-    ref = reference_attention(args)
-    tol = 2e-5 if case.spec.dtype == torch.float32 else 2e-3
-    b = TritonPagedAttention()
-    b.decode_num_splits = 12
-    part = b.forward(args._replace(partials_ok=True))
-    assert isinstance(part, SplitPartials)
-    B, hq = args.seq_lens_k.shape[0], case.spec.num_q_heads
-    assert part.m.shape == part.l.shape == (B, hq, 12) and part.acc.shape == (B, hq, 12, case.spec.v_dim)
-    assert part.dtype == args.q.dtype
-    empty = torch.isneginf(part.m)
-    assert empty.any(), "no empty split: the case does not exercise the neutral partials"
-    assert (part.l[empty] == 0).all() and (part.acc[empty] == 0).all()
-    torch.testing.assert_close(part.materialize().float(), ref.float(), atol=tol, rtol=tol)
-    plain = b.forward(args)
-    assert isinstance(plain, torch.Tensor)
-    torch.testing.assert_close(plain.float(), ref.float(), atol=tol, rtol=tol)
-    b.decode_num_splits = 1
-    assert isinstance(b.forward(args._replace(partials_ok=True)), torch.Tensor)
-    with pytest.raises(ValueError, match="one query row per sequence"):
-        tp.decode_split_kv(args._replace(q=args.q[:0]), 4, defer=True)
 
 
 def test_split_kv_graph_bound_reads_nothing_past_lengths() -> None:

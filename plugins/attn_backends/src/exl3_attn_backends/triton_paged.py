@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from exl3_attn_backends.dense import dense_causal, fresh_single_sequence
-from exl3_core.attention.spec import AttnArgs, AttnSpec, SplitPartials
+from exl3_core.attention.spec import AttnArgs, AttnSpec
 from exl3_core.kernels.counters import arrival_counters
 from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
 
@@ -254,13 +254,11 @@ def _decode_split(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N0: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
     RELOAD_FRESH: tl.constexpr, MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-    TRIGGER: tl.constexpr, USED_ONLY: tl.constexpr,
+    LATE_TRIGGER: tl.constexpr, USED_ONLY: tl.constexpr,
 ):
     # grid (batch, kv_heads * HEAD_BLOCKS, NUM_SPLITS); rows = BLOCK_H heads of one GQA group. A split's
     # first BLOCK_N0 keys (a multiple of BLOCK_N, and its least share) are loaded before the wait, the
     # rest in BLOCK_N chunks after it.
-    if PDL and TRIGGER == 0:  # o_proj's blocks may launch (and pre-decode) now: see TRIGGER_AT_START
-        gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
     hblk = tl.program_id(1) % HEAD_BLOCKS
@@ -297,7 +295,7 @@ def _decode_split(
                          stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
     if PDL:  # a programmatic dependent of the cache write (exl3_core/kernels/pdl.py)
         gdc_wait()
-        if TRIGGER == 1:
+        if not LATE_TRIGGER:
             gdc_launch_dependents()
 
     q_ptr = Q + q_start * stride_qt + head[:, None] * stride_qh + d[None, :]
@@ -342,7 +340,7 @@ def _decode_split(
         tl.store(PartL + part, l_i, mask=h_ok)
         tl.store(PartAcc + part.to(tl.int64)[:, None] * HEAD_DIM_V + dv[None, :], acc,
                  mask=h_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
-    if PDL and TRIGGER == 2:  # o_proj's blocks launch (and prefetch) only while the merge runs
+    if PDL and LATE_TRIGGER:  # o_proj's blocks launch (and prefetch) only while the merge runs
         gdc_launch_dependents()
     if MERGE and split < n_arrive:  # the head block's last used split merges them: no combine launch
         tl.debug_barrier()  # every thread's partial stores precede the release below
@@ -439,7 +437,7 @@ class TritonPagedAttention:
             r.append("head dim > 1024")
         return r
 
-    def forward(self, args: AttnArgs) -> torch.Tensor | SplitPartials:
+    def forward(self, args: AttnArgs) -> torch.Tensor:
         spec = args.spec
         if self.dense_prefill and args.q.is_cuda and fresh_single_sequence(args):
             return dense_causal(args)  # torch's fused kernels: 8B shape, 2048 tokens, docs/performance.md
@@ -447,10 +445,7 @@ class TritonPagedAttention:
             # the split kernel even at one split: its key tile is loaded before its wait
             splits = self.decode_num_splits if self.decode_num_splits is not None else choose_num_splits(args)
             if splits > 1 or self.decode_num_splits is None:
-                # the caller merges (o_proj's prologue): one query per sequence, so partial row b is row b of q
-                defer = (DEFER_MERGE and args.partials_ok and splits > 1
-                         and args.q.shape[0] == args.seq_lens_k.shape[0])
-                return decode_split_kv(args, splits, defer=defer)
+                return decode_split_kv(args, splits)
         return attention_single_pass(args)
 
 
@@ -464,22 +459,11 @@ MAX_SPLITS = 32
 #: The split kernel's last program per head block merges the splits (one launch, no combine kernel
 #: between attention and o_proj); False: the separate combine kernel. For A/B runs and tests.
 MERGE_IN_SPLIT_KERNEL = True
-#: Where the caller takes them (AttnArgs.partials_ok), decode calls of more than one split return their
-#: unmerged partials (SplitPartials): the consumer (the EXL3 o_proj's prologue) merges, and the split kernel
-#: neither counts arrivals nor merges. H200, 1B shape, b=1 (docs/performance.md, run 21). A tuning knob.
-DEFER_MERGE = True
 #: With the merge in the split kernel, signal the dependent (o_proj) after the partial stores instead
 #: of right after the wait. Late was faster while o_proj's early blocks only prefetched (their loads
 #: competed with the split programs'); since o_proj decodes its weights before its wait (pre-decoding,
 #: csrc/exl3/exl3_fused.cuh), early is faster (docs/performance.md, run 19). False: early.
 LATE_TRIGGER_WHEN_MERGED = False
-#: The split kernel signals its dependent (o_proj) at its start, before its own wait: o_proj's blocks then
-#: pre-decode their weights while q/k/v finishes and the attention runs, not only during the attention (the
-#: EXL3 linears before it signal at their start too). Safe: a dependent launches only once every block of
-#: this grid has started, so o_proj's waiting blocks cannot keep a split program from a slot, and its
-#: griddepcontrol.wait still waits for this whole grid. H200 (docs/performance.md, run 21). False: the
-#: signal after the wait (or after the partial stores, LATE_TRIGGER_WHEN_MERGED).
-TRIGGER_AT_START = True
 #: Bytes of a split program's key tile (keys x padded head dim x element size) loaded before its wait,
 #: which is also its least share of the keys: a sequence within one share is one program's (no
 #: partials, no merge). 0: one BLOCK_N chunk. H200 (docs/performance.md, run 20): 64 KB (512 keys at
@@ -575,12 +559,9 @@ def choose_num_splits(args: AttnArgs) -> int:
 
 
 def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None = None,
-                    merge: bool | None = None, block_n0: int | None = None,
-                    defer: bool = False) -> torch.Tensor | SplitPartials:
+                    merge: bool | None = None, block_n0: int | None = None) -> torch.Tensor:
     """Split-KV decode over a paged cache (one query per sequence): the split kernel, whose last
-    program per head block merges the splits, or (``merge=False``) the split kernel + a combine kernel,
-    or (``defer``) the split kernel alone, returning every split's partials for the caller to merge
-    (:class:`SplitPartials`; row b is sequence b's query, so ``q`` must hold one row per sequence).
+    program per head block merges the splits, or (``merge=False``) the split kernel + a combine kernel.
 
     ``reload_fresh``: reload each sequence's newest key/value after the wait for the kernel that wrote
     them (the split kernel loads its first chunk before that wait); None = when launched as a
@@ -613,10 +594,7 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
     part_acc = torch.empty((B, Hq, num_splits, spec.v_dim), dtype=torch.float32, device=dev)
     out = torch.empty((q.shape[0], Hq, spec.v_dim), dtype=q.dtype, device=dev)
     opts = launch_opts(out)
-    if defer and q.shape[0] != B:
-        raise ValueError(f"decode_split_kv(defer=True) needs one query row per sequence: q has {q.shape[0]} "
-                         f"rows for {B} sequences")
-    merge = False if defer else MERGE_IN_SPLIT_KERNEL if merge is None else merge
+    merge = MERGE_IN_SPLIT_KERNEL if merge is None else merge
     block_hm = min(block_h, triton.next_power_of_2(group))
     programs = B * spec.num_kv_heads * head_blocks
     _decode_split[(B, spec.num_kv_heads * head_blocks, num_splits)](
@@ -631,14 +609,12 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_N0=block_n0,
         WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0, DOT_PREC=_dot_precision(spec.dtype),
         RELOAD_FRESH=opts["PDL"] if reload_fresh is None else reload_fresh,
-        MERGE=merge, BLOCK_HM=block_hm, TRIGGER=0 if TRIGGER_AT_START else 2 if merge and LATE_TRIGGER_WHEN_MERGED else 1,
+        MERGE=merge, BLOCK_HM=block_hm, LATE_TRIGGER=merge and LATE_TRIGGER_WHEN_MERGED,
         SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), max(1, MERGE_TILE // (block_hm * block_dv))),
         USED_ONLY=MERGE_USED_SPLITS_ONLY and (B > 1 or USED_ONLY_AT_B1), num_warps=warps, **opts,
     )
     if merge:
         return out
-    if defer:  # every split stored its partials (MERGE off: all NUM_SPLITS programs do, empty ones neutral)
-        return SplitPartials(part_m, part_l, part_acc, q.dtype)
     block_s = max(2, triton.next_power_of_2(num_splits))
     block_dv_c = min(block_dv, 128)
     _decode_combine[(B, Hq, triton.cdiv(spec.v_dim, block_dv_c))](
