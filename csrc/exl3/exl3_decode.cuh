@@ -121,9 +121,29 @@ struct LaneWindow {
 __device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 
+// MUL1 in the matmuls (exl3_kernels.cuh DecodeMmaLoop) skips the codebook's affine map: decode_lane<K,
+// CB_MUL1, true> yields h = 1 + b/1024 (b the byte sum, h exact in fp16) and the mma sums h * x. Since
+// w = MUL1_RAW_SCALE * h + MUL1_RAW_BIAS exactly (the spec's 1774/2^18 * (1024 + b) - 10.3828125), the
+// loop adds one mma of x against ones (S = sum of x over the same k) and its owner finishes with
+// SCALE * acc + BIAS * S per output: one HFMA2 per two weights less in the decoder (~5% on the
+// decode-only ceiling, docs/performance.md run 22), at the price of w's fp16 rounding, which the product
+// no longer has (relative ~1e-4 against a GEMM over the rounded Ŵ: below x's own fp16 rounding).
+// EXL3_MUL1_RAW=0 builds the rounded-Ŵ decoder everywhere, for A/B runs.
+#ifndef EXL3_MUL1_RAW
+#define EXL3_MUL1_RAW 1
+#endif
 template <int CB>
+constexpr bool mul1_raw = EXL3_MUL1_RAW && CB == CB_MUL1;
+constexpr float MUL1_RAW_SCALE = 6.9296875f;   // 1774 * 1024 / 2^18, exact in fp32
+constexpr float MUL1_RAW_BIAS = -10.3828125f;  // fp16 0xC931, exact
+constexpr uint32_t HALF2_ONES = 0x3C003C00u;   // (1.0, 1.0) in fp16
+
+template <int CB, bool RAW = false>
 __device__ __forceinline__ uint32_t cb_hash(uint32_t s) {
-    if constexpr (CB == CB_3INST) {
+    if constexpr (CB == CB_MUL1 && RAW) {
+        // the byte sum plus 0x3C00: the fp16 bit pattern of 1 + b/1024 (b <= 1020: the mantissa holds it)
+        return __dp4a(s * 0x83DCD12Du, 0x01010101u, 0x3C00u);
+    } else if constexpr (CB == CB_3INST) {
         uint32_t x = s * 89226354u + 64248484u;
         return (x & 0x8FFF8FFFu) ^ 0x3B603B60u;
     } else if constexpr (CB == CB_MCG) {
@@ -135,11 +155,13 @@ __device__ __forceinline__ uint32_t cb_hash(uint32_t s) {
     }
 }
 
-template <int CB>
+template <int CB, bool RAW = false>
 __device__ __forceinline__ __half2 cb_pair(uint32_t s0, uint32_t s1) {
-    uint32_t x0 = cb_hash<CB>(s0);
-    uint32_t x1 = cb_hash<CB>(s1);
-    if constexpr (CB == CB_MUL1) {
+    uint32_t x0 = cb_hash<CB, RAW>(s0);
+    uint32_t x1 = cb_hash<CB, RAW>(s1);
+    if constexpr (CB == CB_MUL1 && RAW) {
+        return bits_h2(__byte_perm(x0, x1, 0x5410));  // (h0, h1); the affine map is the loop owner's
+    } else if constexpr (CB == CB_MUL1) {
         const __half2 kinv = bits_h2(0x1EEE1EEEu);   // 1774 / 2^18
         const __half2 kbias = bits_h2(0xC931C931u);  // -10.3828125
         __half2 h = bits_h2(__byte_perm(x0, x1, 0x5410));
@@ -168,8 +190,8 @@ __device__ __forceinline__ void lane_state(const uint32_t (&w)[LaneWindow<K>::NW
 
 // Decode lane's 8 positions into 4 half2: f[0] = (j0, j1), f[1] = (j2, j3) are the B fragment of
 // n-block 0 (rows 2q, 2q+1 | 2q+8, 2q+9; col g), f[2], f[3] the same for n-block 1 (col g+8),
-// with q = lane & 3, g = lane >> 2.
-template <int K, int CB>
+// with q = lane & 3, g = lane >> 2. RAW: MUL1 without its affine map (mul1_raw above), else ignored.
+template <int K, int CB, bool RAW = false>
 __device__ __forceinline__ void decode_lane(const uint32_t (&w)[LaneWindow<K>::NW], __half2 (&f)[4]) {
     uint32_t s[8];
     lane_state<K, 0>(w, s);
@@ -180,10 +202,10 @@ __device__ __forceinline__ void decode_lane(const uint32_t (&w)[LaneWindow<K>::N
     lane_state<K, 5>(w, s);
     lane_state<K, 6>(w, s);
     lane_state<K, 7>(w, s);
-    f[0] = cb_pair<CB>(s[0], s[1]);
-    f[1] = cb_pair<CB>(s[2], s[3]);
-    f[2] = cb_pair<CB>(s[4], s[5]);
-    f[3] = cb_pair<CB>(s[6], s[7]);
+    f[0] = cb_pair<CB, RAW>(s[0], s[1]);
+    f[1] = cb_pair<CB, RAW>(s[2], s[3]);
+    f[2] = cb_pair<CB, RAW>(s[4], s[5]);
+    f[3] = cb_pair<CB, RAW>(s[6], s[7]);
 }
 
 }  // namespace exl3

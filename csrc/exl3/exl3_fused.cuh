@@ -197,11 +197,15 @@ template <int K, bool TR, int S = ring_stages(K)>
 constexpr int fused_smem_bytes() {
     return GEMM_WARPS * Ring<K, S>::WARP_WORDS * 4 + (TR ? 8 : 16) * X_STAGE_STRIDE * 2 + 16;
 }
-template <int K, bool TR, int S = ring_stages(K)>
+// MUL1's raw decoder (exl3_decode.cuh mul1_raw) keeps x's sums in 5 more registers: its transposed
+// variants are capped at 12 blocks (40 registers) where 15 (32) would spill ~100 bytes a thread
+constexpr int RAW_MAX_MIN_BLOCKS = 12;
+template <int K, bool TR, int S = ring_stages(K), int CB = CB_3INST>
 constexpr int fused_min_blocks() {
     if (!TR) return EXL3_FUSED_MINB > 0 ? EXL3_FUSED_MINB : 1;
     const int by_smem = (228 * 1024) / (fused_smem_bytes<K, TR, S>() + 1024);  // 1 KB reserved per block
-    return by_smem < EXL3_FUSED_TR_MINB ? by_smem : EXL3_FUSED_TR_MINB;
+    const int cap = mul1_raw<CB> && RAW_MAX_MIN_BLOCKS < EXL3_FUSED_TR_MINB ? RAW_MAX_MIN_BLOCKS : EXL3_FUSED_TR_MINB;
+    return by_smem < cap ? by_smem : cap;
 }
 
 // RoPE on a lane's 4 consecutive output columns of row r (d0: the first one's column within its head):
@@ -309,7 +313,7 @@ __global__ void __launch_bounds__(128) fused_xh_kernel(FusedArgs a) {
 // PD: the k tiles decoded before griddepcontrol.wait (pre-decoding, TR only: the whole chunk, <= S tiles, is
 // requested at once; its first PD tiles are decoded into registers)
 template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH), int PD = 0>
-__global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fused_min_blocks<K, TR, S>()))
+__global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fused_min_blocks<K, TR, S, CB>()))
     fused_linear_kernel(FusedArgs a) {
     constexpr int NT = GEMM_NT;
     const int lane = threadIdx.x & 31;
@@ -409,11 +413,13 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fus
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[0][nt][nb][i] = 0.f;
     __half2 unused = __float2half2_rn(0.f);
-    if constexpr (PD > 0) loop.template run_pd<PD>(xs_lane, acc, pre);
-    else loop.run(xs_lane, 0, acc, unused);
+    float sacc[1][4] = {};
+    if constexpr (PD > 0) loop.template run_pd<PD>(xs_lane, acc, sacc, pre);
+    else loop.run(xs_lane, 0, acc, sacc, unused);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (!pdl_trigger_early(PD, a.pd_early)) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+    loop.finish(acc, sacc);
 
     // ---- split-k partials into z (fp32 atomics at L2)
     if constexpr (TR) {

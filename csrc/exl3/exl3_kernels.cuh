@@ -97,6 +97,12 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// d += ones(16x16) * b: every row of d gets the column sums of b (the MUL1 raw path's sums of x)
+__device__ __forceinline__ void mma_16816_ones_a(float (&d)[4], uint32_t b0, uint32_t b1) {
+    const uint32_t ones[4] = {HALF2_ONES, HALF2_ONES, HALF2_ONES, HALF2_ONES};
+    mma_16816(d, ones, b0, b1);
+}
+
 struct GemmArgs {
     const __half* x;         // [m, k] fp16 (already rotated: xh), row-major
     const uint32_t* trellis; // [k/16, n/16, 8K] uint32
@@ -168,6 +174,10 @@ struct DecodeMmaLoop {
     using W = LaneWindow<K>;
     using R = Ring<K, STAGES>;
     static constexpr int NT = GEMM_NT;
+    // MUL1 decodes without its affine map (exl3_decode.cuh, mul1_raw); the matmul then also sums x
+    // against ones into sacc (one more mma per k tile) and finish() applies the map to the sums
+    static constexpr bool RAW = mul1_raw<CB>;
+    static constexpr bool ONES = RAW && !DECODE_ONLY;
 
     const uint32_t* src;  // this warp's first tile in its first k tile
     long row_words;       // words between consecutive k tiles
@@ -193,7 +203,7 @@ struct DecodeMmaLoop {
 
     // Decode the NT tiles of k tile `step` (the lane's window words w) and feed them to the mma.
     __device__ __forceinline__ void step_mma(int step, uint32_t (&w)[NT][W::NW], uint32_t xs_lane, uint32_t xs_mb_bytes,
-                                             float (&acc)[MB][NT][2][4], __half2& dsum) const {
+                                             float (&acc)[MB][NT][2][4], float (&sacc)[MB][4], __half2& dsum) const {
         uint32_t a[MB][4];
         if constexpr (TR) {
             x_frag_tr(step, xs_lane, a[0][0], a[0][1]);
@@ -204,8 +214,10 @@ struct DecodeMmaLoop {
                 asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                              : "=r"(a[mb][0]), "=r"(a[mb][1]), "=r"(a[mb][2]), "=r"(a[mb][3])
                              : "r"(addr));
+                if constexpr (ONES) mma_16816(sacc[mb], a[mb], HALF2_ONES, HALF2_ONES);  // row sums of x
             }
         }
+        if constexpr (TR && ONES) mma_16816_ones_a(sacc[0], a[0][0], a[0][1]);  // column sums of xᵀ
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             if constexpr (TR) {
@@ -216,7 +228,7 @@ struct DecodeMmaLoop {
             }
             W::align(lane, w[nt]);
             __half2 f[4];
-            decode_lane<K, CB>(w[nt], f);
+            decode_lane<K, CB, RAW>(w[nt], f);
             if constexpr (DECODE_ONLY) {
                 const __half2 one = __float2half2_rn(1.f);
 #pragma unroll
@@ -236,7 +248,7 @@ struct DecodeMmaLoop {
     // TR: xs_lane addresses row lane&7, column half (lane>>3)&1 (ldmatrix.x2), and only
     // acc[0][nt][0] is used: {row 2q col g, row 2q+1 col g, row 2q col g+8, row 2q+1 col g+8}.
     __device__ __forceinline__ void run(uint32_t xs_lane, uint32_t xs_mb_bytes, float (&acc)[MB][NT][2][4],
-                                        __half2& dsum) const {
+                                        float (&sacc)[MB][4], __half2& dsum) const {
         // The step loop is unrolled by the ring depth so that every ring slot is a compile-time offset:
         // the lane's window words are read at [its word + constant] and the copies land at [its
         // 16 bytes + constant]; the trellis pointer advances by one k tile per step. (A runtime slot
@@ -259,17 +271,33 @@ struct DecodeMmaLoop {
                 gp += row_words;
                 uint32_t w[NT][W::NW];
                 slot_words(rp, j, w);
-                step_mma(step, w, xs_lane, xs_mb_bytes, acc, dsum);
+                step_mma(step, w, xs_lane, xs_mb_bytes, acc, sacc, dsum);
             }
         }
         cp_async_wait<0>();  // no copy may still target the ring when the warp moves on
+    }
+
+    // RAW: the MUL1 affine map applied to the sums, acc = SCALE * acc + BIAS * (x's sum for acc's row);
+    // sacc has acc's fragment layout (rows g, g+8 x cols 2q, 2q+1; TR: only acc[0][nt][0] is used)
+    __device__ __forceinline__ void finish(float (&acc)[MB][NT][2][4], const float (&sacc)[MB][4]) const {
+        if constexpr (ONES) {
+#pragma unroll
+            for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int nb = 0; nb < (TR ? 1 : 2); ++nb)
+#pragma unroll
+                        for (int i = 0; i < 4; ++i)
+                            acc[mb][nt][nb][i] = fmaf(MUL1_RAW_SCALE, acc[mb][nt][nb][i], MUL1_RAW_BIAS * sacc[mb][i]);
+        }
     }
 
     // TR: one tile's A fragment (Ŵᵀ: decode_lane's half2 reordered {f0, f2, f1, f3}) from its window words
     __device__ __forceinline__ void decode_tile_tr(uint32_t (&w)[W::NW], uint32_t (&fr)[4]) const {
         W::align(lane, w);
         __half2 f[4];
-        decode_lane<K, CB>(w, f);
+        decode_lane<K, CB, RAW>(w, f);
         fr[0] = h2_bits(f[0]);
         fr[1] = h2_bits(f[2]);
         fr[2] = h2_bits(f[1]);
@@ -295,9 +323,10 @@ struct DecodeMmaLoop {
 
     // x's B fragment of k tile `step` and one mma per n tile (the TR arithmetic of step_mma)
     __device__ __forceinline__ void mma_tr(int step, const uint32_t (&fr)[NT][4], uint32_t xs_lane,
-                                           float (&acc)[MB][NT][2][4]) const {
+                                           float (&acc)[MB][NT][2][4], float (&sacc)[MB][4]) const {
         uint32_t b0, b1;
         x_frag_tr(step, xs_lane, b0, b1);
+        if constexpr (ONES) mma_16816_ones_a(sacc[0], b0, b1);  // column sums of xᵀ
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) mma_16816(acc[0][nt][0], fr[nt], b0, b1);
     }
@@ -343,7 +372,7 @@ struct DecodeMmaLoop {
     // run() for a chunk of at most S k tiles, all requested by start_all(), whose first PD were
     // pre-decoded into fr: the rest are decoded from the ring, then every tile meets x.
     template <int PD>
-    __device__ __forceinline__ void run_pd(uint32_t xs_lane, float (&acc)[MB][NT][2][4],
+    __device__ __forceinline__ void run_pd(uint32_t xs_lane, float (&acc)[MB][NT][2][4], float (&sacc)[MB][4],
                                            const uint32_t (&fr)[PD][NT][4]) const {
         static_assert(TR && PD >= 1 && PD <= R::S, "pre-decoding serves the transposed form, PD <= S");
         cp_async_wait<0>();  // the tiles beyond PD (none in flight when PD = S: a no-op)
@@ -354,13 +383,13 @@ struct DecodeMmaLoop {
         for (int j = 0; j < R::S; ++j) {
             if (j >= steps) break;
             if (j < PD) {
-                mma_tr(j, fr[j < PD ? j : 0], xs_lane, acc);
+                mma_tr(j, fr[j < PD ? j : 0], xs_lane, acc, sacc);
             } else {
                 uint32_t w[NT][W::NW];
                 slot_words(rp, j, w);
                 uint32_t f[NT][4];
                 decode_tr(w, f);
-                mma_tr(j, f, xs_lane, acc);
+                mma_tr(j, f, xs_lane, acc, sacc);
             }
         }
     }
@@ -401,6 +430,7 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(GemmArgs p) {
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[mb][nt][nb][i] = 0.f;
     __half2 dsum = __float2half2_rn(0.f);
+    float sacc[MB][4] = {};
 
     // The block's warps share one k chunk (n_groups is a multiple of GEMM_WARPS): stage the x rows
     // of this launch's row chunk for that k range in shared memory once (rows past m as zeros), so
@@ -420,7 +450,8 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(GemmArgs p) {
     }
     // ldmatrix.x4 row addresses: lane l -> row l%16 of the m16 block, 8-col half l/16
     const uint32_t xs_lane = (uint32_t)__cvta_generic_to_shared(&xs[DECODE_ONLY ? 0 : (lane & 15) * XS + (lane >> 4) * 8]);
-    loop.run(xs_lane, 16 * XS * 2, acc, dsum);
+    loop.run(xs_lane, 16 * XS * 2, acc, sacc, dsum);
+    loop.finish(acc, sacc);
 
     if constexpr (DECODE_ONLY) {
         float s = __low2float(dsum) + __high2float(dsum);

@@ -53,6 +53,27 @@ def decode(states: torch.Tensor, codebook: int) -> torch.Tensor:
     return (lo + hi).to(torch.float16)  # exact fp32 sum, rounded once like __hadd
 
 
+def decode_exact(states: torch.Tensor, codebook: int) -> torch.Tensor:
+    """The codebook values before their final fp16 rounding, as fp32 (exact for every codebook).
+
+    Only MUL1 differs from :func:`decode`: the CUDA matmuls fold its affine map into their epilogue
+    (csrc/exl3/exl3_decode.cuh, ``mul1_raw``), so they multiply x by these values rather than by the
+    rounded Ŵ; the kernels' tests use this as their reference. 3INST and MCG: :func:`decode` in fp32.
+    """
+    if codebook != CB_MUL1:
+        return decode(states, codebook).to(torch.float32)
+    s = states.to(torch.int64) & 0xFFFF
+    x = (s * MUL1_MULT) & 0xFFFFFFFF
+    b = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
+    return (1024 + b).to(torch.float32) * MUL1_INV + MUL1_BIAS  # exact: see decode()
+
+
+@functools.lru_cache(maxsize=None)
+def lut_exact(codebook: int) -> torch.Tensor:
+    """:func:`decode_exact` of all 65536 states (fp32). Cached; treat as read-only."""
+    return decode_exact(torch.arange(65536, dtype=torch.int64), codebook)
+
+
 @functools.lru_cache(maxsize=None)
 def lut(codebook: int) -> torch.Tensor:
     """All 65536 codebook values as fp16 (index = state). Cached; treat as read-only."""

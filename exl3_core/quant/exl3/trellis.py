@@ -193,13 +193,16 @@ def tiles_from_matrix(w: torch.Tensor) -> torch.Tensor:
     return flat.index_select(-1, _perm_cpu().to(w.device))
 
 
-def decode_inner(trellis: torch.Tensor, K: int | None, codebook: int) -> torch.Tensor:
-    """Decode a whole trellis ``[k/16, n/16, 16K]`` to the fp16 inner matrix Ŵ ``[k, n]``, bit-exactly."""
+def decode_inner(trellis: torch.Tensor, K: int | None, codebook: int, exact: bool = False) -> torch.Tensor:
+    """Decode a whole trellis ``[k/16, n/16, 16K]`` to the fp16 inner matrix Ŵ ``[k, n]``, bit-exactly.
+
+    ``exact``: the values before their fp16 rounding, fp32 (:func:`codebook.decode_exact`; differs for
+    MUL1 only), i.e. what the CUDA matmuls multiply by."""
     if trellis.dim() != 3:
         raise ValueError(
             f"decode_inner: trellis must be 3-D [k/16, n/16, 16K], got shape {tuple(trellis.shape)}"
         )
     tk, tn, _ = trellis.shape
     states = _states(trellis, K, tile_order=True)  # [tk, tn, r*16+c]
-    lut = _cb.lut(codebook).to(trellis.device)
+    lut = (_cb.lut_exact(codebook) if exact else _cb.lut(codebook)).to(trellis.device)
     return lut[states].view(tk, tn, TILE, TILE).permute(0, 2, 1, 3).reshape(tk * TILE, tn * TILE)
