@@ -125,12 +125,14 @@ __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cas
 // CB_MUL1, true> yields h = 1 + b/1024 (b the byte sum, h exact in fp16) and the mma sums h * x. Since
 // w = MUL1_RAW_SCALE * h + MUL1_RAW_BIAS exactly (the spec's 1774/2^18 * (1024 + b) - 10.3828125), the
 // loop adds one mma of x against ones (S = sum of x over the same k) and its owner finishes with
-// SCALE * acc + BIAS * S per output: one HFMA2 per two weights less in the decoder (~5% on the
-// decode-only ceiling, docs/performance.md run 22), at the price of w's fp16 rounding, which the product
-// no longer has (relative ~1e-4 against a GEMM over the rounded Ŵ: below x's own fp16 rounding).
-// EXL3_MUL1_RAW=0 builds the rounded-Ŵ decoder everywhere, for A/B runs.
+// SCALE * acc + BIAS * S per output: one HFMA2 per two weights less in the decoder, at the price of w's
+// fp16 rounding, which the product no longer has (relative ~2e-4 against a GEMM over the rounded Ŵ).
+// Off by default: on the H200 (docs/performance.md, run 22) it raised the decode-only ceiling 5-9% and
+// the 1B-shape b=1 decode 1.5% (b=8 6%), left the 8B shape's decode unchanged, and made the m = 1 GEMV
+// 0.1 us slower, i.e. 72-76% of the raised ceiling where the rounded decoder reaches 80-85% of its own.
+// Build with -DEXL3_MUL1_RAW=1 (or edit here) for it; exl3::mul1_raw() reports the build's choice.
 #ifndef EXL3_MUL1_RAW
-#define EXL3_MUL1_RAW 1
+#define EXL3_MUL1_RAW 0
 #endif
 template <int CB>
 constexpr bool mul1_raw = EXL3_MUL1_RAW && CB == CB_MUL1;

@@ -290,6 +290,10 @@ std::atomic<bool> g_pdl{true};
 
 bool set_pdl(bool on) { return g_pdl.exchange(on); }
 
+// Whether this build's MUL1 matmuls multiply by the unrounded codebook values (exl3_decode.cuh, EXL3_MUL1_RAW):
+// the GPU tests pick their reference by it
+bool mul1_raw() { return EXL3_MUL1_RAW != 0; }
+
 // Pre-decoding of the fused linear's short chunks (exl3_fused.cuh, PD_TILES), set from Python
 // (EXL3_PREDECODE, exl3_core/ext.py): 0 off, 1 on, 2 on with the early signal; returns the previous mode
 int64_t set_predecode(int64_t mode) { return exl3::predecode_mode().exchange(mode < 0 ? 0 : mode > 2 ? 2 : (int)mode); }
@@ -704,6 +708,7 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
     m.def("set_predecode_max_kt(int kt) -> int", &set_predecode_max_kt);
     m.def("set_kt_exceptions(int[] rows) -> int", &set_kt_exceptions);
     m.def("set_xh_min_rows(int rows) -> int", &set_xh_min_rows);
+    m.def("mul1_raw() -> bool", &mul1_raw);
 }
 
 TORCH_LIBRARY_IMPL(exl3, CUDA, m) {

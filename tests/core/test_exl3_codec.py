@@ -150,6 +150,30 @@ def test_decode_inner_bit_exact_vs_exllamav3(variant: str) -> None:
         assert mismatches == 0, f"{variant} {key}: {mismatches} of {ref.numel()} values differ"
 
 
+@pytest.mark.parametrize("cb", [CB_3INST, CB_MCG, CB_MUL1])
+def test_decode_exact_rounds_to_decode(cb: int) -> None:
+    """decode_exact (what the CUDA matmuls multiply by) rounds to decode's fp16 for all 65536 states;
+    MUL1's exact values follow the raw kernels' algebra, SCALE * (1 + b/1024) + BIAS, and sit within half
+    an fp16 ulp of the rounded ones, 3INST/MCG are decode's values unchanged."""
+    states = torch.arange(65536, dtype=torch.int64)
+    exact, rounded = cbmod.decode_exact(states, cb), cbmod.decode(states, cb)
+    assert exact.dtype == torch.float32
+    assert torch.equal(exact.to(torch.float16).view(torch.int16), rounded.view(torch.int16))
+    if cb != CB_MUL1:
+        assert torch.equal(exact, rounded.to(torch.float32))
+        return
+    x = (states * cbmod.MUL1_MULT) & 0xFFFFFFFF
+    b = sum((x >> sh) & 0xFF for sh in (0, 8, 16, 24)).to(torch.float64)
+    raw = 6.9296875 * (1 + b / 1024) - 10.3828125  # csrc/exl3/exl3_decode.cuh MUL1_RAW_SCALE, _BIAS
+    assert torch.equal(exact.double(), raw)
+    ulp = torch.finfo(torch.float16).eps * rounded.abs().double().clamp(min=2.0**-14)
+    diff = (exact.double() - rounded.double()).abs()
+    assert (diff <= ulp / 2 + 1e-12).all() and diff.max() > 0, "exact values must be the unrounded ones"
+    trellis = torch.randint(-32768, 32768, (2, 3, 16 * 4), dtype=torch.int16)
+    w, we = decode_inner(trellis, 4, cb), decode_inner(trellis, 4, cb, exact=True)
+    assert we.dtype == torch.float32 and torch.equal(we.to(torch.float16).view(torch.int16), w.view(torch.int16))
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_golden_pack_unpack_round_trip_and_wrap(variant: str) -> None:
     model, _ = _golden(variant)

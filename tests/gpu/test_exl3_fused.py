@@ -14,10 +14,9 @@ that rounds at the same four places only the fp32 accumulation order differs, fl
 rounding in ~0.5% of the elements; the emulation measures <= 1.2e-5, while dropping one of the
 roundings shows up as 3.4e-4: REL_ROUNDED = 1e-4 sits between the two.
 
-MUL1: the kernels with room for it multiply by the codebook values before their fp16 rounding (the
-affine map folded into the epilogue, ``decode_exact``); the others by the rounded Ŵ. The two products
-differ by ~2e-4 relative, so the rounded reference is taken over each Ŵ and the nearer one must be
-within REL_ROUNDED: a kernel that matches neither still fails.
+MUL1: a build with EXL3_MUL1_RAW multiplies by the codebook values before their fp16 rounding (the
+affine map folded into the epilogue); the references then use them (``decode_inner(exact=True)``). The
+two products differ by ~2e-4 relative, so a kernel on the other one fails REL_ROUNDED.
 """
 from __future__ import annotations
 
@@ -54,9 +53,8 @@ class Problem:
         self.trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * K), dtype=torch.int16, device=DEV)
         self.suh = rand_scales(k)
         self.svh = rand_scales(n)
-        self.w = decode_inner(self.trellis, K, cb).double()
-        # MUL1's raw path multiplies by the unrounded values (same as w for 3INST and MCG)
-        self.w_exact = decode_inner(self.trellis, K, cb, exact=True).double() if cb == CB_MUL1 else None
+        # what the build's matmuls multiply by: the unrounded MUL1 values with EXL3_MUL1_RAW, else Ŵ
+        self.w = decode_inner(self.trellis, K, cb, exact=torch.ops.exl3.mul1_raw()).double()
 
 
 def rand_scales(size: int) -> torch.Tensor:
@@ -75,11 +73,10 @@ def ref_fp32(x: torch.Tensor, p: Problem) -> torch.Tensor:
     return had64(had64(x.double() * p.suh.double()) @ p.w) * p.svh.double()
 
 
-def ref_rounded(x: torch.Tensor, p: Problem, exact: bool = False) -> torch.Tensor:
-    """Spec 4.3 with its fp16 roundings: fp16(x*suh), fp16(xh), fp16(Had(z)), then * svh in fp16.
-    ``exact``: over the MUL1 values before their fp16 rounding (the raw path's product)."""
+def ref_rounded(x: torch.Tensor, p: Problem) -> torch.Tensor:
+    """Spec 4.3 with its fp16 roundings: fp16(x*suh), fp16(xh), fp16(Had(z)), then * svh in fp16."""
     xh = had64((x * p.suh).double()).to(torch.float16)  # fp16 * fp16 on CUDA: exact product, one rounding
-    z = xh.double() @ (p.w_exact if exact else p.w)
+    z = xh.double() @ p.w
     return (had64(z).to(torch.float16) * p.svh).double()
 
 
@@ -98,8 +95,6 @@ def check(y: torch.Tensor, x: torch.Tensor, p: Problem, what: str) -> None:
     assert y.dtype == torch.float16 and tuple(y.shape) == (x.shape[0], p.n), what
     assert not y.isnan().any(), f"{what}: output elements left unwritten (or a stale workspace)"
     e32, er = rel_err(y, ref_fp32(x, p)), rel_err(y, ref_rounded(x, p))
-    if p.w_exact is not None:
-        er = min(er, rel_err(y, ref_rounded(x, p, exact=True)))
     assert e32 < REL_FP32 and er < REL_ROUNDED, f"{what}: rel L2 {e32:.2e} vs fp64, {er:.2e} vs the rounded reference"
 
 

@@ -56,9 +56,10 @@ def decode(states: torch.Tensor, codebook: int) -> torch.Tensor:
 def decode_exact(states: torch.Tensor, codebook: int) -> torch.Tensor:
     """The codebook values before their final fp16 rounding, as fp32 (exact for every codebook).
 
-    Only MUL1 differs from :func:`decode`: the CUDA matmuls fold its affine map into their epilogue
-    (csrc/exl3/exl3_decode.cuh, ``mul1_raw``), so they multiply x by these values rather than by the
-    rounded Ŵ; the kernels' tests use this as their reference. 3INST and MCG: :func:`decode` in fp32.
+    Only MUL1 differs from :func:`decode`: a build with ``EXL3_MUL1_RAW`` folds its affine map into the
+    CUDA matmuls' epilogue (csrc/exl3/exl3_decode.cuh), so they multiply x by these values rather than by
+    the rounded Ŵ (``torch.ops.exl3.mul1_raw()`` tells); the kernels' tests then use this as their
+    reference. 3INST and MCG: :func:`decode` in fp32.
     """
     if codebook != CB_MUL1:
         return decode(states, codebook).to(torch.float32)
@@ -68,7 +69,7 @@ def decode_exact(states: torch.Tensor, codebook: int) -> torch.Tensor:
     return (1024 + b).to(torch.float32) * MUL1_INV + MUL1_BIAS  # exact: see decode()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lut_exact(codebook: int) -> torch.Tensor:
     """:func:`decode_exact` of all 65536 states (fp32). Cached; treat as read-only."""
     return decode_exact(torch.arange(65536, dtype=torch.int64), codebook)
