@@ -142,18 +142,16 @@ constexpr uint32_t HALF2_ONES = 0x3C003C00u;   // (1.0, 1.0) in fp16
 
 template <int CB, bool RAW = false>
 __device__ __forceinline__ uint32_t cb_hash(uint32_t s) {
-    if constexpr (CB == CB_MUL1 && RAW) {
-        // the byte sum plus 0x3C00: the fp16 bit pattern of 1 + b/1024 (b <= 1020: the mantissa holds it)
-        return __dp4a(s * 0x83DCD12Du, 0x01010101u, 0x3C00u);
-    } else if constexpr (CB == CB_3INST) {
+    if constexpr (CB == CB_3INST) {
         uint32_t x = s * 89226354u + 64248484u;
         return (x & 0x8FFF8FFFu) ^ 0x3B603B60u;
     } else if constexpr (CB == CB_MCG) {
         uint32_t x = s * 0xCBAC1FEDu;
         return (x & 0x8FFF8FFFu) ^ 0x3B603B60u;
     } else {
-        // byte sum of s*MUL1 plus 0x6400: the fp16 bit pattern of 1024 + b (b <= 1020, no carry out)
-        return __dp4a(s * 0x83DCD12Du, 0x01010101u, 0x6400u);
+        // byte sum of s*MUL1 plus 0x6400: the fp16 bit pattern of 1024 + b (b <= 1020, no carry out);
+        // RAW: plus 0x3C00, the bits of 1 + b/1024 (the mantissa holds b)
+        return __dp4a(s * 0x83DCD12Du, 0x01010101u, RAW ? 0x3C00u : 0x6400u);
     }
 }
 
@@ -161,12 +159,11 @@ template <int CB, bool RAW = false>
 __device__ __forceinline__ __half2 cb_pair(uint32_t s0, uint32_t s1) {
     uint32_t x0 = cb_hash<CB, RAW>(s0);
     uint32_t x1 = cb_hash<CB, RAW>(s1);
-    if constexpr (CB == CB_MUL1 && RAW) {
-        return bits_h2(__byte_perm(x0, x1, 0x5410));  // (h0, h1); the affine map is the loop owner's
-    } else if constexpr (CB == CB_MUL1) {
+    if constexpr (CB == CB_MUL1) {
         const __half2 kinv = bits_h2(0x1EEE1EEEu);   // 1774 / 2^18
         const __half2 kbias = bits_h2(0xC931C931u);  // -10.3828125
         __half2 h = bits_h2(__byte_perm(x0, x1, 0x5410));
+        if constexpr (RAW) return h;  // (h0, h1); the affine map is the loop owner's
         return __hfma2(h, kinv, kbias);  // one rounding, as the spec's fp16 fma
     } else {
         // (lo0, lo1) + (hi0, hi1): each sum exact in fp32 then rounded once, as __hadd

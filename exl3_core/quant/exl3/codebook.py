@@ -33,14 +33,11 @@ def _u16_to_f16(bits: torch.Tensor) -> torch.Tensor:
 
 def decode(states: torch.Tensor, codebook: int) -> torch.Tensor:
     """Map 16-bit states (any integer dtype, values 0..65535) to fp16 weights, bit-exactly."""
-    s = states.to(torch.int64) & 0xFFFF
     if codebook == CB_MUL1:
-        x = (s * MUL1_MULT) & 0xFFFFFFFF
-        b = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
-        # (1024 + b) * k_inv + k_bias is exact in fp32 (22 significant bits), so one rounding
-        # to fp16 equals the kernel's single-rounding fp16 fma.
-        v = (1024 + b).to(torch.float32) * MUL1_INV + MUL1_BIAS
-        return v.to(torch.float16)
+        # decode_exact's value is exact in fp32, so one rounding to fp16 equals the kernel's
+        # single-rounding fp16 fma
+        return decode_exact(states, codebook).to(torch.float16)
+    s = states.to(torch.int64) & 0xFFFF
     if codebook == CB_3INST:
         x = (s * _3INST_MULT + _3INST_ADD) & 0xFFFFFFFF
     elif codebook == CB_MCG:
@@ -66,7 +63,8 @@ def decode_exact(states: torch.Tensor, codebook: int) -> torch.Tensor:
     s = states.to(torch.int64) & 0xFFFF
     x = (s * MUL1_MULT) & 0xFFFFFFFF
     b = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + ((x >> 24) & 0xFF)
-    return (1024 + b).to(torch.float32) * MUL1_INV + MUL1_BIAS  # exact: see decode()
+    # (1024 + b) * k_inv + k_bias is exact in fp32 (22 significant bits)
+    return (1024 + b).to(torch.float32) * MUL1_INV + MUL1_BIAS
 
 
 @functools.cache
