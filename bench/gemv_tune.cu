@@ -46,15 +46,10 @@ static float h2f(__half h) { return __half2float(h); }
 // reads nothing an earlier launch writes, so it needs no griddepcontrol.wait.
 template <int K, int CB>
 static void decode_only_pdl_t(exl3::GemmArgs a, cudaStream_t st) {
-    auto kern = exl3::gemm_kernel<K, CB, 1, true>;
-    static int occ = -1;
-    if (occ < 0) CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, exl3::GEMM_WARPS * 32, 0));
-    int sms = 0;
-    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-    a.kt_per_warp = exl3::pick_kt_per_warp(a.k_tiles, a.n_tiles, (long)sms * occ * exl3::GEMM_WARPS);
-    const long warps = (long)(a.n_tiles / exl3::GEMM_NT) * ((a.k_tiles + a.kt_per_warp - 1) / a.kt_per_warp);
-    CK(exl3::launch_as_dependent(kern, (unsigned)((warps + exl3::GEMM_WARPS - 1) / exl3::GEMM_WARPS),
-                                 exl3::GEMM_WARPS * 32, st, a));
+    a.kt_per_warp = 0;  // the launcher's split (about one wave of resident warps)
+    exl3::gemm_pick_kt<K, CB, 1, true>(a);
+    const dim3 grid = exl3::gemm_grid<K, CB, 1, true>(a);
+    CK(exl3::launch_as_dependent(exl3::gemm_kernel<K, CB, 1, true>, grid.x, grid.y, st, a));
 }
 
 // TUNE_CHAIN="KxN,KxN,...": one decoder layer's linears launched in that order (e.g. q/k/v, o, gate/up,
@@ -243,8 +238,9 @@ int main(int argc, char** argv) {
     constexpr bool TR = EXL3_FUSED_TR;
     constexpr int RS = exl3::fused_ring(K, TR, false);
     auto fk = exl3::fused_linear_kernel<K, CB, TR, false, RS>;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_f, fk, exl3::GEMM_WARPS * 32, 0));
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_d, exl3::gemm_kernel<K, CB, 1, true>, exl3::GEMM_WARPS * 32, 0));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_f, fk, exl3::warps_for(exl3::fused_nt(TR, 0)) * 32, 0));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_d, exl3::gemm_kernel<K, CB, 1, true>,
+                                                     exl3::warps_for(exl3::gemm_nt(true)) * 32, 0));
     cudaFuncAttributes fa{};
     CK(cudaFuncGetAttributes(&fa, fk));
     cudaFuncAttributes fd{};

@@ -3,7 +3,7 @@
 // split-k GEMM and output Hadamard in a single kernel (format spec 4.3, same rounding as the
 // had128 -> gemm_xh -> had128 chain). Included by exl3_cb{0,1,2}.cu (one codebook per file).
 //
-// Grid: each block covers 128 output columns (GEMM_WARPS warps x GEMM_NT n tiles x 16) of one
+// Grid: each block covers 128 output columns (warps_for(NT) warps x NT n tiles x 16) of one
 // problem and one k chunk of kt_per_chunk k tiles (any count: the prologue transforms each 128-column
 // Hadamard block of x the chunk overlaps and keeps the chunk's part). Up to FUSED_MAX_PROBLEMS
 // independent problems sharing x, K and codebook (q/k/v, gate/up) run in one launch, each owning a
@@ -34,7 +34,7 @@ constexpr int FUSED_MAX_PROBLEMS = 3;
 #ifndef EXL3_FUSED_MINB
 #define EXL3_FUSED_MINB 0
 #endif
-constexpr int FUSED_COLS = GEMM_WARPS * GEMM_NT * 16;  // output columns per block
+constexpr int FUSED_COLS = BLOCK_TILES * 16;  // output columns per block
 static_assert(FUSED_COLS == 128, "the fused epilogue Hadamard needs blocks of exactly 128 columns");
 
 struct FusedProblem {
@@ -193,9 +193,13 @@ constexpr int tr_ring_stages(int K) { return EXL3_RING_STAGES > 0 ? EXL3_RING_ST
 // launcher's choice and its occupancy query cannot disagree.
 constexpr int fused_ring(int K, bool TR, bool XH) { return TR && !XH ? tr_ring_stages(K) : ring_stages(K); }
 
+// n tiles per warp of a fused variant (exl3_kernels.cuh TR_NT): the transposed loop without pre-decoding
+// takes TR_NT, pre-decoding and the m16 loop GEMM_NT
+constexpr int fused_nt(bool TR, int PD) { return TR && PD == 0 ? TR_NT : GEMM_NT; }
+// the ring (the block's 8 n tiles x S stages, whatever the warps) and the x stage
 template <int K, bool TR, int S = ring_stages(K)>
 constexpr int fused_smem_bytes() {
-    return GEMM_WARPS * Ring<K, S>::WARP_WORDS * 4 + (TR ? 8 : 16) * X_STAGE_STRIDE * 2 + 16;
+    return BLOCK_TILES * S * 8 * K * 4 + (TR ? 8 : 16) * X_STAGE_STRIDE * 2 + 16;
 }
 // MUL1's raw decoder (exl3_decode.cuh mul1_raw) keeps x's sums in 5 more registers: its transposed
 // variants are capped at 12 blocks (40 registers) where 15 (32) would spill ~100 bytes a thread
@@ -312,10 +316,11 @@ __global__ void __launch_bounds__(128) fused_xh_kernel(FusedArgs a) {
 // S: trellis ring stages (fused_ring by default; SHORT_RING for short k chunks, launch_fused_t)
 // PD: the k tiles decoded before griddepcontrol.wait (pre-decoding, TR only: the whole chunk, <= S tiles, is
 // requested at once; its first PD tiles are decoded into registers)
-template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH), int PD = 0>
-__global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fused_min_blocks<K, TR, S, CB>()))
+// NT: n tiles per warp (fused_nt), so warps_for(NT) warps per block
+template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH), int PD = 0, int NT = fused_nt(TR, PD)>
+__global__ void __launch_bounds__(warps_for(NT) * 32, (PD > 0 ? PD_MIN_BLOCKS : fused_min_blocks<K, TR, S, CB>()))
     fused_linear_kernel(FusedArgs a) {
-    constexpr int NT = GEMM_NT;
+    constexpr int WARPS = warps_for(NT);
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int q = lane & 3, g = lane >> 2;
@@ -326,7 +331,7 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fus
     FusedProblem P = a.p[0];
     if (a.n_problems > 1 && (int)blockIdx.x >= a.p[1].block0) P = a.p[1];
     if (a.n_problems > 2 && (int)blockIdx.x >= a.p[2].block0) P = a.p[2];
-    const int n_blocks = P.n_tiles / NT / GEMM_WARPS;
+    const int n_blocks = P.n_tiles / BLOCK_TILES;
     const int b = (int)blockIdx.x - P.block0;
     const int cblk = b % n_blocks;
     const int chunk = b / n_blocks;
@@ -338,11 +343,11 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fus
 
     // ---- trellis stream of this warp (the main loop shared with gemm_kernel, exl3_kernels.cuh); the
     // first k tiles are requested now so that their latency overlaps the x prologue
-    using R = Ring<K, S>;
-    __shared__ __align__(16) uint32_t ring[GEMM_WARPS * R::WARP_WORDS];
-    const int ng = cblk * GEMM_WARPS + warp;  // this warp's NT-tile group
+    using R = Ring<K, S, NT>;
+    __shared__ __align__(16) uint32_t ring[WARPS * R::WARP_WORDS];
+    const int ng = cblk * WARPS + warp;  // this warp's NT-tile group
     const long tile_words = 8 * K;
-    const DecodeMmaLoop<K, CB, 1, false, TR, S> loop{P.trellis + ((long)kt0 * P.n_tiles + (long)ng * NT) * tile_words,
+    const DecodeMmaLoop<K, CB, 1, false, TR, S, NT> loop{P.trellis + ((long)kt0 * P.n_tiles + (long)ng * NT) * tile_words,
                                               (long)P.n_tiles * tile_words, kt1 - kt0, ring + warp * R::WARP_WORDS,
                                               lane};
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -383,14 +388,14 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fus
             const int q8 = cols / 8;  // 16-byte pieces per row
             // asynchronous copies (no registers held while in flight); waiting for all groups also waits
             // for the ring's first stages, requested before griddepcontrol.wait and landed by now
-            for (int i = threadIdx.x; i < a.m * q8; i += GEMM_WARPS * 32) {
+            for (int i = threadIdx.x; i < a.m * q8; i += WARPS * 32) {
                 const int r = i / q8, c = (i - r * q8) * 8;
                 cp_async16((uint32_t)__cvta_generic_to_shared(&xs[r * XS + c]), xh + r * kdim + c);
             }
             cp_async_commit();
             cp_async_wait<0>();
         } else {
-            for (int i = warp; i < a.m * hb; i += GEMM_WARPS) {
+            for (int i = warp; i < a.m * hb; i += WARPS) {
                 const int r = i / hb;
                 const long gc = (long)(hb0 + i % hb) * 128 + 4 * lane;
                 const int c = (int)(gc - c0);  // a lane's 4 columns are in or out of the chunk together
@@ -477,7 +482,7 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32, (PD > 0 ? PD_MIN_BLOCKS : fus
     const uint2 sv = __ldg(reinterpret_cast<const uint2*>(P.svh + col0));
     const __half svh4[4] = {__low2half(bits_h2(sv.x)), __high2half(bits_h2(sv.x)), __low2half(bits_h2(sv.y)),
                             __high2half(bits_h2(sv.y))};
-    for (int r = warp; r < a.m; r += GEMM_WARPS) {
+    for (int r = warp; r < a.m; r += WARPS) {
         // q/k/v's RoPE and cache rows: which problem this block serves (kept off the common path)
         const int pi = (a.n_problems > 2 && (int)blockIdx.x >= a.p[2].block0) ? 2
                        : (a.n_problems > 1 && (int)blockIdx.x >= a.p[1].block0) ? 1 : 0;
@@ -601,7 +606,8 @@ inline int fused_occupancy() {
     static int occ = -1;
     if (occ < 0) {
         int o = 0;
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, fused_linear_kernel<K, CB, TR, XH, S, PD>, GEMM_WARPS * 32, 0);
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, fused_linear_kernel<K, CB, TR, XH, S, PD>,
+                                                      warps_for(fused_nt(TR, PD)) * 32, 0);
         occ = o > 0 ? o : 1;
     }
     return occ;
@@ -612,7 +618,7 @@ template <int K, int CB>
 int launch_fused_t(FusedArgs a, cudaStream_t st) {
     const bool tr = EXL3_FUSED_TR && a.m <= 8;
     long col_blocks = 0;
-    for (int i = 0; i < a.n_problems; ++i) col_blocks += a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS);
+    for (int i = 0; i < a.n_problems; ++i) col_blocks += a.p[i].n_tiles / BLOCK_TILES;
     const bool xh = tr && a.xh_buf != nullptr && xh_wanted(a.m, a.k_tiles, col_blocks, a.xh_min_rows);
     const bool short_ok = tr && !xh && SHORT_RING < tr_ring_stages(K);  // the short ring variant may serve
     const bool picked = a.kt_per_chunk <= 0;  // the launcher's choice (a caller's chunk is kept as given)
@@ -655,13 +661,14 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     long blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) {
         a.p[i].block0 = (int)blocks;
-        blocks += (long)(a.p[i].n_tiles / (GEMM_NT * GEMM_WARPS)) * chunks;
+        blocks += (long)(a.p[i].n_tiles / BLOCK_TILES) * chunks;
     }
     if (blocks <= 0) return a.kt_per_chunk;
     auto kern = pd   ? fused_linear_kernel<K, CB, true, false, pd_ring(K), PD_STEPS>
                 : xh ? fused_linear_kernel<K, CB, true, true>
                 : short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT ? fused_linear_kernel<K, CB, true, false, SHORT_RING>
                 : tr ? fused_linear_kernel<K, CB, true> : fused_linear_kernel<K, CB, false>;
+    const unsigned threads = warps_for(fused_nt(tr, pd ? PD_STEPS : 0)) * 32;
     if (xh) {  // x transformed once, then the linear (a dependent of this pass, which waits for it)
         const long items = (long)a.n_problems * a.m * (a.k_tiles / 8);
         const unsigned xblocks = (unsigned)((items + 3) / 4);
@@ -669,10 +676,10 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         else fused_xh_kernel<0><<<xblocks, 128, 0, st>>>(a);
     }
     if (!a.pdl) {
-        kern<<<(unsigned)blocks, GEMM_WARPS * 32, 0, st>>>(a);
+        kern<<<(unsigned)blocks, threads, 0, st>>>(a);
         return a.kt_per_chunk;
     }
-    launch_as_dependent(kern, (unsigned)blocks, GEMM_WARPS * 32, st, a);  // errors: cudaGetLastError at the caller
+    launch_as_dependent(kern, (unsigned)blocks, threads, st, a);  // errors: cudaGetLastError at the caller
     return a.kt_per_chunk;
 }
 

@@ -113,9 +113,9 @@ struct GemmArgs {
     int m0;                  // first row of this launch's row chunk
 };
 
-// Tuning knobs (bench/gemv_tune.cu builds variants): warps per block and n tiles per warp; the fused
-// linear needs GEMM_WARPS * GEMM_NT * 16 = 128 (one output Hadamard block per block). 8 warps x 1 tile
-// measured 24-38% slower than 4 x 2 at m=1 (2026-11-30, docs/performance.md run 6).
+// Tuning knobs (bench/gemv_tune.cu builds variants): warps per block and n tiles per warp of the m16 loop
+// (m > 8 rows), the inner split-k GEMM and pre-decoding; GEMM_WARPS * GEMM_NT = BLOCK_TILES below. 8 warps x
+// 1 tile measured 24-38% slower than 4 x 2 at m=1 (2026-11-30, docs/performance.md run 6).
 #ifndef EXL3_GEMM_WARPS
 #define EXL3_GEMM_WARPS 4
 #endif
@@ -124,6 +124,21 @@ constexpr int GEMM_WARPS = EXL3_GEMM_WARPS;
 #define EXL3_GEMM_NT (8 / EXL3_GEMM_WARPS)
 #endif
 constexpr int GEMM_NT = EXL3_GEMM_NT;  // n tiles (16 cols each) per warp: the A fragments are reused across them
+// n tiles per block: a block covers 128 output columns (one output Hadamard block) whatever its shape,
+// warps_for(nt) warps of nt n tiles each
+constexpr int BLOCK_TILES = 8;
+__host__ __device__ constexpr int warps_for(int nt) { return BLOCK_TILES / nt; }
+// n tiles per warp of the transposed main loop without pre-decoding (the m <= 8 decoder linears and heads)
+// and of the decode-only ceiling kernel: 4, i.e. 2-warp blocks. Each ring stage then feeds four tiles, so
+// its fixed instructions (wait, copy, commit, the x fragment, the loop test) are spread over twice the
+// weights: 42.8 against 48 instructions per tile in the K = 4 loop (SASS), and on the H200 the m = 1 GEMV
+// 4096x14336 took 18.1 us against 20.0 (docs/performance.md, run 23). Pre-decoding keeps GEMM_NT: its
+// decoded fragments (4 registers per tile) would double per warp.
+#ifndef EXL3_TR_NT
+#define EXL3_TR_NT 4
+#endif
+constexpr int TR_NT = EXL3_TR_NT;
+static_assert(GEMM_WARPS * GEMM_NT == BLOCK_TILES && BLOCK_TILES % TR_NT == 0, "a block holds 8 n tiles");
 #ifndef EXL3_RING_STAGES
 #define EXL3_RING_STAGES 0  // 0: ring_stages(K) below; N > 0: N for every K
 #endif
@@ -151,14 +166,14 @@ constexpr int ring_stages(int K) { return EXL3_RING_STAGES > 0 ? EXL3_RING_STAGE
 // half the accumulators (a lane holds rows 2q, 2q+1 of output columns g and g+8) and a two-register
 // B fragment: fewer registers, more resident warps for the decode-bound GEMV.
 // S: k tiles in flight (the fused linear also instantiates SHORT_RING, exl3_fused.cuh)
-template <int K, int STAGES = ring_stages(K)>
+template <int K, int STAGES = ring_stages(K), int NT = GEMM_NT>
 struct Ring {
     static constexpr int S = STAGES;
     static constexpr int TILE_WORDS = 8 * K;
-    static constexpr int STAGE_WORDS = GEMM_NT * TILE_WORDS;  // the NT tiles are adjacent in memory
-    static constexpr int CHUNKS = STAGE_WORDS / 4;              // 16-byte copies per stage (<= 32 for K <= 8)
-    static constexpr int WARP_WORDS = S * STAGE_WORDS;          // shared words per warp
-    static_assert(CHUNKS <= 32, "one 16-byte copy per lane and stage");
+    static constexpr int STAGE_WORDS = NT * TILE_WORDS;     // the NT tiles are adjacent in memory
+    static constexpr int CHUNKS = STAGE_WORDS / 4;          // 16-byte copies per stage
+    static constexpr int COPIES = (CHUNKS + 31) / 32;       // per lane and stage (2 for NT = 4 above K = 4)
+    static constexpr int WARP_WORDS = S * STAGE_WORDS;      // shared words per warp
 };
 
 __device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gptr) {
@@ -168,12 +183,12 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-template <int K, int CB, int MB, bool DECODE_ONLY, bool TR = false, int STAGES = ring_stages(K)>
+template <int K, int CB, int MB, bool DECODE_ONLY, bool TR = false, int STAGES = ring_stages(K), int NT_ = GEMM_NT>
 struct DecodeMmaLoop {
     static_assert(!TR || (MB == 1 && !DECODE_ONLY), "the transposed form serves one block of <= 8 rows");
     using W = LaneWindow<K>;
-    using R = Ring<K, STAGES>;
-    static constexpr int NT = GEMM_NT;
+    using R = Ring<K, STAGES, NT_>;
+    static constexpr int NT = NT_;
     // MUL1 decodes without its affine map (exl3_decode.cuh, mul1_raw); the matmul then also sums x
     // against ones into sacc (one more mma per k tile) and finish() applies the map to the sums
     static constexpr bool RAW = mul1_raw<CB>;
@@ -188,11 +203,17 @@ struct DecodeMmaLoop {
     // k tile `step` into ring slot `slot`; always commits a group (possibly empty) so that group
     // counts stay uniform across lanes and steps
     __device__ __forceinline__ void issue(int step, int slot) const {
-        if (step < steps && lane < R::CHUNKS) {
-            const uint32_t dst = (uint32_t)__cvta_generic_to_shared(ring + slot * R::STAGE_WORDS + 4 * lane);
-            cp_async16(dst, src + (long)step * row_words + 4 * lane);
-        }
+        if (step < steps)
+            copy_stage((uint32_t)__cvta_generic_to_shared(ring + slot * R::STAGE_WORDS + 4 * lane),
+                       src + (long)step * row_words + 4 * lane);
         cp_async_commit();
+    }
+
+    // one k tile's NT tiles into a ring slot: the lane's 16-byte pieces (dst, gsrc: its first one), 32 apart
+    __device__ __forceinline__ void copy_stage(uint32_t dst, const uint32_t* gsrc) const {
+#pragma unroll
+        for (int c = 0; c < R::COPIES; ++c)
+            if (R::CHUNKS % 32 == 0 || 32 * c + lane < R::CHUNKS) cp_async16(dst + 512u * c, gsrc + 128 * c);
     }
 
     // request the first S-1 k tiles (may run before the caller's own prologue, to overlap it)
@@ -256,7 +277,6 @@ struct DecodeMmaLoop {
         const uint32_t* rp[W::NW];  // the lane's window words in slot 0 (circular: the stream is tail-biting)
         slot0_pointers(rp);
         const uint32_t wr = (uint32_t)__cvta_generic_to_shared(ring + 4 * lane);
-        const bool copier = lane < R::CHUNKS;
         const uint32_t* gp = src + (long)(R::S - 1) * row_words + 4 * lane;  // k tile step + S - 1
         for (int step0 = 0; step0 < steps; step0 += R::S) {
 #pragma unroll
@@ -265,8 +285,7 @@ struct DecodeMmaLoop {
                 if (step >= steps) break;
                 cp_async_wait<R::S - 2>();  // this lane's copies of k tile `step` (slot j) have landed
                 __syncwarp();               // ... and every lane's; the previous slot's reads are all done
-                if (copier && step + R::S - 1 < steps)
-                    cp_async16(wr + (uint32_t)(((j + R::S - 1) % R::S) * R::STAGE_WORDS * 4), gp);
+                if (step + R::S - 1 < steps) copy_stage(wr + (uint32_t)(((j + R::S - 1) % R::S) * R::STAGE_WORDS * 4), gp);
                 cp_async_commit();  // always a group, possibly empty: uniform counts across lanes and steps
                 gp += row_words;
                 uint32_t w[NT][W::NW];
@@ -398,13 +417,16 @@ struct DecodeMmaLoop {
 // Each warp owns NT adjacent n tiles and a run of kt_per_warp k tiles; MB m16 blocks of rows.
 // DECODE_ONLY: same loads and decode, consumed by HFMA2 into a dummy sum instead of mma (the
 // integer-bound ceiling of this exact decoder).
+// NT: n tiles per warp (decode-only: TR_NT, the shape of the m = 1 loop it bounds), warps_for(NT) warps.
+__host__ __device__ constexpr int gemm_nt(bool decode_only) { return decode_only ? TR_NT : GEMM_NT; }
 template <int K, int CB, int MB, bool DECODE_ONLY>
-__global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(GemmArgs p) {
-    constexpr int NT = GEMM_NT;
-    using R = Ring<K>;
+__global__ void __launch_bounds__(warps_for(gemm_nt(DECODE_ONLY)) * 32) gemm_kernel(GemmArgs p) {
+    constexpr int NT = gemm_nt(DECODE_ONLY);
+    constexpr int WARPS = warps_for(NT);
+    using R = Ring<K, ring_stages(K), NT>;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const int gw = blockIdx.x * GEMM_WARPS + warp;
+    const int gw = blockIdx.x * WARPS + warp;
     const int n_groups = p.n_tiles / NT;
     const int ng = gw % n_groups;
     const int kt0 = (gw / n_groups) * p.kt_per_warp;
@@ -413,9 +435,9 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(GemmArgs p) {
     const int q = lane & 3, g = lane >> 2;
     const long kdim = (long)p.k_tiles * 16;
 
-    __shared__ __align__(16) uint32_t ring[GEMM_WARPS * R::WARP_WORDS];
+    __shared__ __align__(16) uint32_t ring[WARPS * R::WARP_WORDS];
     const long tile_words = 8 * K;
-    const DecodeMmaLoop<K, CB, MB, DECODE_ONLY> loop{
+    const DecodeMmaLoop<K, CB, MB, DECODE_ONLY, false, ring_stages(K), NT> loop{
         p.trellis + ((long)kt0 * p.n_tiles + (long)ng * NT) * tile_words, (long)p.n_tiles * tile_words, kt1 - kt0,
         ring + warp * R::WARP_WORDS, lane};
     loop.start();  // the trellis requests overlap the x staging below
@@ -432,14 +454,14 @@ __global__ void __launch_bounds__(GEMM_WARPS * 32) gemm_kernel(GemmArgs p) {
     __half2 dsum = __float2half2_rn(0.f);
     float sacc[MB][4] = {};
 
-    // The block's warps share one k chunk (n_groups is a multiple of GEMM_WARPS): stage the x rows
+    // The block's warps share one k chunk (n_groups is a multiple of WARPS): stage the x rows
     // of this launch's row chunk for that k range in shared memory once (rows past m as zeros), so
     // the loop reads its A fragments with ldmatrix instead of global loads.
     constexpr int XS = X_STAGE_STRIDE;
     __shared__ __align__(16) __half xs[DECODE_ONLY ? 8 : MB * 16 * XS];
     if constexpr (!DECODE_ONLY) {
         const int cols = (kt1 - kt0) * 16;
-        for (int i = threadIdx.x; i < MB * 16 * (cols / 8); i += GEMM_WARPS * 32) {
+        for (int i = threadIdx.x; i < MB * 16 * (cols / 8); i += WARPS * 32) {
             const int r = i / (cols / 8), c = (i % (cols / 8)) * 8;
             const int row = p.m0 + r;
             uint4 v = make_uint4(0u, 0u, 0u, 0u);
@@ -503,8 +525,8 @@ inline cudaError_t launch_as_dependent(Kern kern, unsigned grid, unsigned block,
 
 // k tiles per warp so that the grid is about one full wave of resident warps (all warps of a GEMM
 // do equal work, so a single wave has no tail); the x rows are re-read once per k chunk.
-inline int pick_kt_per_warp(int k_tiles, int n_tiles, long resident_warps) {
-    const long n_groups = n_tiles / GEMM_NT;
+inline int pick_kt_per_warp(int k_tiles, int n_tiles, long resident_warps, int nt = GEMM_NT) {
+    const long n_groups = n_tiles / nt;
     long chunks = resident_warps / (n_groups > 0 ? n_groups : 1);
     if (chunks < 1) chunks = 1;
     long kt = (k_tiles + chunks - 1) / chunks;
@@ -520,26 +542,39 @@ void launch_reconstruct_t(const uint32_t* trellis, __half* out, int k_tiles, int
     reconstruct_kernel<K, CB><<<(unsigned)((warps + 7) / 8), 256, 0, st>>>(trellis, out, k_tiles, n_tiles);
 }
 
+// gemm_kernel's grid for a.kt_per_warp: {blocks, threads per block}
 template <int K, int CB, int MB, bool DEC>
-int launch_gemm_t(GemmArgs a, cudaStream_t st) {
-    auto kern = gemm_kernel<K, CB, MB, DEC>;
+inline dim3 gemm_grid(const GemmArgs& a) {
+    constexpr int NT = gemm_nt(DEC);
+    const long chunks = (a.k_tiles + a.kt_per_warp - 1) / a.kt_per_warp;
+    const long warps = (a.n_tiles / NT) * chunks;
+    return dim3((unsigned)((warps + warps_for(NT) - 1) / warps_for(NT)), (unsigned)(warps_for(NT) * 32));
+}
+
+// fills a.kt_per_warp when <= 0 (about one wave of resident warps)
+template <int K, int CB, int MB, bool DEC>
+inline void gemm_pick_kt(GemmArgs& a) {
+    constexpr int NT = gemm_nt(DEC);
     if (a.kt_per_warp <= 0) {
         static int occ = -1;  // resident blocks per SM for this instantiation (same on every H-class device)
         if (occ < 0) {
             int o = 0;
-            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, kern, GEMM_WARPS * 32, 0);
+            cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, gemm_kernel<K, CB, MB, DEC>, warps_for(NT) * 32, 0);
             occ = o > 0 ? o : 1;
         }
         int dev = 0, sms = 0;
         cudaGetDevice(&dev);
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-        a.kt_per_warp = pick_kt_per_warp(a.k_tiles, a.n_tiles, (long)sms * occ * GEMM_WARPS);
+        a.kt_per_warp = pick_kt_per_warp(a.k_tiles, a.n_tiles, (long)sms * occ * warps_for(NT), NT);
     }
     if (!DEC && a.kt_per_warp > GEMM_KT_MAX) a.kt_per_warp = GEMM_KT_MAX;  // x staging buffer size
-    const long n_groups = a.n_tiles / GEMM_NT;
-    const long chunks = (a.k_tiles + a.kt_per_warp - 1) / a.kt_per_warp;
-    const long warps = n_groups * chunks;
-    kern<<<(unsigned)((warps + GEMM_WARPS - 1) / GEMM_WARPS), GEMM_WARPS * 32, 0, st>>>(a);
+}
+
+template <int K, int CB, int MB, bool DEC>
+int launch_gemm_t(GemmArgs a, cudaStream_t st) {
+    gemm_pick_kt<K, CB, MB, DEC>(a);
+    const dim3 grid = gemm_grid<K, CB, MB, DEC>(a);
+    gemm_kernel<K, CB, MB, DEC><<<grid.x, grid.y, 0, st>>>(a);
     return a.kt_per_warp;
 }
 

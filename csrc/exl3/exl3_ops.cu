@@ -126,7 +126,7 @@ Tensor gemm_xh(const Tensor& xh, const Tensor& trellis, int64_t K, int64_t codeb
                 xh.sizes());
     const int kt = (int)trellis.size(0), nt = (int)trellis.size(1);
     TORCH_CHECK(xh.size(1) == kt * 16L, "exl3::exl3_gemm_xh: xh has ", xh.size(1), " columns, trellis needs ", kt * 16L);
-    TORCH_CHECK(nt % (exl3::GEMM_NT * exl3::GEMM_WARPS) == 0, "exl3::exl3_gemm_xh: n = ", nt * 16,
+    TORCH_CHECK(nt % exl3::BLOCK_TILES == 0, "exl3::exl3_gemm_xh: n = ", nt * 16,
                 " must be a multiple of 128 (EXL3 pads to 128)");
     c10::cuda::CUDAGuard guard(xh.device());
     const int64_t m = xh.size(0);
@@ -665,7 +665,7 @@ Tensor gemm(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Ten
 Tensor decode_bench(const Tensor& trellis, int64_t K, int64_t codebook, int64_t kt_per_warp) {
     const int k = check_trellis(trellis, K, codebook, "exl3::decode_bench");
     const int kt = (int)trellis.size(0), nt = (int)trellis.size(1);
-    TORCH_CHECK(nt % (exl3::GEMM_NT * exl3::GEMM_WARPS) == 0, "exl3::decode_bench: n must be a multiple of 128");
+    TORCH_CHECK(nt % exl3::BLOCK_TILES == 0, "exl3::decode_bench: n must be a multiple of 128");
     c10::cuda::CUDAGuard guard(trellis.device());
     exl3::GemmArgs a{};
     a.trellis = reinterpret_cast<const uint32_t*>(trellis.data_ptr());
@@ -673,9 +673,9 @@ Tensor decode_bench(const Tensor& trellis, int64_t K, int64_t codebook, int64_t 
     a.k_tiles = kt;
     a.n_tiles = nt;
     a.kt_per_warp = (int)kt_per_warp;
-    // room for one float per warp at the finest split (kt_per_warp = 1)
-    const int64_t warps = (int64_t)(nt / exl3::GEMM_NT) * kt;
-    Tensor sink = at::empty({warps + exl3::GEMM_WARPS}, trellis.options().dtype(at::kFloat));
+    // room for one float per warp at the finest split (kt_per_warp = 1) and any n tiles per warp (>= 1)
+    const int64_t warps = (int64_t)nt * kt;
+    Tensor sink = at::empty({warps + exl3::BLOCK_TILES}, trellis.options().dtype(at::kFloat));
     a.sink = sink.data_ptr<float>();
     exl3::launch_gemm((int)codebook, k, 0, a, at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
