@@ -246,7 +246,7 @@ int main(int argc, char** argv) {
     cudaFuncAttributes fd{};
     CK(cudaFuncGetAttributes(&fd, exl3::gemm_kernel<K, CB, 1, true>));
     std::printf("variant: ring stages %d (decode-only %d) | fused regs %d, smem %zu B, blocks/SM %d | decode-only regs %d, "
-                "blocks/SM %d\n", RS, exl3::ring_stages(K), fa.numRegs, fa.sharedSizeBytes, occ_f, fd.numRegs, occ_d);
+                "blocks/SM %d\n", RS, exl3::tr_ring_stages(K), fa.numRegs, fa.sharedSizeBytes, occ_f, fd.numRegs, occ_d);
     if constexpr (exl3::PD_TILES > 0) {  // the pre-decoding variant the launcher may pick
         auto pk = exl3::fused_linear_kernel<K, CB, true, false, exl3::pd_ring(K), exl3::PD_STEPS>;
         cudaFuncAttributes fp{};

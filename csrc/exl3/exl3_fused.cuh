@@ -185,13 +185,11 @@ constexpr int pd_ring(int K) {
 }
 constexpr int PD_MIN_BLOCKS = EXL3_PD_MINB;
 constexpr int SHORT_RING_MAX_KT = EXL3_SHORT_RING_MAX_KT;
-// The deep ring of the transposed kernel without the x-once prologue (the m = 1 decoder linears): K = 6 is
-// 2.4% faster on 4096x14336 with 4 stages than with 6, while the 6-bit heads, which take the x-once variant
-// (ring_stages(K)), are 2-3% slower with 4 (docs/performance.md, run 16)
-constexpr int tr_ring_stages(int K) { return EXL3_RING_STAGES > 0 ? EXL3_RING_STAGES : K == 6 ? 4 : ring_stages(K); }
 // The deep ring of one fused variant: the default S of fused_linear_kernel and fused_occupancy, so that the
-// launcher's choice and its occupancy query cannot disagree.
-constexpr int fused_ring(int K, bool TR, bool XH) { return TR && !XH ? tr_ring_stages(K) : ring_stages(K); }
+// launcher's choice and its occupancy query cannot disagree. The transposed loop (with or without the x-once
+// prologue) takes tr_ring_stages (exl3_kernels.cuh). With 2 tiles per warp (run 16) the 6-bit heads were
+// 2-3% slower at 4 stages than at 6; with 4 tiles per warp they are 2.7% faster (run 23).
+constexpr int fused_ring(int K, bool TR, bool XH) { return TR ? tr_ring_stages(K) : ring_stages(K); }
 
 // n tiles per warp of a fused variant (exl3_kernels.cuh TR_NT): the transposed loop without pre-decoding
 // takes TR_NT, pre-decoding and the m16 loop GEMM_NT

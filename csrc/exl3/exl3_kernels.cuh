@@ -146,10 +146,13 @@ constexpr int GEMM_KT_MAX = 32;  // k tiles per warp at most: bounds the x stagi
 constexpr int X_STAGE_STRIDE = GEMM_KT_MAX * 16 + 8;  // x staging row stride in halves; +8 staggers banks for ldmatrix
 // k tiles of trellis words in flight per warp (the ring below). H200, m = 1, 4096x14336 and 14336x4096
 // (docs/performance.md, run 16): 6 stages are best or level for K = 1-4 and 8; K = 5 is 1.6-4% faster
-// with 5 (16 KB of ring at 6 leaves room for 13 blocks per SM, 14.7 KB at 5 for 14); K = 7 is split. K = 6
-// keeps 6 here (the 6-bit heads are 2-3% slower at 4); its m = 1 decoder linears take 4 (exl3_fused.cuh,
-// tr_ring_stages).
+// with 5 (16 KB of ring at 6 leaves room for 13 blocks per SM, 14.7 KB at 5 for 14); K = 7 is split. These
+// are the m16 loop's (GEMM_NT tiles per warp).
 constexpr int ring_stages(int K) { return EXL3_RING_STAGES > 0 ? EXL3_RING_STAGES : (K == 5 ? 5 : 6); }
+// The ring of the transposed loop and the decode-only kernel (TR_NT tiles per warp): K = 6 takes 4 stages.
+// H200, m = 1 (docs/performance.md, run 23): 6-bit heads 2048x128256 82.2 -> 79.6-80.1 us and 4096x128256
+// 152.3 -> 147.9 (x once), 4096x14336 level; K = 4 is best at 6 (3, 4, 5 and 8 lose 0.5-3 us per 8B layer).
+constexpr int tr_ring_stages(int K) { return EXL3_RING_STAGES > 0 ? EXL3_RING_STAGES : K == 6 ? 4 : ring_stages(K); }
 
 // ---- the decode + mma main loop shared by gemm_kernel and fused_linear_kernel
 //
@@ -423,7 +426,8 @@ template <int K, int CB, int MB, bool DECODE_ONLY>
 __global__ void __launch_bounds__(warps_for(gemm_nt(DECODE_ONLY)) * 32) gemm_kernel(GemmArgs p) {
     constexpr int NT = gemm_nt(DECODE_ONLY);
     constexpr int WARPS = warps_for(NT);
-    using R = Ring<K, ring_stages(K), NT>;
+    constexpr int S = DECODE_ONLY ? tr_ring_stages(K) : ring_stages(K);
+    using R = Ring<K, S, NT>;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int gw = blockIdx.x * WARPS + warp;
@@ -437,7 +441,7 @@ __global__ void __launch_bounds__(warps_for(gemm_nt(DECODE_ONLY)) * 32) gemm_ker
 
     __shared__ __align__(16) uint32_t ring[WARPS * R::WARP_WORDS];
     const long tile_words = 8 * K;
-    const DecodeMmaLoop<K, CB, MB, DECODE_ONLY, false, ring_stages(K), NT> loop{
+    const DecodeMmaLoop<K, CB, MB, DECODE_ONLY, false, S, NT> loop{
         p.trellis + ((long)kt0 * p.n_tiles + (long)ng * NT) * tile_words, (long)p.n_tiles * tile_words, kt1 - kt0,
         ring + warp * R::WARP_WORDS, lane};
     loop.start();  // the trellis requests overlap the x staging below
