@@ -594,18 +594,19 @@ inline std::atomic<int>& predecode_max_kt() {
 // chunk (docs/performance.md, run 16): 2048x128256 86.5 -> 84.7 us, 4096x128256 165.2 -> 160.9; the decoder's
 // linears at m = 1 (<= 224 column blocks) are 0.3-1 us slower with it.
 constexpr long XH_WIDE_COL_BLOCKS = 512;
+// the ring of the x-once variant with GEMM_NT tiles per warp (launch_fused_t's xh_few; run 16's choice)
+constexpr int xh_few_ring(int K) { return ring_stages(K); }
 inline bool xh_wanted(int m, int k_tiles, long col_blocks, int min_rows) {
     return min_rows > 0 && m <= 8 && k_tiles % 8 == 0 && (m >= min_rows || col_blocks >= XH_WIDE_COL_BLOCKS);
 }
 
 // resident blocks per SM of one fused instantiation (same on every H-class device; queried once)
-template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH), int PD = 0>
+template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH), int PD = 0, int NT = fused_nt(TR, PD)>
 inline int fused_occupancy() {
     static int occ = -1;
     if (occ < 0) {
         int o = 0;
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, fused_linear_kernel<K, CB, TR, XH, S, PD>,
-                                                      warps_for(fused_nt(TR, PD)) * 32, 0);
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, fused_linear_kernel<K, CB, TR, XH, S, PD, NT>, warps_for(NT) * 32, 0);
         occ = o > 0 ? o : 1;
     }
     return occ;
@@ -618,13 +619,19 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     long col_blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) col_blocks += a.p[i].n_tiles / BLOCK_TILES;
     const bool xh = tr && a.xh_buf != nullptr && xh_wanted(a.m, a.k_tiles, col_blocks, a.xh_min_rows);
+    // x once for the rows (a decoder linear at m >= xh_min_rows), not for the width (a head): 2 n tiles per
+    // warp, as before run 23. Their short chunks leave the block's fixed work (x copy, 8 rows' epilogue) to
+    // twice the warps. H200, m = 8 (run 23): the 1B layer chain 50.5 us with 2 tiles per warp against 53.6
+    // with 4; the 8B chain 94.4 against 93.5.
+    const bool xh_few = xh && col_blocks < XH_WIDE_COL_BLOCKS;
     const bool short_ok = tr && !xh && SHORT_RING < tr_ring_stages(K);  // the short ring variant may serve
     const bool picked = a.kt_per_chunk <= 0;  // the launcher's choice (a caller's chunk is kept as given)
     int dev = 0, sms = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (a.kt_per_chunk <= 0) {
-        const int occ = xh   ? fused_occupancy<K, CB, true, true>()
+        const int occ = xh_few ? fused_occupancy<K, CB, true, true, xh_few_ring(K), 0, GEMM_NT>()
+                        : xh   ? fused_occupancy<K, CB, true, true>()
                         : tr ? fused_occupancy<K, CB, true>() : fused_occupancy<K, CB, false>();
         if (tr && a.m == 1) a.kt_per_chunk = kt_exception(sms, K, a.k_tiles, col_blocks);  // measured at m = 1
         if (a.kt_per_chunk <= 0) {
@@ -663,10 +670,11 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     }
     if (blocks <= 0) return a.kt_per_chunk;
     auto kern = pd   ? fused_linear_kernel<K, CB, true, false, pd_ring(K), PD_STEPS>
+                : xh_few ? fused_linear_kernel<K, CB, true, true, xh_few_ring(K), 0, GEMM_NT>
                 : xh ? fused_linear_kernel<K, CB, true, true>
                 : short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT ? fused_linear_kernel<K, CB, true, false, SHORT_RING>
                 : tr ? fused_linear_kernel<K, CB, true> : fused_linear_kernel<K, CB, false>;
-    const unsigned threads = warps_for(fused_nt(tr, pd ? PD_STEPS : 0)) * 32;
+    const unsigned threads = warps_for(xh_few ? GEMM_NT : fused_nt(tr, pd ? PD_STEPS : 0)) * 32;
     if (xh) {  // x transformed once, then the linear (a dependent of this pass, which waits for it)
         const long items = (long)a.n_problems * a.m * (a.k_tiles / 8);
         const unsigned xblocks = (unsigned)((items + 3) / 4);

@@ -174,7 +174,7 @@ def test_wide_output_paths(fused_ops) -> None:
     deep = Problem(2048, 1024 * 128, 2, CB_MUL1)  # 128 k tiles x 1024 column blocks: >= 2 waves at 32 tiles
     saved = fused_ops.set_xh_min_rows(8)
     try:
-        for m in (1, 3):
+        for m in (1, 3, 8):  # 8: the 2-warp blocks (4 n tiles per warp) loop over 4 rows each in the epilogue
             x = xin(m, one.k)
             y_wide = fused_ops.exl3_linear(x, one.trellis, one.suh, one.svh, CB_MUL1)
             fused_ops.set_xh_min_rows(0)
