@@ -130,6 +130,8 @@ __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cas
 // Off by default: on the H200 (docs/performance.md, run 22) it raised the decode-only ceiling 5-9% and
 // the 1B-shape b=1 decode 1.5% (b=8 6%), left the 8B shape's decode unchanged, and made the m = 1 GEMV
 // 0.1 us slower, i.e. 72-76% of the raised ceiling where the rounded decoder reaches 80-85% of its own.
+// With 4 n tiles per warp (run 23) it shortens the m = 1 GEMV 3.5% and the b=1 decode 1.1% (1B) and 1.6%
+// (8B), but its own decode-only ceiling rises 11%: the GEMV is then at 79% of it (85% with this default).
 // Build with -DEXL3_MUL1_RAW=1 (or edit here) for it; exl3::mul1_raw() reports the build's choice.
 #ifndef EXL3_MUL1_RAW
 #define EXL3_MUL1_RAW 0
