@@ -48,9 +48,10 @@ def load() -> bool:
 #: 128-column blocks) -> k tiles per chunk. Each row is a shape where a sweep of one decoder layer's
 #: linears, launched as in the decode step (``TUNE_CHAIN`` in bench/gemv_tune.cu), found a chunk size
 #: clearly faster than the model's pick on that device; docs/performance.md (run 12) has the sweeps.
-KT_EXCEPTIONS: tuple[tuple[int, int, int, int, int], ...] = (
-    (132, 4, 256, 224, 24),  # H200, 4 bpw, 4096 x 28672 (8B-shape gate/up): 77.9 vs 78.8 us per layer at 32
-)
+#: Empty since run 23: the H200 row (132, 4, 256, 224, 24) for the 8B-shape gate/up (4096 x 28672), 77.9 vs
+#: 78.8 us per layer at 32 with 2 n tiles per warp (run 12), measured 71.7-72.1 against 70.9 at 32 (the
+#: model's pick) once the transposed loop took 4 n tiles per warp.
+KT_EXCEPTIONS: tuple[tuple[int, int, int, int, int], ...] = ()
 
 
 def set_kt_exceptions(rows: Iterable[tuple[int, ...]]) -> int:
