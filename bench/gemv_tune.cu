@@ -236,7 +236,7 @@ int main(int argc, char** argv) {
     int occ_f = 0, occ_d = 0;
     // the fused kernel as the m = 1 linears run it with long chunks (the transposed deep-ring variant)
     constexpr bool TR = EXL3_FUSED_TR;
-    constexpr int RS = exl3::fused_ring(K, TR, false);
+    constexpr int RS = exl3::fused_ring(K, TR);
     auto fk = exl3::fused_linear_kernel<K, CB, TR, false, RS>;
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_f, fk, exl3::warps_for(exl3::fused_nt(TR, 0)) * 32, 0));
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_d, exl3::gemm_kernel<K, CB, 1, true>,

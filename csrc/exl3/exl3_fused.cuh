@@ -189,7 +189,7 @@ constexpr int SHORT_RING_MAX_KT = EXL3_SHORT_RING_MAX_KT;
 // launcher's choice and its occupancy query cannot disagree. The transposed loop (with or without the x-once
 // prologue) takes tr_ring_stages (exl3_kernels.cuh). With 2 tiles per warp (run 16) the 6-bit heads were
 // 2-3% slower at 4 stages than at 6; with 4 tiles per warp they are 2.7% faster (run 23).
-constexpr int fused_ring(int K, bool TR, bool XH) { return TR ? tr_ring_stages(K) : ring_stages(K); }
+constexpr int fused_ring(int K, bool TR) { return TR ? tr_ring_stages(K) : ring_stages(K); }
 
 // n tiles per warp of a fused variant (exl3_kernels.cuh TR_NT): the transposed loop without pre-decoding
 // takes TR_NT, pre-decoding and the m16 loop GEMM_NT
@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(128) fused_xh_kernel(FusedArgs a) {
 // PD: the k tiles decoded before griddepcontrol.wait (pre-decoding, TR only: the whole chunk, <= S tiles, is
 // requested at once; its first PD tiles are decoded into registers)
 // NT: n tiles per warp (fused_nt), so warps_for(NT) warps per block
-template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH), int PD = 0, int NT = fused_nt(TR, PD)>
+template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR), int PD = 0, int NT = fused_nt(TR, PD)>
 __global__ void __launch_bounds__(warps_for(NT) * 32, (PD > 0 ? PD_MIN_BLOCKS : fused_min_blocks<K, TR, S, CB>()))
     fused_linear_kernel(FusedArgs a) {
     constexpr int WARPS = warps_for(NT);
@@ -601,7 +601,7 @@ inline bool xh_wanted(int m, int k_tiles, long col_blocks, int min_rows) {
 }
 
 // resident blocks per SM of one fused instantiation (same on every H-class device; queried once)
-template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR, XH), int PD = 0, int NT = fused_nt(TR, PD)>
+template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR), int PD = 0, int NT = fused_nt(TR, PD)>
 inline int fused_occupancy() {
     static int occ = -1;
     if (occ < 0) {
