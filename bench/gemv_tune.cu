@@ -48,8 +48,8 @@ template <int K, int CB>
 static void decode_only_pdl_t(exl3::GemmArgs a, cudaStream_t st) {
     a.kt_per_warp = 0;  // the launcher's split (about one wave of resident warps)
     exl3::gemm_pick_kt<K, CB, 1, true>(a);
-    const dim3 grid = exl3::gemm_grid<K, CB, 1, true>(a);
-    CK(exl3::launch_as_dependent(exl3::gemm_kernel<K, CB, 1, true>, grid.x, grid.y, st, a));
+    const exl3::LaunchShape ls = exl3::gemm_launch_shape<K, CB, 1, true>(a);
+    CK(exl3::launch_as_dependent(exl3::gemm_kernel<K, CB, 1, true>, ls.blocks, ls.threads, st, a));
 }
 
 // TUNE_CHAIN="KxN,KxN,...": one decoder layer's linears launched in that order (e.g. q/k/v, o, gate/up,
@@ -248,12 +248,12 @@ int main(int argc, char** argv) {
     std::printf("variant: ring stages %d (decode-only %d) | fused regs %d, smem %zu B, blocks/SM %d | decode-only regs %d, "
                 "blocks/SM %d\n", RS, exl3::tr_ring_stages(K), fa.numRegs, fa.sharedSizeBytes, occ_f, fd.numRegs, occ_d);
     if constexpr (exl3::PD_TILES > 0) {  // the pre-decoding variant the launcher may pick
-        auto pk = exl3::fused_linear_kernel<K, CB, true, false, exl3::pd_ring(K), exl3::PD_STEPS>;
+        const exl3::FusedVariant pv = exl3::fused_variant<K, CB>(exl3::FV_PD);
         cudaFuncAttributes fp{};
-        CK(cudaFuncGetAttributes(&fp, pk));
+        CK(cudaFuncGetAttributes(&fp, pv.kern));
         std::printf("pre-decoding: chunks <= %d k tiles, %d decoded before the wait | regs %d, smem %zu B, blocks/SM %d | "
                     "mode %d\n", exl3::pd_ring(K), exl3::PD_STEPS, fp.numRegs, fp.sharedSizeBytes,
-                    exl3::fused_occupancy<K, CB, true, false, exl3::pd_ring(K), exl3::PD_STEPS>(),
+                    exl3::fused_occupancy<K, CB>(exl3::FV_PD),
                     exl3::predecode_mode().load());
     }
     for (auto& sh : shapes) {

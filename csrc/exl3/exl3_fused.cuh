@@ -600,16 +600,49 @@ inline bool xh_wanted(int m, int k_tiles, long col_blocks, int min_rows) {
     return min_rows > 0 && m <= 8 && k_tiles % 8 == 0 && (m >= min_rows || col_blocks >= XH_WIDE_COL_BLOCKS);
 }
 
-// resident blocks per SM of one fused instantiation (same on every H-class device; queried once)
+// The instantiations launch_fused_t chooses between, each named once with its block size.
+enum FusedVariantId {
+    FV_M16,       // m16 main loop (9..16 rows)
+    FV_TR,        // transposed main loop (m <= 8), its deep ring
+    FV_TR_SHORT,  // transposed, the short ring (chunks of <= SHORT_RING_MAX_KT tiles)
+    FV_XH,        // transposed, x transformed once (a head: wide output)
+    FV_XH_FEW,    // transposed, x once for the rows, GEMM_NT tiles per warp (xh_few_ring)
+    FV_PD,        // transposed, pre-decoding (pd_ring, PD_STEPS)
+    FV_COUNT
+};
+struct FusedVariant {
+    void (*kern)(FusedArgs);
+    unsigned threads;
+};
+
 template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR), int PD = 0, int NT = fused_nt(TR, PD)>
-inline int fused_occupancy() {
-    static int occ = -1;
-    if (occ < 0) {
-        int o = 0;
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, fused_linear_kernel<K, CB, TR, XH, S, PD, NT>, warps_for(NT) * 32, 0);
-        occ = o > 0 ? o : 1;
+inline FusedVariant fused_variant_of() {
+    return {fused_linear_kernel<K, CB, TR, XH, S, PD, NT>, (unsigned)(warps_for(NT) * 32)};
+}
+
+template <int K, int CB>
+FusedVariant fused_variant(FusedVariantId id) {
+    switch (id) {
+        case FV_M16: return fused_variant_of<K, CB, false>();
+        case FV_TR: return fused_variant_of<K, CB, true>();
+        case FV_TR_SHORT: return fused_variant_of<K, CB, true, false, SHORT_RING>();
+        case FV_XH: return fused_variant_of<K, CB, true, true>();
+        case FV_XH_FEW: return fused_variant_of<K, CB, true, true, xh_few_ring(K), 0, GEMM_NT>();
+        case FV_PD: default: return fused_variant_of<K, CB, true, false, pd_ring(K), PD_STEPS>();
     }
-    return occ;
+}
+
+// resident blocks per SM of one variant (same on every H-class device; queried once per variant)
+template <int K, int CB>
+int fused_occupancy(FusedVariantId id) {
+    static int occ[FV_COUNT] = {};  // 0: not queried yet
+    if (occ[id] == 0) {
+        const FusedVariant v = fused_variant<K, CB>(id);
+        int o = 0;
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&o, v.kern, (int)v.threads, 0);
+        occ[id] = o > 0 ? o : 1;
+    }
+    return occ[id];
 }
 
 // Fills a.kt_per_chunk (when <= 0) and the problems' block0, launches; returns the k tiles per chunk.
@@ -630,14 +663,12 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (a.kt_per_chunk <= 0) {
-        const int occ = xh_few ? fused_occupancy<K, CB, true, true, xh_few_ring(K), 0, GEMM_NT>()
-                        : xh   ? fused_occupancy<K, CB, true, true>()
-                        : tr ? fused_occupancy<K, CB, true>() : fused_occupancy<K, CB, false>();
+        const int occ = fused_occupancy<K, CB>(xh_few ? FV_XH_FEW : xh ? FV_XH : tr ? FV_TR : FV_M16);
         if (tr && a.m == 1) a.kt_per_chunk = kt_exception(sms, K, a.k_tiles, col_blocks);  // measured at m = 1
         if (a.kt_per_chunk <= 0) {
             a.kt_per_chunk = pick_kt_per_chunk(a.k_tiles, col_blocks, (long)sms * occ);
             if (short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT) {  // again with the short ring's residency
-                const long res = (long)sms * fused_occupancy<K, CB, true, false, SHORT_RING>();
+                const long res = (long)sms * fused_occupancy<K, CB>(FV_TR_SHORT);
                 const int kt = pick_kt_per_chunk(a.k_tiles, col_blocks, res);
                 if (kt <= SHORT_RING_MAX_KT) a.kt_per_chunk = kt;
             }
@@ -655,7 +686,7 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
             constexpr int ring = pd_ring(K);
             const int cap = predecode_max_kt().load(std::memory_order_relaxed);
             const int longest = cap > 0 && cap < ring ? cap : ring;
-            const long slots = (long)sms * fused_occupancy<K, CB, true, false, ring, PD_STEPS>();
+            const long slots = (long)sms * fused_occupancy<K, CB>(FV_PD);
             int kt = a.kt_per_chunk;
             while (picked && kt < longest && grid_blocks(kt) > slots) ++kt;
             pd = kt <= longest && grid_blocks(kt) <= slots;
@@ -669,12 +700,11 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         blocks += (long)(a.p[i].n_tiles / BLOCK_TILES) * chunks;
     }
     if (blocks <= 0) return a.kt_per_chunk;
-    auto kern = pd   ? fused_linear_kernel<K, CB, true, false, pd_ring(K), PD_STEPS>
-                : xh_few ? fused_linear_kernel<K, CB, true, true, xh_few_ring(K), 0, GEMM_NT>
-                : xh ? fused_linear_kernel<K, CB, true, true>
-                : short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT ? fused_linear_kernel<K, CB, true, false, SHORT_RING>
-                : tr ? fused_linear_kernel<K, CB, true> : fused_linear_kernel<K, CB, false>;
-    const unsigned threads = warps_for(xh_few ? GEMM_NT : fused_nt(tr, pd ? PD_STEPS : 0)) * 32;
+    const FusedVariant v = fused_variant<K, CB>(pd ? FV_PD
+                                                : xh_few ? FV_XH_FEW
+                                                : xh ? FV_XH
+                                                : short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT ? FV_TR_SHORT
+                                                : tr ? FV_TR : FV_M16);
     if (xh) {  // x transformed once, then the linear (a dependent of this pass, which waits for it)
         const long items = (long)a.n_problems * a.m * (a.k_tiles / 8);
         const unsigned xblocks = (unsigned)((items + 3) / 4);
@@ -682,10 +712,10 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         else fused_xh_kernel<0><<<xblocks, 128, 0, st>>>(a);
     }
     if (!a.pdl) {
-        kern<<<(unsigned)blocks, threads, 0, st>>>(a);
+        v.kern<<<(unsigned)blocks, v.threads, 0, st>>>(a);
         return a.kt_per_chunk;
     }
-    launch_as_dependent(kern, (unsigned)blocks, threads, st, a);  // errors: cudaGetLastError at the caller
+    launch_as_dependent(v.kern, (unsigned)blocks, v.threads, st, a);  // errors: cudaGetLastError at the caller
     return a.kt_per_chunk;
 }
 

@@ -546,13 +546,17 @@ void launch_reconstruct_t(const uint32_t* trellis, __half* out, int k_tiles, int
     reconstruct_kernel<K, CB><<<(unsigned)((warps + 7) / 8), 256, 0, st>>>(trellis, out, k_tiles, n_tiles);
 }
 
-// gemm_kernel's grid for a.kt_per_warp: {blocks, threads per block}
+struct LaunchShape {
+    unsigned blocks, threads;  // a 1-D grid and its block size
+};
+
+// gemm_kernel's launch for a.kt_per_warp
 template <int K, int CB, int MB, bool DEC>
-inline dim3 gemm_grid(const GemmArgs& a) {
+inline LaunchShape gemm_launch_shape(const GemmArgs& a) {
     constexpr int NT = gemm_nt(DEC);
     const long chunks = (a.k_tiles + a.kt_per_warp - 1) / a.kt_per_warp;
     const long warps = (a.n_tiles / NT) * chunks;
-    return dim3((unsigned)((warps + warps_for(NT) - 1) / warps_for(NT)), (unsigned)(warps_for(NT) * 32));
+    return {(unsigned)((warps + warps_for(NT) - 1) / warps_for(NT)), (unsigned)(warps_for(NT) * 32)};
 }
 
 // fills a.kt_per_warp when <= 0 (about one wave of resident warps)
@@ -577,8 +581,8 @@ inline void gemm_pick_kt(GemmArgs& a) {
 template <int K, int CB, int MB, bool DEC>
 int launch_gemm_t(GemmArgs a, cudaStream_t st) {
     gemm_pick_kt<K, CB, MB, DEC>(a);
-    const dim3 grid = gemm_grid<K, CB, MB, DEC>(a);
-    gemm_kernel<K, CB, MB, DEC><<<grid.x, grid.y, 0, st>>>(a);
+    const LaunchShape ls = gemm_launch_shape<K, CB, MB, DEC>(a);
+    gemm_kernel<K, CB, MB, DEC><<<ls.blocks, ls.threads, 0, st>>>(a);
     return a.kt_per_warp;
 }
 
