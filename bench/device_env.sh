@@ -19,9 +19,14 @@ if [ "${SKIP_BUILD:-0}" != 1 ] || [ ! -f exl3_core/_C.so ]; then
   # objects) forces every source to rebuild
   force=""
   [ -f exl3_core/_C.so ] && [ -n "$(find csrc \( -name '*.cuh' -o -name '*.h' \) -newer exl3_core/_C.so)" ] && force=--force
-  TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace $force > "$OUT/build.log" 2>&1 \
+  # The device image sets CC/CXX to a wrapper under /opt/gcc; an extension built with it segfaults on any c10
+  # error or warning it raises (a TORCH_CHECK on bad input kills the process instead of raising), even a
+  # 10-line inline one, while the same GCC 13.3 as /usr/bin/g++ raises normally (docs/performance.md, run 25).
+  cc=${CC:-}; cxx=${CXX:-}
+  case "$cxx" in /opt/gcc/*) [ -x /usr/bin/g++ ] && { cc=/usr/bin/gcc; cxx=/usr/bin/g++; } ;; esac
+  CC=$cc CXX=$cxx TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace $force > "$OUT/build.log" 2>&1 \
     || { tail -30 "$OUT/build.log"; exit 1; }
   # setup.py's optional build only warns on a compile error: say so here, loudly
   [ -f exl3_core/_C.so ] || { grep -m5 -E "error" "$OUT/build.log"; echo "BUILD FAILED: no exl3_core/_C.so"; }
-  echo "build $(( $(date +%s) - t )) s${force:+ (forced: a header changed)}"
+  echo "build $(( $(date +%s) - t )) s${force:+ (forced: a header changed)} (CXX=${cxx:-default})"
 fi
