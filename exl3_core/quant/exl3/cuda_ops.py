@@ -34,8 +34,9 @@ The fallbacks run anywhere (CPU included) and compute the same functions in fp32
 The one-launch ops share a per-device workspace that grows, eagerly, to the widest call so far. A call
 wider than that while a CUDA graph is being captured cannot grow it and silently takes the unfused
 ATen/4-kernel path (same results, slower replays); run the captured shapes once eagerly first, as the
-generator's graph code does. There is no warning: a c10 warning raised inside the extension crashed
-the process on the device image (tests/gpu/test_deferred_norm_gpu.py covers this path).
+generator's graph code does. There is no warning: a c10 warning raised inside an extension crashes the
+process when a broken compiler wrapper built it (the device image's, docs/performance.md run 25);
+tests/gpu/test_deferred_norm_gpu.py covers this path.
 """
 from __future__ import annotations
 
