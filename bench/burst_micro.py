@@ -8,7 +8,6 @@ launch gap and the first kernels' exposed prologue), before the generator learns
 from __future__ import annotations
 
 import argparse
-import statistics
 from dataclasses import replace
 
 import torch
@@ -25,6 +24,7 @@ def main() -> None:
     a = ap.parse_args()
     from exl3_core import ops
     from exl3_core.bench.models import build_model, parse_shape
+    from exl3_core.bench.run import time_median
     from exl3_core.generator.batching import Chunk, build_batch
     from exl3_core.generator.graphs import no_gc
 
@@ -80,20 +80,9 @@ def main() -> None:
     for rnd in range(2):
         for S in steps:
             g, reps = graphs[S], a.tokens // S
-            for _ in range(3):
-                g.replay()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(9):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                for _ in range(reps):
-                    g.replay()
-                e1.record()
-                e1.synchronize()
-                times.append(e0.elapsed_time(e1) * 1000 / (reps * S))
-            med = statistics.median(times)
-            print(f"round {rnd} S={S}: {med:7.1f} us per token ({1e6 / med:7.1f} tok/s), min {min(times):.1f}")
+            sec = time_median(lambda g=g, reps=reps: [g.replay() for _ in range(reps)], dev, warmup=1, iters=9)
+            us = sec * 1e6 / (reps * S)
+            print(f"round {rnd} S={S}: {us:7.1f} us per token ({1e6 / us:7.1f} tok/s)")
     cache.allocator.release(pages)
 
 
