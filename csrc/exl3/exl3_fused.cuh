@@ -658,12 +658,14 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     // with 4; the 8B chain 94.4 against 93.5.
     const bool xh_few = xh && col_blocks < XH_WIDE_COL_BLOCKS;
     const bool short_ok = tr && !xh && SHORT_RING < tr_ring_stages(K);  // the short ring variant may serve
+    // the variant for the rows and width; pre-decoding or the short ring may take its place below
+    const FusedVariantId base = xh_few ? FV_XH_FEW : xh ? FV_XH : tr ? FV_TR : FV_M16;
     const bool picked = a.kt_per_chunk <= 0;  // the launcher's choice (a caller's chunk is kept as given)
     int dev = 0, sms = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (a.kt_per_chunk <= 0) {
-        const int occ = fused_occupancy<K, CB>(xh_few ? FV_XH_FEW : xh ? FV_XH : tr ? FV_TR : FV_M16);
+        const int occ = fused_occupancy<K, CB>(base);
         if (tr && a.m == 1) a.kt_per_chunk = kt_exception(sms, K, a.k_tiles, col_blocks);  // measured at m = 1
         if (a.kt_per_chunk <= 0) {
             a.kt_per_chunk = pick_kt_per_chunk(a.k_tiles, col_blocks, (long)sms * occ);
@@ -700,11 +702,10 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
         blocks += (long)(a.p[i].n_tiles / BLOCK_TILES) * chunks;
     }
     if (blocks <= 0) return a.kt_per_chunk;
-    const FusedVariant v = fused_variant<K, CB>(pd ? FV_PD
-                                                : xh_few ? FV_XH_FEW
-                                                : xh ? FV_XH
+    // short_ok implies tr && !xh, so the short ring only ever replaces FV_TR
+    const FusedVariant v = fused_variant<K, CB>(pd                                                 ? FV_PD
                                                 : short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT ? FV_TR_SHORT
-                                                : tr ? FV_TR : FV_M16);
+                                                                                                  : base);
     if (xh) {  // x transformed once, then the linear (a dependent of this pass, which waits for it)
         const long items = (long)a.n_problems * a.m * (a.k_tiles / 8);
         const unsigned xblocks = (unsigned)((items + 3) / 4);
