@@ -703,9 +703,9 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     }
     if (blocks <= 0) return a.kt_per_chunk;
     // short_ok implies tr && !xh, so the short ring only ever replaces FV_TR
-    const FusedVariant v = fused_variant<K, CB>(pd                                                 ? FV_PD
+    const FusedVariant v = fused_variant<K, CB>(pd ? FV_PD
                                                 : short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT ? FV_TR_SHORT
-                                                                                                  : base);
+                                                : base);
     if (xh) {  // x transformed once, then the linear (a dependent of this pass, which waits for it)
         const long items = (long)a.n_problems * a.m * (a.k_tiles / 8);
         const unsigned xblocks = (unsigned)((items + 3) / 4);
