@@ -157,7 +157,7 @@ def gemm_bench(ceil: dict, quick: bool, rows: list) -> None:
             rows.append(dict(kind="fp16_gemv", k=k, n=n, us=sec * 1e6, mem_bound_us=k * n * 2 / BW * 1e6))
             print(f"fp16 cuBLAS GEMV {k}x{n}: {sec * 1e6:7.2f} us (memory floor {k * n * 2 / BW * 1e6:6.2f} us)",
                   flush=True)
-            del ts, wd
+            ts, wd = [], []  # drop this shape's copies before the next one allocates its own
 
 
 def fused_group_bench(rows: list) -> None:
@@ -181,7 +181,7 @@ def fused_group_bench(rows: list) -> None:
                          us_separate=sec_s * 1e6, mem_bound_us=mem * 1e6))
         print(f"fused group k={k} n={ns} K={K} m=1: one launch {sec_g * 1e6:7.2f} us, {len(ns)} launches "
               f"{sec_s * 1e6:7.2f} us (memory floor {mem * 1e6:6.2f} us)", flush=True)
-        del ts
+        ts = []  # drop this shape's copies before the next one allocates its own
 
 
 def reconstruct_bench(ceil: dict, rows: list) -> None:
