@@ -237,12 +237,12 @@ int main(int argc, char** argv) {
     // the fused kernel as the m = 1 linears run it with long chunks (the transposed deep-ring variant)
     constexpr bool TR = EXL3_FUSED_TR;
     constexpr int RS = exl3::fused_ring(K, TR);
-    auto fk = exl3::fused_linear_kernel<K, CB, TR, false, RS>;
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_f, fk, exl3::warps_for(exl3::fused_nt(TR, 0)) * 32, 0));
+    const exl3::FusedVariant fv = exl3::fused_variant<K, CB>(TR ? exl3::FV_TR : exl3::FV_M16);
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_f, fv.kern, (int)fv.threads, 0));
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_d, exl3::gemm_kernel<K, CB, 1, true>,
                                                      exl3::warps_for(exl3::gemm_nt(true)) * 32, 0));
     cudaFuncAttributes fa{};
-    CK(cudaFuncGetAttributes(&fa, fk));
+    CK(cudaFuncGetAttributes(&fa, fv.kern));
     cudaFuncAttributes fd{};
     CK(cudaFuncGetAttributes(&fd, exl3::gemm_kernel<K, CB, 1, true>));
     std::printf("variant: ring stages %d (decode-only %d) | fused regs %d, smem %zu B, blocks/SM %d | decode-only regs %d, "
