@@ -534,11 +534,11 @@ inline int pick_kt_per_chunk(int k_tiles, long col_blocks, long resident_blocks)
     if (resident_blocks < 1) resident_blocks = 1;
     const int lo = k_tiles < 8 ? (k_tiles > 0 ? k_tiles : 1) : 8;
     const int hi = k_tiles < GEMM_KT_MAX ? (k_tiles > 0 ? k_tiles : 1) : GEMM_KT_MAX;
-    // A grid of two or more waves even at the longest chunk (a head's vocabulary): the blocks are
-    // scheduled as slots free up, so a ragged wave costs little and each block's fixed cost is what
-    // counts: the longest chunk. H200, m = 1, K = 6 (docs/performance.md, run 16): 2048x128256 88.5 ->
-    // 86.5 us (the model's 22 tiles -> 32), 4096x128256 167.7 -> 165.2.
-    if (col_blocks * ((k_tiles + hi - 1) / hi) >= 2 * resident_blocks) return hi;
+    // Grids of several waves (a head's vocabulary) take the same model: their ragged last wave costs
+    // about a wave as well. H200, m = 1, K = 6, x once (docs/performance.md, run 27): 2048x128256 80.0 us
+    // at 32 tiles (4 chunks, 2.2 waves), 77.1 at the model's 26 (5 chunks, 2.7 waves), 78.4 at 22 (3.3
+    // waves); 4096x128256 148.8-149.4 at 32, 147.9-149.2 at 24-30. (Run 16 had taken the longest chunk
+    // for them, when the model's pick was slower with 2 n tiles per warp.)
     int best = hi;
     long best_cost = -1;
     for (int kt = hi; kt >= lo; --kt) {  // ties go to the larger chunk (fewer atomics, less x re-reading)
