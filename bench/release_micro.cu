@@ -3,27 +3,14 @@
 // predecessor's blocks bump a counter, the dependent's blocks poll it). A chain of N kernels, each launched as
 // a programmatic dependent of the one before, captured in one CUDA graph and replayed.
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 bench/release_micro.cu -o /tmp/rm && /tmp/rm
+//   nvcc -std=c++17 -O3 -arch=sm_90 --expt-relaxed-constexpr -Icsrc bench/release_micro.cu -o /tmp/rm && /tmp/rm
 //
-// Per configuration (mode, trigger, blocks, work per block): the graph's time per kernel (median of replays,
-// CUDA events) and, from %globaltimer, the gap between kernel i-1's last block finishing and kernel i's first /
-// last block being released (medians over the chain). Each kernel reads a value another block of its
+// Per configuration (mode, trigger, blocks, work per block): the graph's time per kernel (time_graph: median
+// of replays, CUDA events) and, from %globaltimer, the gap between kernel i-1's last block finishing and
+// kernel i's first / last block being released (medians over the chain). Each kernel reads a value another block of its
 // predecessor wrote and checks it, so a flag protocol that released too early would count errors.
-#include <cuda_runtime.h>
-
-#include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-
-#define CK(x)                                                                                      \
-    do {                                                                                           \
-        cudaError_t e_ = (x);                                                                      \
-        if (e_ != cudaSuccess) {                                                                   \
-            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-            std::exit(1);                                                                          \
-        }                                                                                          \
-    } while (0)
+#include "exl3/exl3_kernels.cuh"  // exl3::launch_as_dependent
+#include "tune_common.cuh"
 
 __device__ __forceinline__ unsigned long long gtime() {
     unsigned long long t;
@@ -85,8 +72,7 @@ __global__ void link_kernel(Link a) {
 }
 
 struct Result {
-    float us_per_kernel;
-    double rel_first_us, rel_last_us;
+    float us_per_kernel, rel_first_us, rel_last_us;
     int errors;
 };
 
@@ -100,62 +86,32 @@ static Result run(int mode, int early, int blocks, unsigned work_ns, int sleep_n
     CK(cudaMalloc(&t_min, n * 8));
     CK(cudaMalloc(&t_max, n * 8));
     CK(cudaMemset(errors, 0, sizeof(int)));
-    cudaStream_t st;
-    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-    CK(cudaMemsetAsync(done, 0, n * sizeof(int), st));
-    CK(cudaMemsetAsync(t_min, 0xFF, n * 8, st));
-    CK(cudaMemsetAsync(t_max, 0, n * 8, st));
-    for (int i = 0; i < n; ++i) {
+    // link i of the chain; the first one also clears the counters and stamps (memset nodes in the graph)
+    const float t = time_graph([&](int i, cudaStream_t st) {
+        if (i == 0) {
+            CK(cudaMemsetAsync(done, 0, n * sizeof(int), st));
+            CK(cudaMemsetAsync(t_min, 0xFF, n * 8, st));
+            CK(cudaMemsetAsync(t_max, 0, n * 8, st));
+        }
         Link a{i, mode, early, blocks, sleep_ns, work_ns, done, errors, t_done, t_min, t_max, buf};
-        cudaLaunchConfig_t cfg{};
-        cfg.gridDim = dim3(blocks);
-        cfg.blockDim = dim3(threads);
-        cfg.stream = st;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = i > 0 ? 1 : 0;
-        CK(cudaLaunchKernelEx(&cfg, link_kernel, a));
-    }
-    CK(cudaStreamEndCapture(st, &graph));
-    cudaGraphExec_t exec;
-    CK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int w = 0; w < 5; ++w) CK(cudaGraphLaunch(exec, st));
-    CK(cudaStreamSynchronize(st));
-    cudaEvent_t e0, e1;
-    CK(cudaEventCreate(&e0));
-    CK(cudaEventCreate(&e1));
-    std::vector<float> ms;
-    for (int r = 0; r < 21; ++r) {
-        CK(cudaEventRecord(e0, st));
-        CK(cudaGraphLaunch(exec, st));
-        CK(cudaEventRecord(e1, st));
-        CK(cudaEventSynchronize(e1));
-        float t = 0.f;
-        CK(cudaEventElapsedTime(&t, e0, e1));
-        ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
+        if (i == 0) {
+            link_kernel<<<blocks, threads, 0, st>>>(a);
+        } else {
+            CK(exl3::launch_as_dependent(link_kernel, (unsigned)blocks, (unsigned)threads, st, a));
+        }
+    }, n, 21);
     std::vector<unsigned long long> hd(n), hmin(n), hmax(n);
     CK(cudaMemcpy(hd.data(), t_done, n * 8, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(hmin.data(), t_min, n * 8, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(hmax.data(), t_max, n * 8, cudaMemcpyDeviceToHost));
-    std::vector<double> first, last;
+    std::vector<float> first, last;
     for (int i = 1; i < n; ++i) {
-        first.push_back(((double)hmin[i] - (double)hd[i - 1]) / 1000.0);
-        last.push_back(((double)hmax[i] - (double)hd[i - 1]) / 1000.0);
+        first.push_back((float)(((double)hmin[i] - (double)hd[i - 1]) / 1000.0));
+        last.push_back((float)(((double)hmax[i] - (double)hd[i - 1]) / 1000.0));
     }
-    std::sort(first.begin(), first.end());
-    std::sort(last.begin(), last.end());
     int herr = 0;
     CK(cudaMemcpy(&herr, errors, sizeof(int), cudaMemcpyDeviceToHost));
-    Result res{ms[ms.size() / 2] * 1000.f / n, first[first.size() / 2], last[last.size() / 2], herr};
-    CK(cudaGraphExecDestroy(exec));
-    CK(cudaGraphDestroy(graph));
-    CK(cudaStreamDestroy(st));
+    const Result res{t * 1e6f, median(first), median(last), herr};
     CK(cudaFree(done));
     CK(cudaFree(errors));
     CK(cudaFree(buf));
@@ -167,7 +123,8 @@ static Result run(int mode, int early, int blocks, unsigned work_ns, int sleep_n
 
 int main() {
     const int n = 64;
-    std::printf("mode  trigger  blocks  threads  work_ns  sleep | us/kernel  release first/last after predecessor's last block (us)  errors\n");
+    std::printf("mode  trigger  blocks  threads  work_ns  sleep | us/kernel  release first/last after the predecessor's "
+                "last block (us)  errors\n");
     const int block_counts[] = {128, 256, 528};
     const unsigned works[] = {0, 2000, 4000};
     for (int threads : {128}) {
