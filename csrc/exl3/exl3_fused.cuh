@@ -537,8 +537,9 @@ inline int pick_kt_per_chunk(int k_tiles, long col_blocks, long resident_blocks)
     // Grids of several waves (a head's vocabulary) take the same model: their ragged last wave costs
     // about a wave as well. H200, m = 1, K = 6, x once (docs/performance.md, run 27): 2048x128256 80.0 us
     // at 32 tiles (4 chunks, 2.2 waves), 77.1 at the model's 26 (5 chunks, 2.7 waves), 78.4 at 22 (3.3
-    // waves); 4096x128256 148.8-149.4 at 32, 147.9-149.2 at 24-30. (Run 16 had taken the longest chunk
-    // for them, when the model's pick was slower with 2 n tiles per warp.)
+    // waves); 4096x128256 148.8-149.4 at 32, 147.9-149.2 at 24-30 (the model picks 29: the 8B b=1 decode
+    // measured 404.2 tok/s with and without it). Run 16 had taken the longest chunk for such grids, when
+    // the model's pick was slower (2 n tiles per warp).
     int best = hi;
     long best_cost = -1;
     for (int kt = hi; kt >= lo; --kt) {  // ties go to the larger chunk (fewer atomics, less x re-reading)

@@ -168,8 +168,9 @@ def test_x_transformed_once_is_bit_exact(fused_ops, K: int, cb: int) -> None:
 def test_wide_output_paths(fused_ops) -> None:
     """Wide outputs (>= 512 column blocks of 128, a head's vocabulary) transform x once per launch at any row
     count, and a grid of two or more waves takes the cost model's k chunk, which need not end on a Hadamard
-    block (exl3_fused.cuh: xh_wanted, pick_kt_per_chunk). With one k chunk the result is bit-exact with the path that has both off
-    (set_xh_min_rows(0): each block transforms its own chunk); with several chunks both match the references."""
+    block (exl3_fused.cuh: xh_wanted, pick_kt_per_chunk). With one k chunk the result is bit-exact with the
+    path that has both off (set_xh_min_rows(0): each block transforms its own chunk); with several chunks both
+    match the references."""
     one = Problem(128, 512 * 128, 4, CB_MUL1)  # 8 k tiles: one chunk
     deep = Problem(2048, 1024 * 128, 2, CB_MUL1)  # 128 k tiles x 1024 column blocks: >= 2 waves at 32 tiles
     saved = fused_ops.set_xh_min_rows(8)
