@@ -134,7 +134,7 @@ def main() -> None:
     import exl3_attn_backends.cuda_decode as cd
 
     if a.cuda_decode_max_keys >= 0:
-        cd.MAX_KEYS = a.cuda_decode_max_keys
+        cd.MAX_KEYS = {d: min(k, a.cuda_decode_max_keys) for d, k in cd.MAX_KEYS.items()}
     if not ext.load():
         sys.exit("exl3_core._C did not load")
     ext.set_kt_exceptions(ext.KT_EXCEPTIONS if a.kt_exceptions else ())

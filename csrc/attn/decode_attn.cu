@@ -10,11 +10,14 @@
 // shared memory.
 //
 // Block: 8 warps. The query heads of one kv head are the rows of the mma's A (padded to 16 with zeros).
-// Keys in passes of CAP = 8 * KW rows held in shared memory; warp w takes rows [w * KW, (w + 1) * KW) of
-// a pass (KW = 32 at head dim 64, 16 at 128). Pass 0 is copied with cp.async before griddepcontrol.wait:
-// rows of earlier steps and the page table were complete before the step began; the newest row (seq - 1,
-// written by the kernel before) is copied after the wait, with q. Rows are 16-byte chunks XOR-swizzled by
-// row & 7, so every ldmatrix phase hits 8 different bank groups. fp32 scores, online softmax in base 2.
+// Keys in passes of `cap` rows held in shared memory (sized by the launch from the static key bound, at
+// most 8 * KW); warp w takes rows [w * KW, (w + 1) * KW) of a pass. KW = 32 or 64 at head dim 64, 16 or 32
+// at 128 (the smaller while the bound fits 8 of them): a bound within one pass is the fast case, since
+// pass 0 is copied with cp.async before griddepcontrol.wait and later passes after it. Rows of earlier
+// steps and the page table were complete before the step began; the newest row (seq - 1, written by the
+// kernel before) is copied after the wait, with q, from an address computed before it. Rows are 16-byte
+// chunks XOR-swizzled by row & 7, so every ldmatrix phase hits 8 different bank groups. fp32 scores,
+// online softmax in base 2.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -31,8 +34,8 @@ constexpr int WARPS = 8;
 constexpr int THREADS = WARPS * 32;
 constexpr int MAX_GROUP = 8;  // query heads per kv head (rows 0..7 of the mma's 16)
 
-template <int D> constexpr int keys_per_warp() { return D == 64 ? 32 : 16; }
-template <int D> constexpr int pass_rows() { return WARPS * keys_per_warp<D>(); }
+// keys per warp and pass: the short one while the bound fits 8 of them, else twice that
+template <int D> constexpr int short_kw() { return D == 64 ? 32 : 16; }
 
 struct DecodeArgs {
     const void* q;
@@ -44,6 +47,7 @@ struct DecodeArgs {
     const int* seq_k;
     long long q_t, q_h, k_p, k_s, k_h, v_p, v_s, v_h, o_t, o_h, pt_b;
     int page_size, group;
+    int cap;       // rows of a pass in shared memory (a multiple of KW, at most WARPS * KW)
     float qscale;  // softmax scale * log2(e)
 };
 
@@ -115,21 +119,20 @@ __device__ __forceinline__ void copy_rows(const DecodeArgs& a, int b, int kvh, i
     }
 }
 
-// Dynamic shared memory: K and V passes, q (16 rows, rows >= G zero), each warp's final state [G][2 + D].
-__host__ __device__ inline size_t smem_bytes(int D, int G) {
-    const int cap = WARPS * (D == 64 ? 32 : 16);
+// Dynamic shared memory: a pass's K and V rows, q (16 rows, rows >= G zero), each warp's final state [G][2 + D].
+__host__ __device__ inline size_t smem_bytes(int D, int G, int cap) {
     return 4ull * cap * D + 2ull * 16 * D + 4ull * WARPS * G * (2 + D);
 }
 
-// registers: 3 blocks an SM at head dim 64 (80-ish a thread, beside the q/k/v linear's blocks), 2 at 128
-template <int D> constexpr int min_blocks() { return D == 64 ? 3 : 2; }
+// registers: 3 blocks an SM with the short KW at head dim 64 (80-ish a thread, beside the q/k/v linear's
+// blocks), else 2
+template <int D, int KW> constexpr int min_blocks() { return D == 64 && KW == 32 ? 3 : 2; }
 
-template <class T, int D>
-__global__ void __launch_bounds__(THREADS, min_blocks<D>()) decode_attn_kernel(const DecodeArgs a, const bool pdl) {
+template <class T, int D, int KW>
+__global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_kernel(const DecodeArgs a, const bool pdl) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int P = D / 8;                  // 16-byte chunks per row
-    constexpr int KW = keys_per_warp<D>();    // keys per warp and pass
-    constexpr int CAP = pass_rows<D>();
+    const int CAP = a.cap;                    // rows of a pass
     constexpr int NT = KW / 8;                // score n tiles (8 keys each)
     constexpr int KS = D / 16;                // k steps of the scores
     constexpr int DT = D / 8;                 // output n tiles (8 channels each)
@@ -153,6 +156,17 @@ __global__ void __launch_bounds__(THREADS, min_blocks<D>()) decode_attn_kernel(c
     }
     copy_rows<D>(a, b, kvh, 0, 0, min(seq - 1, CAP), ks, vs);
     cp_async_commit();
+    // the newest row's cache address (the page table is the step's input): after the wait only its copy
+    // is left, in the same round trip as q's
+    const bool newest = seq >= 1 && seq - 1 < CAP && tid < P;
+    const char* k_new = nullptr;
+    const char* v_new = nullptr;
+    if (newest) {
+        const long long page = a.page_table[(long long)b * a.pt_b + (seq - 1) / a.page_size];
+        const long long slot = (seq - 1) % a.page_size;
+        k_new = static_cast<const char*>(a.k) + 2 * (page * a.k_p + slot * a.k_s + kvh * a.k_h + tid * 8);
+        v_new = static_cast<const char*>(a.v) + 2 * (page * a.v_p + slot * a.v_s + kvh * a.v_h + tid * 8);
+    }
     for (int i = tid; i < (16 - G) * P; i += THREADS) {
         const int r = G + i / P, c = i % P;
         *reinterpret_cast<uint4*>(qs + smem_at<D>(r, c)) = make_uint4(0, 0, 0, 0);
@@ -168,14 +182,16 @@ __global__ void __launch_bounds__(THREADS, min_blocks<D>()) decode_attn_kernel(c
         asm volatile("griddepcontrol.wait;\n" ::: "memory");
         asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     }
-    // After it: this step's queries and newest key/value row.
-    if (seq >= 1 && seq - 1 < CAP) copy_rows<D>(a, b, kvh, 0, seq - 1, seq, ks, vs);
-    cp_async_commit();
+    // After it: this step's queries and newest key/value row, one round trip.
+    if (newest) {
+        cp_async16(ks + smem_at<D>(seq - 1, tid), k_new);
+        cp_async16(vs + smem_at<D>(seq - 1, tid), v_new);
+    }
     for (int i = tid; i < G * P; i += THREADS) {
         const int h = i / P, c = i % P;
-        *reinterpret_cast<uint4*>(qs + smem_at<D>(h, c)) = *reinterpret_cast<const uint4*>(
-            static_cast<const T*>(a.q) + q_row * a.q_t + (kvh * G + h) * a.q_h + c * 8);
+        cp_async16(qs + smem_at<D>(h, c), static_cast<const T*>(a.q) + q_row * a.q_t + (kvh * G + h) * a.q_h + c * 8);
     }
+    cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
 
@@ -312,10 +328,13 @@ __global__ void __launch_bounds__(THREADS, min_blocks<D>()) decode_attn_kernel(c
 #endif
 }
 
-template <class T, int D>
-cudaError_t launch(const DecodeArgs& a, int kv_heads, int batch, bool pdl, cudaStream_t st) {
-    auto kern = decode_attn_kernel<T, D>;
-    const size_t bytes = smem_bytes(D, a.group);
+template <class T, int D, int KW>
+cudaError_t launch(DecodeArgs a, int kv_heads, int batch, int bound, bool pdl, cudaStream_t st) {
+    auto kern = decode_attn_kernel<T, D, KW>;
+    // a pass holds the bound (rounded up to whole warps' keys) when it can: one pass, copied before the wait
+    const int most = WARPS * KW;
+    a.cap = bound > 0 && bound < most ? (bound + KW - 1) / KW * KW : most;
+    const size_t bytes = smem_bytes(D, a.group, a.cap);
     if (bytes > 48 * 1024) {  // above the default dynamic limit: raised (to the largest asked) per device
         static int raised[64] = {};
         int dev = 0;
@@ -349,8 +368,10 @@ using at::Tensor;
 // [B + 1] (at most one query per sequence); seq_lens_k int32 [B]. Returns [T, Hq, D] in q's dtype (rows of
 // sequences without a query are left unwritten). The Python caller (exl3_attn_backends.cuda_decode.check_call)
 // validates every input first and names what is wrong; the checks here are the last line.
+// bound: the longest sequence the call (or the graph it is captured in) may see, 0 if unknown; it sizes the
+// block's pass (shared memory) and picks the keys per warp.
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& page_table,
-                        const Tensor& cu_seqlens_q, const Tensor& seq_lens_k, double scale, bool pdl) {
+                        const Tensor& cu_seqlens_q, const Tensor& seq_lens_k, double scale, bool pdl, int64_t bound) {
     using namespace exl3_attn;
     TORCH_CHECK(q.is_cuda() && k_cache.is_cuda() && v_cache.is_cuda() && page_table.is_cuda() &&
                 cu_seqlens_q.is_cuda() && seq_lens_k.is_cuda(), "decode_attention: every tensor must be on the GPU");
@@ -387,12 +408,19 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
     a.qscale = (float)(scale * 1.4426950408889634);
     const cudaStream_t st = at::cuda::getCurrentCUDAStream();
     const bool half = q.scalar_type() == at::kHalf;
+    TORCH_CHECK(bound >= 0 && bound < (1 << 30), "decode_attention: bound must be in [0, 2^30)");
+    const int bd = (int)bound, hk = (int)Hkv, nb = (int)B;
+    // the short keys per warp while the bound fits them in one pass (a shorter chain per warp), else twice that
+    const bool shrt = bd > 0 && bd <= WARPS * (D == 64 ? short_kw<64>() : short_kw<128>());
     cudaError_t err;
     if (D == 64) {
-        err = half ? launch<__half, 64>(a, (int)Hkv, (int)B, pdl, st) : launch<__nv_bfloat16, 64>(a, (int)Hkv, (int)B, pdl, st);
+        if (half) err = shrt ? launch<__half, 64, 32>(a, hk, nb, bd, pdl, st) : launch<__half, 64, 64>(a, hk, nb, bd, pdl, st);
+        else err = shrt ? launch<__nv_bfloat16, 64, 32>(a, hk, nb, bd, pdl, st)
+                        : launch<__nv_bfloat16, 64, 64>(a, hk, nb, bd, pdl, st);
     } else {
-        err = half ? launch<__half, 128>(a, (int)Hkv, (int)B, pdl, st)
-                   : launch<__nv_bfloat16, 128>(a, (int)Hkv, (int)B, pdl, st);
+        if (half) err = shrt ? launch<__half, 128, 16>(a, hk, nb, bd, pdl, st) : launch<__half, 128, 32>(a, hk, nb, bd, pdl, st);
+        else err = shrt ? launch<__nv_bfloat16, 128, 16>(a, hk, nb, bd, pdl, st)
+                        : launch<__nv_bfloat16, 128, 32>(a, hk, nb, bd, pdl, st);
     }
     TORCH_CHECK(err == cudaSuccess, "decode_attention: launch failed: ", cudaGetErrorString(err));
     return out;
@@ -402,7 +430,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
 
 TORCH_LIBRARY_FRAGMENT(exl3, m) {
     m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_seqlens_q, "
-          "Tensor seq_lens_k, float scale, bool pdl) -> Tensor");
+          "Tensor seq_lens_k, float scale, bool pdl, int bound=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl3, CUDA, m) { m.impl("decode_attention", &decode_attention); }

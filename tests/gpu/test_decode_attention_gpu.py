@@ -58,6 +58,19 @@ def test_matches_reference(op, shape: tuple[int, int, int], dtype: torch.dtype, 
     _check(out, args, f"past={past}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("hd", [64, 128])
+@pytest.mark.parametrize("bound", [1, 40, 128, 129, 256, 300, 512])
+def test_pass_sized_by_the_bound(op, hd: int, bound: int, dtype: torch.dtype) -> None:
+    """The block's pass is the bound rounded up to whole warps' keys (short keys per warp while 8 warps' worth
+    cover it): lengths within the bound take one pass, longer ones (past the contract, still right) several."""
+    past = tuple(sorted({0, max(bound - 1, 0), bound // 2, bound + 5, 2 * bound + 40}))
+    args = make_args(_case(hd, 32, 8, past, dtype), DEV, seed=hd + bound)
+    out = op(args.q, args.k_cache, args.v_cache, args.page_table, args.cu_seqlens_q, args.seq_lens_k,
+             args.scale, False, bound)
+    _check(out, args, f"bound={bound} past={past}")
+
+
 @pytest.mark.parametrize("page_size", [16, 256])
 def test_pdl_and_page_sizes(op, page_size: int) -> None:
     """As a programmatic dependent (the decode graph's way) the output is bit-equal to a plain launch."""
@@ -81,10 +94,11 @@ def test_graph_replay_at_other_lengths() -> None:
     graphs run it (pre-wait copies of earlier rows, the newest row after the wait)."""
     from exl3_attn_backends.cuda_decode import MAX_KEYS, CudaDecodeAttention
 
-    args = make_args(_case(128, 32, 8, (480, 100), torch.float16), DEV, seed=1)
+    args = make_args(_case(64, 32, 8, (480, 100), torch.float16), DEV, seed=1)
     table = args.page_table.clone()
     table[1] = table[0]  # both rows may grow to 481 keys over the fully written pages
-    bound = min(table.shape[1] * 16, MAX_KEYS)
+    bound = min(table.shape[1] * 16, MAX_KEYS[64])
+    assert bound >= 481
     static = args._replace(max_seqlen_k=bound, seq_lens_k=args.seq_lens_k.clone(), q=args.q.clone(),
                            page_table=table)
     b = CudaDecodeAttention()
@@ -114,12 +128,12 @@ def test_backend_is_chosen_for_decode_and_hands_the_rest_to_triton(monkeypatch: 
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("compute capability < 9.0: the backend declines")
-    case = _case(128, 32, 8, (300,), torch.float16)
+    case = _case(128, 32, 8, (200,), torch.float16)
     assert get_dispatcher(load_plugins()).select(case.spec).name == "cuda_decode"
     called: list[int] = []
     real = tp.decode_split_kv
     monkeypatch.setattr(tp, "decode_split_kv", lambda a, n: called.append(n) or real(a, n))
-    args = make_args(_case(128, 32, 8, (MAX_KEYS + 10,), torch.float16), DEV, seed=9)
+    args = make_args(_case(128, 32, 8, (MAX_KEYS[128] + 10,), torch.float16), DEV, seed=9)
     _check(CudaDecodeAttention().forward(args), args, "past the bound")
     assert called, "a bound past MAX_KEYS did not go to the Triton split kernel"
     called.clear()

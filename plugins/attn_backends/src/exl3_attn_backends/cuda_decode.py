@@ -7,10 +7,11 @@ no merge pass, which the Triton split-KV kernel needs and which sit on every lay
 1 (docs/performance.md, runs 21 and 24). The block copies its keys before its programmatic wait, so at
 short contexts the work after the wait is the query, the newest row and the arithmetic.
 
-One block per head reads the whole sequence (256 rows a pass at head dim 64, 128 at 128; longer sequences
-take more passes after the wait), so it serves bounds up to :data:`MAX_KEYS` only (the bound a decode graph
-is captured with, ``max_seqlen_k``); longer bounds, several queries per sequence and layouts the kernel
-does not take go to the Triton backend. Decode specs it cannot serve at all (head dims, groups, windows,
+One block per head reads the whole sequence: its shared memory holds one pass of keys sized by the static
+bound (``max_seqlen_k``, the bound a decode graph is captured with), up to 512 rows at head dim 64 and 256
+at 128; longer sequences would take more passes after the wait. So it serves bounds up to :data:`MAX_KEYS`
+only; longer bounds, several queries per sequence and layouts the kernel does not take go to the Triton
+backend. Decode specs it cannot serve at all (head dims, groups, windows,
 ...) are declined with reasons, so the dispatcher picks Triton.
 """
 from __future__ import annotations
@@ -21,8 +22,13 @@ import torch
 
 from exl3_core.attention.spec import AttnArgs, AttnSpec
 
-#: the longest static key bound served here (the bench's bound at ctx 256); longer ones go to Triton
-MAX_KEYS = 512
+#: the longest static key bound served here per head dim (one pass of the block's shared memory: 128 KB of
+#: keys and values); longer ones go to Triton. A tuning knob (bench/ab_run.py --cuda-decode-max-keys caps it).
+MAX_KEYS = {64: 512, 128: 256}
+#: the most (sequences x kv heads) blocks served here: one block per SM at the largest passes (141 KB of
+#: shared memory at head dim 64 and 512 keys); larger batches go to the Triton split kernel, whose programs
+#: are small. A tuning knob.
+MAX_BLOCKS = 132
 MAX_GROUP = 8
 HEAD_DIMS = (64, 128)
 _CACHES = {torch.float16: "kv/fp16", torch.bfloat16: "kv/bf16"}
@@ -74,14 +80,17 @@ def check_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, scale: float,
-                     pdl: bool = False) -> torch.Tensor:
+                     pdl: bool = False, bound: int = 0) -> torch.Tensor:
     """One query per sequence over a paged fp16/bf16 cache: ``[T, Hq, D]`` in q's dtype (rows of sequences
-    without a query this step are left unwritten). Raises ValueError naming every input it cannot take."""
+    without a query this step are left unwritten). ``bound``: the longest sequence length the call may see
+    (0: unknown), which sizes the block's shared memory. Raises ValueError naming every input it cannot take."""
     bad = check_call(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens_k)
+    if not 0 <= bound < 2**30:
+        bad.append(f"bound must be in [0, 2**30), got {bound}")
     if bad:
         raise ValueError("decode_attention: " + "; ".join(bad))
     return torch.ops.exl3.decode_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens_k, float(scale),
-                                           pdl)
+                                           pdl, int(bound))
 
 
 class CudaDecodeAttention:
@@ -136,8 +145,9 @@ class CudaDecodeAttention:
         return self._fallback
 
     def forward(self, args: AttnArgs) -> torch.Tensor:
-        if (args.max_seqlen_q != 1 or args.max_seqlen_k > MAX_KEYS or args.k_cache is None or args.v_cache is None
-                or args.page_table is None
+        if (args.max_seqlen_q != 1 or args.max_seqlen_k > MAX_KEYS.get(args.spec.head_dim, 0) or args.k_cache is None
+                or args.v_cache is None or args.page_table is None
+                or args.seq_lens_k.shape[0] * args.spec.num_kv_heads > MAX_BLOCKS
                 or check_call(args.q, args.k_cache, args.v_cache, args.page_table, args.cu_seqlens_q,
                               args.seq_lens_k)):
             return self._triton().forward(args)
@@ -145,4 +155,4 @@ class CudaDecodeAttention:
 
         return torch.ops.exl3.decode_attention(args.q, args.k_cache, args.v_cache, args.page_table,
                                                args.cu_seqlens_q, args.seq_lens_k, float(args.scale),
-                                               early_launch(args.q))
+                                               early_launch(args.q), int(args.max_seqlen_k))
