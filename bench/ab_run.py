@@ -17,8 +17,9 @@ pre-decoding mode (exl3::set_predecode; EXL3_PREDECODE is the setting; -1: the s
 its longest chunk (exl3::set_predecode_max_kt; 0: the ring's length). --preload-bytes N, --split-warps N:
 the split-KV kernel's key tile loaded before its wait and its warps (PRELOAD_BYTES, SPLIT_WARPS);
 --decode-block-n N, --used-only-b1 0|1: its key chunk and whether one sequence arrives with its used
-splits only (DECODE_BLOCK_N, USED_ONLY_AT_B1). --cuda-decode-max-keys N: the longest bound the CUDA
-short-bound decode attention serves (exl3_attn_backends.cuda_decode.MAX_KEYS; 0 sends every call to Triton).
+splits only (DECODE_BLOCK_N, USED_ONLY_AT_B1). --cuda-decode-max-keys N: a cap on the longest bound the
+CUDA short-bound decode attention serves (exl3_attn_backends.cuda_decode.MAX_KEYS, per head dim; 0 sends
+every call to Triton).
 --ablate-attention: TIMING ONLY, the outputs are wrong: every split-KV decode call is replaced by one
 minimal dependent kernel (wait, signal, copy q's leading channels to the output), which bounds what a
 faster decode attention could save in the step. --ablate-merge: TIMING ONLY, the outputs are wrong: the
