@@ -17,7 +17,9 @@ pre-decoding mode (exl3::set_predecode; EXL3_PREDECODE is the setting; -1: the s
 its longest chunk (exl3::set_predecode_max_kt; 0: the ring's length). --preload-bytes N, --split-warps N:
 the split-KV kernel's key tile loaded before its wait and its warps (PRELOAD_BYTES, SPLIT_WARPS);
 --decode-block-n N, --used-only-b1 0|1: its key chunk and whether one sequence arrives with its used
-splits only (DECODE_BLOCK_N, USED_ONLY_AT_B1).
+splits only (DECODE_BLOCK_N, USED_ONLY_AT_B1). --cuda-decode-max-keys N: a cap on the longest bound the
+CUDA short-bound decode attention serves (exl3_attn_backends.cuda_decode.MAX_KEYS, per head dim; 0 sends
+every call to Triton).
 --ablate-attention: TIMING ONLY, the outputs are wrong: every split-KV decode call is replaced by one
 minimal dependent kernel (wait, signal, copy q's leading channels to the output), which bounds what a
 faster decode attention could save in the step. --ablate-merge: TIMING ONLY, the outputs are wrong: the
@@ -95,6 +97,8 @@ def main() -> None:
                     help="TIMING ONLY (wrong outputs): a minimal kernel in the split-KV decode's place")
     ap.add_argument("--ablate-merge", action="store_true",
                     help="TIMING ONLY (wrong outputs): split-KV partials stored, never merged")
+    ap.add_argument("--cuda-decode-max-keys", type=int, default=-1,
+                    help="longest bound the CUDA decode attention serves (-1: default; 0: never, Triton serves all)")
     ap.add_argument("--script", default=None, help="run this script with the arguments after -- (not the CLI)")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -128,6 +132,10 @@ def main() -> None:
         tp._decode_combine = _NoLaunch()
     if a.merge_tile:
         tp.MERGE_TILE = a.merge_tile
+    import exl3_attn_backends.cuda_decode as cd
+
+    if a.cuda_decode_max_keys >= 0:
+        cd.MAX_KEYS = {d: min(k, a.cuda_decode_max_keys) for d, k in cd.MAX_KEYS.items()}
     if not ext.load():
         sys.exit("exl3_core._C did not load")
     ext.set_kt_exceptions(ext.KT_EXCEPTIONS if a.kt_exceptions else ())
@@ -145,6 +153,7 @@ def main() -> None:
           f"kt_exceptions={a.kt_exceptions} predecode={a.predecode} pd_max_kt={a.pd_max_kt} fused_rows={a.fused_rows} xh_min_rows={a.xh_min_rows} "
           f"preload_bytes={a.preload_bytes} split_warps={a.split_warps} ablate_attention={a.ablate_attention} "
           f"ablate_merge={a.ablate_merge} "
+          f"cuda_decode_max_keys={a.cuda_decode_max_keys} "
           f"decode_block_n={a.decode_block_n} used_only_b1={a.used_only_b1}: "
           f"{a.script or 'exl3'} {' '.join(rest)}", flush=True)
     if a.script:

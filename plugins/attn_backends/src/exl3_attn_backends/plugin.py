@@ -1,4 +1,4 @@
-"""exl3 plugin: attention backends (Triton paged attention; flash-attn/xformers adapters)."""
+"""exl3 plugin: attention backends (CUDA short-bound decode, Triton paged attention; flash-attn/xformers adapters)."""
 from __future__ import annotations
 
 from exl3_core.plugins import hookimpl
@@ -10,6 +10,9 @@ EXL3_PLUGIN_API = (1, 0)
 @hookimpl
 def exl3_attention_backends() -> list[AttentionBackendSpec]:
     return [
+        # its kernel is exl3-core's (csrc/attn/decode_attn.cu); past its bound it hands calls to triton_paged
+        AttentionBackendSpec(name="cuda_decode", impl="exl3_attn_backends.cuda_decode:CudaDecodeAttention",
+                             requires=("triton",)),
         AttentionBackendSpec(name="triton_paged", impl="exl3_attn_backends.triton_paged:TritonPagedAttention",
                              requires=("triton",)),
         AttentionBackendSpec(name="flash_attn", impl="exl3_attn_backends.flash:FlashAttnBackend",

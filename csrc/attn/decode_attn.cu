@@ -1,0 +1,439 @@
+// Decode attention for short key bounds on the tensor cores, one thread block per (sequence, kv head), no
+// merge pass. Registered as torch.ops.exl3.decode_attention; the Python side is the backend
+// plugins/attn_backends/src/exl3_attn_backends/cuda_decode.py, which sends long bounds to the Triton
+// split-KV kernel.
+//
+// Why (docs/performance.md, runs 24, 25 and 28): the Triton split kernel's merge (partials, an arrival
+// atomic, their reload) sits on every layer's critical path at batch 1; one block per kv head with scalar
+// FMAs lost (each warp's dependent chain was ~2,600 instructions), and a cluster merge lost (its launch and
+// barriers). Here each warp's chain is ~16 + 16 mma.m16n8k16 with their ldmatrix loads, the
+// FlashAttention-2 way, and the block merges its 8 warps in shared memory. Its first version (run 25) held
+// 256 keys a pass at head dim 64: the 1B bench's sequences (257-385 keys) took a second pass after the wait
+// and it lost; with the pass sized by the bound all of them are copied before the wait, and the attention
+// ends ~3.1 us after q/k/v instead of ~4.5 (1B b=1 1,718-1,722 tok/s against 1,663-1,666, run 28).
+//
+// Block: 8 warps. The query heads of one kv head are the rows of the mma's A (padded to 16 with zeros).
+// Keys in passes of `cap` rows held in shared memory (sized by the launch from the static key bound, at
+// most 8 * KW); warp w takes rows [w * KW, (w + 1) * KW) of a pass. KW = 32 or 64 at head dim 64, 16 or 32
+// at 128 (the smaller while the bound fits 8 of them): a bound within one pass is the fast case, since
+// pass 0 is copied with cp.async before griddepcontrol.wait and later passes after it. Rows of earlier
+// steps and the page table were complete before the step began; the newest row (seq - 1, written by the
+// kernel before) is copied after the wait, with q, from an address computed before it. Rows are 16-byte
+// chunks XOR-swizzled by row & 7, so every ldmatrix phase hits 8 different bank groups. fp32 scores,
+// online softmax in base 2.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace exl3_attn {
+
+constexpr int WARPS = 8;
+constexpr int THREADS = WARPS * 32;
+constexpr int MAX_GROUP = 8;  // query heads per kv head (rows 0..7 of the mma's 16)
+
+// keys per warp and pass: the short one while the bound fits 8 of them, else twice that
+template <int D> constexpr int short_kw() { return D == 64 ? 32 : 16; }
+
+struct DecodeArgs {
+    const void* q;
+    const void* k;
+    const void* v;
+    void* out;
+    const int* page_table;
+    const int* cu_q;
+    const int* seq_k;
+    long long q_t, q_h, k_p, k_s, k_h, v_p, v_s, v_h, o_t, o_h, pt_b;
+    int page_size, group;
+    int cap;       // rows of a pass in shared memory (a multiple of KW, at most WARPS * KW)
+    float qscale;  // softmax scale * log2(e)
+};
+
+template <class T> __device__ __forceinline__ uint32_t pack2(float a, float b);
+template <> __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, float b) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+template <class T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// c += a * b, m16n8k16, fp32 accumulators
+template <class T>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    if constexpr (std::is_same_v<T, __half>) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
+__device__ __forceinline__ void ldsm4_t(uint32_t (&r)[4], const void* p) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Element offset of 16-byte chunk c of smem row r (rows of D elements): chunks XOR-swizzled by r & 7.
+template <int D>
+__device__ __forceinline__ int smem_at(int r, int c) { return r * D + ((c ^ (r & 7)) << 3); }
+
+// Copy the cache rows of positions pos0 + [r0, r1) into smem rows [r0, r1), asynchronously.
+template <int D>
+__device__ __forceinline__ void copy_rows(const DecodeArgs& a, int b, int kvh, int pos0, int r0, int r1,
+                                          uint16_t* ks, uint16_t* vs) {
+    constexpr int P = D / 8;
+    const char* kb = static_cast<const char*>(a.k);
+    const char* vb = static_cast<const char*>(a.v);
+    const int* pt = a.page_table + (long long)b * a.pt_b;
+    for (int i = threadIdx.x; i < (r1 - r0) * P; i += THREADS) {
+        const int r = r0 + i / P, c = i % P, pos = pos0 + r;
+        const long long page = pt[pos / a.page_size];
+        const long long slot = pos % a.page_size;
+        cp_async16(ks + smem_at<D>(r, c), kb + 2 * (page * a.k_p + slot * a.k_s + kvh * a.k_h + c * 8));
+        cp_async16(vs + smem_at<D>(r, c), vb + 2 * (page * a.v_p + slot * a.v_s + kvh * a.v_h + c * 8));
+    }
+}
+
+// Dynamic shared memory: a pass's K and V rows, q (16 rows, rows >= G zero), each warp's final state [G][2 + D].
+__host__ __device__ inline size_t smem_bytes(int D, int G, int cap) {
+    return 4ull * cap * D + 2ull * 16 * D + 4ull * WARPS * G * (2 + D);
+}
+
+// registers: 3 blocks an SM with the short KW at head dim 64 (80-ish a thread, beside the q/k/v linear's
+// blocks), else 2
+template <int D, int KW> constexpr int min_blocks() { return D == 64 && KW == 32 ? 3 : 2; }
+
+template <class T, int D, int KW>
+__global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_kernel(const DecodeArgs a, const bool pdl) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int P = D / 8;                  // 16-byte chunks per row
+    const int CAP = a.cap;                    // rows of a pass
+    constexpr int NT = KW / 8;                // score n tiles (8 keys each)
+    constexpr int KS = D / 16;                // k steps of the scores
+    constexpr int DT = D / 8;                 // output n tiles (8 channels each)
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    uint16_t* ks = reinterpret_cast<uint16_t*>(smem_raw);
+    uint16_t* vs = ks + CAP * D;
+    uint16_t* qs = vs + CAP * D;                                  // [16][D], swizzled
+    float* st = reinterpret_cast<float*>(qs + 16 * D);            // [WARPS][G][2 + D]
+
+    const int G = a.group;
+    const int kvh = blockIdx.x, b = blockIdx.y;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    // Before the wait: the batch description, earlier steps' cache rows and q's zero padding rows.
+    const int q_row = a.cu_q[b];
+    const int q_len = a.cu_q[b + 1] - q_row;
+    const int seq = a.seq_k[b];
+    if (q_len <= 0) {  // a padded row: nothing to read or write
+        if (pdl) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+        return;
+    }
+    copy_rows<D>(a, b, kvh, 0, 0, min(seq - 1, CAP), ks, vs);
+    cp_async_commit();
+    // the newest row's cache address (the page table is the step's input): after the wait only its copy
+    // is left, in the same round trip as q's
+    const bool newest = seq >= 1 && seq - 1 < CAP && tid < P;
+    const char* k_new = nullptr;
+    const char* v_new = nullptr;
+    if (newest) {
+        const long long page = a.page_table[(long long)b * a.pt_b + (seq - 1) / a.page_size];
+        const long long slot = (seq - 1) % a.page_size;
+        k_new = static_cast<const char*>(a.k) + 2 * (page * a.k_p + slot * a.k_s + kvh * a.k_h + tid * 8);
+        v_new = static_cast<const char*>(a.v) + 2 * (page * a.v_p + slot * a.v_s + kvh * a.v_h + tid * 8);
+    }
+    for (int i = tid; i < (16 - G) * P; i += THREADS) {
+        const int r = G + i / P, c = i % P;
+        *reinterpret_cast<uint4*>(qs + smem_at<D>(r, c)) = make_uint4(0, 0, 0, 0);
+    }
+    // rows past a short sequence up to its last warp's end: P.V reads them with probability 0, and stale
+    // shared memory could hold NaN bits (0 * NaN = NaN). Later passes' tails hold earlier rows, finite.
+    for (int i = tid; i < (min(CAP, (seq + KW - 1) / KW * KW) - max(seq, 0)) * P; i += THREADS) {
+        const int r = max(seq, 0) + i / P, c = i % P;
+        *reinterpret_cast<uint4*>(ks + smem_at<D>(r, c)) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(vs + smem_at<D>(r, c)) = make_uint4(0, 0, 0, 0);
+    }
+    if (pdl) {
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");
+        asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    }
+    // After it: this step's queries and newest key/value row, one round trip.
+    if (newest) {
+        cp_async16(ks + smem_at<D>(seq - 1, tid), k_new);
+        cp_async16(vs + smem_at<D>(seq - 1, tid), v_new);
+    }
+    for (int i = tid; i < G * P; i += THREADS) {
+        const int h = i / P, c = i % P;
+        cp_async16(qs + smem_at<D>(h, c), static_cast<const T*>(a.q) + q_row * a.q_t + (kvh * G + h) * a.q_h + c * 8);
+    }
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+
+    // q's A fragments are reloaded per pair of k steps (8 registers live instead of 2 * D / 8)
+    const int q_r = (lane & 7) + 8 * ((lane >> 3) & 1), q_c = lane >> 4;
+    float m_lo = -INFINITY, m_hi = -INFINITY, l_lo = 0.f, l_hi = 0.f;  // rows g and g + 8
+    float o[DT][4];
+#pragma unroll
+    for (int u = 0; u < DT; ++u) o[u][0] = o[u][1] = o[u][2] = o[u][3] = 0.f;
+
+    for (int p0 = 0; p0 < seq; p0 += CAP) {
+        const int n = min(seq - p0, CAP);
+        if (p0 > 0) {  // a later pass (a sequence longer than the smem rows): loaded after the wait
+            __syncthreads();  // every warp is done with the previous pass
+            copy_rows<D>(a, b, kvh, p0, 0, n, ks, vs);
+            cp_async_commit();
+            cp_async_wait_all();
+            __syncthreads();
+        }
+        const int key0 = warp * KW;
+        if (key0 >= n) continue;  // no key of this pass for this warp (its state stays as it is)
+        // scores S = q K^T for the warp's KW keys: NT n tiles of 8 keys
+        float sc[NT][4];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+#pragma unroll
+        for (int s = 0; s < KS; s += 2) {  // k steps s, s + 1: chunks 2s .. 2s + 3
+            uint32_t qa[4], qb[4];
+            ldsm4(qa, qs + smem_at<D>(q_r, 2 * s + q_c));
+            ldsm4(qb, qs + smem_at<D>(q_r, 2 * s + 2 + q_c));
+#pragma unroll
+            for (int j = 0; j < NT; ++j) {
+                uint32_t kf[4];
+                ldsm4(kf, ks + smem_at<D>(key0 + 8 * j + (lane & 7), 2 * s + (lane >> 3)));
+                mma<T>(sc[j], qa, kf[0], kf[1]);
+                mma<T>(sc[j], qb, kf[2], kf[3]);
+            }
+        }
+        // scale, mask keys past the pass, running max per row (a quad holds one row's 2 * NT values)
+        float mx_lo = -INFINITY, mx_hi = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const bool ok = key0 + 8 * j + 2 * t + e < n;
+                sc[j][e] = ok ? sc[j][e] * a.qscale : -INFINITY;
+                sc[j][2 + e] = ok ? sc[j][2 + e] * a.qscale : -INFINITY;
+                mx_lo = fmaxf(mx_lo, sc[j][e]);
+                mx_hi = fmaxf(mx_hi, sc[j][2 + e]);
+            }
+        }
+#pragma unroll
+        for (int x = 1; x <= 2; x <<= 1) {
+            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, x));
+            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, x));
+        }
+        const float mn_lo = fmaxf(m_lo, mx_lo), mn_hi = fmaxf(m_hi, mx_hi);  // finite: key0 < n
+        const float al_lo = exp2f(m_lo - mn_lo), al_hi = exp2f(m_hi - mn_hi);  // 0 on the warp's first keys
+        m_lo = mn_lo;
+        m_hi = mn_hi;
+        float sum_lo = 0.f, sum_hi = 0.f;
+        uint32_t pf[NT][2];  // P as packed pairs: rows g (0) and g + 8 (1), keys 8j + 2t, + 1
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const float p0_ = exp2f(sc[j][0] - mn_lo), p1_ = exp2f(sc[j][1] - mn_lo);
+            const float p2_ = exp2f(sc[j][2] - mn_hi), p3_ = exp2f(sc[j][3] - mn_hi);
+            sum_lo += p0_ + p1_;
+            sum_hi += p2_ + p3_;
+            pf[j][0] = pack2<T>(p0_, p1_);
+            pf[j][1] = pack2<T>(p2_, p3_);
+        }
+#pragma unroll
+        for (int x = 1; x <= 2; x <<= 1) {
+            sum_lo += __shfl_xor_sync(0xffffffffu, sum_lo, x);
+            sum_hi += __shfl_xor_sync(0xffffffffu, sum_hi, x);
+        }
+        l_lo = l_lo * al_lo + sum_lo;
+        l_hi = l_hi * al_hi + sum_hi;
+#pragma unroll
+        for (int u = 0; u < DT; ++u) {
+            o[u][0] *= al_lo;
+            o[u][1] *= al_lo;
+            o[u][2] *= al_hi;
+            o[u][3] *= al_hi;
+        }
+        // O += P V: k steps of 16 keys (n tiles 2ks, 2ks + 1 of P as the A fragment), 2 channel tiles per ldmatrix
+#pragma unroll
+        for (int kq = 0; kq < NT / 2; ++kq) {
+            const uint32_t pa[4] = {pf[2 * kq][0], pf[2 * kq][1], pf[2 * kq + 1][0], pf[2 * kq + 1][1]};
+            const int row = key0 + 16 * kq + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+            for (int u = 0; u < DT; u += 2) {
+                uint32_t vf[4];
+                ldsm4_t(vf, vs + smem_at<D>(row, u + (lane >> 4)));
+                mma<T>(o[u], pa, vf[0], vf[1]);
+                mma<T>(o[u + 1], pa, vf[2], vf[3]);
+            }
+        }
+    }
+    // each warp's state for the heads (rows g < G; G <= 8 so rows g + 8 are padding)
+    if (g < G) {
+        float* sw = st + (warp * G + g) * (2 + D);
+        if (t == 0) {
+            sw[0] = m_lo;
+            sw[1] = l_lo;
+        }
+#pragma unroll
+        for (int u = 0; u < DT; ++u) {
+            sw[2 + 8 * u + 2 * t] = o[u][0];
+            sw[3 + 8 * u + 2 * t] = o[u][1];
+        }
+    }
+    __syncthreads();
+    // merge the warps (a warp without keys holds m = -inf, l = 0, acc = 0: weight 0)
+    T* out = static_cast<T*>(a.out) + q_row * a.o_t + kvh * G * a.o_h;
+    const int nw = min(WARPS, (min(seq, CAP) + KW - 1) / KW);  // warps that held keys (all of them past pass 0)
+    for (int idx = tid; idx < G * D; idx += THREADS) {
+        const int h = idx / D, d = idx % D;
+        float M = -INFINITY;
+        for (int w = 0; w < nw; ++w) M = fmaxf(M, st[(w * G + h) * (2 + D)]);
+        float num = 0.f, den = 0.f;
+        if (M != -INFINITY) {
+            for (int w = 0; w < nw; ++w) {
+                const float* sw = st + (w * G + h) * (2 + D);
+                const float wt = exp2f(sw[0] - M);
+                num = fmaf(wt, sw[2 + d], num);
+                den = fmaf(wt, sw[1], den);
+            }
+        }
+        out[h * a.o_h + d] = from_f<T>(den > 0.f ? num / den : 0.f);
+    }
+#else
+    __trap();  // launched only on compute capability >= 9.0 (checked on the host)
+#endif
+}
+
+template <class T, int D, int KW>
+cudaError_t launch(DecodeArgs a, int kv_heads, int batch, int bound, bool pdl, cudaStream_t st) {
+    auto kern = decode_attn_kernel<T, D, KW>;
+    // a pass holds the bound (rounded up to whole warps' keys) when it can: one pass, copied before the wait
+    const int most = WARPS * KW;
+    a.cap = bound > 0 && bound < most ? (bound + KW - 1) / KW * KW : most;
+    const size_t bytes = smem_bytes(D, a.group, a.cap);
+    if (bytes > 48 * 1024) {  // above the default dynamic limit: raised (to the largest asked) per device
+        static int raised[64] = {};
+        int dev = 0;
+        cudaGetDevice(&dev);
+        if (dev >= 64 || raised[dev] < (int)bytes) {
+            const cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+            if (e != cudaSuccess) return e;
+            if (dev < 64) raised[dev] = (int)bytes;
+        }
+    }
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(kv_heads, batch, 1);
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = bytes;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kern, a, pdl);
+}
+
+}  // namespace exl3_attn
+
+namespace {
+
+using at::Tensor;
+
+// q [T, Hq, D]; k_cache, v_cache [pages, page_size, Hkv, D]; page_table int32 [B, W]; cu_seqlens_q int32
+// [B + 1] (at most one query per sequence); seq_lens_k int32 [B]. Returns [T, Hq, D] in q's dtype (rows of
+// sequences without a query are left unwritten). The Python caller (exl3_attn_backends.cuda_decode.check_call)
+// validates every input first and names what is wrong; the checks here are the last line.
+// bound: the longest sequence the call (or the graph it is captured in) may see, 0 if unknown; it sizes the
+// block's pass (shared memory) and picks the keys per warp.
+Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& page_table,
+                        const Tensor& cu_seqlens_q, const Tensor& seq_lens_k, double scale, bool pdl, int64_t bound) {
+    using namespace exl3_attn;
+    TORCH_CHECK(q.is_cuda() && k_cache.is_cuda() && v_cache.is_cuda() && page_table.is_cuda() &&
+                cu_seqlens_q.is_cuda() && seq_lens_k.is_cuda(), "decode_attention: every tensor must be on the GPU");
+    TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "decode_attention: bad ranks");
+    TORCH_CHECK((q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16) &&
+                k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+                "decode_attention: q and the caches must share float16 or bfloat16");
+    const int64_t D = q.size(2), Hq = q.size(1), Hkv = k_cache.size(2);
+    TORCH_CHECK((D == 64 || D == 128) && k_cache.size(3) == D && v_cache.size(3) == D,
+                "decode_attention: head dim must be 64 or 128");
+    TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= MAX_GROUP, "decode_attention: GQA group over ", MAX_GROUP);
+    TORCH_CHECK(page_table.scalar_type() == at::kInt && cu_seqlens_q.scalar_type() == at::kInt &&
+                seq_lens_k.scalar_type() == at::kInt, "decode_attention: int32 batch description");
+    const int64_t B = page_table.size(0);
+    const c10::cuda::CUDAGuard guard(q.device());
+    TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 9, "decode_attention: needs compute capability >= 9.0");
+    Tensor out = at::empty({q.size(0), Hq, D}, q.options());
+    if (B == 0 || q.size(0) == 0) return out;
+    DecodeArgs a{};
+    a.q = q.data_ptr();
+    a.k = k_cache.data_ptr();
+    a.v = v_cache.data_ptr();
+    a.out = out.data_ptr();
+    a.page_table = page_table.data_ptr<int>();
+    a.cu_q = cu_seqlens_q.data_ptr<int>();
+    a.seq_k = seq_lens_k.data_ptr<int>();
+    a.q_t = q.stride(0), a.q_h = q.stride(1);
+    a.k_p = k_cache.stride(0), a.k_s = k_cache.stride(1), a.k_h = k_cache.stride(2);
+    a.v_p = v_cache.stride(0), a.v_s = v_cache.stride(1), a.v_h = v_cache.stride(2);
+    a.o_t = out.stride(0), a.o_h = out.stride(1);
+    a.pt_b = page_table.stride(0);
+    a.page_size = (int)k_cache.size(1);
+    a.group = (int)(Hq / Hkv);
+    a.qscale = (float)(scale * 1.4426950408889634);
+    const cudaStream_t st = at::cuda::getCurrentCUDAStream();
+    const bool half = q.scalar_type() == at::kHalf;
+    TORCH_CHECK(bound >= 0 && bound < (1 << 30), "decode_attention: bound must be in [0, 2^30)");
+    const int bd = (int)bound, hk = (int)Hkv, nb = (int)B;
+    // the short keys per warp while the bound fits them in one pass (a shorter chain per warp), else twice that
+    const bool shrt = bd > 0 && bd <= WARPS * (D == 64 ? short_kw<64>() : short_kw<128>());
+    cudaError_t err;
+    if (D == 64) {
+        if (half) err = shrt ? launch<__half, 64, 32>(a, hk, nb, bd, pdl, st) : launch<__half, 64, 64>(a, hk, nb, bd, pdl, st);
+        else err = shrt ? launch<__nv_bfloat16, 64, 32>(a, hk, nb, bd, pdl, st)
+                        : launch<__nv_bfloat16, 64, 64>(a, hk, nb, bd, pdl, st);
+    } else {
+        if (half) err = shrt ? launch<__half, 128, 16>(a, hk, nb, bd, pdl, st) : launch<__half, 128, 32>(a, hk, nb, bd, pdl, st);
+        else err = shrt ? launch<__nv_bfloat16, 128, 16>(a, hk, nb, bd, pdl, st)
+                        : launch<__nv_bfloat16, 128, 32>(a, hk, nb, bd, pdl, st);
+    }
+    TORCH_CHECK(err == cudaSuccess, "decode_attention: launch failed: ", cudaGetErrorString(err));
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(exl3, m) {
+    m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_seqlens_q, "
+          "Tensor seq_lens_k, float scale, bool pdl, int bound=0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(exl3, CUDA, m) { m.impl("decode_attention", &decode_attention); }

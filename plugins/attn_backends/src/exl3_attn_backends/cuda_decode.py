@@ -1,0 +1,160 @@
+"""Decode attention for short key bounds on the tensor cores, one CUDA block per (sequence, kv head)
+(``torch.ops.exl3.decode_attention``, csrc/attn/decode_attn.cu, part of exl3-core's extension).
+
+The block holds the keys in shared memory and finishes the softmax itself (8 warps, mma.m16n8k16 for both
+products, the warps merged in shared memory): no partial states in global memory, no arrival counter and
+no merge pass, which the Triton split-KV kernel needs and which sit on every layer's critical path at batch
+1 (docs/performance.md, runs 21 and 24). The block copies its keys before its programmatic wait, so at
+short contexts the work after the wait is the query, the newest row and the arithmetic. H200, 1B shape,
+ctx 256 (docs/performance.md, run 28): b=1 1,718-1,722 tok/s against 1,663-1,666 with the Triton kernel,
+b=8 8,007 against 7,541.
+
+One block per head reads the whole sequence: its shared memory holds one pass of keys sized by the static
+bound (``max_seqlen_k``, the bound a decode graph is captured with), up to 512 rows at head dim 64 and 256
+at 128; longer sequences would take more passes after the wait. So it serves bounds up to :data:`MAX_KEYS`
+only; longer bounds, several queries per sequence and layouts the kernel does not take go to the Triton
+backend. Decode specs it cannot serve at all (head dims, groups, windows,
+...) are declined with reasons, so the dispatcher picks Triton.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from exl3_core.attention.spec import AttnArgs, AttnSpec
+
+#: the longest static key bound served here per head dim (one pass of the block's shared memory: 128 KB of
+#: keys and values); longer ones go to Triton. A tuning knob (bench/ab_run.py --cuda-decode-max-keys caps it).
+MAX_KEYS = {64: 512, 128: 256}
+#: the most (sequences x kv heads) blocks served here: one block per SM at the largest passes (141 KB of
+#: shared memory at head dim 64 and 512 keys); larger batches go to the Triton split kernel, whose programs
+#: are small. A tuning knob.
+MAX_BLOCKS = 132
+MAX_GROUP = 8
+HEAD_DIMS = (64, 128)
+_CACHES = {torch.float16: "kv/fp16", torch.bfloat16: "kv/bf16"}
+
+
+def _rows_aligned(t: torch.Tensor) -> bool:
+    # the kernel moves 16-byte pieces of every row (host-side attributes only: no sync)
+    return t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
+
+
+def check_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+               cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor) -> list[str]:
+    """What keeps these tensors from the kernel, each naming the tensor and the fix (empty: they fit).
+    Host-side attributes only (no device sync)."""
+    bad = []
+    named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "page_table": page_table, "cu_seqlens_q": cu_seqlens_q,
+             "seq_lens_k": seq_lens_k}
+    off = [n for n, t in named.items() if not t.is_cuda]
+    if off:
+        bad.append(f"{', '.join(off)} must be on the GPU (move them with .cuda())")
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        shapes = f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        return [*bad, f"q must be [T, Hq, D] and the caches [pages, page_size, Hkv, D]; got {shapes}"]
+    if q.dtype not in _CACHES:
+        bad.append(f"q must be float16 or bfloat16, got {q.dtype}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        bad.append(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must have q's dtype {q.dtype}")
+    d, hq, hkv = q.shape[2], q.shape[1], k_cache.shape[2]
+    if d not in HEAD_DIMS or k_cache.shape[3] != d or v_cache.shape[3] != d:
+        bad.append(f"head dim must be 64 or 128 for q, keys and values; got {d}, {k_cache.shape[3]}, {v_cache.shape[3]}")
+    if k_cache.shape != v_cache.shape:
+        bad.append(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    if hkv <= 0 or hq % hkv or hq // hkv > MAX_GROUP:
+        bad.append(f"{hq} query heads over {hkv} kv heads: the group must divide evenly and be at most {MAX_GROUP}")
+    for n in ("q", "k_cache", "v_cache"):
+        if not _rows_aligned(named[n]):
+            bad.append(f"{n} rows must be contiguous and 16-byte aligned (strides multiples of 8); use .contiguous()")
+    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.stride(1) != 1:
+        bad.append(f"page_table must be int32 [B, W] with contiguous rows, got {page_table.dtype} {tuple(page_table.shape)}")
+    b = page_table.shape[0] if page_table.dim() == 2 else -1
+    if cu_seqlens_q.dtype != torch.int32 or not cu_seqlens_q.is_contiguous() or cu_seqlens_q.numel() != b + 1:
+        bad.append(f"cu_seqlens_q must be contiguous int32 [B + 1] with B = {b}")
+    if seq_lens_k.dtype != torch.int32 or not seq_lens_k.is_contiguous() or seq_lens_k.numel() != b:
+        bad.append(f"seq_lens_k must be contiguous int32 [B] with B = {b}")
+    if b > 65535 or hkv > 65535:
+        bad.append("at most 65535 sequences and kv heads")
+    return bad
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+                     cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, scale: float,
+                     pdl: bool = False, bound: int = 0) -> torch.Tensor:
+    """One query per sequence over a paged fp16/bf16 cache: ``[T, Hq, D]`` in q's dtype (rows of sequences
+    without a query this step are left unwritten). ``bound``: the longest sequence length the call may see
+    (0: unknown), which sizes the block's shared memory. Raises ValueError naming every input it cannot take."""
+    bad = check_call(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens_k)
+    if not 0 <= bound < 2**30:
+        bad.append(f"bound must be in [0, 2**30), got {bound}")
+    if bad:
+        raise ValueError("decode_attention: " + "; ".join(bad))
+    return torch.ops.exl3.decode_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens_k, float(scale),
+                                           pdl, int(bound))
+
+
+class CudaDecodeAttention:
+    """Decode steps with short key bounds; outranks the Triton backend for the decode specs it takes."""
+
+    name: ClassVar[str] = "cuda_decode"
+    #: no host syncs, caching-allocator outputs, current stream (the Triton fallback is graph-safe too)
+    graph_safe: ClassVar[bool] = True
+
+    def __init__(self) -> None:
+        self._fallback = None
+
+    def priority(self, spec: AttnSpec) -> int:
+        return 110 if spec.device_type == "cuda" and spec.phase == "decode" else -20
+
+    def unsupported_reasons(self, spec: AttnSpec) -> list[str]:
+        r = []
+        if spec.device_type != "cuda":
+            r.append(f"needs a CUDA device (got {spec.device_type})")
+        elif spec.device_cc < (9, 0):
+            r.append(f"needs compute capability >= 9.0 (griddepcontrol, cp.async paths; got {spec.device_cc})")
+        if spec.phase != "decode":
+            r.append("decode steps only (prefill goes to another backend)")
+        if spec.dtype not in _CACHES or spec.cache != _CACHES[spec.dtype]:
+            r.append(f"needs a kv/fp16 or kv/bf16 cache of the query's dtype (got {spec.cache!r}, {spec.dtype})")
+        if spec.head_dim not in HEAD_DIMS or spec.v_dim != spec.head_dim:
+            r.append(f"head dim must be 64 or 128 for keys and values (got {spec.head_dim}/{spec.v_dim})")
+        if (spec.num_kv_heads <= 0 or spec.num_q_heads % spec.num_kv_heads
+                or spec.num_q_heads // spec.num_kv_heads > MAX_GROUP):
+            r.append(f"GQA group: the query heads must divide evenly over the kv heads, at most {MAX_GROUP} "
+                     f"per kv head (got {spec.num_q_heads}/{spec.num_kv_heads})")
+        if spec.window:
+            r.append("sliding window not implemented")
+        if spec.softcap:
+            r.append("logit softcap not implemented")
+        if spec.has_sinks:
+            r.append("attention sinks not implemented")
+        if spec.non_causal_spans:
+            r.append("non-causal spans not implemented")
+        if spec.device_type == "cuda" and not r:
+            from exl3_core import ext
+
+            if not ext.has_op("decode_attention"):
+                r.append("exl3_core._C lacks decode_attention (extension not built, or built before it)")
+        return r
+
+    def _triton(self):  # the Triton backend, imported on first use
+        if self._fallback is None:
+            from exl3_attn_backends.triton_paged import TritonPagedAttention
+
+            self._fallback = TritonPagedAttention()
+        return self._fallback
+
+    def forward(self, args: AttnArgs) -> torch.Tensor:
+        if (args.max_seqlen_q != 1 or args.max_seqlen_k > MAX_KEYS.get(args.spec.head_dim, 0) or args.k_cache is None
+                or args.v_cache is None or args.page_table is None
+                or args.seq_lens_k.shape[0] * args.spec.num_kv_heads > MAX_BLOCKS
+                or check_call(args.q, args.k_cache, args.v_cache, args.page_table, args.cu_seqlens_q,
+                              args.seq_lens_k)):
+            return self._triton().forward(args)
+        from exl3_core.kernels.pdl import early_launch
+
+        return torch.ops.exl3.decode_attention(args.q, args.k_cache, args.v_cache, args.page_table,
+                                               args.cu_seqlens_q, args.seq_lens_k, float(args.scale),
+                                               early_launch(args.q), int(args.max_seqlen_k))

@@ -1,0 +1,86 @@
+"""The CUDA short-bound (tensor-core, one block per kv head) decode backend's static decisions and input checks (its kernel runs in
+tests/gpu/test_decode_attention_gpu.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from exl3_attn_backends.cuda_decode import (
+    CudaDecodeAttention,
+    check_call,
+    decode_attention,
+)
+from exl3_attn_backends.triton_paged import TritonPagedAttention
+
+from exl3_core.attention import AttnSpec
+
+
+def _spec(**kw: object) -> AttnSpec:
+    base = {"head_dim": 128, "num_q_heads": 32, "num_kv_heads": 8, "dtype": torch.float16, "cache": "kv/fp16",
+            "phase": "decode", "page_size": 256, "device_type": "cuda", "device_cc": (9, 0)}
+    base.update(kw)
+    return AttnSpec(**base)  # type: ignore[arg-type]
+
+
+def test_outranks_triton_for_decode_only() -> None:
+    cuda, triton = CudaDecodeAttention(), TritonPagedAttention()
+    assert cuda.priority(_spec()) > triton.priority(_spec())
+    assert cuda.priority(_spec(phase="prefill")) < 0
+    assert cuda.priority(_spec(device_type="cpu")) < 0
+
+
+@pytest.mark.parametrize("kw,part", [
+    ({"device_type": "cpu", "device_cc": (0, 0)}, "CUDA device"),
+    ({"device_cc": (8, 0)}, "compute capability >= 9.0"),
+    ({"phase": "prefill"}, "decode steps only"),
+    ({"cache": "kv/bf16"}, "kv/fp16 or kv/bf16 cache of the query's dtype"),
+    ({"dtype": torch.float32}, "kv/fp16 or kv/bf16 cache of the query's dtype"),
+    ({"cache": "mla/fp16", "head_dim": 96, "head_dim_v": 64}, "head dim must be 64 or 128"),
+    ({"head_dim": 80}, "head dim must be 64 or 128"),
+    ({"num_q_heads": 72}, "at most 8"),
+    ({"num_q_heads": 30}, "divide evenly"),
+    ({"window": 128}, "sliding window"),
+    ({"softcap": 30.0}, "softcap"),
+    ({"has_sinks": True}, "sinks"),
+])
+def test_declines_with_reasons(kw: dict, part: str) -> None:
+    reasons = " | ".join(CudaDecodeAttention().unsupported_reasons(_spec(**kw)))
+    assert part in reasons, reasons
+
+
+def _tensors(**over: torch.Tensor) -> dict[str, torch.Tensor]:
+    t = {"q": torch.zeros(2, 8, 64, dtype=torch.float16), "k_cache": torch.zeros(4, 16, 2, 64, dtype=torch.float16),
+         "v_cache": torch.zeros(4, 16, 2, 64, dtype=torch.float16), "page_table": torch.zeros(2, 2, dtype=torch.int32),
+         "cu_seqlens_q": torch.tensor([0, 1, 2], dtype=torch.int32),
+         "seq_lens_k": torch.tensor([3, 5], dtype=torch.int32)}
+    t.update(over)
+    return t
+
+
+@pytest.mark.parametrize("over,part", [
+    ({}, "must be on the GPU"),
+    ({"q": torch.zeros(2, 8, 64)}, "float16 or bfloat16"),
+    ({"k_cache": torch.zeros(4, 16, 2, 64, dtype=torch.bfloat16)}, "must have q's dtype"),
+    ({"q": torch.zeros(2, 8, 96, dtype=torch.float16)}, "head dim must be 64 or 128"),
+    ({"q": torch.zeros(2, 18, 64, dtype=torch.float16)}, "at most 8"),
+    ({"q": torch.zeros(2, 8, 68, dtype=torch.float16)[:, :, :64]}, "16-byte aligned"),
+    ({"page_table": torch.zeros(2, 2, dtype=torch.int64)}, "page_table must be int32"),
+    ({"cu_seqlens_q": torch.tensor([0, 1], dtype=torch.int32)}, "cu_seqlens_q must be contiguous int32 [B + 1]"),
+    ({"seq_lens_k": torch.tensor([3], dtype=torch.int32)}, "seq_lens_k must be contiguous int32 [B]"),
+    ({"q": torch.zeros(2, 64, dtype=torch.float16)}, "q must be [T, Hq, D]"),
+])
+def test_check_call_names_the_bad_input(over: dict, part: str) -> None:
+    bad = " | ".join(check_call(**_tensors(**over)))
+    assert part in bad, bad
+
+
+def test_decode_attention_refuses_with_value_error() -> None:
+    """The checked entry point raises before any kernel runs, naming every problem; the inputs are untouched."""
+    t = _tensors(page_table=torch.zeros(2, 2, dtype=torch.int64))
+    before = {k: v.clone() for k, v in t.items()}
+    with pytest.raises(ValueError, match=r"on the GPU.*page_table must be int32"):
+        decode_attention(**t, scale=0.125)
+    for k, v in t.items():
+        assert torch.equal(v, before[k]), k
