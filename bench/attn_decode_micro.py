@@ -7,33 +7,9 @@ the decode step overlaps each launch with its neighbours (docs/performance.md, r
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
-
-
-def _graph_time(fn, launches: int = 100, rounds: int = 7) -> float:
-    """Median us per launch over ``rounds`` replays of a graph of ``launches`` calls."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(launches):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / launches)
-    return statistics.median(times)
+from exl3_kernels import time_graph  # bench/ is the script's directory
 
 
 def main() -> None:
@@ -65,11 +41,13 @@ def main() -> None:
     print(f"# d={a.head_dim} heads {a.q_heads}/{a.kv_heads} keys {a.keys} bound {a.bound} batch {a.batch}")
     def fn() -> torch.Tensor:
         return torch.ops.exl3.decode_attention(args.q, args.k_cache, args.v_cache, args.page_table,
-                                               args.cu_seqlens_q, args.seq_lens_k, args.scale, False)
+                                               args.cu_seqlens_q, args.seq_lens_k, args.scale, False, a.bound)
 
     err = (fn().float() - ref.float()).abs().max().item()
-    print(f"cuda_decode (one block per kv head): {_graph_time(fn):6.2f} us per launch (max diff vs triton {err:.2e})")
-    print(f"triton split ({splits} splits): {_graph_time(lambda: tp.decode_split_kv(args, splits)):6.2f} us per launch")
+    us = time_graph(lambda i: fn(), 100) * 1e6  # 100 back-to-back launches a graph, median of 7 replays
+    print(f"cuda_decode (one block per kv head): {us:6.2f} us per launch (max diff vs triton {err:.2e})")
+    us = time_graph(lambda i: tp.decode_split_kv(args, splits), 100) * 1e6
+    print(f"triton split ({splits} splits): {us:6.2f} us per launch")
 
 
 if __name__ == "__main__":

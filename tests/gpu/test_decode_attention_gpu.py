@@ -140,6 +140,13 @@ def test_backend_is_chosen_for_decode_and_hands_the_rest_to_triton(monkeypatch: 
     args = make_args(case, DEV, seed=10)
     _check(CudaDecodeAttention().forward(args), args, "within the bound")
     assert not called
+    import exl3_attn_backends.cuda_decode as cd
+
+    monkeypatch.setattr(cd, "BLOCKS_PER_SM", 0)  # more blocks than the device takes at once: Triton's
+    _check(CudaDecodeAttention().forward(args), args, "too many blocks")
+    assert called, "a grid over the block limit did not go to the Triton split kernel"
+    called.clear()
+    monkeypatch.setattr(cd, "BLOCKS_PER_SM", 1)
     q = torch.empty(args.q.numel() + 4, dtype=args.q.dtype, device=DEV)[4:].view(args.q.shape)  # 8-byte aligned
     q.copy_(args.q)
     _check(CudaDecodeAttention().forward(args._replace(q=q)), args, "unaligned q")

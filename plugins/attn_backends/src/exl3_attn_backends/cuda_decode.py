@@ -27,10 +27,19 @@ from exl3_core.attention.spec import AttnArgs, AttnSpec
 #: the longest static key bound served here per head dim (one pass of the block's shared memory: 128 KB of
 #: keys and values); longer ones go to Triton. A tuning knob (bench/ab_run.py --cuda-decode-max-keys caps it).
 MAX_KEYS = {64: 512, 128: 256}
-#: the most (sequences x kv heads) blocks served here: one block per SM at the largest passes (141 KB of
-#: shared memory at head dim 64 and 512 keys); larger batches go to the Triton split kernel, whose programs
-#: are small. A tuning knob.
-MAX_BLOCKS = 132
+#: the most (sequences x kv heads) blocks served here per SM of the device: one at the largest passes
+#: (141 KB of shared memory at head dim 64 and 512 keys); larger batches go to the Triton split kernel, whose
+#: programs are small (H200, 1B shape: b=8's 64 blocks 8,007 tok/s against Triton's 7,541; b=32 would be
+#: 256 blocks on 132 SMs). A tuning knob.
+BLOCKS_PER_SM = 1
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:  # a host-side property, read once per device (no sync)
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
 MAX_GROUP = 8
 HEAD_DIMS = (64, 128)
 _CACHES = {torch.float16: "kv/fp16", torch.bfloat16: "kv/bf16"}
@@ -149,7 +158,7 @@ class CudaDecodeAttention:
     def forward(self, args: AttnArgs) -> torch.Tensor:
         if (args.max_seqlen_q != 1 or args.max_seqlen_k > MAX_KEYS.get(args.spec.head_dim, 0) or args.k_cache is None
                 or args.v_cache is None or args.page_table is None
-                or args.seq_lens_k.shape[0] * args.spec.num_kv_heads > MAX_BLOCKS
+                or args.seq_lens_k.shape[0] * args.spec.num_kv_heads > BLOCKS_PER_SM * _sm_count(args.q.device)
                 or check_call(args.q, args.k_cache, args.v_cache, args.page_table, args.cu_seqlens_q,
                               args.seq_lens_k)):
             return self._triton().forward(args)
