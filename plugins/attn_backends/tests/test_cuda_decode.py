@@ -84,3 +84,10 @@ def test_decode_attention_refuses_with_value_error() -> None:
         decode_attention(**t, scale=0.125)
     for k, v in t.items():
         assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("bound", [-1, 2**30])
+def test_decode_attention_refuses_a_bad_bound(bound: int) -> None:
+    """The static key bound that sizes the block's shared memory is checked with the tensors."""
+    with pytest.raises(ValueError, match=r"bound must be in \[0, 2\*\*30\), got " + str(bound)):
+        decode_attention(**_tensors(), scale=0.125, bound=bound)
