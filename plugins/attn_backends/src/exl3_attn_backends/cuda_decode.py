@@ -158,9 +158,9 @@ class CudaDecodeAttention:
     def forward(self, args: AttnArgs) -> torch.Tensor:
         if (args.max_seqlen_q != 1 or args.max_seqlen_k > MAX_KEYS.get(args.spec.head_dim, 0) or args.k_cache is None
                 or args.v_cache is None or args.page_table is None
-                or args.seq_lens_k.shape[0] * args.spec.num_kv_heads > BLOCKS_PER_SM * _sm_count(args.q.device)
                 or check_call(args.q, args.k_cache, args.v_cache, args.page_table, args.cu_seqlens_q,
-                              args.seq_lens_k)):
+                              args.seq_lens_k)
+                or args.seq_lens_k.shape[0] * args.spec.num_kv_heads > BLOCKS_PER_SM * _sm_count(args.q.device)):
             return self._triton().forward(args)
         from exl3_core.kernels.pdl import early_launch
 
