@@ -20,7 +20,10 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-from exl3_core.plugins import get_plugins, hookimpl, load_plugins  # noqa: E402  (light: pluggy only)
+# re-exported (the `as` form marks them public); light: pluggy only
+from exl3_core.plugins import get_plugins as get_plugins  # noqa: E402
+from exl3_core.plugins import hookimpl as hookimpl  # noqa: E402
+from exl3_core.plugins import load_plugins as load_plugins  # noqa: E402
 
 #: public name -> "module:attribute" (resolved on first access)
 _LAZY: dict[str, str] = {

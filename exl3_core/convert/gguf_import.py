@@ -129,7 +129,10 @@ def decoder_config(metadata: Mapping[str, Any]) -> dict[str, Any]:
     Adapters start from this and add ``architectures``, ``model_type`` and their own keys.
     """
     arch = str(metadata["general.architecture"])
-    g = lambda name, default=None, required=False: _key(metadata, arch, name, default, required=required)
+
+    def g(name: str, default: Any = None, required: bool = False) -> Any:
+        return _key(metadata, arch, name, default, required=required)
+
     heads = int(g("attention.head_count", required=True))
     kv = g("attention.head_count_kv", heads)
     if isinstance(kv, list):

@@ -24,10 +24,10 @@ pytest.importorskip("llguidance")
 pytest.importorskip("formatron")
 jsonschema = pytest.importorskip("jsonschema")
 
-from exl3_filters.formatron_filter import FormatronFilter
-from exl3_filters.llg import LLGuidanceFilter
+from exl3_filters.formatron_filter import FormatronFilter  # noqa: E402 (after the importorskips)
+from exl3_filters.llg import LLGuidanceFilter  # noqa: E402 (after the importorskips)
 
-from exl3_core.filters.base import Filter, unpack_bitmask
+from exl3_core.filters.base import Filter, unpack_bitmask  # noqa: E402 (after the importorskips)
 
 _CORE_TESTS = Path(__file__).resolve().parents[3] / "tests" / "core"
 
