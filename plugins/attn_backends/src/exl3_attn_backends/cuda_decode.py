@@ -13,8 +13,8 @@ One block per head reads the whole sequence: its shared memory holds one pass of
 bound (``max_seqlen_k``, the bound a decode graph is captured with), up to 512 rows at head dim 64 and 256
 at 128; longer sequences would take more passes after the wait. So it serves bounds up to :data:`MAX_KEYS`
 only; longer bounds, several queries per sequence and layouts the kernel does not take go to the Triton
-backend. Decode specs it cannot serve at all (head dims, groups, windows,
-...) are declined with reasons, so the dispatcher picks Triton.
+backend. Decode specs it cannot serve at all (head dims, groups, windows, ...) are declined with reasons,
+so the dispatcher picks Triton.
 """
 from __future__ import annotations
 
@@ -32,14 +32,6 @@ MAX_KEYS = {64: 512, 128: 256}
 #: programs are small (H200, 1B shape: b=8's 64 blocks 8,007 tok/s against Triton's 7,541; b=32 would be
 #: 256 blocks on 132 SMs). A tuning knob.
 BLOCKS_PER_SM = 1
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:  # a host-side property, read once per device (no sync)
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
 MAX_GROUP = 8
 HEAD_DIMS = (64, 128)
 _CACHES = {torch.float16: "kv/fp16", torch.bfloat16: "kv/bf16"}
@@ -156,6 +148,8 @@ class CudaDecodeAttention:
         return self._fallback
 
     def forward(self, args: AttnArgs) -> torch.Tensor:
+        from exl3_attn_backends.triton_paged import _sm_count  # the device's SM count, cached per device
+
         if (args.max_seqlen_q != 1 or args.max_seqlen_k > MAX_KEYS.get(args.spec.head_dim, 0) or args.k_cache is None
                 or args.v_cache is None or args.page_table is None
                 or check_call(args.q, args.k_cache, args.v_cache, args.page_table, args.cu_seqlens_q,
