@@ -361,6 +361,17 @@ cudaError_t launch(DecodeArgs a, int kv_heads, int batch, int bound, bool pdl, c
     return cudaLaunchKernelEx(&cfg, kern, a, pdl);
 }
 
+// The kernel for head dim D with the short keys per warp (`shrt`) or twice that: 4 instantiations per type
+template <class T>
+cudaError_t launch_for(int D, bool shrt, DecodeArgs a, int kv_heads, int batch, int bound, bool pdl, cudaStream_t st) {
+    constexpr int s64 = short_kw<64>(), s128 = short_kw<128>();
+    if (D == 64)
+        return shrt ? launch<T, 64, s64>(a, kv_heads, batch, bound, pdl, st)
+                    : launch<T, 64, 2 * s64>(a, kv_heads, batch, bound, pdl, st);
+    return shrt ? launch<T, 128, s128>(a, kv_heads, batch, bound, pdl, st)
+                : launch<T, 128, 2 * s128>(a, kv_heads, batch, bound, pdl, st);
+}
+
 }  // namespace exl3_attn
 
 namespace {
@@ -388,6 +399,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
     TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= MAX_GROUP, "decode_attention: GQA group over ", MAX_GROUP);
     TORCH_CHECK(page_table.scalar_type() == at::kInt && cu_seqlens_q.scalar_type() == at::kInt &&
                 seq_lens_k.scalar_type() == at::kInt, "decode_attention: int32 batch description");
+    TORCH_CHECK(bound >= 0 && bound < (1 << 30), "decode_attention: bound must be in [0, 2^30)");
     const int64_t B = page_table.size(0);
     const c10::cuda::CUDAGuard guard(q.device());
     TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 9, "decode_attention: needs compute capability >= 9.0");
@@ -410,21 +422,11 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
     a.group = (int)(Hq / Hkv);
     a.qscale = (float)(scale * 1.4426950408889634);
     const cudaStream_t st = at::cuda::getCurrentCUDAStream();
-    const bool half = q.scalar_type() == at::kHalf;
-    TORCH_CHECK(bound >= 0 && bound < (1 << 30), "decode_attention: bound must be in [0, 2^30)");
     const int bd = (int)bound, hk = (int)Hkv, nb = (int)B;
     // the short keys per warp while the bound fits them in one pass (a shorter chain per warp), else twice that
     const bool shrt = bd > 0 && bd <= WARPS * (D == 64 ? short_kw<64>() : short_kw<128>());
-    cudaError_t err;
-    if (D == 64) {
-        if (half) err = shrt ? launch<__half, 64, 32>(a, hk, nb, bd, pdl, st) : launch<__half, 64, 64>(a, hk, nb, bd, pdl, st);
-        else err = shrt ? launch<__nv_bfloat16, 64, 32>(a, hk, nb, bd, pdl, st)
-                        : launch<__nv_bfloat16, 64, 64>(a, hk, nb, bd, pdl, st);
-    } else {
-        if (half) err = shrt ? launch<__half, 128, 16>(a, hk, nb, bd, pdl, st) : launch<__half, 128, 32>(a, hk, nb, bd, pdl, st);
-        else err = shrt ? launch<__nv_bfloat16, 128, 16>(a, hk, nb, bd, pdl, st)
-                        : launch<__nv_bfloat16, 128, 32>(a, hk, nb, bd, pdl, st);
-    }
+    const cudaError_t err = q.scalar_type() == at::kHalf ? launch_for<__half>((int)D, shrt, a, hk, nb, bd, pdl, st)
+                                                         : launch_for<__nv_bfloat16>((int)D, shrt, a, hk, nb, bd, pdl, st);
     TORCH_CHECK(err == cudaSuccess, "decode_attention: launch failed: ", cudaGetErrorString(err));
     return out;
 }
