@@ -7,7 +7,12 @@ in one CUDA graph with torch.matmul (the engine's cuBLAS call), and logs nvidia-
 bench/prefill_clock.py does. Its back-to-back figure bounds any engine that does the prefill's math as
 fp16 tensor-core GEMMs on this card: the rest of the forward has to fit in the difference.
 
-    python bench/prefill_gemm_bound.py [--shape 8b] [--tokens 2048] [--idle 1.0]
+    python bench/prefill_gemm_bound.py [--shape 8b] [--tokens 2048] [--idle 1.0] [--dtype bfloat16] [--carveout 32]
+        [--mantissa 7]
+
+``--dtype`` runs the same GEMMs in another 16-bit type; ``--carveout`` tells cuBLAS to leave that many SMs
+free (torch's experimental SM carveout; the idle figure shows whether it takes effect); ``--mantissa m``
+rounds W's fp16 values to m mantissa bits first (the same GEMM on fewer toggling bits).
 """
 from __future__ import annotations
 
@@ -21,15 +26,27 @@ from exl3_core.bench.run import time_median
 
 
 def main() -> None:
-    args = prefill_args()
+    args = prefill_args(extra=True)
     s = parse_shape(args.shape)
     dev = torch.device("cuda")
     hd = s.head_dim or s.hidden // s.heads
     dims = [(s.hidden, (s.heads + 2 * s.kv_heads) * hd), (s.heads * hd, s.hidden), (s.hidden, 2 * s.intermediate),
             (s.intermediate, s.hidden)]
-    ws = [[torch.randn(k, n, device=dev, dtype=torch.float16) * k**-0.5 for k, n in dims] for _ in range(s.layers)]
-    xs = {k: torch.randn(args.tokens, k, device=dev, dtype=torch.float16) for k, _ in dims}
-    outs = {n: torch.empty(args.tokens, n, device=dev, dtype=torch.float16) for _, n in dims}
+    dt = getattr(torch, args.dtype)
+
+    def weight(k: int, n: int) -> torch.Tensor:
+        w = torch.randn(k, n, device=dev, dtype=torch.float16) * k**-0.5
+        if args.mantissa < 10:  # round to nearest on the dropped bits (no overflow at these magnitudes)
+            drop = 10 - args.mantissa
+            b = w.view(torch.int16)
+            w = ((b + (1 << (drop - 1))) & ~((1 << drop) - 1)).to(torch.int16).view(torch.float16)
+        return w.to(dt)
+
+    ws = [[weight(k, n) for k, n in dims] for _ in range(s.layers)]
+    xs = {k: torch.randn(args.tokens, k, device=dev, dtype=dt) for k, _ in dims}
+    outs = {n: torch.empty(args.tokens, n, device=dev, dtype=dt) for _, n in dims}
+    if args.carveout:
+        torch._C._set_sm_carveout_experimental(args.carveout)
     flop = 2.0 * args.tokens * sum(k * n for k, n in dims) * s.layers
 
     def forward() -> None:
@@ -47,7 +64,7 @@ def main() -> None:
         return time_median(g.replay, dev, warmup=0, iters=1) * 1e3
 
     phases = back_to_back_and_idle(replay_ms, args.idle)
-    print(f"{args.shape}: {len(dims) * s.layers} fp16 GEMMs of a {args.tokens}-token prefill, {flop / 1e12:.2f} TFLOP")
+    print(f"{args.shape}: {len(dims) * s.layers} {args.dtype} GEMMs (W mantissa {args.mantissa} bits, carveout {args.carveout}) of a {args.tokens}-token prefill, {flop / 1e12:.2f} TFLOP")
     for name, ms, (clk, pw, ex) in phases:
         med = statistics.median(ms)
         print(f"GEMMs only, {name}: median {med:.2f} ms = {args.tokens / med * 1e3:,.0f} tok/s, "
