@@ -7,6 +7,8 @@ of any layer, e.g. MLA attention or a mixture-of-experts MLP).
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any, ClassVar
 
 import torch
@@ -109,6 +111,23 @@ def _fusable_norm(norm: torch.nn.Module) -> bool:
     return type(norm) is RMSNorm
 
 
+@functools.cache
+def _takes_rows(cls: type) -> bool:
+    # an attention module whose forward can skip its output projection for rows nobody reads
+    try:
+        return "rows" in inspect.signature(cls.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def attend_rows(attn: torch.nn.Module, x: torch.Tensor, state: ForwardState, rows: torch.Tensor) -> torch.Tensor:
+    """``attn(x)[rows]``: every row attends (and writes its keys and values to the cache); a module whose
+    forward takes ``rows`` (core Attention, LatentAttention) projects only the kept rows."""
+    if _takes_rows(type(attn)):
+        return attn(x, state, rows=rows)
+    return attn(x, state).index_select(0, rows)
+
+
 def _residual_capable(m: torch.nn.Module) -> bool:
     # has forward_residual, and the forward it mirrors is the one in use (not overridden alone)
     cls = type(m)
@@ -131,30 +150,38 @@ class DecoderBlock(Module):
         self.mlp_norm = mlp_norm
         self.mlp = mlp
 
-    def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: ForwardState, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, hidden]``; with ``rows`` (the last block, when only some rows' logits are wanted) only
+        those rows leave the block: after the attention (all rows write the cache) the rest runs on them."""
         if ops.fused_enabled(x) and self.chainable():
-            x, delta = self.forward_chain(x, None, state)
+            x, delta = self.forward_chain(x, None, state, rows)
             return x + delta
-        x = x + self.attn(self.attn_norm(x), state)
-        x = x + self.mlp(self.mlp_norm(x))
-        return x
+        if rows is None:
+            x = x + self.attn(self.attn_norm(x), state)
+        else:
+            x = x.index_select(0, rows) + attend_rows(self.attn, self.attn_norm(x), state, rows)
+        return x + self.mlp(self.mlp_norm(x))
 
     def chainable(self) -> bool:
         """Whether :meth:`forward_chain` computes this block (plain block, RMSNorm norms)."""
         return type(self).forward is DecoderBlock.forward and _fusable_norm(self.attn_norm) \
             and _fusable_norm(self.mlp_norm)
 
-    def forward_chain(self, x: torch.Tensor, pending: torch.Tensor | None,
-                      state: ForwardState) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_chain(self, x: torch.Tensor, pending: torch.Tensor | None, state: ForwardState,
+                      rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The block on the residual stream ``x + pending`` with both residual adds fused into the
         norms after them; returns ``(stream before the MLP output, MLP output)``, the caller adds
-        (or fuses) the second."""
+        (or fuses) the second. With ``rows``, both hold only those rows (see :meth:`forward`)."""
         assert isinstance(self.attn_norm, RMSNorm) and isinstance(self.mlp_norm, RMSNorm)
         if pending is None:
             normed = self.attn_norm(x)
         else:
             normed, x = self.attn_norm.forward_residual(pending, x)
-        normed, x = self.mlp_norm.forward_residual(self.attn(normed, state), x)
+        if rows is None:
+            a = self.attn(normed, state)
+        else:
+            a, x = attend_rows(self.attn, normed, state, rows), x.index_select(0, rows)
+        normed, x = self.mlp_norm.forward_residual(a, x)
         return x, self.mlp(normed)
 
     def deferrable(self) -> bool:
@@ -297,11 +324,31 @@ class StandardDecoder(Model):
         x = self.embed(meta.input_ids)
         if ops.fused_enabled(x) and self._chainable():
             return self._forward_chain(x, meta, state)
-        for block in self.layers:
-            x = block(x, state)
-        if meta.logits_indices is not None:
+        rows, keep = self._last_rows(meta)
+        for i, block in enumerate(self.layers):
+            x = block(x, state, rows=rows) if rows is not None and i == len(self.layers) - 1 else block(x, state)
+        if rows is not None:
+            x = x[:keep]  # the last block kept only the rows that need logits
+        elif meta.logits_indices is not None:
             x = x.index_select(0, meta.logits_indices)  # norm + head only for the rows that need logits
         return self.head(self.norm(x))
+
+    def _last_rows(self, meta: BatchMeta) -> tuple[torch.Tensor | None, int]:
+        """The rows the last block keeps, and how many of them are real: ``meta.logits_indices`` when
+        fewer rows than the batch's need logits (a prefill wants its last token's) and the last block is
+        a plain :class:`DecoderBlock`; else ``(None, 0)``. After its attention the last block then runs
+        o_proj, the MLP, the final norm and the head on those rows alone: ~1/L of a long prefill's
+        GEMMs. No row at all (a prompt's middle chunk) keeps one row, dropped after the stack, so no
+        kernel sees an empty batch."""
+        idx = meta.logits_indices
+        last = self.layers[-1] if len(self.layers) else None
+        if (idx is None or last is None or type(last).forward is not DecoderBlock.forward
+                or type(last).forward_chain is not DecoderBlock.forward_chain
+                or idx.shape[0] >= meta.input_ids.shape[0]):
+            return None, 0
+        if idx.shape[0] == 0:
+            return meta.input_ids.new_zeros(1), 0
+        return idx, idx.shape[0]
 
     @property
     def folds_carry(self) -> bool:
@@ -345,12 +392,16 @@ class StandardDecoder(Model):
         if self._deferrable(x.shape[0], x.dtype):
             return self._forward_deferred(x, meta, state)
         pending: torch.Tensor | None = None
-        for block in self.layers:
-            x, pending = block.forward_chain(x, pending, state)  # type: ignore[operator]
+        rows, keep = self._last_rows(meta)
+        for i, block in enumerate(self.layers):
+            r = rows if i == len(self.layers) - 1 else None
+            x, pending = block.forward_chain(x, pending, state, r)  # type: ignore[operator]
         norm = self.norm
         assert isinstance(norm, RMSNorm)
         if pending is None:  # no layers
             normed = norm(x if meta.logits_indices is None else x.index_select(0, meta.logits_indices))
+        elif rows is not None:  # the last block kept only the rows that need logits
+            normed, _ = norm.forward_residual(pending[:keep], x[:keep])
         elif meta.logits_indices is not None:  # norm + head only for the rows that need logits
             idx = meta.logits_indices
             normed, _ = norm.forward_residual(pending.index_select(0, idx), x.index_select(0, idx))

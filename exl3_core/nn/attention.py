@@ -138,9 +138,11 @@ class Attention(Module):
         assert rope is not None
         return state.memoize(("rope", id(rope)), lambda: rope.cos_sin(state.meta.positions))
 
-    def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: ForwardState, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, hidden]``; with ``rows`` (int64 indices) only those rows' outputs, ``[len(rows), hidden]``:
+        every row still attends and writes its keys and values, but o_proj runs on the kept rows alone."""
         o = self.attend(x, state)
-        return self.o_proj(o)
+        return self.o_proj(o if rows is None else o.index_select(0, rows))
 
     def forward_residual(self, x: torch.Tensor | DeferredNorm, state: ForwardState, residual: torch.Tensor,
                          ss: torch.Tensor) -> torch.Tensor:

@@ -194,8 +194,9 @@ class LatentAttention(Module):
         kv = torch.cat([latent.view(T, 1, self.kv_lora_rank), k_rope.to(latent.dtype)], dim=-1)
         return q_nope, q_rope, kv
 
-    def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
-        """``x [T, hidden]`` (packed batch) -> ``[T, hidden]``; writes this step's latents to the cache."""
+    def forward(self, x: torch.Tensor, state: ForwardState, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, hidden]`` (packed batch) -> ``[T, hidden]``; writes this step's latents to the cache. With
+        ``rows`` (int64 indices) only those rows' outputs: the value up-projection and o_proj skip the others."""
         meta = state.meta
         T, dt = x.shape[0], x.dtype
         if self.w_uk is None or self.w_uk.dtype != dt or self.w_uk.device != x.device:
@@ -222,6 +223,8 @@ class LatentAttention(Module):
                             max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=self.scale,
                             k_cache=k_cache, v_cache=None, page_table=meta.page_table)
         o_latent = get_dispatcher(state.plugins).select(spec, state.allowed_backends).forward(args)  # [T, H, L]
+        if rows is not None:
+            o_latent, T = o_latent.index_select(0, rows), rows.shape[0]
         o = torch.einsum("thl,hlv->thv", o_latent.to(dt), self.w_uv)
         return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim))
 
