@@ -1,0 +1,79 @@
+"""Device script: the engine's graphed prefill with and without the last block pruned to the rows whose
+logits are asked for (``StandardDecoder._last_rows``), one model, alternating rounds, back to back and
+after an idle second (the card's power cap makes cross-call comparisons noisy: docs/performance.md, run 18).
+
+    python bench/prefill_ab.py [--shape 8b] [--tokens 2048] [--rounds 4] [--iters 10] [--idle 5]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from exl3_core.archkit.decoder import StandardDecoder
+from exl3_core.bench.models import build_model, parse_shape
+from exl3_core.bench.run import prefill_meta
+from exl3_core.generator.graphs import PrefillGraphs
+
+
+def timed(fn, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="8b")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--idle", type=int, default=5, help="replays per variant, each after 1 s idle")
+    args = ap.parse_args()
+    model, cache = build_model(parse_shape(args.shape), bpw=4.0, head_bits=6, codebook="mul1", device="cuda",
+                               cache_tokens=2 * args.tokens + 1024)
+    pages = cache.allocator.allocate(-(-args.tokens // cache.page_size))
+    ids = prefill_meta(model, cache, args.tokens, pages).input_ids.tolist()
+    own = StandardDecoder._last_rows
+    graphs, logits = {}, {}
+    for name in ("pruned", "full"):
+        if name == "full":
+            StandardDecoder._last_rows = lambda self, meta: (None, 0)  # type: ignore[method-assign]
+        try:
+            g = PrefillGraphs.create(model, cache, len(pages), args.tokens)
+            assert g is not None, "prefill graphs declined"
+            graphs[name] = g
+            logits[name] = g.run(ids, pages).float().clone()
+        finally:
+            StandardDecoder._last_rows = own  # type: ignore[method-assign]
+    a, b = logits["pruned"], logits["full"]
+    print(f"logits rel. difference pruned vs full: {((a - b).norm() / b.norm()).item():.2e}; "
+          f"same argmax: {bool((a.argmax(-1) == b.argmax(-1)).all())}")
+    res: dict[str, list[float]] = {n: [] for n in graphs}
+    for _ in range(args.rounds):
+        for name, g in graphs.items():
+            timed(lambda: g.run(ids, pages), 2)
+            res[name] += timed(lambda: g.run(ids, pages), args.iters)
+    idle: dict[str, list[float]] = {n: [] for n in graphs}
+    for _ in range(args.idle):
+        for name, g in graphs.items():
+            time.sleep(1.0)
+            idle[name] += timed(lambda: g.run(ids, pages), 1)
+    n = args.tokens
+    for name in graphs:
+        m, mi = statistics.median(res[name]), statistics.median(idle[name])
+        print(f"{args.shape} prefill {n} {name:>6}: back to back {m:6.2f} ms = {n / m * 1e3:,.0f} tok/s "
+              f"(min {min(res[name]):.2f}, max {max(res[name]):.2f}); after 1 s idle {mi:6.2f} ms = {n / mi * 1e3:,.0f} tok/s")
+    model.unload()
+
+
+if __name__ == "__main__":
+    main()
