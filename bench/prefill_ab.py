@@ -10,24 +10,12 @@ import argparse
 import statistics
 import time
 
-import torch
+from prefill_clock import event_ms
 
 from exl3_core.archkit.decoder import StandardDecoder
 from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.bench.run import prefill_meta
 from exl3_core.generator.graphs import PrefillGraphs
-
-
-def timed(fn, n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
 
 
 def main() -> None:
@@ -60,13 +48,13 @@ def main() -> None:
     res: dict[str, list[float]] = {n: [] for n in graphs}
     for _ in range(args.rounds):
         for name, g in graphs.items():
-            timed(lambda: g.run(ids, pages), 2)
-            res[name] += timed(lambda: g.run(ids, pages), args.iters)
+            event_ms(lambda: g.run(ids, pages), 2)
+            res[name] += event_ms(lambda: g.run(ids, pages), args.iters)
     idle: dict[str, list[float]] = {n: [] for n in graphs}
     for _ in range(args.idle):
         for name, g in graphs.items():
             time.sleep(1.0)
-            idle[name] += timed(lambda: g.run(ids, pages), 1)
+            idle[name] += event_ms(lambda: g.run(ids, pages), 1)
     n = args.tokens
     for name in graphs:
         m, mi = statistics.median(res[name]), statistics.median(idle[name])

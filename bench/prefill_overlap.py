@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from prefill_clock import event_ms
 
 from exl3_core.quant.exl3.cuda_ops import reconstruct_full_into_cuda
 
@@ -40,18 +41,6 @@ def rand_member(k: int, n: int, dev: torch.device) -> dict:
 
 def carve(c: int | None) -> None:
     torch._C._set_sm_carveout_experimental(c if c else None)
-
-
-def timed(fn: Callable[[], None], n: int) -> list[float]:
-    out = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
 
 
 def kernels(args: argparse.Namespace) -> None:
@@ -146,14 +135,14 @@ def kernels(args: argparse.Namespace) -> None:
     res: dict[str, list[float]] = {n: [] for n in graphs}
     for _ in range(args.rounds):
         for name, g in graphs.items():
-            timed(g.replay, 2)
-            res[name] += timed(g.replay, args.iters)
+            event_ms(g.replay, 2)
+            res[name] += event_ms(g.replay, args.iters)
     # from idle (full clock): does the carveout take effect at all? (fewer SMs: a slower GEMM)
     for name in [n for n in graphs if n.startswith("gemm")]:
         idle = []
         for _ in range(3):
             time.sleep(1.0)
-            idle += timed(graphs[name].replay, 1)
+            idle += event_ms(graphs[name].replay, 1)
         print(f"{name:>16} after 1 s idle: median {statistics.median(idle):7.2f} ms")
     flop = 2.0 * args.tokens * sum(k * n for k, n, _ in steps)
     base = statistics.median(res["serial"])
