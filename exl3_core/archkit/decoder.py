@@ -394,8 +394,10 @@ class StandardDecoder(Model):
         pending: torch.Tensor | None = None
         rows, keep = self._last_rows(meta)
         for i, block in enumerate(self.layers):
-            r = rows if i == len(self.layers) - 1 else None
-            x, pending = block.forward_chain(x, pending, state, r)  # type: ignore[operator]
+            if rows is not None and i == len(self.layers) - 1:  # _last_rows vetted this block's forward_chain
+                x, pending = block.forward_chain(x, pending, state, rows)  # type: ignore[operator]
+            else:  # a subclass's own forward_chain may not take rows
+                x, pending = block.forward_chain(x, pending, state)  # type: ignore[operator]
         norm = self.norm
         assert isinstance(norm, RMSNorm)
         if pending is None:  # no layers
