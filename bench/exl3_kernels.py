@@ -54,19 +54,24 @@ def time_graph(fn, calls: int, reps: int = 7) -> float:
     return statistics.median(times)
 
 
-def time_events(fn, warm: int = 2, reps: int = 5) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
+def event_ms(fn, n: int) -> list[float]:
+    """``n`` calls of ``fn``, each timed alone by CUDA events: milliseconds."""
+    out = []
+    for _ in range(n):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def time_events(fn, warm: int = 2, reps: int = 5) -> float:
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    return statistics.median(event_ms(fn, reps)) / 1e3
 
 
 def copy_bandwidth() -> float:

@@ -10,7 +10,7 @@ import argparse
 import statistics
 import time
 
-from prefill_clock import event_ms
+from exl3_kernels import event_ms  # bench/ is the script's directory
 
 from exl3_core.archkit.decoder import StandardDecoder
 from exl3_core.bench.models import build_model, parse_shape

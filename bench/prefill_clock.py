@@ -94,21 +94,6 @@ class SmiLog:
         return _samples(self.path, windows)
 
 
-def event_ms(fn: Callable[[], object], n: int) -> list[float]:
-    """``n`` calls of ``fn``, each timed alone by CUDA events: milliseconds."""
-    import torch
-
-    out = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return out
-
-
 def back_to_back_and_idle(replay_ms: Callable[[], float], idle: float, runs: int = 20,
                           idle_runs: int = 7) -> list[tuple[str, list[float], tuple[float, float, str]]]:
     """``replay_ms()`` timed ``runs`` times back to back (after 2 warm-ups), then ``idle_runs`` times each after

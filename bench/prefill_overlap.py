@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from prefill_clock import event_ms
+from exl3_kernels import event_ms  # bench/ is the script's directory
 
 from exl3_core.quant.exl3.cuda_ops import reconstruct_full_into_cuda
 
