@@ -1,8 +1,10 @@
-"""Device script: the engine's graphed prefill with and without the last block pruned to the rows whose
-logits are asked for (``StandardDecoder._last_rows``), one model, alternating rounds, back to back and
-after an idle second (the card's power cap makes cross-call comparisons noisy: docs/performance.md, run 18).
+"""Device script: the engine's graphed prefill in two variants, one model, alternating rounds, back to back
+and after an idle second (the card's power cap makes cross-call comparisons noisy: docs/performance.md,
+run 18). ``--ab pruned``: with and without the last block pruned to the rows whose logits are asked for
+(``StandardDecoder._last_rows``); ``--ab bf16``: bf16 activations and GEMM operands against fp16
+(``StandardDecoder._prefill_dtype``, ``EXL3_PREFILL_BF16``).
 
-    python bench/prefill_ab.py [--shape 8b] [--tokens 2048] [--rounds 4] [--iters 10] [--idle 5]
+    python bench/prefill_ab.py [--ab pruned|bf16] [--shape 8b] [--tokens 2048] [--rounds 4] [--iters 10] [--idle 5]
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from exl3_core.generator.graphs import PrefillGraphs
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--ab", choices=("pruned", "bf16"), default="pruned")
     ap.add_argument("--shape", default="8b")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--rounds", type=int, default=4)
@@ -30,20 +33,23 @@ def main() -> None:
                                cache_tokens=2 * args.tokens + 1024)
     pages = cache.allocator.allocate(-(-args.tokens // cache.page_size))
     ids = prefill_meta(model, cache, args.tokens, pages).input_ids.tolist()
-    own = StandardDecoder._last_rows
+    # the second variant of each pair replaces one decoder method while its graph is captured
+    attr, names, off = {"pruned": ("_last_rows", ("pruned", "full"), lambda self, meta: (None, 0)),
+                        "bf16": ("_prefill_dtype", ("bf16", "fp16"), lambda self, x, meta: None)}[args.ab]
+    own = getattr(StandardDecoder, attr)
     graphs, logits = {}, {}
-    for name in ("pruned", "full"):
-        if name == "full":
-            StandardDecoder._last_rows = lambda self, meta: (None, 0)  # type: ignore[method-assign]
+    for name in names:
+        if name == names[1]:
+            setattr(StandardDecoder, attr, off)
         try:
             g = PrefillGraphs.create(model, cache, len(pages), args.tokens)
             assert g is not None, "prefill graphs declined"
             graphs[name] = g
             logits[name] = g.run(ids, pages).float().clone()
         finally:
-            StandardDecoder._last_rows = own  # type: ignore[method-assign]
-    a, b = logits["pruned"], logits["full"]
-    print(f"logits rel. difference pruned vs full: {((a - b).norm() / b.norm()).item():.2e}; "
+            setattr(StandardDecoder, attr, own)
+    a, b = logits[names[0]], logits[names[1]]
+    print(f"logits rel. difference {names[0]} vs {names[1]}: {((a - b).norm() / b.norm()).item():.2e}; "
           f"same argmax: {bool((a.argmax(-1) == b.argmax(-1)).all())}")
     res: dict[str, list[float]] = {n: [] for n in graphs}
     for _ in range(args.rounds):

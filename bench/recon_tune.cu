@@ -55,7 +55,7 @@ static void run_shape(int k, int n, const char* cbname) {
 
     auto launch = [&](int i, cudaStream_t st) {
         const int c = i % copies;
-        CK(exl3::dispatch_recon_full<CB>(K, tr + c * words, su, sv, out + c * (long)k * n, kt, nt, n, st));
+        CK(exl3::dispatch_recon_full<CB>(K, tr + c * words, su, sv, out + c * (long)k * n, false, kt, nt, n, st));
     };
     launch(0, 0);
     CK(cudaDeviceSynchronize());

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compile-only check of the csrc/exl3 CUDA sources on a machine with nvcc but no GPU (or a CPU-only
 # torch, whose setup.py build skips *.cu). Run from anywhere: bash csrc/exl3/compile_check.sh [--all]
-#  1. exl3_recon_full.cuh alone (all 24 K x codebook kernels, no torch) for sm_90, with the ptxas
+#  1. exl3_recon_full.cuh alone (all 48 K x codebook x output-type kernels, no torch) for sm_90, with the ptxas
 #     register / shared memory / spill report per instantiation
 #  2. the torch bindings exl3_ops.cu with torch's include paths
 #  3. with --all: exl3_cb{0,1,2}.cu and exl3_had.cu too (every kernel; several minutes on 2 cores),
@@ -16,13 +16,13 @@ cat > "$OUT/rf.cu" <<'CU'
 #include "exl3/exl3_recon_full.cuh"
 namespace exl3 {
 #define RF_INST(CB) template cudaError_t dispatch_recon_full<CB>(int, const uint32_t*, const __half*, const __half*, \
-                                                                  __half*, int, int, long, cudaStream_t);
+                                                                  void*, bool, int, int, long, cudaStream_t);
 RF_INST(0) RF_INST(1) RF_INST(2)
 }
 CU
 "$NVCC" "${FLAGS[@]}" -Xptxas -v -c "$OUT/rf.cu" -o "$OUT/rf.o" 2>&1 \
   | grep -E "error|Used|spill|Compiling entry" | sed -E 's/ptxas info *: //' \
-  | paste - - - | sed -E "s/Compiling entry function .?_ZN4exl3[0-9]+recon_full_(half_)?kernelILi([0-9])ELi([0-9])EE\S*/\1K=\2 cb=\3/; s/Function properties for \S+//"
+  | paste - - - | sed -E "s/Compiling entry function .?_ZN4exl3[0-9]+recon_full_(half_)?kernelILi([0-9])ELi([0-9])ELb([01])EE\S*/\1K=\2 cb=\3 bf16=\4/; s/Function properties for \S+//"
 echo "(dynamic shared memory per CTA, set at launch: 67584 bytes fp32 kernel, 35328 bytes half_ kernel)"
 
 echo "== 2. torch bindings"

@@ -10,8 +10,8 @@ void launch_reconstruct_cb1(int K, const uint32_t* t, __half* out, int kt, int n
     dispatch_reconstruct<1>(K, t, out, kt, nt, st);
 }
 int launch_fused_cb1(int K, const FusedArgs& a, cudaStream_t st) { return dispatch_fused<1>(K, a, st); }
-cudaError_t launch_recon_full_cb1(int K, const uint32_t* t, const __half* suh, const __half* svh, __half* out, int kt,
-                                  int nt, long ldo, cudaStream_t st) {
-    return dispatch_recon_full<1>(K, t, suh, svh, out, kt, nt, ldo, st);
+cudaError_t launch_recon_full_cb1(int K, const uint32_t* t, const __half* suh, const __half* svh, void* out, bool bf16,
+                                  int kt, int nt, long ldo, cudaStream_t st) {
+    return dispatch_recon_full<1>(K, t, suh, svh, out, bf16, kt, nt, ldo, st);
 }
 }  // namespace exl3

@@ -26,16 +26,17 @@ int launch_fused_cb0(int K, const FusedArgs& a, cudaStream_t st);
 int launch_fused_cb1(int K, const FusedArgs& a, cudaStream_t st);
 int launch_fused_cb2(int K, const FusedArgs& a, cudaStream_t st);
 
-// W = diag(suh) · BD_k · Ŵ · BD_n · diag(svh) as fp16 [16*k_tiles, 16*n_tiles] (exl3_recon_full.cuh),
+// W = diag(suh) · BD_k · Ŵ · BD_n · diag(svh) as fp16 (bf16 when bf16 is set) [16*k_tiles, 16*n_tiles]
+// (exl3_recon_full.cuh),
 // row stride ldo (>= 16*n_tiles, a multiple of 8; out 16-byte aligned); k_tiles, n_tiles multiples of
 // 8, suh/svh fp16 (svh 16-byte aligned). Returns the launch error.
 cudaError_t launch_recon_full(int cb, int K, const uint32_t* trellis, const __half* suh, const __half* svh,
-                              __half* out, int k_tiles, int n_tiles, long ldo, cudaStream_t st);
-cudaError_t launch_recon_full_cb0(int K, const uint32_t* trellis, const __half* suh, const __half* svh, __half* out,
-                                  int k_tiles, int n_tiles, long ldo, cudaStream_t st);
-cudaError_t launch_recon_full_cb1(int K, const uint32_t* trellis, const __half* suh, const __half* svh, __half* out,
-                                  int k_tiles, int n_tiles, long ldo, cudaStream_t st);
-cudaError_t launch_recon_full_cb2(int K, const uint32_t* trellis, const __half* suh, const __half* svh, __half* out,
-                                  int k_tiles, int n_tiles, long ldo, cudaStream_t st);
+                              void* out, bool bf16, int k_tiles, int n_tiles, long ldo, cudaStream_t st);
+cudaError_t launch_recon_full_cb0(int K, const uint32_t* trellis, const __half* suh, const __half* svh, void* out,
+                                  bool bf16, int k_tiles, int n_tiles, long ldo, cudaStream_t st);
+cudaError_t launch_recon_full_cb1(int K, const uint32_t* trellis, const __half* suh, const __half* svh, void* out,
+                                  bool bf16, int k_tiles, int n_tiles, long ldo, cudaStream_t st);
+cudaError_t launch_recon_full_cb2(int K, const uint32_t* trellis, const __half* suh, const __half* svh, void* out,
+                                  bool bf16, int k_tiles, int n_tiles, long ldo, cudaStream_t st);
 
 }  // namespace exl3

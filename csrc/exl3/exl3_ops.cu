@@ -21,11 +21,11 @@ int launch_fused(int cb, int K, const FusedArgs& a, cudaStream_t st) {
     if (cb == 1) return launch_fused_cb1(K, a, st);
     return launch_fused_cb2(K, a, st);
 }
-cudaError_t launch_recon_full(int cb, int K, const uint32_t* trellis, const __half* suh, const __half* svh, __half* out,
-                              int k_tiles, int n_tiles, long ldo, cudaStream_t st) {
-    if (cb == 0) return launch_recon_full_cb0(K, trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
-    if (cb == 1) return launch_recon_full_cb1(K, trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
-    return launch_recon_full_cb2(K, trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+cudaError_t launch_recon_full(int cb, int K, const uint32_t* trellis, const __half* suh, const __half* svh, void* out,
+                              bool bf16, int k_tiles, int n_tiles, long ldo, cudaStream_t st) {
+    if (cb == 0) return launch_recon_full_cb0(K, trellis, suh, svh, out, bf16, k_tiles, n_tiles, ldo, st);
+    if (cb == 1) return launch_recon_full_cb1(K, trellis, suh, svh, out, bf16, k_tiles, n_tiles, ldo, st);
+    return launch_recon_full_cb2(K, trellis, suh, svh, out, bf16, k_tiles, n_tiles, ldo, st);
 }
 }  // namespace exl3
 
@@ -77,8 +77,10 @@ Tensor aligned16(const Tensor& t) {
 
 // W = diag(suh) · BD_k · Ŵ · BD_n · diag(svh) as fp16 [k, n] (spec 4.2; exl3_recon_full.cuh). suh/svh
 // are used as fp16 (their storage type); the rest is fp32 with one final rounding to fp16. Into `out`
-// when defined: fp16 [k, n] with unit column stride and a row stride that is a multiple of 8 (a column
-// block of a wider matrix: q/k/v or gate/up side by side for one prefill GEMM); else a new tensor.
+// when defined: fp16 or bf16 [k, n] with unit column stride and a row stride that is a multiple of 8 (a
+// column block of a wider matrix: q/k/v or gate/up side by side for one prefill GEMM); else a new fp16
+// tensor. A bf16 `out` holds the fp16 result converted (K <= EXL3_RF_HALF_MAX_K) or the fp32 result
+// rounded once to bf16 (larger K).
 static Tensor recon_full(const char* op, const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t K,
                          int64_t codebook, Tensor out) {
     const int k = check_trellis(trellis, K, codebook, op);
@@ -90,21 +92,22 @@ static Tensor recon_full(const char* op, const Tensor& trellis, const Tensor& su
                 op, ": suh/svh must be vectors of ", kt * 16L, "/", nt * 16L, " elements on the trellis' device, got ",
                 suh.numel(), "/", svh.numel());
     if (out.defined())
-        TORCH_CHECK(out.is_cuda() && out.device() == trellis.device() && out.scalar_type() == at::kHalf &&
+        TORCH_CHECK(out.is_cuda() && out.device() == trellis.device() &&
+                        (out.scalar_type() == at::kHalf || out.scalar_type() == at::kBFloat16) &&
                         out.dim() == 2 && out.size(0) == kt * 16L && out.size(1) == nt * 16L && out.stride(1) == 1 &&
                         out.stride(0) % 8 == 0 && out.stride(0) <= INT32_MAX &&
                         reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 == 0,
-                    op, ": out must be a CUDA fp16 [", kt * 16L, ", ", nt * 16L, "] view with unit column stride, a "
-                    "row stride that is a multiple of 8 and a 16-byte aligned start; got ", out.scalar_type(), " ",
-                    out.sizes(), " strides ", out.strides());
+                    op, ": out must be a CUDA fp16 or bf16 [", kt * 16L, ", ", nt * 16L, "] view with unit column "
+                    "stride, a row stride that is a multiple of 8 and a 16-byte aligned start; got ", out.scalar_type(),
+                    " ", out.sizes(), " strides ", out.strides());
     c10::cuda::CUDAGuard guard(trellis.device());
     Tensor su = suh.to(at::kHalf).contiguous(), sv = aligned16(svh.to(at::kHalf).contiguous());
     if (!out.defined()) out = at::empty({kt * 16L, nt * 16L}, trellis.options().dtype(at::kHalf));
     if (out.numel() == 0) return out;
     C10_CUDA_CHECK(exl3::launch_recon_full((int)codebook, k, reinterpret_cast<const uint32_t*>(trellis.data_ptr()),
                                            reinterpret_cast<const __half*>(su.data_ptr()),
-                                           reinterpret_cast<const __half*>(sv.data_ptr()),
-                                           reinterpret_cast<__half*>(out.data_ptr()), kt, nt, out.stride(0),
+                                           reinterpret_cast<const __half*>(sv.data_ptr()), out.data_ptr(),
+                                           out.scalar_type() == at::kBFloat16, kt, nt, out.stride(0),
                                            at::cuda::getCurrentCUDAStream()));
     return out;
 }

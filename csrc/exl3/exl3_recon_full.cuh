@@ -23,9 +23,12 @@
 // hence the default. Details at recon_full_half_kernel below.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <type_traits>
 
 #include "exl3_decode.cuh"
 
@@ -52,8 +55,33 @@ constexpr int RFH_SMEM = (RFH_TILE + 256) * 2;    // 35,328 B: room for 6 CTAs p
 #endif
 constexpr int RFH_MIN_BLOCKS = EXL3_RF_HALF_MINB;
 
+// Output element type: fp16, or bf16 (BF) for a prefill whose GEMMs take bf16 operands (cuBLAS's bf16
+// GEMMs draw less power at the card's cap, docs/performance.md run 30). The half2 kernel rounds to fp16
+// first and converts that to bf16 (exact: equal to torch's fp16 -> bf16 cast of the fp16 output); the
+// fp32 kernel rounds its fp32 result once, to the output type
+template <bool BF>
+using rf_out_t = typename std::conditional<BF, __nv_bfloat16, __half>::type;
+template <bool BF>
+__device__ __forceinline__ uint32_t rf_h2_out(__half2 h) {
+    if constexpr (BF) {
+        __nv_bfloat162 b = __float22bfloat162_rn(__half22float2(h));
+        return *reinterpret_cast<uint32_t*>(&b);
+    } else {
+        return h2_bits(h);
+    }
+}
+template <bool BF>
+__device__ __forceinline__ uint32_t rf_f2_out(float a, float b) {
+    if constexpr (BF) {
+        __nv_bfloat162 o = __floats2bfloat162_rn(a, b);
+        return *reinterpret_cast<uint32_t*>(&o);
+    } else {
+        return h2_bits(__floats2half2_rn(a, b));
+    }
+}
+
 // 16-byte global store; inline asm because nvcc split some uint4 stores of this kernel into 4 x u32
-__device__ __forceinline__ void rf_st16(__half* p, const uint32_t (&o)[4]) {
+__device__ __forceinline__ void rf_st16(void* p, const uint32_t (&o)[4]) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3]));
 }
 
@@ -140,10 +168,10 @@ __device__ __forceinline__ void rf_wht64h(__half2 (&v)[64]) {
 
 // grid (n/128, k/128); out row-major [k, n] fp16 with row stride ldo (a multiple of 8: the stores are
 // 16-byte; ldo > n writes a column block of a wider matrix); suh [k], svh [n] fp16 (svh 16-byte aligned)
-template <int K, int CB>
+template <int K, int CB, bool BF>
 __global__ void __launch_bounds__(RF_THREADS, RFH_MIN_BLOCKS)
     recon_full_half_kernel(const uint32_t* __restrict__ trellis, const __half* __restrict__ suh,
-                      const __half* __restrict__ svh, __half* __restrict__ out, int n_tiles, int ldo) {
+                      const __half* __restrict__ svh, rf_out_t<BF>* __restrict__ out, int n_tiles, int ldo) {
     extern __shared__ __align__(16) __half rf_smem_h[];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -213,7 +241,7 @@ __global__ void __launch_bounds__(RF_THREADS, RFH_MIN_BLOCKS)
     const __half* ssu = rf_smem_h + RFH_TILE + rowbase;
     const __half* ssv = rf_smem_h + RFH_TILE + 128 + colbase;
     const __half2 pm = __floats2half2_rn(1.0f, -1.0f);
-    __half* o = out + ((long)kblk * 128 + rowbase) * ldo + (long)nblk * 128 + colbase;
+    rf_out_t<BF>* o = out + ((long)kblk * 128 + rowbase) * ldo + (long)nblk * 128 + colbase;
 #pragma unroll
     for (int rr = 0; rr < 4; ++rr) {
         const __half2 su = __half2half2(ssu[2 * rr]);
@@ -226,7 +254,7 @@ __global__ void __launch_bounds__(RF_THREADS, RFH_MIN_BLOCKS)
             for (int i = 0; i < 4; ++i) {
                 const __half2 x = v[i | (rr << 2) | (j << 4)];
                 const __half2 y = __hfma2(__high2half2(x), pm, __low2half2(x));  // (a + b, a - b)
-                ov[i] = h2_bits(__hmul2(__hmul2(y, su), bits_h2(svw[i])));
+                ov[i] = rf_h2_out<BF>(__hmul2(__hmul2(y, su), bits_h2(svw[i])));
             }
             rf_st16(o + 32 * j, ov);
         }
@@ -235,10 +263,10 @@ __global__ void __launch_bounds__(RF_THREADS, RFH_MIN_BLOCKS)
 }
 // grid (n/128, k/128); out row-major [k, n] fp16 with row stride ldo (a multiple of 8: the stores are
 // 16-byte; ldo > n writes a column block of a wider matrix); suh [k], svh [n] fp16 (svh 16-byte aligned)
-template <int K, int CB>
+template <int K, int CB, bool BF>
 __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
     recon_full_kernel(const uint32_t* __restrict__ trellis, const __half* __restrict__ suh,
-                      const __half* __restrict__ svh, __half* __restrict__ out, int n_tiles, int ldo) {
+                      const __half* __restrict__ svh, rf_out_t<BF>* __restrict__ out, int n_tiles, int ldo) {
     extern __shared__ __align__(16) float rf_smem[];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -292,7 +320,7 @@ __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
     rf_wht128(v);
 
     // ---- scale and store: (v * suh/128) * svh, as the fp32 reference's (w * suh) * svh (1/128 exact),
-    // rounded once to fp16; 16-byte stores of 8 contiguous columns
+    // rounded once to the output type; 16-byte stores of 8 contiguous columns
     const long row0 = (long)kblk * 128 + rowbase;
     const long col0 = (long)nblk * 128 + colbase;
     float su[4];
@@ -317,7 +345,7 @@ __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
                 const int e = (2 * i) | (rr << 3) | (j << 5);
                 const float y0 = (v[e] * su[rr]) * sv[2 * i];
                 const float y1 = (v[e + 1] * su[rr]) * sv[2 * i + 1];
-                o[i] = h2_bits(__floats2half2_rn(y0, y1));
+                o[i] = rf_f2_out<BF>(y0, y1);
             }
             rf_st16(out + (row0 + 2 * rr) * (long)ldo + col0 + 32 * j, o);
         }
@@ -330,18 +358,18 @@ template <int K>
 constexpr bool rf_uses_half = K <= EXL3_RF_HALF_MAX_K;
 template <int K>
 constexpr int rf_smem_bytes = rf_uses_half<K> ? RFH_SMEM : RF_SMEM;
-template <int K, int CB>
+template <int K, int CB, bool BF>
 inline auto recon_full_pick() {
-    if constexpr (rf_uses_half<K>) return recon_full_half_kernel<K, CB>;
-    else return recon_full_kernel<K, CB>;
+    if constexpr (rf_uses_half<K>) return recon_full_half_kernel<K, CB, BF>;
+    else return recon_full_kernel<K, CB, BF>;
 }
 
 // k_tiles and n_tiles multiples of 8 (dims multiples of 128); returns the launch error, if any
-template <int K, int CB>
-cudaError_t launch_recon_full_t(const uint32_t* trellis, const __half* suh, const __half* svh, __half* out,
+template <int K, int CB, bool BF>
+cudaError_t launch_recon_full_t(const uint32_t* trellis, const __half* suh, const __half* svh, void* out,
                                 int k_tiles, int n_tiles, long ldo, cudaStream_t st) {
     constexpr int smem = rf_smem_bytes<K>;
-    auto kern = recon_full_pick<K, CB>();
+    auto kern = recon_full_pick<K, CB, BF>();
     // > 48 KB of dynamic shared memory needs an opt-in per function and device (host-side, legal
     // during graph capture); done once per device for this instantiation
     static unsigned long long ready = 0;  // bit d: attributes set on device d (benign race: idempotent)
@@ -355,24 +383,32 @@ cudaError_t launch_recon_full_t(const uint32_t* trellis, const __half* suh, cons
         ready |= bit;
     }
     dim3 grid((unsigned)(n_tiles / 8), (unsigned)(k_tiles / 8));
-    kern<<<grid, RF_THREADS, smem, st>>>(trellis, suh, svh, out, n_tiles, (int)ldo);
+    kern<<<grid, RF_THREADS, smem, st>>>(trellis, suh, svh, static_cast<rf_out_t<BF>*>(out), n_tiles, (int)ldo);
     return cudaGetLastError();
 }
 
-template <int CB>
-cudaError_t dispatch_recon_full(int K, const uint32_t* trellis, const __half* suh, const __half* svh, __half* out,
-                                int k_tiles, int n_tiles, long ldo, cudaStream_t st) {
+template <int CB, bool BF>
+cudaError_t dispatch_recon_full_t(int K, const uint32_t* trellis, const __half* suh, const __half* svh, void* out,
+                                  int k_tiles, int n_tiles, long ldo, cudaStream_t st) {
     switch (K) {
-        case 1: return launch_recon_full_t<1, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
-        case 2: return launch_recon_full_t<2, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
-        case 3: return launch_recon_full_t<3, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
-        case 4: return launch_recon_full_t<4, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
-        case 5: return launch_recon_full_t<5, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
-        case 6: return launch_recon_full_t<6, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
-        case 7: return launch_recon_full_t<7, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
-        case 8: return launch_recon_full_t<8, CB>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+        case 1: return launch_recon_full_t<1, CB, BF>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+        case 2: return launch_recon_full_t<2, CB, BF>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+        case 3: return launch_recon_full_t<3, CB, BF>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+        case 4: return launch_recon_full_t<4, CB, BF>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+        case 5: return launch_recon_full_t<5, CB, BF>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+        case 6: return launch_recon_full_t<6, CB, BF>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+        case 7: return launch_recon_full_t<7, CB, BF>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
+        case 8: return launch_recon_full_t<8, CB, BF>(trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
         default: return cudaErrorInvalidValue;
     }
+}
+
+// out: fp16, or bf16 when bf16 is set
+template <int CB>
+cudaError_t dispatch_recon_full(int K, const uint32_t* trellis, const __half* suh, const __half* svh, void* out,
+                                bool bf16, int k_tiles, int n_tiles, long ldo, cudaStream_t st) {
+    return bf16 ? dispatch_recon_full_t<CB, true>(K, trellis, suh, svh, out, k_tiles, n_tiles, ldo, st)
+                : dispatch_recon_full_t<CB, false>(K, trellis, suh, svh, out, k_tiles, n_tiles, ldo, st);
 }
 
 }  // namespace exl3

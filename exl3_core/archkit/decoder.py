@@ -322,8 +322,12 @@ class StandardDecoder(Model):
         if meta.carry is not None:
             ops.carry_ids(meta.input_ids, *meta.carry)
         x = self.embed(meta.input_ids)
+        head_dtype = x.dtype  # the head (and so the logits) stays in the model's dtype
+        act = self._prefill_dtype(x, meta)
+        if act is not None:
+            x = x.to(act)
         if ops.fused_enabled(x) and self._chainable():
-            return self._forward_chain(x, meta, state)
+            return self._forward_chain(x, meta, state, head_dtype)
         rows, keep = self._last_rows(meta)
         for i, block in enumerate(self.layers):
             x = block(x, state, rows=rows) if rows is not None and i == len(self.layers) - 1 else block(x, state)
@@ -331,7 +335,39 @@ class StandardDecoder(Model):
             x = x[:keep]  # the last block kept only the rows that need logits
         elif meta.logits_indices is not None:
             x = x.index_select(0, meta.logits_indices)  # norm + head only for the rows that need logits
-        return self.head(self.norm(x))
+        return self.head(self.norm(x).to(head_dtype))
+
+    def _prefill_dtype(self, x: torch.Tensor, meta: BatchMeta) -> torch.dtype | None:
+        """bf16 where this forward runs with bf16 activations, else None (the model's dtype throughout).
+
+        A fresh prompt's prefill on CUDA (one sequence, no cached prefix, at least
+        ``GROUP_GEMM_MIN_ROWS`` tokens: every linear multiplies by its rebuilt W) runs its residual
+        stream, norms, q/k/v, attention and MLP in bf16, and its W rebuilt in bf16, so every GEMM has
+        bf16 operands: at the H200's 700 W cap cuBLAS's bf16 GEMMs draw less power than fp16 ones and
+        sustained prefill runs faster (docs/performance.md, run 30). Keys and values are stored in the
+        cache's dtype and the head runs in the model's, so the decode steps after it are unchanged.
+        bf16 keeps 8 mantissa bits to fp16's 11, the precision HF models are usually run at; far
+        below a 4-bpw weight's own error. ``EXL3_PREFILL_BF16=0`` turns it off. Only the plain blocks
+        qualify (:class:`Attention`, :class:`GatedMLP` and EXL3 linears, their forwards not replaced):
+        other modules keep fp16."""
+        if not (settings.get().prefill_bf16 and x.dtype == torch.float16 and ops.fused_enabled(x)
+                and meta.phase == "prefill" and x.shape[0] >= exl3_linear.GROUP_GEMM_MIN_ROWS
+                and meta.cu_seqlens_q.shape[0] == 2 and meta.max_seqlen_k == x.shape[0]):
+            return None
+        return torch.bfloat16 if self._bf16_blocks() else None
+
+    def _bf16_blocks(self) -> bool:
+        """Whether every block can run in bf16 (see :meth:`_prefill_dtype`)."""
+        lin = exl3_linear.EXL3Linear
+        for b in self.layers:
+            attn, mlp = getattr(b, "attn", None), getattr(b, "mlp", None)
+            if not (isinstance(b, DecoderBlock) and isinstance(attn, Attention) and isinstance(mlp, GatedMLP)
+                    and type(attn).attend is Attention.attend and type(attn).forward is Attention.forward
+                    and type(attn).project_qkv is Attention.project_qkv and type(mlp).forward is GatedMLP.forward
+                    and all(isinstance(m, lin) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                                         mlp.gate, mlp.up, mlp.down))):
+                return False
+        return True
 
     def _last_rows(self, meta: BatchMeta) -> tuple[torch.Tensor | None, int]:
         """The rows the last block keeps, and how many of them are real: ``meta.logits_indices`` when
@@ -387,8 +423,10 @@ class StandardDecoder(Model):
         return (1 <= rows <= exl3_linear.FUSED_GROUP_MAX_ROWS and len(self.layers) > 0 and dtype == torch.float16
                 and settings.get().deferred_norm and all(b.deferrable() for b in self.layers))  # type: ignore[operator]
 
-    def _forward_chain(self, x: torch.Tensor, meta: BatchMeta, state: ForwardState) -> torch.Tensor:
-        """:meth:`forward_batch` with every residual add fused into the norm after it (CUDA)."""
+    def _forward_chain(self, x: torch.Tensor, meta: BatchMeta, state: ForwardState,
+                       head_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """:meth:`forward_batch` with every residual add fused into the norm after it (CUDA); the head's
+        input cast to ``head_dtype`` (a bf16 prefill's)."""
         if self._deferrable(x.shape[0], x.dtype):
             return self._forward_deferred(x, meta, state)
         pending: torch.Tensor | None = None
@@ -409,5 +447,5 @@ class StandardDecoder(Model):
             normed, _ = norm.forward_residual(pending.index_select(0, idx), x.index_select(0, idx))
         else:
             normed, _ = norm.forward_residual(pending, x)
-        return self.head(normed)
+        return self.head(normed if head_dtype is None else normed.to(head_dtype))
 

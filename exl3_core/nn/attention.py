@@ -167,28 +167,37 @@ class Attention(Module):
         # keywords only then (both need own_qkv)
         q, k, v = self.project_qkv(x, state, rotate=False, epilogue=ep) if ep is not None or fuse \
             else self.project_qkv(x, state)
-        T = q.shape[0]
         if layer is None:
-            spec = self.attn_spec(q.dtype, q.device, None, meta.phase)
-            args = AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
-                            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=self.scale,
-                            k=k, v=v)
-        else:
-            if meta.slot_mapping is None or meta.page_table is None:
-                raise ValueError("forward with a cache needs BatchMeta.slot_mapping and page_table")
-            if fuse:
-                assert write_rotated is not None and self.rope is not None
-                write_rotated(q, k, v, meta.slot_mapping, *self._cos_sin(state), self.rope.rotary_dim,
-                              self.rope.interleaved)
-            elif ep is None:  # (with ep, the q/k/v launch wrote them)
-                layer.write(k, v, meta.slot_mapping)
-            k_cache, v_cache = layer.attn_tensors()
-            spec = self.attn_spec(q.dtype, q.device, layer.views()[0], meta.phase)
-            args = AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
-                            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=self.scale,
-                            k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table, k=k, v=v)
+            return self._dispatch(q, k, v, None, state)
+        if meta.slot_mapping is None or meta.page_table is None:
+            raise ValueError("forward with a cache needs BatchMeta.slot_mapping and page_table")
+        if fuse:
+            assert write_rotated is not None and self.rope is not None
+            write_rotated(q, k, v, meta.slot_mapping, *self._cos_sin(state), self.rope.rotary_dim,
+                          self.rope.interleaved)
+        elif ep is None:  # (with ep, the q/k/v launch wrote them)
+            layer.write(k, v, meta.slot_mapping)
+        c = layer.attn_tensors()[0].dtype
+        if not (q.dtype == torch.bfloat16 and c == torch.float16):
+            return self._dispatch(q, k, v, layer, state)
+        # bf16 activations beside an fp16 cache (a bf16 prefill: StandardDecoder._prefill_dtype)
+        if meta.cu_seqlens_q.shape[0] == 2 and meta.max_seqlen_k == q.shape[0]:
+            return self._dispatch(q, k, v, None, state)  # one fresh sequence: its keys are these rows alone
+        return self._dispatch(q.to(c), k.to(c), v.to(c), layer, state).to(q.dtype)  # else in the cache's dtype
+
+    def _dispatch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
+                  state: ForwardState) -> torch.Tensor:
+        """The selected backend's attention of ``q`` over ``layer``'s cache (its new rows already written),
+        or with ``layer`` None over ``k``/``v`` alone; ``[T, Hq * Dv]``."""
+        meta = state.meta
+        k_cache, v_cache = layer.attn_tensors() if layer is not None else (None, None)
+        spec = self.attn_spec(q.dtype, q.device, layer.views()[0] if layer is not None else None, meta.phase)
+        args = AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
+                        max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=self.scale,
+                        k=k, v=v, k_cache=k_cache, v_cache=v_cache,
+                        page_table=meta.page_table if layer is not None else None)
         backend = get_dispatcher(state.plugins).select(spec, state.allowed_backends)
-        return backend.forward(args).reshape(T, self.num_heads * self.head_dim_v)
+        return backend.forward(args).reshape(q.shape[0], self.num_heads * self.head_dim_v)
 
     def _qkv_epilogue(self, x: torch.Tensor | DeferredNorm, layer: Any, state: ForwardState) -> QKVEpilogue | None:
         """RoPE and the KV write for q/k/v's epilogue, where the linears, the rotary and the cache allow it."""

@@ -32,13 +32,17 @@ def test_group_gemm_matches_each_layer() -> None:
 def test_into_rejects_a_wrong_view() -> None:
     g = torch.Generator().manual_seed(4)
     lay = _layer(g, 128, 256, 2, CB_MUL1)
-    with pytest.raises(ValueError, match=r"fp16 \[128, 256\]"):
+    with pytest.raises(ValueError, match=r"fp16 or bf16 \[128, 256\]"):
         reconstruct_full_into_cuda(lay.trellis, lay.suh, lay.svh, 2, CB_MUL1, torch.empty(128, 128).half())
     with pytest.raises(ValueError, match="fp16"):
         reconstruct_full_into_cuda(lay.trellis, lay.suh, lay.svh, 2, CB_MUL1, torch.empty(128, 256))
     out = torch.full((128, 512), float("nan")).half()
     reconstruct_full_into_cuda(lay.trellis, lay.suh, lay.svh, 2, CB_MUL1, out[:, 128:384])
     assert not out[:, 128:384].isnan().any() and out[:, :128].isnan().all() and out[:, 384:].isnan().all()
+    # bf16 (the bf16 prefill's W): the fp16 W converted
+    wb = torch.full((128, 256), float("nan"), dtype=torch.bfloat16)
+    reconstruct_full_into_cuda(lay.trellis, lay.suh, lay.svh, 2, CB_MUL1, wb)
+    assert torch.equal(wb, out[:, 128:384].to(torch.bfloat16))
 
 
 def test_layers_with_hooks_are_never_grouped() -> None:

@@ -112,14 +112,17 @@ def reconstruct_full_cuda(
 def reconstruct_full_into_cuda(
     trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, K: int | None, codebook: int, out: torch.Tensor
 ) -> None:
-    """:func:`reconstruct_full_cuda` written into ``out``: an fp16 ``[k, n]`` view with unit column
-    stride, e.g. a column block of a wider matrix (linears that share an input, side by side, for
-    one GEMM). On CUDA the row stride must be a multiple of 8 and the view 16-byte aligned."""
+    """:func:`reconstruct_full_cuda` written into ``out``: an fp16 or bf16 ``[k, n]`` view with unit
+    column stride, e.g. a column block of a wider matrix (linears that share an input, side by side,
+    for one GEMM). On CUDA the row stride must be a multiple of 8 and the view 16-byte aligned. A bf16
+    ``out`` gets the fp16 result converted (K <= 6; for K = 7, 8 the CUDA op rounds its fp32 result
+    once, to bf16)."""
     what = "reconstruct_full_into_cuda"
     k, n = trellis.shape[0] * 16, trellis.shape[1] * 16
-    if not isinstance(out, torch.Tensor) or out.dtype != torch.float16 or tuple(out.shape) != (k, n):
+    if (not isinstance(out, torch.Tensor) or out.dtype not in (torch.float16, torch.bfloat16)
+            or tuple(out.shape) != (k, n)):
         got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"{what}: out must be an fp16 [{k}, {n}] tensor for this trellis, got {got}")
+        raise ValueError(f"{what}: out must be an fp16 or bf16 [{k}, {n}] tensor for this trellis, got {got}")
     if out.device != trellis.device:
         raise ValueError(f"{what}: out is on {out.device}, the trellis on {trellis.device}; move them together")
     if _compiled("reconstruct_full_into", trellis, suh, svh):

@@ -251,6 +251,10 @@ def exl3_matmul(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
     (K from the trellis' last dim); otherwise the fp32 torch reference. The result's dtype is
     the path's (fp16 or fp32); the caller casts.
     """
+    if x.is_cuda and x.dtype == torch.bfloat16 and _group_gemm_ok(x, (layer,), single=True):
+        # a bf16 prefill (exl3_core.archkit.decoder): W rebuilt in bf16, one bf16 cuBLAS GEMM, bf16 out
+        y = group_gemm(x.reshape(-1, x.shape[-1]), [layer])[0]
+        return y.reshape(*x.shape[:-1], y.shape[-1])
     if x.is_cuda and ext.has_op("exl3_gemm"):
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float16).contiguous()
         y = ext.op("exl3_gemm")(x2, layer.trellis, layer.suh, layer.svh, layer.codebook)
@@ -286,8 +290,10 @@ def _hooked(layers: tuple[torch.nn.Module, ...]) -> bool:
     return any(m._forward_pre_hooks or m._forward_hooks for m in layers)
 
 
-def _group_gemm_ok(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> bool:
-    if not (x.is_cuda and len(layers) >= 2 and ext.has_op("reconstruct_full_into")) or _hooked(layers):
+def _group_gemm_ok(x: torch.Tensor, layers: tuple[torch.nn.Module, ...], single: bool = False) -> bool:
+    """Whether :func:`group_gemm` takes ``layers`` on ``x`` (``single``: one linear is enough, the bf16
+    prefill's o_proj and down)."""
+    if not (x.is_cuda and len(layers) >= (1 if single else 2) and ext.has_op("reconstruct_full_into")) or _hooked(layers):
         return False
     first = layers[0]
     if not isinstance(first, EXL3Linear) or x.numel() // max(x.shape[-1], 1) < GROUP_GEMM_MIN_ROWS:
@@ -298,17 +304,19 @@ def _group_gemm_ok(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> bool
 
 
 def group_gemm(x2: torch.Tensor, lins: list[EXL3Linear]) -> list[torch.Tensor]:
-    """``[x2 @ W_i]`` (padded output widths, fp16, no bias) for linears sharing ``x2 [m, k_pad]``: every
+    """``[x2 @ W_i]`` (padded output widths, no bias) for linears sharing ``x2 [m, k_pad]``: every
     W_i rebuilt into its column block of one ``[k, Σ n_i]`` matrix, then one GEMM. At prefill sizes
     this is one cuBLAS call instead of 2-3 (each costs tens of us of host time, and k/v alone are
-    narrow), and the outputs are column views of one result."""
+    narrow), and the outputs are column views of one result. fp16 operands and output, or bf16 when
+    ``x2`` is bf16 (W rebuilt in bf16: the bf16 prefill)."""
     widths = [m.trellis.shape[1] * 16 for m in lins]
-    w = torch.empty((x2.shape[-1], sum(widths)), dtype=torch.float16, device=x2.device)
+    dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float16
+    w = torch.empty((x2.shape[-1], sum(widths)), dtype=dtype, device=x2.device)
     off = 0
     for m, n in zip(lins, widths, strict=True):
         reconstruct_full_into_cuda(m.trellis, m.suh, m.svh, m.K, m.codebook, w[:, off:off + n])
         off += n
-    y = x2.to(torch.float16) @ w
+    y = x2.to(dtype) @ w
     return list(y.split(widths, dim=1))
 
 
