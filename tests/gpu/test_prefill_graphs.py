@@ -12,6 +12,9 @@ from exl3_core.generator.graphs import PrefillGraphs, decline_reason, prefill_bu
 SHAPE = "custom(512,1024,3,8,2,2000)"
 PAGE = 64
 TOL = 1e-2  # fp16 activations; cuBLAS picks other kernels for other row counts (see test_graph_decode)
+# where one side prefilled in bf16 and the other in fp16 (a fresh prompt's replay against a mixed eager
+# step, EXL3_PREFILL_BF16): bf16's rounding, ~8x fp16's (tests/gpu/test_prefill_bf16_gpu.py)
+TOL_BF16 = 3e-2
 
 
 @pytest.fixture(scope="module")
@@ -205,10 +208,12 @@ def test_mixed_step_splits_into_two_replays(model_cache) -> None:
             steps += 1
         outs.append((toks, {k: torch.cat(v) for k, v in logits.items()}))
     (ta, la), (tb, lb) = outs
-    for k in ("a", "b"):
+    # b's 100-token prompt: the graph replays it alone, a fresh prompt, in bf16; the eager step mixes it
+    # with a's decode row, in fp16
+    for k, tol in (("a", TOL), ("b", TOL_BF16)):
         assert len(ta[k]) == len(tb[k])
         n = next((i for i in range(len(ta[k])) if ta[k][i] != tb[k][i]), len(ta[k]))
         if n < len(ta[k]):
             top = la[k][n].topk(2).values
-            assert top[0] - top[1] <= TOL * la[k][n].abs().max(), f"{k}: graph and eager part at {n} with a clear margin"
-        assert n >= 1 and _rel(la[k][:n], lb[k][:n]) < TOL
+            assert top[0] - top[1] <= tol * la[k][n].abs().max(), f"{k}: graph and eager part at {n} with a clear margin"
+        assert n >= 1 and _rel(la[k][:n], lb[k][:n]) < tol
