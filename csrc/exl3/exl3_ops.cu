@@ -259,9 +259,11 @@ __half* fused_xh_workspace(const Tensor& like, int64_t m, int64_t k, int64_t col
     return reinterpret_cast<__half*>(ws.xh.data_ptr());
 }
 
-void check_x(const Tensor& x, int64_t kd, int64_t max_m, const char* op) {
-    TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kHalf && x.dim() == 2,
-                op, ": x must be a CUDA fp16 [m, k] tensor, got ", x.scalar_type(), " ", x.sizes());
+void check_x(const Tensor& x, int64_t kd, int64_t max_m, const char* op, bool bf16_ok = false) {
+    TORCH_CHECK(x.is_cuda() && (x.scalar_type() == at::kHalf || (bf16_ok && x.scalar_type() == at::kBFloat16)) &&
+                    x.dim() == 2,
+                op, ": x must be a CUDA fp16 [m, k] tensor", bf16_ok ? " (or bf16 from 65 rows)" : "", ", got ",
+                x.scalar_type(), " ", x.sizes());
     TORCH_CHECK(x.size(1) == kd, op, ": x has ", x.size(1), " columns, the trellis ", kd);
     TORCH_CHECK(max_m <= 0 || x.size(0) <= max_m, op, ": x has ", x.size(0), " rows; the fused op takes at most ",
                 max_m, " (use exl3_gemm)");
@@ -274,9 +276,13 @@ void check_scales(const Tensor& suh, const Tensor& svh, int64_t kd, int64_t nd, 
 
 // the unfused chain (had128, split-k GEMM or reconstruct + cuBLAS, had128); su/sv fp16 contiguous.
 // From FULL_MIN_M rows: one cuBLAS GEMM against W reconstructed in the original basis instead.
+// x may be bf16 from FULL_MIN_M rows (the bf16 prefill): W is then rebuilt in bf16.
 Tensor gemm_4kernel(const Tensor& x, const Tensor& trellis, const Tensor& su, const Tensor& sv, int k, int64_t codebook) {
-    if (x.size(0) >= FULL_MIN_M && trellis.size(0) % 8 == 0 && trellis.size(1) % 8 == 0)
-        return at::matmul(x, reconstruct_full(trellis, su, sv, k, codebook));  // fp16 cuBLAS, fp32 accumulation
+    if (x.size(0) >= FULL_MIN_M && trellis.size(0) % 8 == 0 && trellis.size(1) % 8 == 0) {
+        Tensor w = at::empty({trellis.size(0) * 16, trellis.size(1) * 16}, x.options());
+        // cuBLAS in x's dtype, fp32 accumulation
+        return at::matmul(x, recon_full("exl3::exl3_gemm", trellis, su, sv, k, codebook, w));
+    }
     Tensor xh = had128(x, su, c10::nullopt, true);
     Tensor z;
     if (x.size(0) <= GEMM_MAX_M) {
@@ -650,13 +656,16 @@ std::tuple<Tensor, Tensor> linear_workspace(const Tensor& like) {
 
 // Spec 4.3: y = fp16(Had(z) ) * svh with z = fp16(Had(fp16(x*suh))) @ Ŵ; the seam of linear.py.
 // m <= 4: the one-launch fused op; m <= 64: Hadamard, split-k GEMM, Hadamard; beyond: W in the original
-// basis (reconstruct_full) + one cuBLAS GEMM.
+// basis (reconstruct_full) + one cuBLAS GEMM, in bf16 when x is bf16 (the bf16 prefill; fp16 otherwise).
 // (H200, 4096x14336 K=4: fused 27.7 vs 29.0 us at m=1 but 32.4 vs 29.6 us at m=8, where the fused
 // prologue's per-block input Hadamard of every row costs more than the two extra launches.)
 Tensor gemm(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t codebook) {
     const int k = check_trellis(trellis, 0, codebook, "exl3::exl3_gemm");
     const int64_t kd = trellis.size(0) * 16, nd = trellis.size(1) * 16;
-    check_x(x, kd, 0, "exl3::exl3_gemm");
+    check_x(x, kd, 0, "exl3::exl3_gemm", true);
+    TORCH_CHECK(x.scalar_type() == at::kHalf || (x.size(0) >= FULL_MIN_M && kd % 128 == 0 && nd % 128 == 0),
+                "exl3::exl3_gemm: a bf16 x needs at least ", FULL_MIN_M, " rows and k, n multiples of 128 (the "
+                "rebuilt-W path); got ", x.sizes(), " against k = ", kd, ", n = ", nd, "; pass fp16");
     check_scales(suh, svh, kd, nd, "exl3::exl3_gemm");
     if (x.size(0) <= FUSED_ROUTE_M && kd % 128 == 0 && nd % 128 == 0) return linear(x, trellis, suh, svh, codebook, 0);
     c10::cuda::CUDAGuard guard(x.device());

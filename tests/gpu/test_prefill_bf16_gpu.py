@@ -61,16 +61,25 @@ def _kv(cache, pages: list[int], n: int) -> list[torch.Tensor]:
 
 
 def _gemm_dtypes(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
-    """The operand dtype of every rebuilt-W GEMM from now on."""
+    """The operand dtype of every rebuilt-W GEMM from now on: the grouped ones (q/k/v, gate/up) and the
+    single linears' from 65 rows (o_proj, down)."""
     seen: list[torch.dtype] = []
-    own = exl3_linear.group_gemm
+    group, single = exl3_linear.group_gemm, exl3_linear.exl3_matmul
 
-    def spy(x2: torch.Tensor, lins: list) -> list[torch.Tensor]:
+    def spy_group(x2: torch.Tensor, lins: list) -> list[torch.Tensor]:
         seen.append(x2.dtype)
-        ys = own(x2, lins)
+        ys = group(x2, lins)
         assert all(y.dtype == x2.dtype for y in ys)
         return ys
-    monkeypatch.setattr(exl3_linear, "group_gemm", spy)
+
+    def spy_single(x: torch.Tensor, layer) -> torch.Tensor:
+        y = single(x, layer)
+        if x.numel() // x.shape[-1] >= exl3_linear.GROUP_GEMM_MIN_ROWS:
+            seen.append(x.dtype)
+            assert y.dtype == x.dtype
+        return y
+    monkeypatch.setattr(exl3_linear, "group_gemm", spy_group)
+    monkeypatch.setattr(exl3_linear, "exl3_matmul", spy_single)
     return seen
 
 

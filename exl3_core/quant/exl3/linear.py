@@ -248,15 +248,15 @@ def exl3_matmul(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
 
     On CUDA with the compiled op present it calls
     ``torch.ops.exl3.exl3_gemm(x2d fp16 [m, k] contiguous, trellis, suh, svh, codebook: int) -> fp16 [m, n]``
-    (K from the trellis' last dim); otherwise the fp32 torch reference. The result's dtype is
-    the path's (fp16 or fp32); the caller casts.
+    (K from the trellis' last dim; bf16 in and out for a bf16 ``x`` from 65 rows); otherwise the fp32
+    torch reference. The result's dtype is the path's (fp16, bf16 or fp32); the caller casts.
     """
-    if x.is_cuda and x.dtype == torch.bfloat16 and _group_gemm_ok(x, (layer,), single=True):
-        # a bf16 prefill (exl3_core.archkit.decoder): W rebuilt in bf16, one bf16 cuBLAS GEMM, bf16 out
-        y = group_gemm(x.reshape(-1, x.shape[-1]), [layer])[0]
-        return y.reshape(*x.shape[:-1], y.shape[-1])
     if x.is_cuda and ext.has_op("exl3_gemm"):
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.float16).contiguous()
+        # bf16 from 65 rows (a bf16 prefill, exl3_core.archkit.decoder): the op rebuilds W in bf16 and
+        # runs a bf16 GEMM, bf16 out; fp16 otherwise
+        bf16 = x.dtype == torch.bfloat16 and x.numel() // max(x.shape[-1], 1) >= GROUP_GEMM_MIN_ROWS \
+            and layer.padded_in_features % 128 == 0 and layer.trellis.shape[1] % 8 == 0
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16 if bf16 else torch.float16).contiguous()
         y = ext.op("exl3_gemm")(x2, layer.trellis, layer.suh, layer.svh, layer.codebook)
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return exl3_matmul_reference(x, layer)
@@ -290,10 +290,8 @@ def _hooked(layers: tuple[torch.nn.Module, ...]) -> bool:
     return any(m._forward_pre_hooks or m._forward_hooks for m in layers)
 
 
-def _group_gemm_ok(x: torch.Tensor, layers: tuple[torch.nn.Module, ...], single: bool = False) -> bool:
-    """Whether :func:`group_gemm` takes ``layers`` on ``x`` (``single``: one linear is enough, the bf16
-    prefill's o_proj and down)."""
-    if not (x.is_cuda and len(layers) >= (1 if single else 2) and ext.has_op("reconstruct_full_into")) or _hooked(layers):
+def _group_gemm_ok(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> bool:
+    if not (x.is_cuda and len(layers) >= 2 and ext.has_op("reconstruct_full_into")) or _hooked(layers):
         return False
     first = layers[0]
     if not isinstance(first, EXL3Linear) or x.numel() // max(x.shape[-1], 1) < GROUP_GEMM_MIN_ROWS:
