@@ -6,9 +6,11 @@ The compiled ops live under ``torch.ops.exl3`` when ``exl3_core._C`` was built w
 * ``reconstruct_full(trellis, suh, svh, K, codebook) -> fp16 W [k, n]``: the weight in the original
   basis, ``diag(suh)·BD_k·Ŵ·BD_n·diag(svh)`` (spec 4.2), fp32 inside, rounded once; ``exl3_gemm``
   multiplies by it with one cuBLAS GEMM for m > 64
-* ``reconstruct_full_into(trellis, suh, svh, K, codebook, out)``: the same into a strided fp16 view
+* ``reconstruct_full_into(trellis, suh, svh, K, codebook, out)``: the same into a strided fp16 or bf16
+  view (bf16: the bf16 prefill's W)
 * ``exl3_gemm(x fp16 [m, k], trellis, suh, svh, codebook) -> fp16 [m, n]`` (spec 4.3, the
-  ``linear.exl3_matmul`` seam): Hadamard-in, on-the-fly-decode GEMM, Hadamard-out
+  ``linear.exl3_matmul`` seam): Hadamard-in, on-the-fly-decode GEMM, Hadamard-out; from 65 rows x may
+  be bf16 (W rebuilt in bf16, a bf16 result)
 * ``exl3_gemm_xh(xh fp16 [m, k], trellis, K, codebook, kt_per_warp=0) -> fp32 [m, n]`` (z = xh @ Ŵ)
 * ``had128(x, pre_scale=None, post_scale=None, out_fp16=True)`` (blockwise H128/sqrt(128))
 * ``decode_bench(trellis, K, codebook, kt_per_warp=0)`` (decode-only ceiling; benchmarks only)
