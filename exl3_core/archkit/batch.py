@@ -33,6 +33,12 @@ class BatchMeta:
     def batch_size(self) -> int:
         return self.cu_seqlens_q.shape[0] - 1
 
+    @property
+    def fresh_single_sequence(self) -> bool:
+        """One sequence whose keys are exactly this batch's rows (no cached prefix): ``max_seqlen_k`` bounds
+        its key count from above, so equal to the row count it leaves no room for a prefix."""
+        return self.cu_seqlens_q.shape[0] == 2 and self.max_seqlen_k == self.input_ids.shape[0]
+
     @classmethod
     def full(cls, input_ids: torch.Tensor) -> BatchMeta:
         """Metadata for a cache-less forward of ``input_ids [B, S]`` (every row length S)."""

@@ -352,7 +352,7 @@ class StandardDecoder(Model):
         other modules keep fp16."""
         if not (settings.get().prefill_bf16 and x.dtype == torch.float16 and ops.fused_enabled(x)
                 and meta.phase == "prefill" and x.shape[0] >= exl3_linear.GROUP_GEMM_MIN_ROWS
-                and meta.cu_seqlens_q.shape[0] == 2 and meta.max_seqlen_k == x.shape[0]):
+                and meta.fresh_single_sequence):
             return None
         return torch.bfloat16 if self._bf16_blocks() else None
 

@@ -181,7 +181,7 @@ class Attention(Module):
         if not (q.dtype == torch.bfloat16 and c == torch.float16):
             return self._dispatch(q, k, v, layer, state)
         # bf16 activations beside an fp16 cache (a bf16 prefill: StandardDecoder._prefill_dtype)
-        if meta.cu_seqlens_q.shape[0] == 2 and meta.max_seqlen_k == q.shape[0]:
+        if meta.fresh_single_sequence:
             return self._dispatch(q, k, v, None, state)  # one fresh sequence: its keys are these rows alone
         return self._dispatch(q.to(c), k.to(c), v.to(c), layer, state).to(q.dtype)  # else in the cache's dtype
 
