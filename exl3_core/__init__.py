@@ -8,7 +8,7 @@ can import :data:`hookimpl` without pulling in torch-heavy modules::
     config = Config.from_directory("/models/my-model-exl3")
     model = Model.from_config(config)
     cache = Cache(model, max_num_tokens=8192)
-    model.load(device="cuda:0", progressbar=True)
+    model.load(device="cuda:0", progressbar=True, caches=[cache])
     tokenizer = Tokenizer.from_config(config)
     generator = Generator(model=model, cache=cache, tokenizer=tokenizer)
     print(generator.generate(prompt="Once upon a time", max_new_tokens=100))
@@ -21,9 +21,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 # re-exported (the `as` form marks them public); light: pluggy only
-from exl3_core.plugins import get_plugins as get_plugins  # noqa: E402
-from exl3_core.plugins import hookimpl as hookimpl  # noqa: E402
-from exl3_core.plugins import load_plugins as load_plugins  # noqa: E402
+from exl3_core.plugins import get_plugins as get_plugins
+from exl3_core.plugins import hookimpl as hookimpl
+from exl3_core.plugins import load_plugins as load_plugins
 
 #: public name -> "module:attribute" (resolved on first access)
 _LAZY: dict[str, str] = {

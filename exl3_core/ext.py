@@ -34,10 +34,6 @@ def load() -> bool:
         except (OSError, RuntimeError) as e2:
             load_error.append(f"{e}; torch.ops.load_library: {e2}")
             return False
-    if hasattr(torch.ops.exl3, "set_pdl"):
-        torch.ops.exl3.set_pdl(settings.get().pdl)
-    if hasattr(torch.ops.exl3, "set_predecode"):
-        torch.ops.exl3.set_predecode(settings.get().predecode)
     if hasattr(torch.ops.exl3, "set_kt_exceptions"):
         set_kt_exceptions(KT_EXCEPTIONS)
     return True
@@ -77,6 +73,6 @@ def has_op(name: str) -> bool:
     return load() and hasattr(torch.ops.exl3, name)
 
 
-def op(name: str):  # noqa: ANN201 - returns a torch OpOverloadPacket
+def op(name: str):
     """The compiled op ``torch.ops.exl3.<name>``; call ``has_op`` first."""
     return getattr(torch.ops.exl3, name)

@@ -69,8 +69,9 @@ class Session:
         self.config = Config.from_directory(model_dir)
         self.model = Model.from_config(self.config)
         attention = [a.strip() for a in args.attention.split(",")] if args.attention else None
-        self.cache = Cache(self.model, max_num_tokens=args.cache_tokens)  # allocated by load()
-        self.model.load(device=device, progressbar=True, attention=attention)
+        self.cache = Cache(self.model, max_num_tokens=args.cache_tokens)
+        # the cache counts in the load's memory check and is allocated with the weights
+        self.model.load(device=device, progressbar=True, attention=attention, caches=[self.cache])
         self.tokenizer = Tokenizer.from_config(self.config)
         self.generator = Generator(model=self.model, cache=self.cache, tokenizer=self.tokenizer)
         self.args = args

@@ -18,14 +18,10 @@ from typing import Literal
 
 import torch
 
+from exl3_core.kernels.codes import ACT_CODES as ACT_CODES
 from exl3_core.reference import fused as _ref
 
 Impl = Literal["auto", "triton", "torch"]
-
-#: gated activations with a fused ``act(gate) * up`` -> their kernel codes, shared by the Triton
-#: act*mul kernel (exl3_core.kernels.fused) and the CUDA linear's prologue (csrc exl3_fused.cuh
-#: FUSED_ACT_*; ``EXL3Linear.forward_act``)
-ACT_CODES = {"silu": 0, "gelu_tanh": 1}
 
 _enabled = True
 _kernels: ModuleType | None = None
@@ -125,6 +121,15 @@ def gelu_tanh_mul(gate_up: torch.Tensor | tuple[torch.Tensor, torch.Tensor], up:
     if _use_triton(impl, g, "gelu_tanh_mul"):
         return kernels().act_mul("gelu_tanh", g, u)  # type: ignore[union-attr]
     return _ref.gelu_tanh_mul(g, u)
+
+
+def act_mul(act: str, gate: torch.Tensor, up: torch.Tensor, *, impl: Impl = "auto") -> torch.Tensor:
+    """``act(gate) * up`` for ``act`` in :data:`ACT_CODES` ("silu", "gelu_tanh")."""
+    if act == "silu":
+        return silu_mul((gate, up), impl=impl)
+    if act == "gelu_tanh":
+        return gelu_tanh_mul((gate, up), impl=impl)
+    raise ValueError(f"exl3_core.ops.act_mul: act={act!r}; expected one of {sorted(ACT_CODES)}")
 
 
 def rope_apply(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int,

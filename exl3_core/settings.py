@@ -2,7 +2,8 @@
 
 Nothing in exl3 reads ``os.environ`` for an ``EXL3_*`` name anywhere else (a test greps for it).
 Values are read when :func:`get` is first called, never at import time; :func:`reload` re-reads
-them (tests use it after changing the environment).
+them (tests use it after changing the environment). These are the knobs a user sets; how the engine
+itself is tuned (fusions, launch options, graph buckets) is typed in :mod:`exl3_core.tuning`.
 
 | variable | meaning |
 |---|---|
@@ -16,14 +17,7 @@ them (tests use it after changing the environment).
 | ``EXL3_DISABLE_EXT`` | ``1``: never load the compiled extension (pure torch everywhere) |
 | ``EXL3_NUM_THREADS`` | CPU threads for the compiled CPU ops (0 = torch's default) |
 | ``EXL3_PAGE_SIZE`` | KV-cache page size in tokens (default 256) |
-| ``EXL3_CUDA_GRAPHS`` | ``0`` disables CUDA graphs (decode steps and prefill chunks) |
-| ``EXL3_PREFILL_GRAPH_MAX`` | largest prefill chunk (tokens) run as a CUDA graph (default 2048; ``0``: prefill always eager) |
-| ``EXL3_OVERLAP_DECODE`` | ``0`` disables the generator's one-step-ahead greedy decode loop (debugging) |
-| ``EXL3_PDL`` | ``0`` disables programmatic dependent launch (Hopper) of the decode-size EXL3 linear and the early launch signal of the kernels before it |
-| ``EXL3_PREDECODE`` | the decode-size EXL3 linear's pre-decoding (weights decoded before the wait for its input, in one-wave grids of short k chunks): ``0`` off, ``1`` on, ``2`` (default) on, and such a launch lets the next kernel start at once |
-| ``EXL3_DEFERRED_NORM`` | ``0``: at decode sizes, run each RMSNorm as its own kernel instead of inside the EXL3 linears around it |
-| ``EXL3_QKV_EPILOGUE`` | ``0``: at decode sizes, run RoPE and the KV-cache write as their own kernel instead of in the q/k/v linear's epilogue |
-| ``EXL3_PREFILL_BF16`` | ``0``: run a fresh prompt's prefill (CUDA, from 65 tokens) in fp16 like the rest, instead of with bf16 activations and bf16 GEMM operands |
+| ``EXL3_CUDA_GRAPHS`` | ``0`` disables CUDA graphs (decode steps and prefill chunks), e.g. to debug a kernel or read a profile op by op |
 | ``EXL3_LOG_LEVEL`` | log level for the ``exl3`` logger (default ``WARNING``) |
 | ``EXL3_NO_PROGRESS`` | ``1``: never draw progress bars |
 """
@@ -76,13 +70,6 @@ class Settings:
     num_threads: int = 0
     page_size: int = 256
     cuda_graphs: bool = True
-    prefill_graph_max: int = 2048
-    overlap_decode: bool = True
-    pdl: bool = True
-    predecode: int = 2
-    deferred_norm: bool = True
-    qkv_epilogue: bool = True
-    prefill_bf16: bool = True
     log_level: str = "WARNING"
     no_progress: bool = False
 
@@ -104,12 +91,6 @@ class Settings:
         page_size = _int("PAGE_SIZE", g("PAGE_SIZE"), 256)
         if page_size <= 0 or page_size % 16:
             raise ValueError(f"{PREFIX}PAGE_SIZE={page_size} must be a positive multiple of 16")
-        prefill_graph_max = _int("PREFILL_GRAPH_MAX", g("PREFILL_GRAPH_MAX"), 2048)
-        if prefill_graph_max < 0:
-            raise ValueError(f"{PREFIX}PREFILL_GRAPH_MAX={prefill_graph_max} must be >= 0 (0 disables prefill graphs)")
-        predecode = _int("PREDECODE", g("PREDECODE"), 2)
-        if predecode not in (0, 1, 2):
-            raise ValueError(f"{PREFIX}PREDECODE={predecode} must be 0 (off), 1 (on) or 2 (on, early signal)")
         dm = g("DEFAULT_MODEL")
         return cls(
             plugins=_list(g("PLUGINS")),
@@ -123,13 +104,6 @@ class Settings:
             num_threads=_int("NUM_THREADS", g("NUM_THREADS"), 0),
             page_size=page_size,
             cuda_graphs=flag("CUDA_GRAPHS", True),
-            prefill_graph_max=prefill_graph_max,
-            overlap_decode=flag("OVERLAP_DECODE", True),
-            pdl=flag("PDL", True),
-            predecode=predecode,
-            deferred_norm=flag("DEFERRED_NORM", True),
-            qkv_epilogue=flag("QKV_EPILOGUE", True),
-            prefill_bf16=flag("PREFILL_BF16", True),
             log_level=(g("LOG_LEVEL") or "WARNING").upper(),
             no_progress=flag("NO_PROGRESS"),
         )

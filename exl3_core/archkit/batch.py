@@ -7,9 +7,15 @@ reads these back to the host; Python ints here are static upper bounds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import torch
+
+from exl3_core.attention.spec import CallShape, pow2_bucket
+
+if TYPE_CHECKING:
+    from exl3_core.cache.geometry import LayerGeometry
+    from exl3_core.cache.layer import CacheLayers
 
 
 @dataclass
@@ -24,14 +30,20 @@ class BatchMeta:
     page_table: torch.Tensor | None = None  # int32 [B, max_pages]; None = no cache
     slot_mapping: torch.Tensor | None = None  # int64 [T], flat cache slot page*page_size+offset
     logits_indices: torch.Tensor | None = None  # int64 [N] rows that need logits; None = all
-    # decode graphs: (int32 carry [B], float64 src [S]): row i's input id is src[carry[i]] when that index
-    # is valid (the previous step's greedy id, on the device), else input_ids[i]. Only a model whose
-    # ``folds_carry`` is True is handed one; its forward applies it (exl3_core.ops.carry_ids' rule).
-    carry: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
         return self.cu_seqlens_q.shape[0] - 1
+
+    @property
+    def q_per_seq(self) -> int:
+        """Query rows of every sequence in a decode step (1, or k for a multi-token step); 0 for prefill
+        and mixed steps, whose sequences differ."""
+        return self.max_seqlen_q if self.phase == "decode" else 0
+
+    def call_shape(self) -> CallShape:
+        """The static shape attention backends are chosen for (host-side values only)."""
+        return CallShape(self.phase, pow2_bucket(self.max_seqlen_k), pow2_bucket(self.batch_size), self.q_per_seq)
 
     @property
     def fresh_single_sequence(self) -> bool:
@@ -56,8 +68,15 @@ class BatchMeta:
     @classmethod
     def from_lists(cls, seqs: list[list[int]], past_lens: list[int], *, device: torch.device | str = "cpu",
                    page_table: torch.Tensor | None = None, page_size: int = 256,
-                   logits_indices: torch.Tensor | None = None) -> BatchMeta:
-        """Host-side builder: new tokens per sequence plus how many tokens each already has cached."""
+                   logits_indices: torch.Tensor | None = None,
+                   phase: Literal["prefill", "decode"] | None = None) -> BatchMeta:
+        """Host-side builder: new tokens per sequence plus how many tokens each already has cached.
+
+        ``phase``: None picks "decode" when every sequence brings one token over a page table; an
+        explicit "decode" (a multi-token decode step) needs the same token count in every sequence."""
+        if phase == "decode" and (page_table is None or len({len(s) for s in seqs}) != 1):
+            raise ValueError("BatchMeta.from_lists(phase='decode'): a decode step needs a page table and the same "
+                             f"number of new tokens in every sequence, got {[len(s) for s in seqs]}")
         ids, pos, cu, lens, slots = [], [], [0], [], []
         for b, (toks, past) in enumerate(zip(seqs, past_lens)):
             ids += toks
@@ -75,8 +94,32 @@ class BatchMeta:
             seq_lens_k=torch.tensor(lens, dtype=torch.int32, device=dev),
             max_seqlen_q=max((len(s) for s in seqs), default=0),
             max_seqlen_k=max(lens, default=0),
-            phase="decode" if all(len(s) == 1 for s in seqs) and page_table is not None else "prefill",
+            phase=phase or ("decode" if all(len(s) == 1 for s in seqs) and page_table is not None else "prefill"),
             page_table=None if page_table is None else page_table.to(dev),
             slot_mapping=None if page_table is None else torch.tensor(slots, dtype=torch.int64, device=dev),
             logits_indices=logits_indices,
         )
+
+
+@runtime_checkable
+class BatchModel(Protocol):
+    """A model the generator can run: a packed batch forward over a paged cache, on one device.
+
+    :class:`~exl3_core.archkit.model.Model` is one; :class:`~exl3_core.generator.toy.ToyModel` another.
+    """
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def forward_batch(self, meta: BatchMeta, cache: CacheLayers | None = None, *,
+                      fp32_logits: bool = True) -> torch.Tensor:
+        """Logits ``[N, vocab]`` for ``meta.logits_indices`` (every row when None); this step's keys and
+        values stored in ``cache``. Reads no tensor back to the host."""
+        ...
+
+    def cache_geometry(self) -> tuple[LayerGeometry, ...]:
+        """What each cache layer stores (see :class:`~exl3_core.cache.Cache`)."""
+        ...

@@ -4,27 +4,28 @@ The plan is a *dry run* of every module's ``load_weights`` against a stand-in so
 out ``meta`` tensors with the shape and dtype from the safetensors headers, so the bytes counted
 are the ones the real load will hold, in the dtype each module stores them at (EXL3 trellis and
 scales as stored, dense weights in the model dtype, norms in fp32, derived buffers such as RoPE
-tables included). Nothing is read from disk and nothing is allocated. Attached caches add
-:meth:`~exl3_core.cache.Cache.bytes_required`.
+tables included). Nothing is read from disk and nothing is allocated. Caches handed to the load add
+:meth:`~exl3_core.cache.Cache.bytes_for`.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from exl3_core.devmem import InsufficientDeviceMemory, fmt_bytes, free_bytes
+
+if TYPE_CHECKING:
+    from exl3_core.cache.cache import Cache
 
 log = logging.getLogger(__name__)
 
 #: tensors at most this large are read for real during the dry run (codebook markers are 0-dim
 #: ints whose *value* a loader may inspect; a meta tensor has none)
 _READ_REAL_NUMEL = 16
-
-
-class InsufficientDeviceMemory(MemoryError):
-    """The model (plus its caches) needs more device memory than is free; the message has the figures."""
 
 
 class _MetaSource:
@@ -100,42 +101,22 @@ def weight_bytes_required(model: Any, source: Any, dtype: torch.dtype) -> int:
             m.unload_weights()
 
 
-class _CacheProbe:
-    """What ``Cache.bytes_required`` reads from a model, before the model has a dtype."""
-
-    def __init__(self, model: Any, dtype: torch.dtype, plugins: Any) -> None:
-        self._model, self.dtype, self.plugins = model, dtype, plugins
-
-    def attention_layers(self) -> list[Any]:
-        return list(self._model.attention_layers())
+def cache_bytes_required(caches: Sequence[Cache], dtype: torch.dtype) -> int:
+    """Bytes ``caches`` (not yet allocated) will take for a model of ``dtype`` (scratch pages included)."""
+    return sum(c.bytes_for(dtype) for c in caches if not c.allocated)
 
 
-def cache_bytes_required(model: Any, dtype: torch.dtype) -> int:
-    """Bytes every cache attached to ``model`` will allocate on load (scratch pages included)."""
-    from exl3_core.cache.cache import Cache
-
-    total = 0
-    for c in model.attached_caches():
-        probe = _CacheProbe(model, dtype, getattr(c, "_plugins", None))
-        total += Cache.bytes_required(probe, c.max_num_tokens, c.variant, c.page_size, plugins=probe.plugins)
-    return total
-
-
-def fmt_bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def plan_load(model: Any, source: Any, device: torch.device, dtype: torch.dtype) -> dict[str, int]:
+def plan_load(model: Any, source: Any, device: torch.device, dtype: torch.dtype,
+              caches: Sequence[Cache] = ()) -> dict[str, int]:
     """``{"weights", "caches", "total"}`` bytes, plus ``"free"``/``"device_total"`` on CUDA.
 
     :raises InsufficientDeviceMemory: on CUDA, when ``total`` exceeds the free device memory.
     """
-    plan = {"weights": weight_bytes_required(model, source, dtype), "caches": cache_bytes_required(model, dtype)}
+    plan = {"weights": weight_bytes_required(model, source, dtype), "caches": cache_bytes_required(caches, dtype)}
     plan["total"] = plan["weights"] + plan["caches"]
-    if device.type == "cuda" and torch.cuda.is_available():
-        free, dev_total = torch.cuda.mem_get_info(device)
-        # blocks the caching allocator holds but does not use are free for this process too
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    info = free_bytes(device)
+    if info is not None:
+        free, dev_total = info
         plan["free"], plan["device_total"] = free, dev_total
         check_fits(plan, free=free, total=dev_total, device=str(device),
                    what=str(getattr(getattr(model, "config", None), "directory", type(model).__name__)))
@@ -151,7 +132,7 @@ def check_fits(plan: dict[str, int], *, free: int, total: int, what: str, device
             f"create the Cache with a smaller max_num_tokens, free other GPU memory, or use another device")
 
 
-def measure_loaded(model: Any, device: torch.device | None = None) -> dict[str, int]:
+def measure_loaded(model: Any, device: torch.device | None = None, caches: Sequence[Cache] = ()) -> dict[str, int]:
     """Bytes actually held after loading: unique weight storages (on ``device``, default the model's)
     and cache storage."""
     device = torch.device(device if device is not None else model.device)
@@ -165,13 +146,15 @@ def measure_loaded(model: Any, device: torch.device | None = None) -> dict[str, 
             continue
         seen.add(key)
         weights += _nbytes(t)
-    caches = sum(c.storage_size() for c in model.attached_caches())
-    return {"weights": weights, "caches": caches, "total": weights + caches}
+    cache_bytes = sum(c.storage_size() for c in caches)
+    return {"weights": weights, "caches": cache_bytes, "total": weights + cache_bytes}
 
 
-def load_report(model: Any, plan: dict[str, int] | None, device: torch.device) -> dict[str, Any]:
+def load_report(model: Any, plan: dict[str, int] | None, device: torch.device,
+                caches: Sequence[Cache] = ()) -> dict[str, Any]:
     """What :meth:`Model.memory_report` returns: the plan, what was measured, and the device's state."""
-    out: dict[str, Any] = {"device": str(device), "planned": dict(plan or {}), "allocated": measure_loaded(model, device)}
+    out: dict[str, Any] = {"device": str(device), "planned": dict(plan or {}),
+                           "allocated": measure_loaded(model, device, caches)}
     if device.type == "cuda" and torch.cuda.is_available():
         free, total = torch.cuda.mem_get_info(device)
         out["device_free_after"] = free
@@ -182,14 +165,15 @@ def load_report(model: Any, plan: dict[str, int] | None, device: torch.device) -
     return out
 
 
-def checked_plan(model: Any, source: Any, device: torch.device, dtype: torch.dtype) -> dict[str, int] | None:
+def checked_plan(model: Any, source: Any, device: torch.device, dtype: torch.dtype,
+                 caches: Sequence[Cache] = ()) -> dict[str, int] | None:
     """:func:`plan_load`, except that a module the dry run cannot handle skips the plan (logged).
 
     Only :class:`InsufficientDeviceMemory` propagates: an architecture whose loader inspects tensor
     values must still load, just without the up-front check.
     """
     try:
-        return plan_load(model, source, device, dtype)
+        return plan_load(model, source, device, dtype, caches)
     except InsufficientDeviceMemory:
         raise
     except Exception as e:  # noqa: BLE001 - the plan is advisory for such modules

@@ -5,24 +5,32 @@ tensors), then :meth:`Model.load` reads every weight. Two forward entry points:
 
 * :meth:`Model.forward` ``(input_ids [B, S]) -> fp32 logits [B, S, vocab]``: a full, cache-less
   pass (what conformance tests and perplexity use);
-* :meth:`Model.forward_batch` ``(meta, cache) -> fp32 logits [N, vocab]``: the engine path over a
+* :meth:`Model.forward_batch` ``(meta, cache) -> fp32 logits [N, vocab]``: the reference over a
   packed batch. Everything it reads from ``meta`` is a tensor or a static Python bound, so a
   decode step can be captured in a CUDA graph: no per-layer host syncs and no data-dependent
-  Python shapes.
+  Python shapes. The engine runs it through :class:`exl3_core.plan.ExecutionPlan`.
+
+A model reports the geometry its cache needs (:meth:`Model.cache_geometry`); caches are built from
+it and hold no reference to the model.
 """
 from __future__ import annotations
 
 import gc
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from exl3_core.archkit.batch import BatchMeta
 from exl3_core.archkit.config import Config
+from exl3_core.cache.geometry import CacheUser, LayerGeometry
+from exl3_core.cache.layer import CacheLayers
 from exl3_core.nn.module import LoadContext, Module, TensorSource
+
+if TYPE_CHECKING:
+    from exl3_core.cache.cache import Cache
 
 
 def _open_source(directory: Path) -> TensorSource:
@@ -57,6 +65,8 @@ class Model(torch.nn.Module):
         self._device: torch.device | None = None
         self._dtype: torch.dtype | None = None
         self.allowed_backends: tuple[str, ...] | None = None
+        #: counts loads: what was built from loaded modules (an execution plan) is current while it holds
+        self.load_generation = 0
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -103,7 +113,7 @@ class Model(torch.nn.Module):
 
     def load(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
              progressbar: bool = False, attention: list[str] | tuple[str, ...] | None = None,
-             source: TensorSource | None = None) -> Model:
+             source: TensorSource | None = None, caches: Sequence[Cache] = ()) -> Model:
         """Read every weight from ``config.directory`` onto ``device``. All or nothing.
 
         :param device: default ``"cpu"``.
@@ -112,6 +122,8 @@ class Model(torch.nn.Module):
         :param attention: explicit attention backend order (overrides priorities and
             ``EXL3_ATTN_BACKENDS``); None = by priority.
         :param source: read tensors from here instead of the directory's safetensors files.
+        :param caches: caches built for this model and not yet allocated: counted in the memory check
+            and allocated on ``device`` after the weights (the model keeps no reference to them).
         :raises exl3_core.nn.WeightError, exl3_core.loader.LoaderError: naming the tensor (and file);
             nothing loaded by this call stays on the device then.
         """
@@ -129,6 +141,7 @@ class Model(torch.nn.Module):
         own_source = source is None
         src = _open_source(self.config.directory) if source is None else source
         modules = list(self.exl3_modules())  # snapshot: loading attaches new children
+        fresh = [c for c in caches if not c.allocated]
         bar = None
         if progressbar:
             from exl3_core.progress import Progress
@@ -137,7 +150,7 @@ class Model(torch.nn.Module):
         try:
             from exl3_core.archkit.memory import checked_plan
 
-            plan = checked_plan(self, src, dev, dtype)  # refuses before any allocation when it won't fit
+            plan = checked_plan(self, src, dev, dtype, caches)  # refuses before any allocation when it won't fit
             ctx = LoadContext(src, dev, dtype)
             for m in modules:
                 m.load_weights(ctx)
@@ -145,11 +158,11 @@ class Model(torch.nn.Module):
                     bar.advance(1)
             self.after_load()
             self._device, self._dtype = dev, dtype
-            for c in self.attached_caches():
-                c.allocate()
+            for c in fresh:
+                c.allocate(dev, dtype)
         except BaseException as e:
             self._device = self._dtype = None
-            for c in self.attached_caches():
+            for c in fresh:  # only what this call allocated
                 c.free()
             for m in modules:
                 m.unload_weights()
@@ -165,9 +178,10 @@ class Model(torch.nn.Module):
                 if close is not None:
                     close()
         self._device, self._dtype, self.allowed_backends = dev, dtype, allowed
+        self.load_generation += 1
         from exl3_core.archkit.memory import load_report
 
-        self.__dict__["_memory_report"] = load_report(self, plan, dev)
+        self.__dict__["_memory_report"] = load_report(self, plan, dev, caches)
         return self
 
     def memory_report(self) -> dict[str, Any]:
@@ -180,20 +194,9 @@ class Model(torch.nn.Module):
     def after_load(self) -> None:
         """Hook run once every module is loaded (tie weights, fuse projections ...)."""
 
-    def attach_cache(self, cache: Any) -> None:
-        """Called by :class:`~exl3_core.cache.Cache`: allocate it on load, free it on unload."""
-        caches = self.__dict__.setdefault("_caches", [])
-        if not any(c is cache for c in caches):
-            caches.append(cache)
-
-    def attached_caches(self) -> list[Any]:
-        return list(self.__dict__.get("_caches", []))
-
     def unload(self) -> None:
         """Drop every weight; the module tree stays so :meth:`load` can run again."""
         dev = self._device
-        for c in self.attached_caches():
-            c.free()
         for m in self.exl3_modules():
             m.unload_weights()
         self._device = self._dtype = None
@@ -202,16 +205,20 @@ class Model(torch.nn.Module):
             _release(dev)
 
     # -- forward --------------------------------------------------------------------------------
-    def attention_layers(self) -> list[Any]:
-        """Modules that own a cache layer (they have ``cache_kind``), in model order.
+    def attention_layers(self) -> list[CacheUser]:
+        """Modules that own a cache layer (:class:`~exl3_core.cache.geometry.CacheUser`), in model order.
 
-        ``Cache`` allocates ``cache.layers[i]`` for ``attention_layers()[i]``; each module's
-        ``cache_index`` is set to its position here.
+        A :class:`~exl3_core.cache.Cache` holds ``cache.layers[i]`` for ``attention_layers()[i]``; each
+        module's ``cache_index`` is set to its position here.
         """
-        found: list[Any] = [m for m in self.modules() if getattr(type(m), "cache_kind", None) is not None]
+        found: list[CacheUser] = [m for m in self.modules() if isinstance(m, CacheUser)]
         for i, m in enumerate(found):
             m.cache_index = i
         return found
+
+    def cache_geometry(self) -> tuple[LayerGeometry, ...]:
+        """What each cache layer stores (kind, KV heads, key and value widths), from the config alone."""
+        return tuple(m.cache_geometry() for m in self.attention_layers())
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Full cache-less forward: ``input_ids [B, S]`` -> fp32 logits ``[B, S, vocab]``."""
@@ -221,13 +228,8 @@ class Model(torch.nn.Module):
         meta = BatchMeta.full(input_ids.to(self.device))
         return self.forward_batch(meta).view(B, S, -1)
 
-    @property
-    def folds_carry(self) -> bool:
-        """True when :meth:`forward_batch` applies ``meta.carry`` (decode graphs' device-side ids) itself;
-        otherwise the graphs run :func:`exl3_core.ops.carry_ids` before it and never pass one."""
-        return False
-
-    def forward_batch(self, meta: BatchMeta, cache: Any = None, *, fp32_logits: bool = True) -> torch.Tensor:
+    def forward_batch(self, meta: BatchMeta, cache: CacheLayers | None = None, *,
+                      fp32_logits: bool = True) -> torch.Tensor:
         """Packed forward: fp32 logits ``[N, vocab]`` for ``meta.logits_indices`` (all T tokens if None).
 
         With ``cache``, new keys/values are written to ``cache.layers[i]`` at ``meta.slot_mapping``

@@ -43,3 +43,12 @@ class AttentionBackend(Protocol):
         Must succeed for any args whose spec passed :meth:`unsupported_reasons`.
         """
         ...
+
+
+@runtime_checkable
+class RoutedBackend(Protocol):
+    """A backend with several kernels that picks one per spec states which, for reports (optional)."""
+
+    def route(self, spec: AttnSpec) -> str:
+        """The kernel (route) calls matching ``spec`` take, in words; static per spec."""
+        ...

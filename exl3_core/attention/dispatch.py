@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from exl3_core.attention.backend import AttentionBackend
@@ -80,6 +81,23 @@ class Dispatcher:
                     if n not in allowed:
                         unavailable[n] = "not in the requested backend list"
             raise NoAttentionBackend(spec, rejected, unavailable)
+
+    def select_view(self, spec_of: Callable[[str], AttnSpec], views: Sequence[str],
+                    allowed: tuple[str, ...] | None = None) -> tuple[AttentionBackend, str]:
+        """The backend and cache view for a call over a cache layer offering ``views`` (native first):
+        every backend is tried on the native view before any conversion is considered."""
+        if not views:
+            raise ValueError("a cache layer offers no view for attention to read")
+        failures: list[NoAttentionBackend] = []
+        for view in views:
+            try:
+                return self.select(spec_of(view), allowed), view
+            except NoAttentionBackend as e:
+                failures.append(e)
+        if len(failures) == 1:
+            raise failures[0]
+        raise NoAttentionBackend(failures[0].spec, {f"{name} (view {f.spec.cache})": r for f in failures
+                                                   for name, r in f.rejected.items()}, failures[0].unavailable)
 
 
 _dispatchers: dict[int, Dispatcher] = {}

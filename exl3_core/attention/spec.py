@@ -43,10 +43,33 @@ class AttnSpec(NamedTuple):
     device_cc: tuple[int, int] = (0, 0)
     head_dim_v: int | None = None  # None: same as head_dim
     page_size: int | None = None  # tokens per cache page (None without a cache)
+    #: static bound on any sequence's key count, rounded up to a power of two (0: unknown)
+    max_keys: int = 0
+    #: sequences in the call, rounded up to a power of two (0: unknown)
+    num_seqs: int = 0
+    #: query rows of every sequence when they are all equal and known statically (decode: 1; a
+    #: multi-token decode step: its k), 0 when they vary (prefill, mixed steps)
+    q_per_seq: int = 0
+    #: streaming multiprocessors of the device (0 off CUDA)
+    sm_count: int = 0
 
     @property
     def v_dim(self) -> int:
         return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+
+class CallShape(NamedTuple):
+    """The static shape of one attention call, from a batch's host-side bounds (see :class:`AttnSpec`)."""
+
+    phase: Literal["prefill", "decode"]
+    max_keys: int = 0
+    num_seqs: int = 0
+    q_per_seq: int = 0
+
+
+def pow2_bucket(n: int) -> int:
+    """``n`` rounded up to a power of two (0 stays 0), so specs stay few while bounds vary."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 class AttnArgs(NamedTuple):
@@ -71,3 +94,16 @@ def device_cc(device: torch.device) -> tuple[int, int]:
     if device.type == "cuda":
         return torch.cuda.get_device_capability(device)
     return (0, 0)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (a host-side property, cached per device); 0 elsewhere."""
+    if device.type != "cuda":
+        return 0
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]

@@ -231,7 +231,8 @@ def build_model(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 
     config = Config(source.directory, shape.hf_config(), plugins=plugins)
     model = Model.from_config(config)
     cache = Cache(model, cache_tokens, page_size=page_size, plugins=plugins) if cache_tokens > 0 else None
-    model.load(device=device, dtype=dtype, source=source, attention=attention)  # type: ignore[arg-type]
+    model.load(device=device, dtype=dtype, source=source, attention=attention,  # type: ignore[arg-type]
+               caches=[cache] if cache is not None else [])
     model.bench_source = source  # type: ignore[attr-defined]
     return model, cache
 

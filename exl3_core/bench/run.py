@@ -230,8 +230,9 @@ def graph_step_time(model: Any, cache: Any, *, batch: int, ctx: int) -> float | 
     the host and staged by the replay, :data:`GRAPH_STEP_REPLAYS` replays queued back to back; CUDA
     events around them, divided by their count); None when not graphed."""
     from exl3_core.generator.graphs import DecodeGraphs
+    from exl3_core.plan import ExecutionPlan
 
-    graphs = DecodeGraphs.create(model, cache, cache.max_pages_per_seq(ctx + 1))
+    graphs = DecodeGraphs.create(ExecutionPlan(model), cache, cache.max_pages_per_seq(ctx + 1))
     if graphs is None:
         return None
     meta, pages = decode_meta(model, cache, batch=batch, ctx=ctx, device="cpu")
@@ -266,16 +267,18 @@ def bench_prefill(model: Any, cache: Any, *, tokens: int, seed: int = 0, past: i
     inputs staged from the host each call) when :class:`~exl3_core.generator.graphs.PrefillGraphs`
     accepts it. ``seconds``/``tok_s`` are the generator's path."""
     from exl3_core.generator.graphs import PrefillGraphs
+    from exl3_core.plan import ExecutionPlan
 
+    plan = ExecutionPlan(model)
     pages = cache.allocator.allocate(-(-(past + tokens) // cache.page_size))
     try:
         if past:
-            model.forward_batch(prefill_meta(model, cache, past, pages, seed + 1), cache)  # the cached prefix
+            plan.forward(prefill_meta(model, cache, past, pages, seed + 1), cache)  # the cached prefix
         meta = prefill_meta(model, cache, tokens, pages, seed, past)
-        eager = time_median(lambda: model.forward_batch(meta, cache), model.device, warmup=2, iters=5)
+        eager = time_median(lambda: plan.forward(meta, cache), model.device, warmup=2, iters=5)
         out: dict[str, Any] = {"tokens": tokens, "past": past, "eager_seconds": eager, "eager_tok_s": tokens / eager,
                                "path": "eager", "seconds": eager, "tok_s": tokens / eager}
-        graphs = PrefillGraphs.create(model, cache, len(pages), tokens)
+        graphs = PrefillGraphs.create(plan, cache, len(pages), tokens)
         bucket = graphs.bucket(tokens, past, len(pages)) if graphs is not None else None
         if graphs is not None and bucket is not None:
             ids = meta.input_ids.tolist()
@@ -303,14 +306,17 @@ def profile_decode(model: Any, cache: Any, *, ctx: int = 256, steps: int = 5, ro
     """``torch.profiler`` table of eager b=1 decode steps at context ``ctx`` (kernels by total time)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from exl3_core.plan import ExecutionPlan
+
+    plan = ExecutionPlan(model)
     meta, pages = decode_meta(model, cache, batch=1, ctx=ctx)
     try:
-        model.forward_batch(meta, cache)
+        plan.forward(meta, cache)
         _sync(model.device)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if model.device.type == "cuda" else [])
         with profile(activities=acts) as prof:
             for _ in range(steps):
-                model.forward_batch(meta, cache)
+                plan.forward(meta, cache)
             _sync(model.device)
     finally:
         cache.allocator.release(pages)

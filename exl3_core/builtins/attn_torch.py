@@ -1,8 +1,8 @@
 """Built-in plugin: the torch reference attention backend (works everywhere, lowest priority)."""
 from __future__ import annotations
 
-from exl3_core.plugins.specs import AttentionBackendSpec
 from exl3_core.plugins import hookimpl
+from exl3_core.plugins.specs import AttentionBackendSpec
 
 
 @hookimpl

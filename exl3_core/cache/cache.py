@@ -8,12 +8,17 @@ The allocator never hands out the scratch page.
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from exl3_core.cache.geometry import HasCacheGeometry, LayerGeometry
 from exl3_core.cache.layer import CacheLayer
 from exl3_core.cache.pages import PageAllocator
+
+if TYPE_CHECKING:
+    from exl3_core.plugins.registry import Plugins
 
 
 def _resolve_page_size(page_size: int | None) -> int:
@@ -26,15 +31,7 @@ def _resolve_page_size(page_size: int | None) -> int:
     return page_size
 
 
-def _layer_geometry(attn: Any, index: int) -> tuple[str, int, int, int | None]:
-    try:
-        return attn.cache_kind, int(attn.num_kv_heads), int(attn.head_dim), getattr(attn, "head_dim_v", None)
-    except AttributeError as e:
-        raise TypeError(f"attention layer {index} ({type(attn).__name__}) lacks a cache attribute: {e}; attention "
-                        f"modules must define cache_kind, num_kv_heads, head_dim and head_dim_v") from None
-
-
-def _plugins(plugins: Any) -> Any:
+def _plugins(plugins: Plugins | None) -> Plugins:
     if plugins is not None:
         return plugins
     from exl3_core.plugins import get_plugins
@@ -42,78 +39,112 @@ def _plugins(plugins: Any) -> Any:
     return get_plugins()
 
 
-class Cache:
-    """Paged cache for ``model``.
+def _geometry(source: HasCacheGeometry | Sequence[LayerGeometry]) -> tuple[LayerGeometry, ...]:
+    if isinstance(source, HasCacheGeometry):
+        return tuple(source.cache_geometry())
+    geo = tuple(source)
+    if not all(isinstance(g, LayerGeometry) for g in geo):
+        raise TypeError(f"Cache needs a model (with cache_geometry()) or a sequence of LayerGeometry, got "
+                        f"{type(source).__name__}")
+    return geo
 
-    :param model: anything with ``attention_layers()``, ``device`` and ``dtype``.
+
+class Cache:
+    """Paged cache for a model's attention layers.
+
+    :param model: the model (its :meth:`cache_geometry` is read, before or after loading) or the
+        geometry itself (a sequence of :class:`~exl3_core.cache.geometry.LayerGeometry`).
     :param max_num_tokens: capacity in tokens over all live and cached sequences (rounded up to
         whole pages).
     :param variant: storage variant resolved per layer kind through ``exl3_cache_layer_types``.
     :param page_size: tokens per page (default ``EXL3_PAGE_SIZE``, 256).
     :param plugins: plugin set to resolve layer types from (default: the model's, else global).
+    :param device: where to allocate; default: the model's device once it is loaded.
+    :param dtype: the model's float dtype (what unquantized layers store); default: the model's.
     :param layer_kwargs: passed to every layer (e.g. ``k_bits=4`` for a quantized variant).
+
+    The storage is allocated at once when the device and dtype are known (given, or the model is
+    loaded), else on first use by a :class:`~exl3_core.generator.Generator`, or by ``model.load(...,
+    caches=[cache])``, which also counts it in the load's memory check. :meth:`free` releases it.
     """
 
-    def __init__(self, model: Any, max_num_tokens: int, variant: str = "fp16", page_size: int | None = None,
-                 plugins: Any = None, **layer_kwargs: Any) -> None:
+    def __init__(self, model: HasCacheGeometry | Sequence[LayerGeometry], max_num_tokens: int,
+                 variant: str = "fp16", page_size: int | None = None, plugins: Plugins | None = None, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 **layer_kwargs: Any) -> None:
         self.page_size = _resolve_page_size(page_size)
         if max_num_tokens <= 0:
             raise ValueError(f"Cache max_num_tokens={max_num_tokens} must be positive")
         self.num_pages = math.ceil(max_num_tokens / self.page_size)
         self.scratch_page = self.num_pages
         self.variant = variant
-        self.model = model
+        self.geometry = _geometry(model)
         self._plugins = _plugins(plugins if plugins is not None else getattr(model, "plugins", None))
         self._layer_kwargs = layer_kwargs
+        # the layer types resolve now: an unknown variant is an error before anything is allocated
+        self._types = [self._plugins.cache_layer(g.kind, variant) for g in self.geometry]
         self.layers: list[CacheLayer] = []
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
-        # Created before model.load() (the usual order), the cache is allocated by load() on the
-        # model's device and dtype, and freed again by unload().
-        attach = getattr(model, "attach_cache", None)
-        if attach is not None:
-            attach(self)
-        if getattr(model, "loaded", True):
-            self.allocate()
         self.allocator = PageAllocator(self.num_pages, self.page_size)
+        if device is None and dtype is None and getattr(model, "loaded", False):
+            device, dtype = model.device, model.dtype  # type: ignore[union-attr]
+        if device is not None or dtype is not None:
+            if device is None or dtype is None:
+                raise ValueError("Cache: give both device= and dtype= (or neither, to follow the model)")
+            self.allocate(device, dtype)
 
-    def allocate(self) -> None:
-        """Allocate every layer's storage on the model's device (no-op when already allocated)."""
+    @property
+    def allocated(self) -> bool:
+        return bool(self.layers)
+
+    def allocate(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Allocate every layer's storage (no-op when already allocated there).
+
+        :raises InsufficientDeviceMemory: on CUDA, before allocating, when it would not fit.
+        :raises ValueError: when already allocated on another device or dtype (call :meth:`free` first).
+        """
+        dev = torch.device(device)
         if self.layers:
+            if (self.device, self.dtype) != (dev, dtype):
+                raise ValueError(f"Cache is allocated on {self.device} as {self.dtype}; free() it before allocating "
+                                 f"on {dev} as {dtype}")
             return
-        self.device = torch.device(self.model.device)
-        self.dtype = self.model.dtype
-        layers = []
-        for i, attn in enumerate(self.model.attention_layers()):
-            kind, heads, dim, dim_v = _layer_geometry(attn, i)
-            cls = self._plugins.cache_layer(kind, self.variant)
-            layers.append(cls(num_pages=self.num_pages + 1, page_size=self.page_size, num_kv_heads=heads,
-                              head_dim=dim, head_dim_v=dim_v, dtype=self.dtype, device=self.device,
-                              **self._layer_kwargs))
-        self.layers = layers
+        from exl3_core.devmem import check_free
+
+        check_free(self.bytes_for(dtype), dev, f"a cache of {self.max_num_tokens} tokens")
+        self.layers = [cls(num_pages=self.num_pages + 1, page_size=self.page_size, num_kv_heads=g.num_kv_heads,
+                           head_dim=g.head_dim, head_dim_v=g.head_dim_v, dtype=dtype, device=dev, **self._layer_kwargs)
+                       for cls, g in zip(self._types, self.geometry)]
+        self.device, self.dtype = dev, dtype
 
     def free(self) -> None:
-        """Release the storage (the model was unloaded); :meth:`allocate` brings it back empty."""
+        """Release the storage and forget every page; :meth:`allocate` brings it back empty."""
         self.layers = []
+        self.device = self.dtype = None
         self.allocator = PageAllocator(self.num_pages, self.page_size)
+
+    def bytes_for(self, dtype: torch.dtype) -> int:
+        """Device bytes this cache allocates for a model of ``dtype`` (scratch page included)."""
+        slots = (self.num_pages + 1) * self.page_size
+        return sum(cls.bytes_per_token(g.num_kv_heads, g.head_dim, g.head_dim_v, dtype) * slots
+                   for cls, g in zip(self._types, self.geometry))
 
     @property
     def max_num_tokens(self) -> int:
         return self.num_pages * self.page_size
 
     @classmethod
-    def bytes_required(cls, model: Any, max_num_tokens: int, variant: str = "fp16", page_size: int | None = None,
-                       plugins: Any = None) -> int:
-        """Device bytes a ``Cache(model, max_num_tokens, variant)`` would allocate (scratch page included)."""
-        ps = _resolve_page_size(page_size)
-        plugins = _plugins(plugins if plugins is not None else getattr(model, "plugins", None))
-        slots = (math.ceil(max_num_tokens / ps) + 1) * ps
-        total = 0
-        for i, attn in enumerate(model.attention_layers()):
-            kind, heads, dim, dim_v = _layer_geometry(attn, i)
-            layer_cls = plugins.cache_layer(kind, variant)
-            total += layer_cls.bytes_per_token(heads, dim, dim_v, model.dtype) * slots
-        return total
+    def bytes_required(cls, model: HasCacheGeometry | Sequence[LayerGeometry], max_num_tokens: int,
+                       variant: str = "fp16", page_size: int | None = None, plugins: Plugins | None = None, *,
+                       dtype: torch.dtype | None = None) -> int:
+        """Device bytes a ``Cache(model, max_num_tokens, variant)`` would allocate for a model of ``dtype``
+        (default: the loaded model's)."""
+        if dtype is None:
+            dtype = getattr(model, "dtype", None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError("Cache.bytes_required: pass dtype= (the model is not loaded)")
+        return cls(model, max_num_tokens, variant, page_size, plugins).bytes_for(dtype)
 
     def storage_size(self) -> int:
         return sum(layer.storage_size() for layer in self.layers)

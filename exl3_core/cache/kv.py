@@ -6,7 +6,7 @@ from typing import ClassVar
 import torch
 
 from exl3_core import ops
-from exl3_core.cache.layer import CacheLayer
+from exl3_core.cache.layer import CacheLayer, FusedKVTarget
 
 _VIEW = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -41,24 +41,18 @@ class KVCacheLayer(CacheLayer):
 
     def write_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, interleaved: bool) -> None:
-        """Rotate q and k in place by RoPE (tables ``[T, rotary_dim/2]``), then :meth:`write` k and v: one
-        launch on CUDA. Attention uses it instead of rotate-then-write where a layer has it."""
-        if type(self).write is not KVCacheLayer.write:  # a subclass stores differently: its own write
-            ops.rope_apply(q, k, cos, sin, rotary_dim, interleaved)
-            self.write(k, v, slot_mapping)
-            return
+        """Rotate q and k in place by RoPE, then store k and v: one launch on CUDA."""
         ops.rope_kv_write(q, k, v, self.k, self.v, slot_mapping, cos, sin, rotary_dim, interleaved)
 
-    def epilogue_caches(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``(k, v)`` for a writer that stores rotated fp16 rows itself at the slots (the q/k/v
-        linear's epilogue), or None where this layer's storage is not that (other dtypes, a subclass
-        with its own :meth:`write`)."""
-        if (type(self).write is not KVCacheLayer.write or self.k.dtype != torch.float16
-                or not (self.k.is_contiguous() and self.v.is_contiguous())):
+    def fused_write_target(self) -> FusedKVTarget | None:
+        """The fp16 pages themselves: a projection epilogue stores rotated rows exactly as :meth:`write` does."""
+        if self.k.dtype != torch.float16 or not (self.k.is_contiguous() and self.v.is_contiguous()):
             return None
-        return self.k, self.v
+        return FusedKVTarget(self.k, self.v)
 
-    def attn_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def attn_view(self, view: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if view not in self.views():
+            raise ValueError(f"KVCacheLayer offers views {self.views()}, not {view!r}")
         return self.k, self.v
 
     def copy_page(self, src: int, dst: int) -> None:

@@ -1,17 +1,40 @@
 """Cache layer contract: paged storage for one attention layer.
 
-Storage is ``[num_pages, page_size, heads, dim]`` per tensor so that a page table row maps a
-sequence's token ``i`` to ``(page_table[b, i // page_size], i % page_size)``. Writing new
-tokens uses a flat ``slot_mapping`` (``page * page_size + offset``) so it is one scatter with
-no host sync. Which *view* a layer offers (``"kv/fp16"`` ...) is what attention backends see in
-``AttnSpec.cache``.
+Storage is paged: a page table row maps a sequence's token ``i`` to ``(page_table[b, i // page_size],
+i % page_size)``. Writing new tokens uses a flat ``slot_mapping`` (``page * page_size + offset``) so it
+is one scatter with no host sync.
+
+A layer type decides three things through this contract:
+
+* **how a step's keys and values are stored**: :meth:`CacheLayer.write` (required), and, where the
+  storage allows it, :meth:`CacheLayer.write_rotated` (RoPE applied on the way in, one kernel) and
+  :meth:`CacheLayer.fused_write_target` (tensors a projection kernel may store rotated rows into
+  directly, in its epilogue); the execution plan asks, and says which it took;
+* **how attention reads it**: :meth:`CacheLayer.views` names the layouts it can hand out, native
+  first (what attention backends see in ``AttnSpec.cache``), :meth:`CacheLayer.attn_view` hands one
+  out; the dispatcher tries (backend, view) pairs, native view first;
+* **how much it costs**: :meth:`CacheLayer.bytes_per_token`, exact, for memory planning.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
 
 import torch
+
+from exl3_core import ops
+
+
+@dataclass(frozen=True)
+class FusedKVTarget:
+    """Paged fp16 ``k``/``v`` tensors ``[pages, page_size, heads, dim]`` (contiguous) that a kernel may
+    store a step's rotated keys and values into at their flat slots, bypassing :meth:`CacheLayer.write`:
+    a layer offers them only when its :meth:`~CacheLayer.write` stores exactly that."""
+
+    k: torch.Tensor
+    v: torch.Tensor
 
 
 class CacheLayer(ABC):
@@ -41,8 +64,10 @@ class CacheLayer(ABC):
         """Store new tokens: ``k [T, H, D]``, ``v [T, H, Dv]`` (None for latent caches) at slots."""
 
     @abstractmethod
-    def attn_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(k_cache, v_cache)`` for :class:`~exl3_core.attention.AttnArgs` (v None for latent)."""
+    def attn_view(self, view: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(k_cache, v_cache)`` in the layout :mod:`exl3_core.attention.spec` describes for ``view`` (one
+        of :meth:`views`), for :class:`~exl3_core.attention.AttnArgs` (v None for latent caches). A
+        non-native view may be a temporary conversion; it must be graph-capturable (no host sync)."""
 
     @abstractmethod
     def copy_page(self, src: int, dst: int) -> None:
@@ -52,8 +77,31 @@ class CacheLayer(ABC):
     def storage_size(self) -> int:
         """Bytes of device memory this layer holds."""
 
+    def write_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, interleaved: bool) -> None:
+        """Rotate ``q`` and ``k`` in place by RoPE (fp32 tables ``[T, rotary_dim/2]``), then store ``k``
+        and ``v``. Layers whose storage allows it override this with one kernel."""
+        ops.rope_apply(q, k, cos, sin, rotary_dim, interleaved)
+        self.write(k, v, slot_mapping)
+
+    def fused_write_target(self) -> FusedKVTarget | None:
+        """Tensors a projection kernel may store rotated fp16 rows into directly (see
+        :class:`FusedKVTarget`), or None: this layer's storage is something else."""
+        return None
+
+    def attn_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The native view's tensors (:meth:`attn_view` of ``views()[0]``)."""
+        return self.attn_view(self.views()[0])
+
     @classmethod
     def bytes_per_token(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype) -> int:
         """Bytes one cached token costs (used for memory planning before allocation)."""
         dv = head_dim if head_dim_v is None else head_dim_v
         return num_kv_heads * (head_dim + dv) * torch.empty((), dtype=dtype).element_size()
+
+
+class CacheLayers(Protocol):
+    """What a forward reads of a cache: its per-layer storage (``exl3_core.cache.Cache`` has it)."""
+
+    @property
+    def layers(self) -> Sequence[CacheLayer]: ...

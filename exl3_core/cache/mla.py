@@ -48,7 +48,9 @@ class MLACacheLayer(CacheLayer):
         # one scatter over the flattened [pages*page_size] slot axis: no host sync
         self.latent.view(-1, 1, self.head_dim).index_copy_(0, slot_mapping, k.to(self.dtype))
 
-    def attn_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def attn_view(self, view: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if view not in self.views():
+            raise ValueError(f"MLACacheLayer offers views {self.views()}, not {view!r}")
         return self.latent, None
 
     def copy_page(self, src: int, dst: int) -> None:

@@ -37,14 +37,16 @@ import torch
 from exl3_core.cache.cache import Cache
 from exl3_core.cache.pages import ROOT_HASH, CacheExhausted, chain_hash, page_hashes
 from exl3_core.generator.batching import Chunk, build_batch, meta_to_device
+from exl3_core.generator.graphs import DecodeGraphs, PrefillGraphs
 from exl3_core.generator.job import Job
 from exl3_core.generator.overlap import DecodePipeline
 from exl3_core.generator.stop import HeldText, TextStream
+from exl3_core.generator.types import BatchModel, Result
+from exl3_core.plan.plan import ExecutionPlan
 from exl3_core.sampling.sampler import sample
+from exl3_core.tuning import Tuning
 
 log = logging.getLogger(__name__)
-
-Result = dict[str, Any]
 
 
 class JobError(RuntimeError):
@@ -54,25 +56,32 @@ class JobError(RuntimeError):
 class Generator:
     """Runs many :class:`Job` s concurrently on one model and cache.
 
-    :param model: object with ``forward_batch(meta, cache)``, ``device`` and ``config``.
-    :param cache: the model's :class:`~exl3_core.cache.Cache`.
+    :param model: a loaded model (:class:`~exl3_core.generator.types.BatchModel`: an exl3
+        :class:`~exl3_core.archkit.model.Model`, or anything with its batch forward).
+    :param cache: a :class:`~exl3_core.cache.Cache` built for the model (allocated here if it is not yet).
     :param tokenizer: needed for text output, stop/banned strings and string prompts
         (default ``model.tokenizer`` when present).
     :param max_batch_size: most jobs decoding at once.
     :param max_chunk_tokens: token budget of one forward (decode tokens plus prefill chunks).
     :param max_seq_len: longest sequence (prompt + output); sets the page-table width.
     :param overlap_decode: run plain greedy decode one step ahead (see
-        :mod:`exl3_core.generator.overlap`); None: ``EXL3_OVERLAP_DECODE`` (default on).
+        :mod:`exl3_core.generator.overlap`); None: the tuning's ``graphs.overlap_decode`` (on).
+    :param tuning: what the execution plan and the CUDA graphs may do (default: the device's).
     """
 
-    def __init__(self, model: Any, cache: Cache, tokenizer: Any = None, *, max_batch_size: int = 64,
+    def __init__(self, model: BatchModel, cache: Cache, tokenizer: Any = None, *, max_batch_size: int = 64,
                  max_chunk_tokens: int = 2048, max_seq_len: int | None = None, plugins: Any = None,
-                 overlap_decode: bool | None = None) -> None:
+                 overlap_decode: bool | None = None, tuning: Tuning | None = None) -> None:
         if max_batch_size < 1 or max_chunk_tokens < 1:
             raise ValueError(f"Generator: max_batch_size={max_batch_size} and max_chunk_tokens={max_chunk_tokens} "
                              f"must be positive")
         self.model = model
         self.cache = cache
+        if not cache.allocated:
+            cache.allocate(model.device, model.dtype)
+        #: how the model's forward runs (fused forms, with the reasons for each)
+        self.plan = ExecutionPlan(model, tuning)
+        self.tuning = self.plan.tuning
         self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         self.plugins = plugins
         self.max_batch_size = max_batch_size
@@ -91,18 +100,13 @@ class Generator:
         self._pool: ThreadPoolExecutor | None = None
         self.tokens_computed = 0  # tokens run through the model (prefix-cache hits are not)
         self.forward_calls = 0
-        from exl3_core.generator.graphs import DecodeGraphs, PrefillGraphs
-
-        graphable = hasattr(model, "attention_layers")
         #: CUDA-graph decode runner (None: eager; see exl3_core.generator.graphs for when)
-        self.graphs: DecodeGraphs | None = DecodeGraphs.create(model, cache, self.table_width) if graphable else None
+        self.graphs: DecodeGraphs | None = DecodeGraphs.create(self.plan, cache, self.table_width)
         #: CUDA-graph runner for a step that is one sequence's prefill chunk (None: eager)
         self.prefill_graphs: PrefillGraphs | None = PrefillGraphs.create(
-            model, cache, self.table_width, max_chunk_tokens) if graphable else None
+            self.plan, cache, self.table_width, max_chunk_tokens)
         if overlap_decode is None:
-            from exl3_core import settings
-
-            overlap_decode = settings.get().overlap_decode
+            overlap_decode = self.tuning.graphs.overlap_decode
         #: one-step-ahead greedy decode loop (None: off)
         self.pipeline: DecodePipeline | None = DecodePipeline(self) if overlap_decode else None
 
@@ -331,8 +335,8 @@ class Generator:
         """``work`` as one forward, or split into its decode rows and its one prefill chunk, run one
         after the other, when each part replays a CUDA graph: an eager mixed forward pays the host's
         launch cost of every kernel (~30 ms for an 8B-shape model, whatever the chunk's length), two
-        replays only their device time (docs/performance.md, run 7). The price is one more pass over
-        the weights, a few percent of a long chunk's forward."""
+        replays only their device time. The price is one more pass over the weights, a few percent of a
+        long chunk's forward."""
         if decode or self.graphs is None:
             return [work]
         rows = [(j, c) for j, c in work if j.prefill_done]
@@ -372,7 +376,7 @@ class Generator:
             else:
                 if graphs is not None:
                     meta = meta_to_device(meta, self.device)
-                logits = self.model.forward_batch(meta, self.cache)
+                logits = self.plan.forward(meta, self.cache)
         self.forward_calls += 1
         self.tokens_computed += sum(len(c.tokens) for _, c in work)
         for job, c in work:

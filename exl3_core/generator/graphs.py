@@ -2,7 +2,7 @@
 
 A decode step runs hundreds of small kernels (per layer: norms, 7 EXL3 GEMMs of 4 kernels each,
 RoPE, a cache scatter, attention); launched one by one from Python their launch cost dominates
-small models. :class:`DecodeGraphs` captures ``model.forward_batch`` plus greedy selection
+small models. :class:`DecodeGraphs` captures the plan's forward plus greedy selection
 (argmax and the "row has a finite logit" check) into ``torch.cuda.CUDAGraph``s per bucket size
 (batches are already padded to buckets, the page table to a fixed width, see
 :mod:`exl3_core.generator.batching`), with static input buffers that each step overwrites:
@@ -19,30 +19,28 @@ Other samplers run eagerly on the static logits.
 
 :class:`PrefillGraphs` does the same for a prefill step that is one sequence's chunk (a fresh
 prompt, or the new tokens after a prefix-cache hit), padded to a token bucket
-(:func:`prefill_bucket`): a prompt's forward launches ~25 kernels per layer whose host cost (~1 ms
+(:meth:`~exl3_core.tuning.GraphTuning.prefill_bucket`): a prompt's forward launches ~25 kernels per layer whose host cost (~1 ms
 per layer for an 8B-shape model, cuBLAS and SDPA calls included) exceeds their device time below
 ~1k tokens, so without a graph the time to first token is host-bound. Padded rows sit after the
 real ones (causal attention: the real rows never see them), write their keys/values into the
 cache's scratch page, and only the last real row's logits are computed. The graphs keep their
 intermediate activations in one memory pool for the generator's lifetime (as large as the largest
-captured bucket's forward needs); ``EXL3_PREFILL_GRAPH_MAX`` bounds it.
+captured bucket's forward needs); the tuning's ``graphs.prefill_max_tokens`` bounds it.
 
-Graphs are declined (the generator runs eagerly) when the model is not on CUDA, when
-``EXL3_CUDA_GRAPHS=0`` (``settings.get().cuda_graphs``; ``EXL3_PREFILL_GRAPH_MAX=0`` for prefill
-alone), when the attention backend chosen for the phase does not declare ``graph_safe = True``
-(see :class:`~exl3_core.attention.backend.AttentionBackend`), or when a module says through a
-``graph_capturable()`` method that its forward reads back to the host. Steps of another shape,
+Both replay the model's :class:`~exl3_core.plan.ExecutionPlan`. Graphs are declined (the generator runs
+eagerly) for the reasons :meth:`ExecutionPlan.graph_decline` gives: not on CUDA, graphs off
+(``EXL3_CUDA_GRAPHS=0`` or the tuning), an attention backend chosen for the phase that does not declare
+``graph_safe = True``, or a module that says its forward reads back to the host. Steps of another shape,
 or beyond the largest bucket, run eagerly too.
 """
 from __future__ import annotations
 
 import contextlib
 import gc
-import inspect
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -50,14 +48,12 @@ import torch
 
 from exl3_core import ops
 from exl3_core.archkit.batch import BatchMeta
+from exl3_core.attention.spec import CallShape, pow2_bucket
+from exl3_core.cache.cache import Cache
 from exl3_core.generator.batching import DECODE_BUCKETS, HostRead, bucket_size, gather_rows
+from exl3_core.plan.plan import ExecutionPlan, decode_shapes
 
 log = logging.getLogger(__name__)
-
-#: largest batch bucket captured (larger decode batches are kernel-bound, not launch-bound)
-MAX_GRAPH_BUCKET = 32
-#: pinned staging buffers per bucket, reused round robin (a slot is rewritten only after its copy ran)
-STAGING_SLOTS = 4
 
 #: the decode step's input fields, in their staging buffer's order (shapes: _field_shapes)
 _FIELDS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens_k", "page_table")
@@ -91,62 +87,16 @@ class _Blob:
             self.views[name] = self.buf[offsets[name]:offsets[name] + size].view(dtype).view(shape)
 
 
-#: token buckets of graphed prefill chunks (a chunk runs padded to the smallest that holds it)
-PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
-#: above this many tokens the forward is no longer host-bound, so padding costs device time that
-#: the graph does not win back: a longer chunk is graphed only when it fills its bucket to
-#: PREFILL_MIN_FILL (docs/performance.md, run 7)
-PREFILL_LOOSE_MAX = 512
-PREFILL_MIN_FILL = 0.9
-
-
-def prefill_bucket(n: int, max_tokens: int) -> int | None:
-    """The token bucket a prefill chunk of ``n`` tokens is padded to, or None to run it eagerly."""
-    for b in PREFILL_BUCKETS:
-        if b > max_tokens:
-            return None
-        if n <= b:
-            return b if b <= PREFILL_LOOSE_MAX or n >= PREFILL_MIN_FILL * b else None
-    return None
-
-
-def decline_reason(model: Any, cache: Any, phase: str = "decode") -> str | None:
-    """Why ``phase`` ("decode" or "prefill") forwards of ``model`` over ``cache`` cannot be graphed,
+def decline_reason(plan: ExecutionPlan, cache: Cache, table_width: int, phase: str = "decode",
+                   max_bucket: int = 1) -> str | None:
+    """Why ``phase`` ("decode" or "prefill") steps of the plan's model over ``cache`` cannot be graphed,
     or None when they can."""
-    from exl3_core import settings
-
-    cfg = settings.get()
-    if not cfg.cuda_graphs:
-        return "disabled by EXL3_CUDA_GRAPHS=0"
-    if phase == "prefill" and cfg.prefill_graph_max <= 0:
-        return "disabled by EXL3_PREFILL_GRAPH_MAX=0"
-    device = torch.device(getattr(model, "device", "cpu"))
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return f"model is on {device}, not CUDA"
-    if cache is None or not getattr(cache, "layers", None):
-        return "no allocated cache"
-    from exl3_core.attention.dispatch import get_dispatcher
-
-    layers = list(model.attention_layers())
-    if not layers:
-        return "model has no attention layers"
-    dispatcher = get_dispatcher(getattr(model, "plugins", None))
-    allowed = getattr(model, "allowed_backends", None)
-    for attn in layers:
-        spec_of = getattr(attn, "attn_spec", None)
-        if spec_of is None:
-            return f"{type(attn).__name__} exposes no attn_spec(); its backend's graph safety is unknown"
-        layer = cache.layers[attn.cache_index]
-        spec = spec_of(model.dtype, device, layer.views()[0], phase)
-        backend = dispatcher.select(spec, allowed)
-        if not getattr(type(backend), "graph_safe", False):
-            return f"attention backend {backend.name!r} ({phase}) is not graph-safe"
-    for m in model.modules():
-        check = getattr(m, "graph_capturable", None)
-        why = check() if callable(check) else None
-        if why:
-            return why
-    return None
+    bound = table_width * cache.page_size
+    if phase == "decode":
+        shapes = decode_shapes(bound, max_bucket)
+    else:
+        shapes = [CallShape("prefill", pow2_bucket(bound), 1, 0)]
+    return plan.graph_decline(cache, phase, shapes)
 
 
 @contextlib.contextmanager
@@ -177,11 +127,11 @@ class _GraphSet:
     prefill: an int for the token bucket and variant), sharing one memory pool (they replay one at a
     time, and each graph's intermediates are dead once its replay ends)."""
 
-    def __init__(self, model: Any, cache: Any, table_width: int) -> None:
-        self.model, self.cache = model, cache
+    def __init__(self, plan: ExecutionPlan, cache: Cache, table_width: int) -> None:
+        self.plan, self.cache = plan, cache
         self.table_width = table_width
         self.page_size = cache.page_size
-        self.device = torch.device(model.device)
+        self.device = plan.device
         self._graphs: dict[Any, _Graph] = {}
         self._pool: Any = None
         self._key = self._state_key()
@@ -189,7 +139,7 @@ class _GraphSet:
 
     def _state_key(self) -> tuple[Any, ...]:
         # the graph holds raw pointers: a reload of the weights or the cache invalidates it
-        return (id(self.model), self.model.loaded, tuple(id(layer) for layer in self.cache.layers))
+        return (id(self.plan), self.plan.current, tuple(id(layer) for layer in self.cache.layers))
 
     def reset(self) -> None:
         """Drop every captured graph (and its memory pool)."""
@@ -231,39 +181,32 @@ class _GraphSet:
         return _Graph(graph, meta, logits, packed)
 
 
-def _takes_fp32_flag(model: Any) -> bool:
-    try:
-        return "fp32_logits" in inspect.signature(model.forward_batch).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 class DecodeGraphs(_GraphSet):
-    """Captures and replays decode steps of ``model`` over ``cache``.
+    """Captures and replays decode steps of a plan's model over ``cache``.
 
     Each bucket has **two** graphs (slots 0 and 1) with their own static inputs and outputs, and
     replays alternate between them, so a step's inputs are staged while the step before still
     runs: the host-built metadata is copied on a staging stream once the same slot's previous replay
     (two steps back) has finished reading it, and the replay stream only waits for that copy, which
     is long done by then. The greedy read-back (:meth:`read_back`) runs on a third stream. Between
-    two replays the replay stream then runs nothing else (before: the read-back, the staging copy and
-    the ids cast, each a few microseconds of stream turnaround; docs/performance.md, run 15).
+    two replays the replay stream then runs nothing else (each of those would cost a few microseconds
+    of stream turnaround).
 
     A step whose input ids are the previous step's greedy ids (the overlapped loop) passes that
     step's ``packed[0]`` and the source row of each of its rows; when the previous replay was this
-    bucket's other slot, the graph's first kernel picks them up on the device: the embedding lookup
-    (``ops.step_start`` / ``ops.embed_ss``) for a model whose ``folds_carry`` holds, else
-    :func:`exl3_core.ops.carry_ids`. Otherwise they are gathered and copied before the replay.
+    bucket's other slot, the graph's first kernel picks them up on the device (the plan folds them into
+    the embedding lookup where it can, else runs :func:`exl3_core.ops.carry_ids`). Otherwise they are
+    gathered and copied before the replay.
 
-    :param model: loaded model on CUDA.
+    :param plan: the execution plan of a loaded model on CUDA.
     :param cache: its allocated :class:`~exl3_core.cache.Cache`.
     :param table_width: the generator's page-table width (pages per sequence).
-    :param max_bucket: largest batch bucket to capture.
     """
 
-    def __init__(self, model: Any, cache: Any, table_width: int, max_bucket: int = MAX_GRAPH_BUCKET) -> None:
-        super().__init__(model, cache, table_width)
-        self.max_bucket = max_bucket
+    def __init__(self, plan: ExecutionPlan, cache: Cache, table_width: int) -> None:
+        super().__init__(plan, cache, table_width)
+        self.max_bucket = plan.tuning.graphs.max_decode_bucket
+        self.staging_slots = plan.tuning.graphs.staging_slots
         self._init_state()
 
     def _init_state(self) -> None:
@@ -278,13 +221,13 @@ class DecodeGraphs(_GraphSet):
         self.carried = 0  # replays whose input ids were carried over on the device, inside the graph
 
     @classmethod
-    def create(cls, model: Any, cache: Any, table_width: int, max_bucket: int = MAX_GRAPH_BUCKET) -> DecodeGraphs | None:
+    def create(cls, plan: ExecutionPlan, cache: Cache, table_width: int) -> DecodeGraphs | None:
         """A runner, or None (logged) when :func:`decline_reason` says no."""
-        why = decline_reason(model, cache)
+        why = decline_reason(plan, cache, table_width, "decode", plan.tuning.graphs.max_decode_bucket)
         if why is not None:
             log.info("CUDA-graph decode off: %s", why)
             return None
-        return cls(model, cache, table_width, max_bucket)
+        return cls(plan, cache, table_width)
 
     def capture_buckets(self, max_batch: int) -> list[int]:
         """Capture now the graphs of every bucket a step of up to ``max_batch`` rows can use (capped at
@@ -400,7 +343,7 @@ class DecodeGraphs(_GraphSet):
         blob = self._blobs[key] = _Blob(B, W, dev)
         if B not in self._rings:
             self._rings[B] = [(_Blob(B, W, torch.device("cpu"), pinned=True), torch.cuda.Event())
-                              for _ in range(STAGING_SLOTS)]
+                              for _ in range(self.staging_slots)]
             # both slots' greedy outputs, outside the graph pool: each slot's first kernel reads the other's
             self._packed[B] = torch.zeros((2, 2, B), dtype=torch.float64, device=dev)
         v = blob.views
@@ -417,15 +360,11 @@ class DecodeGraphs(_GraphSet):
 
     def _step(self, key: tuple[int, int], meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, slot = key
+        # the plan folds the carried ids into the step's first launch where it can
         carry = (self._blobs[key].views["carry"], self._packed[B][1 - slot][0])
-        if getattr(self.model, "folds_carry", False):
-            meta = replace(meta, carry=carry)  # done inside the embedding lookup: one launch fewer per step
-        else:
-            ops.carry_ids(meta.input_ids, *carry)
         # the head's own dtype: the greedy pick reads it as is, and a sampler casts its rows (no fp32
         # copy of [B, V] in every step)
-        kw = {"fp32_logits": False} if _takes_fp32_flag(self.model) else {}
-        logits = self.model.forward_batch(meta, self.cache, **kw)
+        logits = self.plan.forward(meta, self.cache, carry=carry, fp32_logits=False)
         return logits, ops.greedy_pack(logits, out=self._packed[B][slot])
 
 
@@ -440,32 +379,30 @@ class PrefillGraphs(_GraphSet):
     copies from pinned staging memory. The output is the fp32 logits ``[1, V]`` of the chunk's last
     real token.
 
-    :param max_tokens: largest bucket to capture (``EXL3_PREFILL_GRAPH_MAX``, at most the
-        generator's chunk size).
+    :param max_tokens: largest bucket to capture (at most the tuning's ``graphs.prefill_max_tokens``).
     """
 
-    def __init__(self, model: Any, cache: Any, table_width: int, max_tokens: int) -> None:
-        super().__init__(model, cache, table_width)
-        self.max_tokens = max_tokens
+    def __init__(self, plan: ExecutionPlan, cache: Cache, table_width: int, max_tokens: int) -> None:
+        super().__init__(plan, cache, table_width)
+        self.graph_tuning = plan.tuning.graphs
+        self.max_tokens = min(max_tokens, self.graph_tuning.prefill_max_tokens)
         self._staging: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = {}
         self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # graph key -> static input buffers
 
     @classmethod
-    def create(cls, model: Any, cache: Any, table_width: int, max_tokens: int) -> PrefillGraphs | None:
+    def create(cls, plan: ExecutionPlan, cache: Cache, table_width: int, max_tokens: int) -> PrefillGraphs | None:
         """A runner, or None (logged) when :func:`decline_reason` says no for the prefill phase."""
-        from exl3_core import settings
-
-        why = decline_reason(model, cache, "prefill")
+        why = decline_reason(plan, cache, table_width, "prefill")
         if why is not None:
             log.info("CUDA-graph prefill off: %s", why)
             return None
-        return cls(model, cache, table_width, min(max_tokens, settings.get().prefill_graph_max))
+        return cls(plan, cache, table_width, max_tokens)
 
     def bucket(self, tokens: int, past: int, pages: int) -> int | None:
         """The bucket a chunk of ``tokens`` new tokens after ``past`` cached ones (over ``pages``
         pages) replays in, or None when it runs eagerly (no bucket, a page list wider than the
         table, or padded positions that would run past the table)."""
-        T = prefill_bucket(tokens, self.max_tokens)
+        T = self.graph_tuning.prefill_bucket(tokens, self.max_tokens)
         if T is None or pages > self.table_width or past + T > self.table_width * self.page_size:
             return None
         return T
@@ -540,4 +477,4 @@ class PrefillGraphs(_GraphSet):
         )
 
     def _step(self, key: Any, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self.model.forward_batch(meta, self.cache), None
+        return self.plan.forward(meta, self.cache), None

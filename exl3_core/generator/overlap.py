@@ -31,17 +31,43 @@ t+1 never waits for step t. On the CPU the same code runs eagerly.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from exl3_core import ops
+from exl3_core.cache.cache import Cache
 from exl3_core.generator.batching import Chunk, HostRead, build_batch, gather_rows, meta_to_device
+from exl3_core.generator.graphs import DecodeGraphs
 from exl3_core.generator.job import Job
+from exl3_core.generator.types import Result
+from exl3_core.plan.plan import ExecutionPlan
 
-if TYPE_CHECKING:
-    from exl3_core.generator.generator import Generator, Result
+
+class PipelineHost(Protocol):
+    """What the overlapped loop drives: the generator's jobs, pages, runners and per-job handling."""
+
+    queue: deque[Job]
+    active: list[Job]
+    max_batch_size: int
+    max_seq_len: int
+    page_size: int
+    table_width: int
+    cache: Cache
+    graphs: DecodeGraphs | None
+    plan: ExecutionPlan
+    device: torch.device
+    forward_calls: int
+    tokens_computed: int
+
+    def _ensure_pages(self, job: Job, upto: int) -> None: ...
+
+    def _register_pages(self, job: Job) -> None: ...
+
+    def _process_sampled(self, jobs: list[Job], host: list[list[float]], raw_rows: torch.Tensor | None,
+                         failed: dict[int, BaseException], results: list[Result]) -> None: ...
 
 
 def plain_greedy(job: Job, pos: int) -> bool:
@@ -72,7 +98,7 @@ class DecodePipeline:
     """The overlapped decode loop of one :class:`~exl3_core.generator.Generator` (owns no jobs:
     it drives the generator's own per-job handling and page bookkeeping)."""
 
-    def __init__(self, gen: Generator) -> None:
+    def __init__(self, gen: PipelineHost) -> None:
         self.gen = gen
         self.flight: _Flight | None = None  # the launched step whose ids are not read yet
         self.runs = 0  # pipelines started (each ends in one drain)
@@ -182,7 +208,7 @@ class DecodePipeline:
             if prev is not None:
                 assert src is not None
                 dmeta.input_ids[:n].copy_(gather_rows(prev.ids, src), non_blocking=True)
-            packed = ops.greedy_pack(g.model.forward_batch(dmeta, g.cache))
+            packed = ops.greedy_pack(g.plan.forward(dmeta, g.cache))
             read = HostRead(packed)
         g.forward_calls += 1
         g.tokens_computed += n

@@ -1,8 +1,9 @@
 """A tiny self-contained decoder and byte tokenizer implementing the interfaces the generator uses.
 
 They exist so the generator, cache and samplers can be tested (by exl3 and by plugin authors)
-without model files: :class:`ToyModel` has ``forward_batch(meta, cache)``, ``attention_layers()``,
-``device``, ``dtype``, ``config.eos_token_ids()`` and ``vocab_size``; :class:`ByteTokenizer` has
+without model files: :class:`ToyModel` is a :class:`~exl3_core.generator.types.BatchModel`
+(``forward_batch``, ``cache_geometry``, ``device``, ``dtype``) with ``config.eos_token_ids()`` and
+``vocab_size``; :class:`ByteTokenizer` has
 ``encode``, ``decode``, ``get_vocab_bytes`` and ``eos_token_ids``.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 
 from exl3_core.archkit.batch import BatchMeta
 from exl3_core.attention.spec import AttnArgs, AttnSpec
+from exl3_core.cache.geometry import LayerGeometry
+from exl3_core.cache.layer import CacheLayers
 from exl3_core.reference.attention import attention
 
 
@@ -27,8 +30,6 @@ class _ToyConfig:
 
 
 class _ToyAttention:
-    cache_kind = "kv"
-
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -67,15 +68,17 @@ class ToyModel:
         self.head = w(hidden, vocab_size, s=scale * 4.0)
         self.forward_calls = 0
         self.tokens_computed = 0
+        self.loaded = True  # built with its weights: a Cache for it allocates at once
 
-    def attention_layers(self) -> list[Any]:
-        return list(self._attn)
+    def cache_geometry(self) -> tuple[LayerGeometry, ...]:
+        return tuple(LayerGeometry("kv", a.num_kv_heads, a.head_dim, a.head_dim_v) for a in self._attn)
 
     @staticmethod
     def _norm(x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
-    def forward_batch(self, meta: BatchMeta, cache: Any = None) -> torch.Tensor:
+    def forward_batch(self, meta: BatchMeta, cache: CacheLayers | None = None, *,
+                      fp32_logits: bool = True) -> torch.Tensor:
         self.forward_calls += 1
         self.tokens_computed += int(meta.input_ids.shape[0])
         x = self.emb[meta.input_ids]
@@ -102,7 +105,8 @@ class ToyModel:
             x = x + torch.relu(self._norm(x) @ p["w1"]) @ p["w2"]
         if meta.logits_indices is not None:
             x = x[meta.logits_indices]
-        return (self._norm(x) @ self.head).float()
+        logits = self._norm(x) @ self.head
+        return logits.float() if fp32_logits else logits
 
 
 class ByteTokenizer:

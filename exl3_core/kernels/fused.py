@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
+from exl3_core.kernels.codes import ACT_CODES
 from exl3_core.kernels.counters import arrival_counters
 from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
-from exl3_core.ops import ACT_CODES
 
 # -- RMSNorm (+ residual add) -----------------------------------------------------------------------
 

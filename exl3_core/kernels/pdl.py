@@ -12,8 +12,9 @@ few microseconds long, so the launch gap between two kernels is a visible share 
 * The Triton kernels of the step (RMSNorm, the gated activation, RoPE, the attention split and
   combine) take a ``PDL`` flag: launched with ``launch_pdl``, they wait first, then signal.
 
-Both signals are hints and harmless when nothing dependent follows. ``EXL3_PDL=0`` turns every
-part off (the C++ side through ``exl3::set_pdl``, see ``exl3_core/ext.py``).
+Both signals are hints and harmless when nothing dependent follows. Whether a forward launches this
+way is its tuning's (``KernelTuning.pdl``): the execution plan sets it for the duration of its forward
+(:func:`exl3_core.kernels.launch.launch_config`); outside one, kernels launch with PDL where the device has it.
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ import functools
 
 import torch
 import triton
+
+from exl3_core.kernels.launch import pdl_requested
 
 try:
     from triton.backends.nvidia.compiler import CUDAOptions
@@ -47,9 +50,7 @@ def _sm90_or_newer(index: int) -> bool:
 
 def early_launch(t: torch.Tensor) -> bool:
     """Whether a kernel writing ``t`` should signal its dependents at its start."""
-    from exl3_core import settings
-
-    return bool(t.is_cuda and HAS_GDC and settings.get().pdl
+    return bool(t.is_cuda and HAS_GDC and pdl_requested()
                 and _sm90_or_newer(t.device.index if t.device.index is not None else torch.cuda.current_device()))
 
 

@@ -227,4 +227,4 @@ def save_sharded(
     return finals
 
 
-__all__ = ["save_tensors", "save_sharded", "shard_name"]
+__all__ = ["save_sharded", "save_tensors", "shard_name"]

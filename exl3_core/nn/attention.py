@@ -1,30 +1,29 @@
 """Multi-head attention with grouped/multi-query KV heads, over the dispatcher's backends.
 
-The module projects q/k/v, optionally RMS-normalises q and k per head, applies RoPE, and hands
-the packed-layout tensors (:mod:`exl3_core.attention.spec`) to whichever backend the dispatcher
-picks for the call's *static* :class:`AttnSpec`. With a cache, the new keys/values are written
-through the cache layer first (one scatter by ``slot_mapping``) and the backend reads the pages.
-Nothing here reads a tensor back to the host.
+The forward reads like the maths: project q/k/v, normalise q and k per head (optional), rotate
+them (RoPE), store this step's keys and values through the cache layer, attend, project out.
+Fused forms of the same steps (one launch for q/k/v, RoPE and the cache write in the projection's
+epilogue, ...) are chosen by the execution plan (:mod:`exl3_core.plan`), which calls the pieces
+defined here. Nothing here reads a tensor back to the host.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from exl3_core import ops, settings
 from exl3_core.attention.dispatch import get_dispatcher
-from exl3_core.attention.spec import AttnArgs, AttnSpec, device_cc
+from exl3_core.attention.spec import AttnArgs, AttnSpec, CallShape, device_cc, sm_count
+from exl3_core.cache.geometry import LayerGeometry
+from exl3_core.cache.layer import CacheLayer
+from exl3_core.nn.linear import shard_linear
 from exl3_core.nn.module import ForwardState, LoadContext, Module
-from exl3_core.nn.norm import DeferredNorm, RMSNorm, add_residual_ss
+from exl3_core.nn.norm import RMSNorm
 from exl3_core.nn.rope import RotaryEmbedding
-from exl3_core.quant.exl3.linear import (
-    QKVEpilogue,
-    linear_residual,
-    project_group,
-    qkv_epilogue_ok,
-    residual_fusable,
-)
+from exl3_core.nn.shard import HeadShard, LinearShard, ShardKind
+
+if TYPE_CHECKING:
+    from exl3_core.archkit.batch import BatchMeta
 
 
 class Attention(Module):
@@ -83,145 +82,138 @@ class Attention(Module):
         self.scale = head_dim ** -0.5 if scale is None else scale
         #: index into ``cache.layers``; assigned by the model in attention-layer order
         self.cache_index: int | None = None
+        #: this rank's share of the heads under tensor parallelism (None: all heads)
+        self.shard: HeadShard | None = None
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if qk_norm_keys is not None:
             self.q_norm = RMSNorm(f"{prefix}.{qk_norm_keys[0]}", head_dim, norm_eps, offset=norm_offset)
             self.k_norm = RMSNorm(f"{prefix}.{qk_norm_keys[1]}", head_dim, norm_eps, offset=norm_offset)
         self.declare_slots("q_proj", "k_proj", "v_proj", "o_proj")
-        self._specs: dict[tuple[Any, ...], AttnSpec] = {}
+        self._specs: dict[tuple[object, ...], AttnSpec] = {}
 
     # -- loading --------------------------------------------------------------------------------
     def load_weights(self, ctx: LoadContext) -> None:
         qk, kk, vk, ok = self.proj_keys
         h, nq, nkv = self.hidden_size, self.num_heads, self.num_kv_heads
-        self.attach_loaded("q_proj", ctx.linear(qk, h, nq * self.head_dim, bias=self.qkv_bias))  # type: ignore[arg-type]
-        self.attach_loaded("k_proj", ctx.linear(kk, h, nkv * self.head_dim, bias=self.qkv_bias))  # type: ignore[arg-type]
-        self.attach_loaded("v_proj", ctx.linear(vk, h, nkv * self.head_dim_v, bias=self.qkv_bias))  # type: ignore[arg-type]
-        self.attach_loaded("o_proj", ctx.linear(ok, nq * self.head_dim_v, h, bias=self.o_bias))  # type: ignore[arg-type]
+        self.attach_loaded("q_proj", ctx.linear(qk, h, nq * self.head_dim, bias=self.qkv_bias))
+        self.attach_loaded("k_proj", ctx.linear(kk, h, nkv * self.head_dim, bias=self.qkv_bias))
+        self.attach_loaded("v_proj", ctx.linear(vk, h, nkv * self.head_dim_v, bias=self.qkv_bias))
+        self.attach_loaded("o_proj", ctx.linear(ok, nq * self.head_dim_v, h, bias=self.o_bias))
+        self.shard = None
         self._specs.clear()
 
+    def apply_shard(self, shard: HeadShard) -> None:
+        """Keep only ``shard``'s heads: q/k/v cut by output (their heads' features), o by input (a partial
+        sum that :meth:`project_out` reduces). Call after loading, before attaching adapters."""
+        r, w, d, dv = shard.rank, shard.world, self.head_dim, self.head_dim_v
+
+        def cut(m: torch.nn.Module, kind: ShardKind, start: int, stop: int) -> torch.nn.Module:
+            return shard_linear(m, LinearShard(kind, r, w, start, stop))
+
+        self.attach_loaded("q_proj", cut(self.q_proj, "column", shard.q_start * d, shard.q_stop * d))
+        self.attach_loaded("k_proj", cut(self.k_proj, "column", shard.kv_start * d, shard.kv_stop * d))
+        self.attach_loaded("v_proj", cut(self.v_proj, "column", shard.kv_start * dv, shard.kv_stop * dv))
+        self.attach_loaded("o_proj", cut(self.o_proj, "row", shard.q_start * dv, shard.q_stop * dv))
+        self.shard = shard
+        self._specs.clear()
+
+    def cache_geometry(self) -> LayerGeometry:
+        """Keys and values of this rank's KV heads."""
+        return LayerGeometry(self.cache_kind, self.local_heads[1], self.head_dim, self.head_dim_v)
+
     # -- static dispatch ------------------------------------------------------------------------
-    def attn_spec(self, dtype: torch.dtype, device: torch.device, cache_view: str | None, phase: str) -> AttnSpec:
+    @property
+    def local_heads(self) -> tuple[int, int]:
+        """``(query heads, kv heads)`` this module computes (all of them unless sharded)."""
+        if self.shard is None:
+            return self.num_heads, self.num_kv_heads
+        return self.shard.num_q_heads, self.shard.num_kv_heads
+
+    def attn_spec(self, dtype: torch.dtype, device: torch.device, cache_view: str | None,
+                  shape: CallShape) -> AttnSpec:
         """The static spec for a call: built from Python values only, memoised (no host sync)."""
-        key = (dtype, device, cache_view, phase)
+        key = (dtype, device, cache_view, shape)
         spec = self._specs.get(key)
         if spec is None:
+            hq, hkv = self.local_heads
             spec = self._specs[key] = AttnSpec(
-                head_dim=self.head_dim, num_q_heads=self.num_heads, num_kv_heads=self.num_kv_heads, dtype=dtype,
-                cache=cache_view, phase=phase,  # type: ignore[arg-type]
-                causal=True, window=self.window, softcap=self.softcap, varlen=True, device_type=device.type,
-                device_cc=device_cc(device), head_dim_v=None if self.head_dim_v == self.head_dim else self.head_dim_v,
-            )
+                head_dim=self.head_dim, num_q_heads=hq, num_kv_heads=hkv, dtype=dtype, cache=cache_view,
+                phase=shape.phase, causal=True, window=self.window, softcap=self.softcap, varlen=True,
+                device_type=device.type, device_cc=device_cc(device),
+                head_dim_v=None if self.head_dim_v == self.head_dim else self.head_dim_v,
+                max_keys=shape.max_keys, num_seqs=shape.num_seqs, q_per_seq=shape.q_per_seq,
+                sm_count=sm_count(device))
         return spec
 
     # -- forward --------------------------------------------------------------------------------
-    def project_qkv(self, x: torch.Tensor | DeferredNorm, state: ForwardState, rotate: bool = True,
-                    epilogue: QKVEpilogue | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x [T, hidden]`` -> q ``[T, Hq, D]``, k ``[T, Hkv, D]``, v ``[T, Hkv, Dv]`` (normed; rotated
-        unless ``rotate`` is False; with ``epilogue`` the projection launch itself rotates and writes
-        the cache)."""
-        # one launch when they can share it
-        q, k, v = project_group(x, (self.q_proj, self.k_proj, self.v_proj), epilogue=epilogue)
+    def split_heads(self, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projection outputs ``[T, H * D]`` as ``[T, H, D]`` views."""
+        hq, hkv = self.local_heads
         T = q.shape[0]
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim_v)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope is not None and rotate:
-            q, k = self.rope.rotate_qk(q, k, *self._cos_sin(state))  # fresh projection outputs: ours to rotate in place
-        return q, k, v
+        return (q.view(T, hq, self.head_dim), k.view(T, hkv, self.head_dim), v.view(T, hkv, self.head_dim_v))
 
-    def _cos_sin(self, state: ForwardState) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk_normed(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head RMSNorm of q and k where the model has it."""
+        if self.q_norm is not None and self.k_norm is not None:
+            return self.q_norm(q), self.k_norm(k)
+        return q, k
+
+    def cos_sin(self, state: ForwardState) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables of this forward's positions, computed once per forward for every layer."""
         rope = self.rope
         assert rope is not None
         return state.memoize(("rope", id(rope)), lambda: rope.cos_sin(state.meta.positions))
 
-    def forward(self, x: torch.Tensor, state: ForwardState, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """``[T, hidden]``; with ``rows`` (int64 indices) only those rows' outputs, ``[len(rows), hidden]``:
-        every row still attends and writes its keys and values, but o_proj runs on the kept rows alone."""
-        o = self.attend(x, state)
-        return self.o_proj(o if rows is None else o.index_select(0, rows))
-
-    def forward_residual(self, x: torch.Tensor | DeferredNorm, state: ForwardState, residual: torch.Tensor,
-                         ss: torch.Tensor) -> torch.Tensor:
-        """``residual + self(x)`` with each row's sum of squares of the result added into ``ss`` (fp32,
-        zero before): at decode sizes o_proj adds the residual in its epilogue and the next linear
-        normalises with ``ss`` (:class:`DeferredNorm`), so no norm kernel runs in between."""
-        o = self.attend(x, state)
-        if residual_fusable(self.o_proj, o, residual):
-            return linear_residual(self.o_proj, o, residual, ss)  # type: ignore[arg-type]
-        return add_residual_ss(residual, self.o_proj(o), ss)
-
-    def attend(self, x: torch.Tensor | DeferredNorm, state: ForwardState) -> torch.Tensor:
-        """Attention up to o_proj's input ``[T, Hq * Dv]``."""
-        meta = state.meta
+    def forward(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``."""
+        q, k, v = self.split_heads(self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k = self.qk_normed(q, k)
+        if self.rope is not None:
+            q, k = self.rope.rotate_qk(q, k, *self.cos_sin(state))
         layer = state.cache_layer(self.cache_index)
-        own_qkv = type(self).project_qkv is Attention.project_qkv  # a subclass's may not take rotate=False
-        ep = self._qkv_epilogue(x, layer, state) if own_qkv else None
-        # else RoPE and the cache write as one kernel where the cache layer offers it (CUDA)
-        write_rotated = getattr(layer, "write_rotated", None) if self.rope is not None and ep is None else None
-        fuse = write_rotated is not None and own_qkv and ops.fused_enabled(meta.positions)
-        # unrotated where RoPE comes later: in q/k/v's own launch (ep) or with the cache write (fuse); the
-        # keywords only then (both need own_qkv)
-        q, k, v = self.project_qkv(x, state, rotate=False, epilogue=ep) if ep is not None or fuse \
-            else self.project_qkv(x, state)
-        if layer is None:
-            return self._dispatch(q, k, v, None, state)
-        if meta.slot_mapping is None or meta.page_table is None:
-            raise ValueError("forward with a cache needs BatchMeta.slot_mapping and page_table")
-        if fuse:
-            assert write_rotated is not None and self.rope is not None
-            write_rotated(q, k, v, meta.slot_mapping, *self._cos_sin(state), self.rope.rotary_dim,
-                          self.rope.interleaved)
-        elif ep is None:  # (with ep, the q/k/v launch wrote them)
-            layer.write(k, v, meta.slot_mapping)
-        c = layer.attn_tensors()[0].dtype
-        if not (q.dtype == torch.bfloat16 and c == torch.float16):
-            return self._dispatch(q, k, v, layer, state)
-        # bf16 activations beside an fp16 cache (a bf16 prefill: StandardDecoder._prefill_dtype)
-        if meta.fresh_single_sequence:
-            return self._dispatch(q, k, v, None, state)  # one fresh sequence: its keys are these rows alone
-        return self._dispatch(q.to(c), k.to(c), v.to(c), layer, state).to(q.dtype)  # else in the cache's dtype
+        if layer is not None:
+            layer.write(k, v, state.slots())
+        return self.project_out(self.attend(q, k, v, layer, state), state)
 
-    def _dispatch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: Any,
-                  state: ForwardState) -> torch.Tensor:
-        """The selected backend's attention of ``q`` over ``layer``'s cache (its new rows already written),
-        or with ``layer`` None over ``k``/``v`` alone; ``[T, Hq * Dv]``."""
+    def project_out(self, o: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        """o_proj, summed over the tensor-parallel group when this rank holds a share of the heads."""
+        y = self.o_proj(o)
+        return state.all_reduce(y) if self.shard is not None else y
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: CacheLayer | None,
+               state: ForwardState) -> torch.Tensor:
+        """Attention of ``q`` over ``layer``'s cache (this step's keys and values already stored there),
+        or over ``k``/``v`` alone when ``layer`` is None; ``[T, Hq * Dv]``.
+
+        A fresh single sequence (no earlier tokens) attends to its own new rows: its keys are exactly
+        ``k``/``v``, so the backend gets them without the cache. Activations in another dtype than the
+        cache's (a bf16 prefill over an fp16 cache) attend in the cache's dtype."""
         meta = state.meta
-        k_cache, v_cache = layer.attn_tensors() if layer is not None else (None, None)
-        spec = self.attn_spec(q.dtype, q.device, layer.views()[0] if layer is not None else None, meta.phase)
-        args = AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
-                        max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=self.scale,
-                        k=k, v=v, k_cache=k_cache, v_cache=v_cache,
-                        page_table=meta.page_table if layer is not None else None)
-        backend = get_dispatcher(state.plugins).select(spec, state.allowed_backends)
-        return backend.forward(args).reshape(q.shape[0], self.num_heads * self.head_dim_v)
+        if layer is not None and meta.fresh_single_sequence:
+            layer = None
+        out_dtype = q.dtype
+        if layer is not None and q.dtype != layer.dtype:
+            q, k, v = q.to(layer.dtype), k.to(layer.dtype), v.to(layer.dtype)
+        shape = meta.call_shape()
+        dispatcher = get_dispatcher(state.plugins)
+        if layer is None:
+            spec = self.attn_spec(q.dtype, q.device, None, shape)
+            backend = dispatcher.select(spec, state.allowed_backends)
+            args = self._args(spec, q, meta, k=k, v=v)
+        else:
+            backend, view = dispatcher.select_view(
+                lambda view: self.attn_spec(q.dtype, q.device, view, shape), layer.views(), state.allowed_backends)
+            k_cache, v_cache = layer.attn_view(view)
+            spec = self.attn_spec(q.dtype, q.device, view, shape)
+            args = self._args(spec, q, meta, k=k, v=v, k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table)
+        hq, _ = self.local_heads
+        return backend.forward(args).reshape(q.shape[0], hq * self.head_dim_v).to(out_dtype)
 
-    def _qkv_epilogue(self, x: torch.Tensor | DeferredNorm, layer: Any, state: ForwardState) -> QKVEpilogue | None:
-        """RoPE and the KV write for q/k/v's epilogue, where the linears, the rotary and the cache allow it."""
-        rope, meta = self.rope, state.meta
-        if (rope is None or layer is None or self.q_norm is not None or meta.slot_mapping is None
-                or not settings.get().qkv_epilogue):
-            return None
-        caches = getattr(layer, "epilogue_caches", None)
-        kv = caches() if caches is not None else None
-        layers = (self.q_proj, self.k_proj, self.v_proj)
-        if kv is None or not qkv_epilogue_ok(x, layers, self.head_dim, rope.rotary_dim):
-            return None
-        k_cache, v_cache = kv
-        if (k_cache.shape[2:].numel() != self.k_proj.out_features or v_cache.shape[2:].numel() != self.v_proj.out_features
-                or k_cache.device != meta.slot_mapping.device):
-            return None
-        cos, sin = self._cos_sin(state)
-        if cos.dtype != torch.float32 or sin.dtype != torch.float32:
-            return None
-        return QKVEpilogue(cos, sin, rope.interleaved, meta.slot_mapping, k_cache, v_cache)
-
-    #: the forward that :meth:`forward_residual` computes (a subclass overriding ``forward`` alone
-    #: does not get the residual path: exl3_core.archkit.decoder checks this)
-    residual_forward_of: ClassVar[Any] = forward
+    def _args(self, spec: AttnSpec, q: torch.Tensor, meta: BatchMeta, **tensors: torch.Tensor | None) -> AttnArgs:
+        return AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
+                        max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=self.scale, **tensors)
 
     def extra_repr(self) -> str:
         return f"{self.prefix}: heads={self.num_heads}/{self.num_kv_heads}, head_dim={self.head_dim}, " \

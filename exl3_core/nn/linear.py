@@ -13,7 +13,9 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
-from exl3_core.nn.module import TensorSource, WeightError
+from exl3_core.nn.adapters import LinearAdapter, adapted
+from exl3_core.nn.shard import LinearShard
+from exl3_core.nn.source import TensorSource, WeightError
 
 PAD = 128  # EXL3 converters zero-pad unquantized linears to this multiple
 
@@ -24,10 +26,15 @@ def _padded(n: int) -> int:
 
 @runtime_checkable
 class LinearBase(Protocol):
-    """What a block expects of a linear: true feature counts and ``forward(x [..., in]) -> [..., out]``."""
+    """What a block expects of a linear: true feature counts, ``forward(x [..., in]) -> [..., out]``, the
+    adapters whose deltas its output includes (:mod:`exl3_core.nn.adapters`) and the tensor-parallel
+    shard it holds (:mod:`exl3_core.nn.shard`; None: the whole layer)."""
 
+    key: str
     in_features: int
     out_features: int
+    adapters: tuple[LinearAdapter, ...]
+    shard: LinearShard | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -64,9 +71,11 @@ class DenseLinear(torch.nn.Module):
             bias = bias[:out_features].contiguous()
         self.register_buffer("weight", weight)
         self.register_buffer("bias", bias)
+        self.adapters: tuple[LinearAdapter, ...] = ()
+        self.shard: LinearShard | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return adapted(F.linear(x, self.weight, self.bias), x, self.adapters)
 
     def extra_repr(self) -> str:
         return f"{self.key}: in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, " \
@@ -134,3 +143,38 @@ def make_linear(key: str, in_features: int, out_features: int, *, bias: bool | N
     if bias is not False and bname in names:
         b = source.get_tensor(bname, device=device, dtype=dtype)
     return DenseLinear(w, b, in_features, out_features, key=key)
+
+
+def shard_linear(linear: torch.nn.Module, shard: LinearShard) -> torch.nn.Module:
+    """The part of ``linear`` that ``shard`` names, as a new linear of the same type (weights sliced, not
+    copied where a view will do). A row shard keeps the bias on rank 0 only (it is added once, after the
+    reduction's sum). The result carries ``shard`` and the adapters of the original.
+
+    :raises TypeError: for a linear type that cannot be sharded; :raises ValueError: for ranges the
+        storage cannot cut (EXL3 cuts at 128 features).
+    """
+    from exl3_core.quant.exl3.linear import EXL3Linear, shard_exl3
+
+    if getattr(linear, "adapters", ()):
+        raise ValueError(f"{getattr(linear, 'key', '?')}: shard the model before attaching adapters (an adapter's "
+                         f"weights need the same cut)")
+    if isinstance(linear, EXL3Linear):
+        out: torch.nn.Module = shard_exl3(linear, shard.kind, shard.start, shard.stop, keep_bias=shard.rank == 0)
+    elif isinstance(linear, DenseLinear):
+        w, b = linear.weight, linear.bias
+        if shard.kind == "column":
+            if shard.stop > linear.out_features:
+                raise ValueError(f"{linear.key}: column shard {shard.start}:{shard.stop} beyond {linear.out_features}")
+            w, b = w[shard.start:shard.stop], (b[shard.start:shard.stop] if b is not None else None)
+            n_in, n_out = linear.in_features, shard.stop - shard.start
+        else:
+            if shard.stop > linear.in_features:
+                raise ValueError(f"{linear.key}: row shard {shard.start}:{shard.stop} beyond {linear.in_features}")
+            w, b = w[:, shard.start:shard.stop], (b if shard.rank == 0 else None)
+            n_in, n_out = shard.stop - shard.start, linear.out_features
+        out = DenseLinear(w.contiguous(), b, n_in, n_out, key=linear.key)
+    else:
+        raise TypeError(f"cannot shard {type(linear).__name__} ({getattr(linear, 'key', '?')}): only EXL3 and "
+                        f"dense linears have shards")
+    out.shard = shard  # type: ignore[assignment]
+    return out

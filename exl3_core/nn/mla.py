@@ -19,7 +19,8 @@ import torch
 
 from exl3_core.archkit.config import RopeSettings
 from exl3_core.attention.dispatch import get_dispatcher
-from exl3_core.attention.spec import AttnArgs, AttnSpec, device_cc
+from exl3_core.attention.spec import AttnArgs, AttnSpec, CallShape, device_cc, sm_count
+from exl3_core.cache.geometry import LayerGeometry
 from exl3_core.nn.module import ForwardState, LoadContext, Module
 from exl3_core.nn.norm import RMSNorm
 from exl3_core.nn.rope import RotaryEmbedding
@@ -125,7 +126,10 @@ class LatentAttention(Module):
         self.register_buffer("w_uv", None, persistent=False)
         self._specs: dict[tuple[Any, ...], AttnSpec] = {}
 
-    # the cache geometry the Cache reads from every attention module
+    def cache_geometry(self) -> LayerGeometry:
+        """One shared head per token: the latent and the rotary key."""
+        return LayerGeometry(self.cache_kind, 1, self.head_dim, self.head_dim_v)
+
     @property
     def head_dim(self) -> int:
         return self.kv_lora_rank + self.rope_dim
@@ -161,16 +165,17 @@ class LatentAttention(Module):
         self.w_uv = w[..., n:].permute(1, 0, 2).contiguous().to(dtype)  # [H, L, v]
 
     # -- forward --------------------------------------------------------------------------------
-    def attn_spec(self, dtype: torch.dtype, device: torch.device, cache_view: str | None, phase: str,
-                  page_size: int | None = None) -> AttnSpec:
-        """The static spec (MQA over the latent), memoised per (dtype, device, view, phase, page size)."""
-        key = (dtype, device, cache_view, phase, page_size)
+    def attn_spec(self, dtype: torch.dtype, device: torch.device, cache_view: str | None,
+                  shape: CallShape) -> AttnSpec:
+        """The static spec (MQA over the latent), memoised per (dtype, device, view, call shape)."""
+        key = (dtype, device, cache_view, shape)
         spec = self._specs.get(key)
         if spec is None:
             spec = self._specs[key] = AttnSpec(
                 head_dim=self.head_dim, num_q_heads=self.num_heads, num_kv_heads=1, dtype=dtype, cache=cache_view,
-                phase=phase, causal=True, varlen=True, device_type=device.type,  # type: ignore[arg-type]
-                device_cc=device_cc(device), head_dim_v=self.kv_lora_rank, page_size=page_size)
+                phase=shape.phase, causal=True, varlen=True, device_type=device.type,
+                device_cc=device_cc(device), head_dim_v=self.kv_lora_rank, max_keys=shape.max_keys,
+                num_seqs=shape.num_seqs, q_per_seq=shape.q_per_seq, sm_count=sm_count(device))
         return spec
 
     def project(self, x: torch.Tensor, state: ForwardState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -208,21 +213,23 @@ class LatentAttention(Module):
         q = torch.cat([q_latent, q_rope.to(dt)], dim=-1)
         kv = kv.to(dt)
         layer = state.cache_layer(self.cache_index)
-        if layer is None:
-            spec = self.attn_spec(dt, x.device, None, meta.phase)
-            args = AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
-                            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=self.scale,
-                            k=kv, v=kv[..., : self.kv_lora_rank])
+        shape = meta.call_shape()
+        dispatcher = get_dispatcher(state.plugins)
+        common = {"q": q, "cu_seqlens_q": meta.cu_seqlens_q, "seq_lens_k": meta.seq_lens_k,
+                  "max_seqlen_q": meta.max_seqlen_q, "max_seqlen_k": meta.max_seqlen_k, "scale": self.scale}
+        if layer is not None:
+            layer.write(kv, None, state.slots())
+        if layer is None or meta.fresh_single_sequence:  # a fresh sequence's keys are its own rows
+            spec = self.attn_spec(dt, x.device, None, shape)
+            backend = dispatcher.select(spec, state.allowed_backends)
+            args = AttnArgs(spec=spec, k=kv, v=kv[..., : self.kv_lora_rank], **common)
         else:
-            if meta.slot_mapping is None or meta.page_table is None:
-                raise ValueError(f"{self.prefix}: forward with a cache needs BatchMeta.slot_mapping and page_table")
-            layer.write(kv, None, meta.slot_mapping)
-            k_cache, _ = layer.attn_tensors()
-            spec = self.attn_spec(dt, x.device, layer.views()[0], meta.phase, layer.page_size)
-            args = AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
-                            max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=self.scale,
-                            k_cache=k_cache, v_cache=None, page_table=meta.page_table)
-        o_latent = get_dispatcher(state.plugins).select(spec, state.allowed_backends).forward(args)  # [T, H, L]
+            backend, view = dispatcher.select_view(lambda v: self.attn_spec(dt, x.device, v, shape), layer.views(),
+                                                   state.allowed_backends)
+            k_cache, _ = layer.attn_view(view)
+            spec = self.attn_spec(dt, x.device, view, shape)
+            args = AttnArgs(spec=spec, k_cache=k_cache, v_cache=None, page_table=meta.page_table, **common)
+        o_latent = backend.forward(args)  # [T, H, L]
         if rows is not None:
             o_latent, T = o_latent.index_select(0, rows), rows.shape[0]
         o = torch.einsum("thl,hlv->thv", o_latent.to(dt), self.w_uv)

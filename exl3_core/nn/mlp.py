@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from exl3_core import ops
-from exl3_core.nn.module import LoadContext, Module
-from exl3_core.nn.norm import DeferredNorm, add_residual_ss
-from exl3_core.quant.exl3.linear import linear_residual, project_group, residual_fusable
+from exl3_core.nn.linear import shard_linear
+from exl3_core.nn.module import ForwardState, LoadContext, Module
+from exl3_core.nn.shard import LinearShard, even_split
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -31,10 +31,8 @@ ACTIVATIONS: dict[str, Activation] = {
 }
 
 
-# activations with a fused ``act(gate) * up`` kernel (exl3_core.ops), and their names for a down
-# projection that can form the product itself (a linear's ``forward_act``)
-_FUSED_ACT_MUL: dict[Activation, Callable[..., torch.Tensor]] = {F.silu: ops.silu_mul, _gelu_tanh: ops.gelu_tanh_mul}
-_ACT_NAMES: dict[Activation, str] = {F.silu: "silu", _gelu_tanh: "gelu_tanh"}
+#: activations with a fused ``act(gate) * up`` kernel, by their kernel name (exl3_core.kernels.codes)
+FUSED_ACT_NAMES: dict[Activation, str] = {F.silu: "silu", _gelu_tanh: "gelu_tanh"}
 
 
 def activation(name: str) -> Activation:
@@ -74,31 +72,24 @@ class GatedMLP(Module):
         self.attach_loaded("up", ctx.linear(u, h, i, bias=self.bias))  # type: ignore[arg-type]
         self.attach_loaded("down", ctx.linear(d, i, h, bias=self.bias))  # type: ignore[arg-type]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.gate is not None and self.up is not None and self.down is not None, "MLP is not loaded"
-        gate, up = project_group(x, (self.gate, self.up))  # one launch when they can share it
-        return self._down(gate, up)
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
+        y = self.down(self.act_mul(self.gate(x), self.up(x)))
+        return state.all_reduce(y) if state is not None and self.down.shard is not None else y
 
-    def forward_residual(self, x: torch.Tensor | DeferredNorm, residual: torch.Tensor, ss: torch.Tensor) -> torch.Tensor:
-        """``residual + self(x)`` with each row's sum of squares of the result added into ``ss`` (see
-        :meth:`exl3_core.nn.attention.Attention.forward_residual`); the down projection forms the
-        activation product in its prologue and adds the residual in its epilogue."""
-        gate, up = project_group(x, (self.gate, self.up))
-        name = _ACT_NAMES.get(self.act)
-        if name is not None and ops.fused_enabled(up) and residual_fusable(self.down, up, residual, gate):
-            return linear_residual(self.down, up, residual, ss, gate=gate, act=name)  # type: ignore[arg-type]
-        return add_residual_ss(residual, self._down(gate, up), ss)
+    def apply_shard(self, rank: int, world: int) -> None:
+        """Keep ``rank``'s share of the intermediate features: gate/up cut by output, down by input (a
+        partial sum that :meth:`forward` reduces). Call after loading, before attaching adapters."""
+        start, stop = even_split(self.intermediate_size, rank, world)
+        self.attach_loaded("gate", shard_linear(self.gate, LinearShard("column", rank, world, start, stop)))
+        self.attach_loaded("up", shard_linear(self.up, LinearShard("column", rank, world, start, stop)))
+        self.attach_loaded("down", shard_linear(self.down, LinearShard("row", rank, world, start, stop)))
 
-    def _down(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        fused = _FUSED_ACT_MUL.get(self.act) if ops.fused_enabled(up) else None
-        if fused is not None:  # CUDA: act, cast and mul in one kernel, or inside the down projection's
-            forward_act = getattr(self.down, "forward_act", None)
-            y = forward_act(gate, up, _ACT_NAMES[self.act]) if forward_act is not None else None
-            return y if y is not None else self.down(fused(gate, up))
-        return self.down(self.act(gate) * up)
-
-    #: the forward that :meth:`forward_residual` computes (see Attention.residual_forward_of)
-    residual_forward_of = forward
+    def act_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up``: one kernel where the activation has one (:data:`FUSED_ACT_NAMES`)."""
+        name = FUSED_ACT_NAMES.get(self.act)
+        if name is not None and ops.fused_enabled(up):
+            return ops.act_mul(name, gate, up)
+        return self.act(gate) * up
 
 
 class MLP(Module):
@@ -123,6 +114,6 @@ class MLP(Module):
         self.attach_loaded("up", ctx.linear(u, self.hidden_size, self.intermediate_size, bias=self.bias))  # type: ignore[arg-type]
         self.attach_loaded("down", ctx.linear(d, self.intermediate_size, self.hidden_size, bias=self.bias))  # type: ignore[arg-type]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.up is not None and self.down is not None, "MLP is not loaded"
-        return self.down(self.act(self.up(x)))
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
+        y = self.down(self.act(self.up(x)))
+        return state.all_reduce(y) if state is not None and self.down.shard is not None else y

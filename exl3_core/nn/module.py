@@ -8,35 +8,19 @@ cos/sin) through the blocks without any host synchronisation.
 """
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
+from exl3_core.nn.source import TensorSource, WeightError
+
 if TYPE_CHECKING:
     from exl3_core.archkit.batch import BatchMeta
+    from exl3_core.cache.layer import CacheLayer, CacheLayers
     from exl3_core.nn.linear import LinearBase
-
-
-class WeightError(ValueError):
-    """A checkpoint tensor is missing, misshapen or of the wrong kind; the message names it."""
-
-
-class TensorSource(Protocol):
-    """Where weights come from (``exl3_core.loader.SafetensorsCollection`` implements it)."""
-
-    directory: Path
-
-    def __contains__(self, name: object) -> bool: ...
-
-    def keys(self) -> list[str]: ...
-
-    def shape(self, name: str) -> tuple[int, ...]: ...
-
-    def get_tensor(self, name: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                   expect_shape: Collection[int | None] | None = None) -> torch.Tensor: ...
+    from exl3_core.plugins.registry import Plugins
 
 
 class LoadContext:
@@ -146,29 +130,51 @@ class Module(torch.nn.Module):
                 yield m
 
 
+class Communicator(Protocol):
+    """The collectives a tensor-parallel forward needs (a torch.distributed process group's, or a test's)."""
+
+    rank: int
+    world: int
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The elementwise sum of ``t`` over all ranks (every rank gets it)."""
+        ...
+
+
 @dataclass
 class ForwardState:
     """Per-forward context handed to every block.
 
     :param meta: the batch (positions, sequence bounds, cache slots: all tensors).
-    :param cache: an ``exl3_core.cache.Cache`` (anything with ``.layers``) or None for a full,
-        cache-less forward.
+    :param cache: the cache (``exl3_core.cache.Cache``) or None for a full, cache-less forward.
     :param allowed_backends: explicit attention backend order, or None for priority order.
     :param plugins: the plugin set whose attention backends are used.
+    :param comm: the tensor-parallel group (None: one rank, nothing to reduce).
     """
 
     meta: BatchMeta
-    cache: Any = None
+    cache: CacheLayers | None = None
     allowed_backends: tuple[str, ...] | None = None
-    plugins: Any = None
-    memo: dict[Any, Any] = field(default_factory=dict)
+    plugins: Plugins | None = None
+    comm: Communicator | None = None
+    memo: dict[object, Any] = field(default_factory=dict)
 
-    def cache_layer(self, cache_index: int | None) -> Any:
+    def cache_layer(self, cache_index: int | None) -> CacheLayer | None:
         if self.cache is None or cache_index is None:
             return None
         return self.cache.layers[cache_index]
 
-    def memoize(self, key: Any, fn: Any) -> Any:
+    def slots(self) -> torch.Tensor:
+        """This step's flat cache slots; a forward with a cache needs them."""
+        if self.meta.slot_mapping is None or self.meta.page_table is None:
+            raise ValueError("a forward with a cache needs BatchMeta.slot_mapping and page_table")
+        return self.meta.slot_mapping
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of a row-parallel layer's partial outputs over the tensor-parallel group."""
+        return t if self.comm is None else self.comm.all_reduce(t)
+
+    def memoize(self, key: object, fn: Callable[[], Any]) -> Any:
         """``fn()`` once per forward for ``key`` (e.g. RoPE cos/sin shared by all layers)."""
         if key not in self.memo:
             self.memo[key] = fn()

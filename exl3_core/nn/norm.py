@@ -1,7 +1,5 @@
-"""RMSNorm, computed in fp32 whatever the activation dtype, and its deferred form."""
+"""RMSNorm, computed in fp32 whatever the activation dtype."""
 from __future__ import annotations
-
-import dataclasses
 
 import torch
 
@@ -59,29 +57,3 @@ class RMSNorm(Module):
 
     def extra_repr(self) -> str:
         return f"{self.key}: dim={self.dim}, eps={self.eps}, offset={self.offset}"
-
-
-@dataclasses.dataclass(frozen=True)
-class DeferredNorm:
-    """``norm(h)``, not yet computed: the input of the linear(s) after a pre-norm, handed over as the
-    residual stream ``h`` plus ``ss``, fp32 ``[>= rows]`` sums of squares of ``h``'s rows added up by
-    the linear that produced ``h`` (:func:`exl3_core.quant.exl3.linear.linear_residual`). A linear
-    that can normalise in its prologue (``project_group``) reads both and no norm kernel runs;
-    anything else calls :meth:`materialize`.
-    """
-
-    h: torch.Tensor
-    norm: RMSNorm
-    ss: torch.Tensor
-
-    def materialize(self) -> torch.Tensor:
-        return self.norm(self.h)
-
-
-def add_residual_ss(residual: torch.Tensor, y: torch.Tensor, ss: torch.Tensor) -> torch.Tensor:
-    """``residual + y`` (rounded to the stream's dtype, as the fused residual norm), with each row's
-    sum of squares of the result added into ``ss``: the unfused form of a residual-producing linear."""
-    h = (residual.float() + y.float()).to(residual.dtype)
-    rows = h.reshape(-1, h.shape[-1])
-    ss[: rows.shape[0]] += rows.float().pow(2).sum(-1)
-    return h

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pluggy
 
-from exl3_core.plugins.manager import ENTRY_POINT_GROUP, PluginInfo, PluginLoadError, get_plugins, load_plugins, set_plugins
+from exl3_core.plugins.info import PluginInfo, PluginLoadError
+from exl3_core.plugins.manager import ENTRY_POINT_GROUP, get_plugins, load_plugins, set_plugins
 from exl3_core.plugins.registry import Plugins, RegistryError, UnknownArchitecture, resolve_ref
 from exl3_core.plugins.specs import (
     PLUGIN_API_VERSION,

@@ -11,14 +11,14 @@ import importlib.metadata as md
 import logging
 import threading
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any
 
 import pluggy
 
 from exl3_core import settings
 from exl3_core.plugins import hookspecs
+from exl3_core.plugins.info import PluginInfo, PluginLoadError
+from exl3_core.plugins.registry import Plugins
 from exl3_core.plugins.specs import PLUGIN_API_VERSION
 
 log = logging.getLogger("exl3.plugins")
@@ -29,24 +29,6 @@ DEFAULT_PLUGINS = (
     "exl3_core.builtins.cache_kv",
     "exl3_core.builtins.samplers",
 )
-
-
-class PluginLoadError(RuntimeError):
-    """A plugin could not be loaded (kept in :attr:`PluginInfo.error`, raised only on demand)."""
-
-
-@dataclass
-class PluginInfo:
-    """What ``exl3 plugins`` shows about one plugin."""
-
-    name: str
-    module: str
-    distribution: str | None = None
-    version: str | None = None
-    builtin: bool = False
-    error: BaseException | None = None
-    blocked: bool = False
-    hooks: list[str] = field(default_factory=list)
 
 
 def _check_api(name: str, obj: object) -> None:
@@ -71,7 +53,7 @@ def load_plugins(
     allow: Collection[str] | None = None,
     block: Collection[str] = (),
     extra: Iterable[object] = (),
-) -> Any:  # returns registry.Plugins (typed as Any to avoid an import cycle at type-check time)
+) -> Plugins:
     """Build a plugin set.
 
     :param autoload: load entry-point plugins (default: not ``EXL3_DISABLE_PLUGIN_AUTOLOAD``).
@@ -79,8 +61,6 @@ def load_plugins(
     :param block: never these names (added to ``EXL3_DISABLE_PLUGINS``).
     :param extra: plugin objects/modules to register directly (no entry point needed).
     """
-    from exl3_core.plugins.registry import Plugins
-
     s = settings.get()
     pm = pluggy.PluginManager("exl3")
     pm.add_hookspecs(hookspecs)
@@ -134,11 +114,11 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-_default: Any = None
+_default: Plugins | None = None
 _lock = threading.Lock()
 
 
-def get_plugins() -> Any:
+def get_plugins() -> Plugins:
     """The process-wide default plugin set (built on first use from the environment)."""
     global _default
     with _lock:
@@ -147,7 +127,7 @@ def get_plugins() -> Any:
         return _default
 
 
-def set_plugins(plugins: Any) -> None:
+def set_plugins(plugins: Plugins | None) -> None:
     """Replace the process-wide default (``None`` rebuilds it on next use)."""
     global _default
     with _lock:

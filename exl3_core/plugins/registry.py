@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import pluggy
 
-from exl3_core.plugins.manager import PluginInfo
+from exl3_core.plugins.info import PluginInfo
 from exl3_core.plugins.specs import (
     ArchSpec,
     AttentionBackendSpec,

@@ -115,6 +115,6 @@ class FilterSpec:
 ALL_SPECS = (ArchSpec, AttentionBackendSpec, CacheLayerSpec, SamplerSpec, FilterSpec)
 
 
-def replace(spec, **changes):  # noqa: ANN001, ANN201 - thin generic helper
+def replace(spec, **changes):
     """``dataclasses.replace`` re-exported for plugin authors."""
     return dataclasses.replace(spec, **changes)

@@ -152,9 +152,13 @@ def check_load_errors(model_cls_factory: Callable[[Path], Any], directory: Path,
 
 
 def _cache_roundtrip(model: Any, ids: torch.Tensor, ref: torch.Tensor) -> float:
-    """Ragged 2-sequence batch through a paged cache: chunked prefill, then decode. Max rel error."""
+    """Ragged 2-sequence batch through a paged cache, as the engine runs it (the model's execution plan):
+    chunked prefill, then decode. Max rel error."""
     from exl3_core.archkit.batch import BatchMeta
     from exl3_core.cache.cache import Cache
+    from exl3_core.plan import ExecutionPlan
+
+    plan = ExecutionPlan(model)
 
     lens = [SEQ_LEN, SHORT_LEN]
     cache = Cache(model, max_num_tokens=PAGE_SIZE * 12, page_size=PAGE_SIZE)
@@ -173,7 +177,7 @@ def _cache_roundtrip(model: Any, ids: torch.Tensor, ref: torch.Tensor) -> float:
         rows_all = step == [1, 1]
         meta = BatchMeta.from_lists(new, done, page_table=page_table, page_size=PAGE_SIZE, device=ids.device,
                                     logits_indices=None if rows_all else last.to(ids.device))
-        logits = model.forward_batch(meta, cache)
+        logits = plan.forward(meta, cache)
         expect = []
         for b in range(2):
             positions = range(done[b], done[b] + len(new[b])) if rows_all else [done[b] + len(new[b]) - 1]
@@ -216,6 +220,12 @@ def _check_variant(hf_arch: str, cfg: Any, workdir: Path, *, plugins: Any, seed:
         assert out.dtype == torch.float32 and out.shape == ref.shape, f"logits {out.dtype} {list(out.shape)}"
         results["fp32"] = rel_err(out, ref)
         assert results["fp32"] <= FP32_RTOL, f"{hf_arch}: fp32 logits differ from transformers by {results['fp32']:.3g}"
+        from exl3_core.archkit.batch import BatchMeta
+        from exl3_core.plan import ExecutionPlan
+
+        planned = ExecutionPlan(model).forward(BatchMeta.full(ids)).view(ref.shape)
+        results["plan"] = rel_err(planned, ref)
+        assert results["plan"] <= FP32_RTOL, f"{hf_arch}: the execution plan's logits differ by {results['plan']:.3g}"
 
         rope = json.loads((directory / "config.json").read_text()).get("rope_parameters") or {}
         if rope.get("rope_type") != "dynamic":  # dynamic NTK depends on each call's length by design

@@ -151,12 +151,16 @@ def test_default_page_size_comes_from_settings(plugins, clean_settings) -> None:
     assert Cache(ToyModel(num_layers=1), 100, plugins=plugins).page_size == 32
 
 
-def test_cache_made_before_load_is_allocated_by_load_and_freed_by_unload(tmp_path) -> None:
-    """The documented order: Cache(model) first, then model.load() allocates it on the device."""
+def test_cache_made_before_load_is_allocated_by_load_or_the_generator(tmp_path) -> None:
+    """Cache(model) before load() reads the model's geometry only; load(caches=[...]) plans and allocates it,
+    or a Generator does on first use. The model holds no reference to it: freeing is the cache's."""
+    import gc
+    import weakref
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from exl3_core import Cache, Config, Model
+    from exl3_core import Cache, Config, Generator, Model
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=64)
@@ -164,9 +168,27 @@ def test_cache_made_before_load_is_allocated_by_load_and_freed_by_unload(tmp_pat
     LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     model = Model.from_config(Config.from_directory(tmp_path))
     cache = Cache(model, max_num_tokens=512, page_size=256)
-    assert cache.layers == [] and cache.storage_size() == 0
-    model.load("cpu")
+    assert cache.layers == [] and cache.storage_size() == 0 and not cache.allocated
+    assert [tuple(g) for g in cache.geometry] == [("kv", 2, 16, 16)] * 2
+    model.load("cpu", caches=[cache])
     assert len(cache.layers) == 2 and cache.dtype == torch.float32
-    assert cache.storage_size() == 2 * 2 * (2 + 1) * 256 * 2 * 16 * 4  # k+v, pages+scratch, heads, dim, fp32
+    expected = 2 * 2 * (2 + 1) * 256 * 2 * 16 * 4  # layers, k+v, pages+scratch, page size, heads, dim, fp32
+    assert cache.storage_size() == expected == cache.bytes_for(torch.float32)
+    assert model.memory_report()["planned"]["caches"] == expected
     model.unload()
+    assert cache.allocated, "the model does not own the cache"
+    cache.free()
     assert cache.layers == [] and cache.storage_size() == 0
+
+    late = Cache(model, max_num_tokens=512, page_size=256)
+    model.load("cpu")
+    assert not late.allocated or late.device == torch.device("cpu")
+    Generator(model, late, None)
+    assert late.allocated and late.dtype == torch.float32
+    ref = weakref.ref(late)
+    del late
+    gc.collect()
+    assert ref() is None, "nothing in the model keeps a cache alive"
+    with pytest.raises(ValueError, match="free"):
+        c2 = Cache(model, max_num_tokens=64, page_size=16)
+        c2.allocate("cpu", torch.float16)

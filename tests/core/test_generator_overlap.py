@@ -3,6 +3,7 @@ host read per token, at most one wasted forward per drain. Runs the eager model 
 the same pipeline code the GPU uses (the "device" is the CPU)."""
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Callable
 
@@ -10,12 +11,12 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from exl3_core import settings
 from exl3_core.cache import Cache
 from exl3_core.generator import Generator, Job
 from exl3_core.generator import generator as generator_mod
 from exl3_core.generator.overlap import HostRead
 from exl3_core.generator.toy import ByteTokenizer, ToyModel
+from exl3_core.tuning import Tuning
 
 VOCAB = 264
 TOK = ByteTokenizer(VOCAB)
@@ -236,10 +237,10 @@ def test_one_host_read_per_token(model, plugins, monkeypatch: pytest.MonkeyPatch
     m = ToyModel(vocab_size=VOCAB, seed=1)
     forward = m.forward_batch
 
-    def counted_forward(meta, cache=None):
+    def counted_forward(meta, cache=None, *, fp32_logits=True):
         in_forward[0] = True
         try:
-            return forward(meta, cache)
+            return forward(meta, cache, fp32_logits=fp32_logits)
         finally:
             in_forward[0] = False
 
@@ -316,13 +317,13 @@ def test_random_greedy_jobs_match_plain_loop(plugins) -> None:
     assert over.pipeline.spec_launches > 0
 
 
-def test_setting_turns_it_off(model, plugins, clean_settings: pytest.MonkeyPatch) -> None:
+def test_tuning_and_argument_turn_it_off(model, plugins) -> None:
     cache = Cache(model, 256, page_size=16, plugins=plugins)
     assert Generator(model, cache, TOK).pipeline is not None  # default on
-    clean_settings.setenv("EXL3_OVERLAP_DECODE", "0")
-    settings.reload()
-    assert not settings.get().overlap_decode
-    gen = Generator(model, cache, TOK)
+    assert Generator(model, cache, TOK, overlap_decode=False).pipeline is None
+    off = Tuning.generic()
+    off = dataclasses.replace(off, graphs=dataclasses.replace(off.graphs, overlap_decode=False))
+    gen = Generator(model, cache, TOK, tuning=off)
     assert gen.pipeline is None
     gen.enqueue(Job(prompt(1), max_new_tokens=4, identifier=0))
     while gen.num_remaining():

@@ -11,7 +11,8 @@ from exl3_core.archkit.batch import BatchMeta
 from exl3_core.cache import Cache
 from exl3_core.filters import Filter, unpack_bitmask
 from exl3_core.generator import AsyncGenerator, Generator, Job
-from exl3_core.generator.toy import ByteTokenizer, ToyModel, _ToyAttention, _ToyConfig
+from exl3_core.cache.geometry import LayerGeometry
+from exl3_core.generator.toy import ByteTokenizer, ToyModel, _ToyConfig
 
 TOK = ByteTokenizer(264)
 
@@ -26,12 +27,12 @@ class ScriptedModel:
         self.script, self.vocab_size, self.fallback = script, vocab, fallback
         self.device, self.dtype = torch.device("cpu"), torch.float32
         self.config = _ToyConfig([])
-        self._attn = [_ToyAttention(1, 1, 8)]
+        self.loaded = True
 
-    def attention_layers(self) -> list:
-        return self._attn
+    def cache_geometry(self) -> tuple[LayerGeometry, ...]:
+        return (LayerGeometry("kv", 1, 8, 8),)
 
-    def forward_batch(self, meta: BatchMeta, cache=None) -> torch.Tensor:
+    def forward_batch(self, meta: BatchMeta, cache=None, *, fp32_logits: bool = True) -> torch.Tensor:
         pos = meta.positions if meta.logits_indices is None else meta.positions[meta.logits_indices]
         out = torch.zeros(pos.numel(), self.vocab_size)
         out[:, self.fallback] = 5.0
@@ -220,11 +221,11 @@ class FailingModel(ScriptedModel):
         super().__init__(script)
         self.calls, self.fail_at = 0, fail_at
 
-    def forward_batch(self, meta: BatchMeta, cache=None) -> torch.Tensor:
+    def forward_batch(self, meta: BatchMeta, cache=None, *, fp32_logits: bool = True) -> torch.Tensor:
         self.calls += 1
         if self.calls >= self.fail_at:
             raise RuntimeError("device lost")
-        return super().forward_batch(meta, cache)
+        return super().forward_batch(meta, cache, fp32_logits=fp32_logits)
 
 
 def test_async_generator_failed_step_ends_every_job_with_an_error(plugins) -> None:

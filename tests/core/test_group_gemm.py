@@ -47,15 +47,15 @@ def test_into_rejects_a_wrong_view() -> None:
 
 def test_layers_with_hooks_are_never_grouped() -> None:
     """The converter's input capture hooks the linears: a grouped launch would bypass them."""
-    from exl3_core.quant.exl3.linear import _hooked
+    from exl3_core.plan.linears import hooked
 
     g = torch.Generator().manual_seed(5)
     lays = (_layer(g, 128, 128, 2, CB_MUL1), _layer(g, 128, 256, 2, CB_MUL1))
-    assert not _hooked(lays)
+    assert not hooked(lays)
     h = lays[1].register_forward_pre_hook(lambda mod, inp: None)
-    assert _hooked(lays)
+    assert hooked(lays)
     h.remove()
     h = lays[0].register_forward_hook(lambda mod, inp, out: None)
-    assert _hooked(lays)
+    assert hooked(lays)
     h.remove()
-    assert not _hooked(lays)
+    assert not hooked(lays)

@@ -220,6 +220,7 @@ def test_model_takes_fused_path(hf_arch: str, tmp_path: Path, counted: dict[str,
     pytest.importorskip("transformers")
     from exl3_core.archkit import BatchMeta, Config, Model
     from exl3_core.archkit.decoder import StandardDecoder
+    from exl3_core.plan import ExecutionPlan
     from exl3_core.testing.arch import build_checkpoint, rel_err, tiny_variants
 
     variants = tiny_variants(hf_arch)
@@ -229,8 +230,9 @@ def test_model_takes_fused_path(hf_arch: str, tmp_path: Path, counted: dict[str,
     with torch.no_grad():
         expect = hf(ids).logits.float()
         model = Model.from_config(Config.from_directory(tmp_path / "ckpt")).load(device=DEVICE, dtype=torch.float32)
-        assert isinstance(model, StandardDecoder) and model._chainable()
-        out = model(ids.to(DEVICE)).cpu()
+        plan = ExecutionPlan(model)
+        assert isinstance(model, StandardDecoder) and plan.executor is not None and not plan.executor.chain_why
+        out = plan.forward(BatchMeta.full(ids.to(DEVICE))).view(*ids.shape, -1).cpu()
         n_layers = len(model.layers)
         # every residual add fused into a norm (2 per layer), the final norm, q/k norms, one RoPE
         # launch and one activation kernel per layer
@@ -241,14 +243,14 @@ def test_model_takes_fused_path(hf_arch: str, tmp_path: Path, counted: dict[str,
         rows = torch.tensor([3, 20], device=DEVICE)
         meta = BatchMeta.full(ids.to(DEVICE))
         meta.logits_indices = rows
-        sel = model.forward_batch(meta).cpu()
+        sel = plan.forward(meta).cpu()
         assert rel_err(sel, expect.reshape(-1, expect.shape[-1])[rows.cpu()]) < 1e-4
         with_fused = counted.get("rms_norm_residual", 0)
         ops.set_enabled(False)
         try:
-            if DEVICE == "cpu":  # the fixture's patch ignores the switch; the model must honour it
+            if DEVICE == "cpu":  # the fixture's patch ignores the switch; the plan must honour it
                 monkeypatch.setattr(ops, "fused_enabled", lambda t: False)
-            model(ids.to(DEVICE))
+            ExecutionPlan(model).forward(BatchMeta.full(ids.to(DEVICE)))
         finally:
             ops.set_enabled(True)
         assert counted.get("rms_norm_residual", 0) == with_fused, "fused kernels ran with fused ops off"

@@ -73,7 +73,7 @@ def lut_exact(codebook: int) -> torch.Tensor:
     return decode_exact(torch.arange(65536, dtype=torch.int64), codebook)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def lut(codebook: int) -> torch.Tensor:
     """All 65536 codebook values as fp16 (index = state). Cached; treat as read-only."""
     return decode(torch.arange(65536, dtype=torch.int64), codebook)

@@ -1,19 +1,24 @@
-"""EXL3-quantized linear layer: checkpoint loading, validation and the forward pass (spec 1, 4.3).
+"""EXL3-quantized linear layer: checkpoint loading, validation, the forward pass (spec 1, 4.3) and
+the compiled kernels' entry points.
 
 The trellis stays the source of truth. The torch reference path decodes Ŵ once (the slow part)
 and caches it in fp16 (exact) next to the trellis; the compiled GEMM, when built, decodes on the fly.
+
+The ``launch_*`` functions call the compiled one-launch kernels with explicit arguments and
+check nothing but what the kernels require (:func:`launch_unsupported`); *when* to use them is
+the execution plan's decision (:mod:`exl3_core.plan`), which states its reasons.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from exl3_core import ext
-from exl3_core.ops import ACT_CODES
+from exl3_core.kernels.codes import ACT_CODES
 from exl3_core.quant.exl3 import codebook as _cb
 from exl3_core.quant.exl3.cuda_ops import reconstruct_full_into_cuda
 from exl3_core.quant.exl3.dequant import apply_scales_and_rotations, codebook_from_markers
@@ -21,7 +26,8 @@ from exl3_core.quant.exl3.hadamard import EXL3_BLOCK, had_blockwise
 from exl3_core.quant.exl3.trellis import MAX_K, decode_inner
 
 if TYPE_CHECKING:
-    from exl3_core.nn.norm import DeferredNorm
+    from exl3_core.nn.adapters import LinearAdapter
+    from exl3_core.nn.shard import LinearShard
 
 PAD = EXL3_BLOCK  # quantized in/out features are zero-padded to multiples of 128 (spec 1.4)
 CODEBOOK_LABELS = {v: k for k, v in _cb.CODEBOOK_NAMES.items()}
@@ -132,6 +138,10 @@ class EXL3Linear(torch.nn.Module):
         self.register_buffer("svh", svh)
         self.register_buffer("bias", bias)
         self._inner: torch.Tensor | None = None
+        #: side computations added to the output (:mod:`exl3_core.nn.adapters`)
+        self.adapters: tuple[LinearAdapter, ...] = ()
+        #: the tensor-parallel part this layer holds (:mod:`exl3_core.nn.shard`); None: all of it
+        self.shard: LinearShard | None = None
 
     @classmethod
     def from_tensors(
@@ -204,29 +214,18 @@ class EXL3Linear(torch.nn.Module):
                 f"{self.key}: input last dim {width}, expected {self.in_features} "
                 f"(or padded {self.padded_in_features})"
             )
+        xp = x
         if width < self.padded_in_features:
-            x = torch.nn.functional.pad(x, (0, self.padded_in_features - width))
-        y = exl3_matmul(x, self)
+            xp = torch.nn.functional.pad(x, (0, self.padded_in_features - width))
+        y = exl3_matmul(xp, self)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y[..., : self.out_features].to(x.dtype)
+        y = y[..., : self.out_features].to(x.dtype)
+        if self.adapters:
+            from exl3_core.nn.adapters import adapted
 
-    def forward_act(self, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor | None:
-        """``self(act(gate) * up)`` with the activation product computed in the one-launch linear's
-        prologue (decode sizes on CUDA: one launch less per gated MLP); ``act`` in
-        :data:`exl3_core.ops.ACT_CODES`. None where that path does not apply: the caller forms the product and calls the layer."""
-        code = ACT_CODES.get(act)
-        width = up.shape[-1]
-        rows = up.numel() // max(width, 1)
-        if (code is None or not up.is_cuda or gate.shape != up.shape or width != self.padded_in_features
-                or rows > FUSED_GROUP_MAX_ROWS or up.dtype != torch.float16 or gate.dtype != torch.float16
-                or _hooked((self,)) or not ext.has_op("exl3_linear_act")):
-            return None
-        y = ext.op("exl3_linear_act")(gate.reshape(rows, width), up.reshape(rows, width), self.trellis, self.suh,
-                                      self.svh, self.codebook, code)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y[:, : self.out_features].reshape(*up.shape[:-1], self.out_features)
+            y = adapted(y, x[..., : self.in_features], self.adapters)
+        return y
 
     def extra_repr(self) -> str:
         return (
@@ -243,18 +242,21 @@ def exl3_matmul_reference(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
     return had_blockwise(z, dim=-1) * layer.svh.to(torch.float32)
 
 
+#: rows from which the compiled exl3_gemm multiplies by W rebuilt in the original basis (its FULL_MIN_M): there
+#: linears sharing x can be rebuilt side by side (:func:`group_gemm`), and a bf16 x gets a bf16 GEMM
+REBUILD_MIN_ROWS = 65
+
+
 def exl3_matmul(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
     """Op-dispatch seam for ``x[..., k] @ W -> [..., n]`` (padded widths, no bias).
 
     On CUDA with the compiled op present it calls
     ``torch.ops.exl3.exl3_gemm(x2d fp16 [m, k] contiguous, trellis, suh, svh, codebook: int) -> fp16 [m, n]``
-    (K from the trellis' last dim; bf16 in and out for a bf16 ``x`` from 65 rows); otherwise the fp32
-    torch reference. The result's dtype is the path's (fp16, bf16 or fp32); the caller casts.
+    (K from the trellis' last dim; bf16 in and out for a bf16 ``x`` from :data:`REBUILD_MIN_ROWS` rows);
+    otherwise the fp32 torch reference. The result's dtype is the path's (fp16, bf16 or fp32); the caller casts.
     """
     if x.is_cuda and ext.has_op("exl3_gemm"):
-        # bf16 from 65 rows (a bf16 prefill, exl3_core.archkit.decoder): the op rebuilds W in bf16 and
-        # runs a bf16 GEMM, bf16 out; fp16 otherwise
-        bf16 = x.dtype == torch.bfloat16 and x.numel() // max(x.shape[-1], 1) >= GROUP_GEMM_MIN_ROWS \
+        bf16 = x.dtype == torch.bfloat16 and x.numel() // max(x.shape[-1], 1) >= REBUILD_MIN_ROWS \
             and layer.padded_in_features % 128 == 0 and layer.trellis.shape[1] % 8 == 0
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16 if bf16 else torch.float16).contiguous()
         y = ext.op("exl3_gemm")(x2, layer.trellis, layer.suh, layer.svh, layer.codebook)
@@ -262,51 +264,124 @@ def exl3_matmul(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
     return exl3_matmul_reference(x, layer)
 
 
-#: rows up to which the compiled one-launch linear (its grouped, residual and deferred-norm forms)
-#: is used, and with it the decode step's fused chain; beyond it the 4-kernel split-k GEMM. The
-#: m <= 8 kernel's transposed main loop (one mma per tile) made 8 rows pay: the 8B shape's b=8 step
-#: fell from 5.37 ms (4 rows) to 4.04 ms (H200, docs/performance.md, run 13)
-FUSED_GROUP_MAX_ROWS = 8
+# -- the compiled one-launch kernels ---------------------------------------------------------------
+#: the most rows the one-launch kernels take
+LAUNCH_MAX_ROWS = 8
 
 
-def _groupable(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> bool:
-    if not (x.is_cuda and 2 <= len(layers) <= 3 and ext.has_op("exl3_linear_group")) or _hooked(layers):
-        return False
-    first = layers[0]
-    if not isinstance(first, EXL3Linear) or x.numel() // max(x.shape[-1], 1) > FUSED_GROUP_MAX_ROWS:
-        return False
-    return all(isinstance(m, EXL3Linear) and m.K == first.K and m.codebook == first.codebook
-               and m.in_features == first.in_features and m.trellis.device == x.device for m in layers)
+def rebuild_unsupported(layers: Sequence[torch.nn.Module]) -> list[str]:
+    """Why ``layers`` cannot be rebuilt side by side into one W for :func:`group_gemm` ([]: they can)."""
+    if not all(isinstance(m, EXL3Linear) for m in layers):
+        return [f"not all EXL3 ({', '.join(type(m).__name__ for m in layers)})"]
+    lins: list[EXL3Linear] = list(layers)  # type: ignore[arg-type]
+    r = []
+    if len({m.padded_in_features for m in lins}) != 1:
+        r.append("input widths differ")
+    if any(m.padded_in_features % 128 or m.trellis.shape[1] % 8 for m in lins):
+        r.append("widths not multiples of 128")
+    return r
 
 
-#: rows from which exl3_gemm multiplies by W rebuilt in the original basis (csrc FULL_MIN_M); from
-#: there, linears that share x are rebuilt side by side into one W and multiplied by one GEMM
-GROUP_GEMM_MIN_ROWS = 65
+def launch_unsupported(layers: Sequence[torch.nn.Module], pads_input: bool = False) -> list[str]:
+    """Why the one-launch kernels cannot take ``layers`` as one problem group ([]: they can): 1-3 EXL3
+    linears of one K and codebook sharing an input of a 128-multiple width (``pads_input``: any width, the
+    caller pads it; the norm prologue cannot)."""
+    if not 1 <= len(layers) <= 3:
+        return [f"{len(layers)} linears (the kernel takes 1 to 3)"]
+    if not all(isinstance(m, EXL3Linear) for m in layers):
+        return [f"not all EXL3 ({', '.join(type(m).__name__ for m in layers)})"]
+    lins: list[EXL3Linear] = list(layers)  # type: ignore[arg-type]
+    r = []
+    if len({(m.K, m.codebook) for m in lins}) != 1:
+        r.append("bitrates or codebooks differ (" + ", ".join(f"K={m.K}/{CODEBOOK_LABELS[m.codebook]}" for m in lins) + ")")
+    if len({m.in_features for m in lins}) != 1:
+        r.append("input widths differ")
+    if not pads_input and any(m.in_features != m.padded_in_features for m in lins):
+        r.append("input width not a multiple of 128")
+    return r
 
 
-def _hooked(layers: tuple[torch.nn.Module, ...]) -> bool:
-    """A grouped launch never calls the layers' own forward, so their hooks (the converter's input
-    capture) would see nothing: layers with hooks are called one by one."""
-    return any(m._forward_pre_hooks or m._forward_hooks for m in layers)
+def launch_outputs(lins: Sequence[EXL3Linear], ys: Sequence[torch.Tensor], lead: tuple[int, ...],
+                   dtype: torch.dtype) -> list[torch.Tensor]:
+    """The kernels' padded fp16 outputs as each linear's result: bias added, trimmed, shaped ``lead + (out,)``."""
+    out = []
+    for m, y in zip(lins, ys):
+        if m.bias is not None:
+            y = y + m.bias.to(y.dtype)
+        out.append(y[:, : m.out_features].to(dtype).reshape(*lead, m.out_features))
+    return out
 
 
-def _group_gemm_ok(x: torch.Tensor, layers: tuple[torch.nn.Module, ...]) -> bool:
-    if not (x.is_cuda and len(layers) >= 2 and ext.has_op("reconstruct_full_into")) or _hooked(layers):
-        return False
-    first = layers[0]
-    if not isinstance(first, EXL3Linear) or x.numel() // max(x.shape[-1], 1) < GROUP_GEMM_MIN_ROWS:
-        return False
-    return all(isinstance(m, EXL3Linear) and m.padded_in_features == first.padded_in_features
-               and m.padded_in_features % 128 == 0 and m.trellis.shape[1] % 8 == 0 and m.trellis.device == x.device
-               for m in layers)
+def launch_group(x2: torch.Tensor, lins: Sequence[EXL3Linear]) -> list[torch.Tensor]:
+    """``[x2 @ W_i]`` (padded widths, no bias) for 2-3 linears on ``x2 [m <= 8, k_pad]`` in one launch."""
+    return ext.op("exl3_linear_group")(x2.to(torch.float16).contiguous(), [m.trellis for m in lins],
+                                       [m.suh for m in lins], [m.svh for m in lins], lins[0].codebook, 0)
 
 
-def group_gemm(x2: torch.Tensor, lins: list[EXL3Linear]) -> list[torch.Tensor]:
+@dataclass(frozen=True)
+class NormPrologue:
+    """RMSNorm done in a launch's prologue: the rows' fp32 sums of squares ``ss`` (from the kernel that
+    produced them), the norm's fp32 weight (None: no weight), eps and weight offset."""
+
+    ss: torch.Tensor
+    weight: torch.Tensor | None
+    eps: float
+    offset: float
+
+
+@dataclass(frozen=True)
+class RopeCacheEpilogue:
+    """q/k/v's RoPE and paged cache write in the launch's epilogue: q and k heads rotated by the fp32 tables
+    ``cos``/``sin`` ``[T, head_dim/2]`` (halves, or adjacent pairs if ``interleaved``), k and v stored to the
+    fp16 caches at the flat ``slots [T]``."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    interleaved: bool
+    slots: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+def launch_group_ex(h2: torch.Tensor, lins: Sequence[EXL3Linear], norm: NormPrologue | None = None,
+                    epilogue: RopeCacheEpilogue | None = None) -> list[torch.Tensor]:
+    """``[norm(h2) @ W_i]`` (padded, no bias) for 1-3 linears on ``h2 [m <= 8, k]`` in one launch, the norm
+    in the prologue and RoPE + the cache write in the epilogue where given."""
+    rope = (epilogue.cos, epilogue.sin, epilogue.interleaved, [1, 1, 0], epilogue.slots,
+            [None, epilogue.k_cache, epilogue.v_cache]) if epilogue is not None else (None, None, False, [], None, [])
+    return ext.op("exl3_linear_group_ex")(
+        h2.contiguous(), [m.trellis for m in lins], [m.suh for m in lins], [m.svh for m in lins], lins[0].codebook,
+        norm.ss if norm is not None else None, norm.weight if norm is not None else None,
+        float(norm.eps) if norm is not None else 0.0, float(norm.offset) if norm is not None else 0.0, *rope)
+
+
+def launch_act(layer: EXL3Linear, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+    """``layer(act(gate) * up)`` (padded output, no bias) with the product formed in the launch's prologue;
+    ``gate``/``up`` fp16 ``[m <= 8, k_pad]``."""
+    return ext.op("exl3_linear_act")(gate, up, layer.trellis, layer.suh, layer.svh, layer.codebook, ACT_CODES[act])
+
+
+def launch_residual(layer: EXL3Linear, x: torch.Tensor, residual: torch.Tensor, ss: torch.Tensor,
+                    gate: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
+    """``residual + layer(x)`` (``layer(act(gate) * x)`` with ``gate``) in one launch, each row's sum of
+    squares of the result added into ``ss`` (fp32, zero before) for the next linear's norm; fp16, unpadded
+    output equal to the residual's width, no bias; ``act`` in :data:`exl3_core.kernels.codes.ACT_CODES`."""
+    rows = x.numel() // x.shape[-1]
+    if gate is not None and act not in ACT_CODES:
+        raise ValueError(f"{layer.key}: launch_residual with a gate needs act in {sorted(ACT_CODES)}, got {act!r}")
+    code = ACT_CODES[act] if gate is not None and act is not None else 0
+    g = gate.reshape(rows, -1) if gate is not None else None
+    y = ext.op("exl3_linear_residual")(x.reshape(rows, -1), g, code, layer.trellis, layer.suh, layer.svh,
+                                       layer.codebook, residual.reshape(rows, -1), ss)
+    return y.reshape(residual.shape)
+
+
+def group_gemm(x2: torch.Tensor, lins: Sequence[EXL3Linear]) -> list[torch.Tensor]:
     """``[x2 @ W_i]`` (padded output widths, no bias) for linears sharing ``x2 [m, k_pad]``: every
     W_i rebuilt into its column block of one ``[k, Σ n_i]`` matrix, then one GEMM. At prefill sizes
     this is one cuBLAS call instead of 2-3 (each costs tens of us of host time, and k/v alone are
     narrow), and the outputs are column views of one result. fp16 operands and output, or bf16 when
-    ``x2`` is bf16 (W rebuilt in bf16: the bf16 prefill)."""
+    ``x2`` is bf16 (W rebuilt in bf16)."""
     widths = [m.trellis.shape[1] * 16 for m in lins]
     dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float16
     w = torch.empty((x2.shape[-1], sum(widths)), dtype=dtype, device=x2.device)
@@ -318,142 +393,27 @@ def group_gemm(x2: torch.Tensor, lins: list[EXL3Linear]) -> list[torch.Tensor]:
     return list(y.split(widths, dim=1))
 
 
-def _group_ex_ok(x: torch.Tensor | DeferredNorm, layers: tuple[torch.nn.Module, ...], no_bias: bool = False) -> bool:
-    """Whether ``exl3::exl3_linear_group_ex`` takes the linears on ``x`` in one launch (a DeferredNorm:
-    the norm in its prologue): 1-3 EXL3 linears of one K and codebook on unpadded fp16 input at decode
-    sizes, no hooks; ``no_bias`` for an epilogue that must see the outputs before any bias."""
-    d = None if isinstance(x, torch.Tensor) else x
-    h = x if d is None else d.h
-    if not (h.is_cuda and h.dtype == torch.float16 and 1 <= len(layers) <= 3 and ext.has_op("exl3_linear_group_ex")
-            and 1 <= h.numel() // max(h.shape[-1], 1) <= FUSED_GROUP_MAX_ROWS) or _hooked(layers):
-        return False
-    if d is not None:
-        w = d.norm.weight
-        if not (d.ss.dtype == torch.float32 and d.ss.device == h.device and d.ss.dim() == 1 and d.ss.stride(0) == 1):
-            return False
-        if w is not None and (w.dtype != torch.float32 or w.shape != (h.shape[-1],) or w.device != h.device):
-            return False
-    first = layers[0]
-    if not isinstance(first, EXL3Linear):
-        return False
-    return all(isinstance(m, EXL3Linear) and m.K == first.K and m.codebook == first.codebook
-               and m.in_features == m.padded_in_features == h.shape[-1] and m.trellis.device == h.device
-               and not (no_bias and m.bias is not None) for m in layers)
+# -- tensor-parallel cuts ------------------------------------------------------------------------------
+def shard_exl3(layer: EXL3Linear, kind: Literal["column", "row"], start: int, stop: int, *,
+               keep_bias: bool) -> EXL3Linear:
+    """The part of ``layer`` holding output (column) or input (row) features ``start:stop``, cut at 128-feature
+    blocks: the Hadamard rotations act within 128-feature blocks, so each block's trellis tiles and scales are
+    self-contained, and a row cut's outputs add up to the whole layer's. A row cut keeps the bias only with
+    ``keep_bias`` (one rank adds it).
 
-
-@dataclass(frozen=True)
-class QKVEpilogue:
-    """Attention's RoPE and paged KV write, done by the q/k/v linears' epilogue
-    (:func:`project_group` with ``epilogue``): q and k heads rotated by the fp32 tables ``cos``/``sin``
-    ``[T, head_dim/2]`` (halves, or adjacent pairs if ``interleaved``), k and v written to the fp16
-    caches at the flat ``slots [T]``."""
-
-    cos: torch.Tensor
-    sin: torch.Tensor
-    interleaved: bool
-    slots: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-
-
-def qkv_epilogue_ok(x: torch.Tensor | DeferredNorm, layers: tuple[torch.nn.Module, ...], head_dim: int,
-                    rotary_dim: int) -> bool:
-    """Whether q/k/v can run with a :class:`QKVEpilogue` (three fusable EXL3 linears, no biases, RoPE
-    over whole heads of 32, 64 or 128; the caches are the caller's to check)."""
-    return (len(layers) == 3 and head_dim in (32, 64, 128) and rotary_dim == head_dim
-            and _group_ex_ok(x, layers, no_bias=True)
-            and all(m.out_features == m.padded_out_features for m in layers))  # type: ignore[union-attr]
-
-
-def project_group(x: torch.Tensor | DeferredNorm, layers: tuple[torch.nn.Module, ...],
-                  epilogue: QKVEpilogue | None = None) -> list[torch.Tensor]:
-    """``[layer(x) for layer in layers]``; one kernel launch for 2-3 EXL3 linears sharing ``x``.
-
-    ``x`` may be a :class:`~exl3_core.nn.norm.DeferredNorm`: at decode sizes the one-launch linear
-    then normalises the residual stream in its prologue (1-3 EXL3 linears; no norm kernel); otherwise
-    the norm is computed first. ``epilogue`` (q/k/v only, where :func:`qkv_epilogue_ok` holds) rotates
-    q and k and writes k and v to the cache in the same launch.
-
-    q/k/v and gate/up read the same input; at decode sizes a launch per linear costs more than the
-    small ones' work (measured: q/k/v of the 8B shape 25.4 us as three launches, 14.7 us as one).
-    From 65 rows (prefill) EXL3 linears sharing x are rebuilt side by side and multiplied by one
-    GEMM (:func:`group_gemm`; K and codebook may differ). Falls back to separate calls whenever the
-    layers cannot share a launch (other linear types, K or codebook differ at decode sizes, CPU).
+    :raises ValueError: for bounds that are not multiples of 128 or fall outside the layer.
     """
-    if epilogue is not None:
-        if not qkv_epilogue_ok(x, layers, 2 * epilogue.cos.shape[-1], 2 * epilogue.cos.shape[-1]):
-            raise ValueError(f"project_group: these linears cannot take a QKVEpilogue ({', '.join(type(m).__name__ for m in layers)}); "
-                             f"check qkv_epilogue_ok first")
-        return _project_group_ex(x, layers, epilogue)  # type: ignore[arg-type]
-    if not isinstance(x, torch.Tensor):  # a DeferredNorm
-        if _group_ex_ok(x, layers):
-            return _project_group_ex(x, layers)  # type: ignore[arg-type]
-        x = x.materialize()
-    big = _group_gemm_ok(x, layers)
-    if not big and not _groupable(x, layers):
-        return [m(x) for m in layers]
-    lins: list[EXL3Linear] = list(layers)  # type: ignore[arg-type]
-    first = lins[0]
-    x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[-1] < first.padded_in_features:
-        x2 = torch.nn.functional.pad(x2, (0, first.padded_in_features - x2.shape[-1]))
-    if big:
-        ys = group_gemm(x2, lins)
+    n = layer.out_features if kind == "column" else layer.in_features
+    if start % PAD or (stop % PAD and stop != n) or not 0 <= start < stop <= n:
+        raise ValueError(f"{layer.key}: cannot cut {kind} features {start}:{stop} of {n}: EXL3 stores 128-feature "
+                         f"blocks, so shard bounds must be multiples of 128 (or the end)")
+    a, b = start // 16, padded(stop) // 16
+    if kind == "column":
+        bias = layer.bias[start:padded(stop)] if layer.bias is not None else None
+        out = EXL3Linear(layer.trellis[:, a:b].contiguous(), layer.suh, layer.svh[start:padded(stop)].contiguous(),
+                         layer.codebook, layer.in_features, stop - start, bias=bias, key=layer.key)
     else:
-        ys = ext.op("exl3_linear_group")(x2.to(torch.float16).contiguous(), [m.trellis for m in lins],
-                                         [m.suh for m in lins], [m.svh for m in lins], first.codebook, 0)
-    return _outputs(lins, ys, tuple(x.shape[:-1]), x.dtype)
-
-
-def _outputs(lins: list[EXL3Linear], ys: list[torch.Tensor], lead: tuple[int, ...], dtype: torch.dtype) -> list[torch.Tensor]:
-    out = []
-    for m, y in zip(lins, ys):
-        if m.bias is not None:
-            y = y + m.bias.to(y.dtype)
-        out.append(y[:, : m.out_features].to(dtype).reshape(*lead, m.out_features))
+        bias = layer.bias if keep_bias else None
+        out = EXL3Linear(layer.trellis[a:b].contiguous(), layer.suh[start:padded(stop)].contiguous(), layer.svh,
+                         layer.codebook, stop - start, layer.out_features, bias=bias, key=layer.key)
     return out
-
-
-def _project_group_ex(x: torch.Tensor | DeferredNorm, layers: tuple[EXL3Linear, ...],
-                      ep: QKVEpilogue | None = None) -> list[torch.Tensor]:
-    d = None if isinstance(x, torch.Tensor) else x
-    h = x if d is None else d.h
-    h2 = h.reshape(-1, h.shape[-1])
-    lins = list(layers)
-    norm = d.norm if d is not None else None
-    rope = (ep.cos, ep.sin, ep.interleaved, [1, 1, 0], ep.slots, [None, ep.k_cache, ep.v_cache]) if ep is not None \
-        else (None, None, False, [], None, [])
-    ys = ext.op("exl3_linear_group_ex")(
-        h2.contiguous(), [m.trellis for m in lins], [m.suh for m in lins], [m.svh for m in lins], lins[0].codebook,
-        d.ss if d is not None else None, norm.weight if norm is not None else None,
-        float(norm.eps) if norm is not None else 0.0, float(norm.offset) if norm is not None else 0.0, *rope)
-    return _outputs(lins, ys, tuple(h.shape[:-1]), h.dtype)
-
-
-def residual_fusable(layer: torch.nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                     gate: torch.Tensor | None = None) -> bool:
-    """Whether :func:`linear_residual` runs ``residual + layer(x)`` as one launch (EXL3, CUDA, decode
-    sizes, fp16, unpadded output width, no bias, no hooks)."""
-    if not (isinstance(layer, EXL3Linear) and x.is_cuda and x.dtype == torch.float16 and residual.dtype == torch.float16
-            and ext.has_op("exl3_linear_residual") and layer.bias is None and not _hooked((layer,))):
-        return False
-    rows = x.numel() // max(x.shape[-1], 1)
-    return (rows <= FUSED_GROUP_MAX_ROWS and x.shape[-1] == layer.padded_in_features
-            and layer.out_features == layer.padded_out_features == residual.shape[-1]
-            and residual.numel() == rows * residual.shape[-1] and layer.trellis.device == x.device
-            and (gate is None or (gate.shape == x.shape and gate.dtype == torch.float16)))
-
-
-def linear_residual(layer: EXL3Linear, x: torch.Tensor, residual: torch.Tensor, ss: torch.Tensor,
-                    gate: torch.Tensor | None = None, act: str | None = None) -> torch.Tensor:
-    """``residual + layer(x)`` (``layer(act(gate) * x)`` with ``gate``) in one launch, each row's sum of
-    squares of the result added into ``ss`` (fp32, zero before) for the next linear's deferred norm.
-    Only where :func:`residual_fusable` holds; ``act`` in :data:`exl3_core.ops.ACT_CODES`."""
-    rows = x.numel() // x.shape[-1]
-    if gate is not None and act not in ACT_CODES:
-        raise ValueError(f"{layer.key}: linear_residual with a gate needs act in {sorted(ACT_CODES)}, got {act!r}")
-    code = ACT_CODES[act] if gate is not None else 0  # type: ignore[index]
-    g = gate.reshape(rows, -1) if gate is not None else None
-    y = ext.op("exl3_linear_residual")(x.reshape(rows, -1), g, code, layer.trellis, layer.suh, layer.svh,
-                                       layer.codebook, residual.reshape(rows, -1), ss)
-    return y.reshape(residual.shape)

@@ -18,7 +18,8 @@ from exl3_core.quant.exl3.dequant import MARKER_VALUES, marker_int32
 from exl3_core.quant.exl3.hessian import HessianInfo, fallback_hessian, padded_size
 from exl3_core.quant.exl3.ldlq import TileEncoder, codebook_id, ldlq
 from exl3_core.quant.exl3.regularize import regularize, rotate, use_out_scales
-from exl3_core.quant.exl3.scale_refit import original_hessian, refit_scales as _refit_scales
+from exl3_core.quant.exl3.scale_refit import original_hessian
+from exl3_core.quant.exl3.scale_refit import refit_scales as _refit_scales
 from exl3_core.quant.exl3.trellis import check_k, check_states, decode_inner, k_from_trellis, pack_trellis
 
 FP16_MAX = 65504.0

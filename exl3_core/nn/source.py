@@ -1,0 +1,27 @@
+"""Where weights come from, and the error a missing or misshapen checkpoint tensor raises."""
+from __future__ import annotations
+
+from collections.abc import Collection
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+
+class WeightError(ValueError):
+    """A checkpoint tensor is missing, misshapen or of the wrong kind; the message names it."""
+
+
+class TensorSource(Protocol):
+    """Where weights come from (``exl3_core.loader.SafetensorsCollection`` implements it)."""
+
+    directory: Path
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def keys(self) -> list[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def get_tensor(self, name: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                   expect_shape: Collection[int | None] | None = None) -> torch.Tensor: ...

@@ -1,0 +1,252 @@
+"""Projections as the plan runs them: linears sharing an input in one launch, norms deferred into a
+linear's prologue, residual adds in its epilogue.
+
+Each form has *static* conditions (layer types, bitrates, widths, kernels built, tuning), decided
+once when the plan is built and reported, and *runtime* conditions (rows in the step, dtypes,
+hooks), checked per call from host-side values only. Every form computes what the plain modules
+compute; where it cannot run, the plain call runs.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from exl3_core import ops
+from exl3_core.nn.adapters import adapted
+from exl3_core.nn.norm import RMSNorm
+from exl3_core.plan.kernels import LinearKernels
+from exl3_core.plan.report import Decision, decide
+from exl3_core.quant.exl3.linear import (
+    REBUILD_MIN_ROWS,
+    EXL3Linear,
+    NormPrologue,
+    RopeCacheEpilogue,
+    launch_outputs,
+    launch_unsupported,
+    rebuild_unsupported,
+)
+from exl3_core.tuning import Tuning
+
+
+@dataclass(frozen=True)
+class DeferredNorm:
+    """``norm(h)``, not yet computed: the input of the linear(s) after a pre-norm, handed over as the
+    residual stream ``h`` plus ``ss``, fp32 ``[>= rows]`` sums of squares of ``h``'s rows added up by
+    the launch that produced ``h``. A launch that can normalise in its prologue reads both and no norm
+    kernel runs; anything else calls :meth:`materialize`."""
+
+    h: torch.Tensor
+    norm: RMSNorm
+    ss: torch.Tensor
+
+    def materialize(self) -> torch.Tensor:
+        return self.norm(self.h)
+
+
+def add_residual_ss(residual: torch.Tensor, y: torch.Tensor, ss: torch.Tensor) -> torch.Tensor:
+    """``residual + y`` (rounded to the stream's dtype, as the fused residual norm), with each row's
+    sum of squares of the result added into ``ss``: the unfused form of a residual-producing launch."""
+    h = (residual.float() + y.float()).to(residual.dtype)
+    rows = h.reshape(-1, h.shape[-1])
+    ss[: rows.shape[0]] += rows.float().pow(2).sum(-1)
+    return h
+
+
+def hooked(layers: tuple[torch.nn.Module, ...]) -> bool:
+    """A launch never calls the layers' own forward, so their hooks (e.g. a converter's input capture)
+    would see nothing: layers with hooks run one by one."""
+    return any(m._forward_pre_hooks or m._forward_hooks for m in layers)
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // max(x.shape[-1], 1)
+
+
+class Projection:
+    """Linears that read the same input (q/k/v, gate/up, or one alone).
+
+    :param name: for reports (``"q/k/v"``).
+    :param layers: the linears, in output order.
+    :param tuning: which fusions are allowed and the launch sizes.
+    :param device: where the model runs.
+    :param kernels: the one-launch kernels (the compiled ones, or a test's stand-in).
+    """
+
+    def __init__(self, name: str, layers: tuple[torch.nn.Module, ...], tuning: Tuning, device: torch.device,
+                 kernels: LinearKernels) -> None:
+        self.name = name
+        self.layers = layers
+        self.device = device
+        self.kernels = kernels
+        self.max_rows = tuning.kernels.fused_linear_max_rows
+        self.has_adapters = any(getattr(m, "adapters", ()) for m in layers)
+        allowed = tuning.fusion.grouped_projections
+        #: [] when 1-3 EXL3 linears can run in one launch at decode sizes (with a norm prologue)
+        self.launch_why = kernels.unavailable(device, "group_ex") + launch_unsupported(layers)
+        group = launch_unsupported(layers, pads_input=True) if len(layers) >= 2 else [f"{len(layers)} linear"]
+        group = kernels.unavailable(device, "group") + group
+        if not allowed:
+            group.append("grouped projections off in the tuning")
+        self.group_why = group
+        rebuild = rebuild_unsupported(layers) if len(layers) >= 2 else [f"{len(layers)} linear"]
+        rebuild = kernels.unavailable(device, "rebuild_gemm") + rebuild
+        if not allowed:
+            rebuild.append("grouped projections off in the tuning")
+        self.rebuild_why = rebuild
+
+    def decisions(self) -> list[Decision]:
+        return [decide(f"{self.name}: one launch", self.group_why, f"steps of 1-{self.max_rows} rows"),
+                decide(f"{self.name}: one rebuilt-W GEMM", self.rebuild_why, f"steps of {REBUILD_MIN_ROWS}+ rows")]
+
+    def _lins(self) -> list[EXL3Linear]:
+        return list(self.layers)  # type: ignore[arg-type]
+
+    def launchable(self, h: torch.Tensor, no_bias: bool = False) -> bool:
+        """Runtime conditions of the one-launch kernel on ``h`` (fp16, 1..max rows, no hooks)."""
+        return (not self.launch_why and h.device == self.device and h.dtype == torch.float16
+                and 1 <= _rows(h) <= self.max_rows
+                and h.shape[-1] == self._lins()[0].padded_in_features and not hooked(self.layers)
+                and all(m.trellis.device == h.device and not (no_bias and m.bias is not None) for m in self._lins()))
+
+    def _prologue_ok(self, d: DeferredNorm) -> bool:
+        w = d.norm.weight
+        return (d.ss.dtype == torch.float32 and d.ss.device == d.h.device and d.ss.dim() == 1 and d.ss.stride(0) == 1
+                and (w is None or (w.dtype == torch.float32 and w.shape == (d.h.shape[-1],) and w.device == d.h.device)))
+
+    def run(self, x: torch.Tensor | DeferredNorm) -> list[torch.Tensor]:
+        """``[layer(x) for layer in layers]``, in one launch where the kernels take it."""
+        if isinstance(x, DeferredNorm):
+            if self.launchable(x.h) and self._prologue_ok(x):
+                ys = self.kernels.group_ex(x.h.reshape(-1, x.h.shape[-1]), self._lins(),
+                                           NormPrologue(x.ss, x.norm.weight, x.norm.eps, x.norm.offset), None)
+                return self._finish(ys, x.h, None if not self.has_adapters else x.materialize())
+            x = x.materialize()
+        rows = _rows(x)
+        if (not self.rebuild_why and x.device == self.device and rows >= REBUILD_MIN_ROWS and not hooked(self.layers)
+                and all(m.trellis.device == x.device for m in self._lins())):
+            return self._finish(self.kernels.rebuild_gemm(self._padded2(x), self._lins()), x, x)
+        if not self.group_why and self.launchable_plain(x):
+            return self._finish(self.kernels.group(self._padded2(x), self._lins()), x, x)
+        return [m(x) for m in self.layers]
+
+    def launchable_plain(self, x: torch.Tensor) -> bool:
+        """Runtime conditions of the grouped launch on a plain input (any float dtype: it casts)."""
+        return (x.device == self.device and 1 <= _rows(x) <= self.max_rows and not hooked(self.layers)
+                and all(m.trellis.device == x.device for m in self._lins()))
+
+    def run_epilogue(self, x: torch.Tensor | DeferredNorm, ep: RopeCacheEpilogue) -> list[torch.Tensor]:
+        """q/k/v with RoPE and the cache write in the launch's epilogue (the caller checked
+        :meth:`launchable` with ``no_bias`` and the epilogue's own conditions)."""
+        if isinstance(x, DeferredNorm) and self._prologue_ok(x):
+            ys = self.kernels.group_ex(x.h.reshape(-1, x.h.shape[-1]), self._lins(),
+                                       NormPrologue(x.ss, x.norm.weight, x.norm.eps, x.norm.offset), ep)
+            return self._finish(ys, x.h, None)
+        h = x.materialize() if isinstance(x, DeferredNorm) else x
+        return self._finish(self.kernels.group_ex(h.reshape(-1, h.shape[-1]), self._lins(), None, ep), h, None)
+
+    def _padded2(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        width = self._lins()[0].padded_in_features
+        return torch.nn.functional.pad(x2, (0, width - x2.shape[-1])) if x2.shape[-1] < width else x2
+
+    def _finish(self, ys: list[torch.Tensor], like: torch.Tensor, x: torch.Tensor | None) -> list[torch.Tensor]:
+        out = launch_outputs(self._lins(), ys, tuple(like.shape[:-1]), like.dtype)
+        if self.has_adapters and x is not None:
+            out = [adapted(y, x, getattr(m, "adapters", ())) for y, m in zip(out, self.layers)]
+        return out
+
+
+ActMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ResidualOut:
+    """A residual-producing linear (o_proj, down): ``residual + layer(x)`` and the rows' sums of squares
+    for the next deferred norm, in one launch at decode sizes; with ``act`` (the name of a fused
+    activation, :data:`exl3_core.kernels.codes.ACT_CODES`), the layer's input may be ``act(gate) * x``,
+    formed in the launch's prologue."""
+
+    def __init__(self, name: str, layer: torch.nn.Module, tuning: Tuning, device: torch.device,
+                 kernels: LinearKernels, act: str | None = None) -> None:
+        self.name = name
+        self.layer = layer
+        self.act = act
+        self.device = device
+        self.kernels = kernels
+        self.max_rows = tuning.kernels.fused_linear_max_rows
+        why: list[str] = kernels.unavailable(device, "residual")
+        if not isinstance(layer, EXL3Linear):
+            why.append(f"{type(layer).__name__}, not EXL3")
+        else:
+            if layer.bias is not None:
+                why.append("has a bias")
+            if layer.out_features != layer.padded_out_features:
+                why.append("output width not a multiple of 128")
+        if getattr(layer, "shard", None) is not None and layer.shard.needs_reduce:  # type: ignore[union-attr]
+            why.append("row-parallel shard: the all-reduce comes between the projection and the residual add")
+        #: [] when the residual launch applies at decode sizes
+        self.why = why
+        act_why: list[str] = kernels.unavailable(device, "act")
+        if act is None:
+            act_why.append("the activation has no fused kernel")
+        if not tuning.fusion.act_in_down:
+            act_why.append("off in the tuning")
+        if not isinstance(layer, EXL3Linear):
+            act_why.append(f"{type(layer).__name__}, not EXL3")
+        #: [] when the activation product can form in this linear's prologue
+        self.act_why = act_why
+        #: the residual launch may form the product too (its own prologue, no other op needed)
+        self.gate_ok = act is not None and tuning.fusion.act_in_down
+
+    def decisions(self, gated: bool = False) -> list[Decision]:
+        out = [decide(f"{self.name}: residual add in its epilogue", self.why, f"steps of 1-{self.max_rows} rows")]
+        if gated:
+            out.append(decide(f"{self.name}: activation product in its prologue", self.act_why,
+                              f"steps of 1-{self.max_rows} rows"))
+        return out
+
+    def _fits(self, x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor | None) -> bool:
+        m = self.layer
+        assert isinstance(m, EXL3Linear)
+        rows = _rows(x)
+        return (x.device == self.device and x.dtype == torch.float16 and residual.dtype == torch.float16
+                and rows <= self.max_rows
+                and x.shape[-1] == m.padded_in_features and m.out_features == residual.shape[-1]
+                and residual.numel() == rows * residual.shape[-1] and m.trellis.device == x.device
+                and not hooked((m,)) and (gate is None or (gate.shape == x.shape and gate.dtype == torch.float16)))
+
+    def product(self, gate: torch.Tensor, up: torch.Tensor, act_mul: ActMul) -> torch.Tensor:
+        """``layer(act(gate) * up)``, the product in the launch's prologue where it fits."""
+        m = self.layer
+        if (not self.act_why and self.act is not None and isinstance(m, EXL3Linear) and up.device == self.device
+                and gate.shape == up.shape and up.shape[-1] == m.padded_in_features and _rows(up) <= self.max_rows
+                and up.dtype == torch.float16 and gate.dtype == torch.float16 and not hooked((m,))):
+            rows = _rows(up)
+            y = self.kernels.act(m, gate.reshape(rows, -1), up.reshape(rows, -1), self.act)
+            if m.bias is not None:
+                y = y + m.bias.to(y.dtype)
+            y = y[:, : m.out_features].reshape(*up.shape[:-1], m.out_features)
+            if m.adapters:
+                y = adapted(y, act_mul(gate, up), m.adapters)
+            return y
+        return m(act_mul(gate, up))
+
+    def run(self, x: torch.Tensor, residual: torch.Tensor, ss: torch.Tensor, plain: Callable[[], torch.Tensor],
+            gate: torch.Tensor | None = None, act_mul: ActMul | None = None) -> torch.Tensor:
+        """``residual + layer(x)`` (``layer(act(gate) * x)`` with ``gate``) with the result's row sums of
+        squares added into ``ss``; ``plain()`` computes the layer's output (reduced over a tensor-parallel
+        group where sharded) where the launch does not apply."""
+        m = self.layer
+        if not self.why and (gate is None or self.gate_ok) and self._fits(x, residual, gate):
+            assert isinstance(m, EXL3Linear)
+            if m.adapters:  # the adapter's delta joins the residual the launch adds
+                inp = x if gate is None or act_mul is None else act_mul(gate, x)
+                residual = adapted(residual, inp, m.adapters)
+            return self.kernels.residual(m, x, residual, ss, gate, self.act if gate is not None else None)
+        return add_residual_ss(residual, plain(), ss)
+
+
+def fused_ops(device: torch.device) -> bool:
+    """Whether the Triton kernels of :mod:`exl3_core.ops` run for tensors on ``device``."""
+    return ops.fused_enabled(torch.empty(0, device=device))
