@@ -24,6 +24,7 @@ them (tests use it after changing the environment).
 | ``EXL3_DEFERRED_NORM`` | ``0``: at decode sizes, run each RMSNorm as its own kernel instead of inside the EXL3 linears around it |
 | ``EXL3_QKV_EPILOGUE`` | ``0``: at decode sizes, run RoPE and the KV-cache write as their own kernel instead of in the q/k/v linear's epilogue |
 | ``EXL3_PREFILL_BF16`` | ``0``: run a fresh prompt's prefill (CUDA, from 65 tokens) in fp16 like the rest, instead of with bf16 activations and bf16 GEMM operands |
+| ``EXL3_API_KEY`` | the key ``exl3 serve`` requires from clients (``Authorization: Bearer KEY``) when ``--api-key`` is not given; unset: no key |
 | ``EXL3_LOG_LEVEL`` | log level for the ``exl3`` logger (default ``WARNING``) |
 | ``EXL3_NO_PROGRESS`` | ``1``: never draw progress bars |
 """
@@ -83,6 +84,7 @@ class Settings:
     deferred_norm: bool = True
     qkv_epilogue: bool = True
     prefill_bf16: bool = True
+    api_key: str | None = None
     log_level: str = "WARNING"
     no_progress: bool = False
 
@@ -130,6 +132,7 @@ class Settings:
             deferred_norm=flag("DEFERRED_NORM", True),
             qkv_epilogue=flag("QKV_EPILOGUE", True),
             prefill_bf16=flag("PREFILL_BF16", True),
+            api_key=g("API_KEY") or None,
             log_level=(g("LOG_LEVEL") or "WARNING").upper(),
             no_progress=flag("NO_PROGRESS"),
         )
