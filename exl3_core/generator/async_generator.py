@@ -93,7 +93,8 @@ class AsyncJob:
         self.agen = agen
         self.job = job
         self.queue: asyncio.Queue[Result] = asyncio.Queue()
-        self.done = False
+        self.done = False  # the consumer has seen the eos result, or cancelled
+        self.finished = False  # an eos result is in the queue
 
     def __aiter__(self) -> AsyncIterator[Result]:
         return self._iter()
@@ -109,6 +110,17 @@ class AsyncJob:
             # consumer stopped early (break, task cancelled, exception): free the job's pages
             if not self.done:
                 self.cancel()
+
+    def end(self, reason: str) -> None:
+        """End the job now (e.g. at a deadline): it is cancelled, and its consumer gets a last
+        ``eos`` result with ``eos_reason=reason`` after what it has already been sent. Unlike
+        cancelling the consuming task, this cannot race with a result arriving at the same time."""
+        if self.done or self.finished:
+            return
+        self.finished = True
+        self.agen._post_cancel(self)
+        self.queue.put_nowait({"job": self.job, "identifier": self.job.identifier, "eos": True, "text": "",
+                               "token_ids": [], "eos_reason": reason, "full_completion": self.job.completion})
 
     def cancel(self) -> asyncio.Future[None]:
         """Cancel the job: the message is posted before this returns, so the job is cancelled
@@ -204,6 +216,7 @@ class AsyncGenerator:
                 continue  # cancelled after this step ran
             if r["eos"]:
                 del self.jobs[r["job"]]
+                aj.finished = True
             aj.queue.put_nowait(r)
 
     # -- owner thread -----------------------------------------------------------------------------

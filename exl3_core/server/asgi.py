@@ -64,10 +64,16 @@ async def read_body(request: Request, limit: int, timeout: float | None) -> byte
             parts.append(chunk)
         return b"".join(parts)
 
+    task = asyncio.ensure_future(collect())
     try:
-        return await asyncio.wait_for(collect(), timeout)
-    except TimeoutError:
-        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="timeout") from None
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    if not done:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s", code="timeout")
+    try:
+        return task.result()
     except ClientDisconnect:
         raise APIError(400, "the client disconnected while sending the request body") from None
 

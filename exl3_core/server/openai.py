@@ -449,22 +449,21 @@ class OpenAIApp:
             raise
 
     async def _results(self, aj: AsyncJob, meta: _Meta) -> AsyncIterator[Result]:
-        """The job's results, ending by :class:`TimeoutError` at the request's deadline (the job is
-        cancelled by the iterator's own clean-up); records the time to the first token."""
-        it = aj.__aiter__()
+        """The job's results; at the request's deadline the job is ended with ``eos_reason``
+        ``"timeout"``. Records the time to the first token."""
+        timer = None
+        if meta.deadline is not None:
+            timer = asyncio.get_running_loop().call_later(max(0.0, meta.deadline - time.monotonic()), aj.end, "timeout")
         timed = False
-        while True:
-            try:
-                if meta.deadline is None:
-                    r = await it.__anext__()
-                else:
-                    r = await asyncio.wait_for(it.__anext__(), max(0.0, meta.deadline - time.monotonic()))
-            except StopAsyncIteration:
-                return
-            if not timed and aj.job.t_first:
-                timed = True
-                self.metrics.ttft.observe(aj.job.t_first - meta.t0)
-            yield r
+        try:
+            async for r in aj:
+                if not timed and aj.job.t_first:
+                    timed = True
+                    self.metrics.ttft.observe(aj.job.t_first - meta.t0)
+                yield r
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     def _timeout_error(self) -> APIError:
         return APIError(504, f"the request did not finish within {self.options.request_timeout:g} s (exl3 serve "
@@ -490,9 +489,6 @@ class OpenAIApp:
             aj.cancel()
             raise APIError(499, "the client closed the connection; the request was cancelled",
                            code="client_closed_request")
-        exc = consume.exception()
-        if isinstance(exc, asyncio.TimeoutError):
-            raise self._timeout_error()
         last = consume.result()
         if not last or last.get("eos_reason") not in FINISH_REASONS:
             raise self._job_error(last)
@@ -525,32 +521,30 @@ class OpenAIApp:
 
         if meta.chat:
             yield chunk(None, None, first=True)
-        try:
-            async for r in self._results(aj, meta):
-                if r["eos"] and r.get("eos_reason") not in FINISH_REASONS:
-                    yield json.dumps(self._job_error(r).body())
-                    return
-                if r["text"]:
-                    yield chunk(r["text"], None)
-                if r["eos"]:
-                    yield chunk(None, FINISH_REASONS[r["eos_reason"]])
-                    if meta.include_usage:
-                        usage = self._usage(aj.job, r)
-                        doc: BaseModel = (ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model,
-                                                              choices=[], usage=usage) if meta.chat else
-                                          Completion(id=meta.id, created=meta.created, model=meta.model, choices=[],
-                                                     usage=usage))
-                        yield doc.model_dump_json()
-        except asyncio.TimeoutError:
-            yield json.dumps(self._timeout_error().body())
+        async for r in self._results(aj, meta):
+            if r["eos"] and r.get("eos_reason") not in FINISH_REASONS:
+                yield json.dumps(self._job_error(r).body())
+                return
+            if r["text"]:
+                yield chunk(r["text"], None)
+            if r["eos"]:
+                yield chunk(None, FINISH_REASONS[r["eos_reason"]])
+                if meta.include_usage:
+                    usage = self._usage(aj.job, r)
+                    doc: BaseModel = (ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model,
+                                                          choices=[], usage=usage) if meta.chat else
+                                      Completion(id=meta.id, created=meta.created, model=meta.model, choices=[],
+                                                 usage=usage))
+                    yield doc.model_dump_json()
 
     @staticmethod
     def _usage(job: Job, last: Result) -> Usage:
         n_in, n_out = len(job.prompt), int(last.get("new_tokens", job.new_tokens))
         return Usage(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
 
-    @staticmethod
-    def _job_error(last: Result) -> APIError:
+    def _job_error(self, last: Result) -> APIError:
+        if last.get("eos_reason") == "timeout":
+            return self._timeout_error()
         if last.get("eos_reason") == "cancelled":
             return APIError(503, "the server is shutting down; the request was cancelled", code="server_shutting_down")
         err = last.get("error")

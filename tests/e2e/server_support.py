@@ -173,17 +173,21 @@ def wait_idle(port: int, seconds: float = 20.0) -> dict[str, Any]:
 
 
 # -- raw streaming clients ------------------------------------------------------------------------
-def open_stream(port: int, body: dict[str, Any], path: str = "/v1/completions", events: int = 2,
-                timeout: float = 20.0) -> socket.socket:
-    """A raw socket whose streaming request has delivered at least ``events`` SSE events."""
+def open_stream(port: int, body: dict[str, Any], path: str = "/v1/completions", timeout: float = 20.0) -> socket.socket:
+    """A raw socket that has sent a streaming request (see :func:`await_events`)."""
     data = json.dumps({**body, "stream": True}).encode()
     s = socket.create_connection((HOST, port), timeout=timeout)
     s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
               % (path.encode(), len(data), data))
+    return s
+
+
+def await_events(s: socket.socket, events: int = 2) -> None:
+    """Read from ``s`` until its stream has delivered ``events`` SSE events (it is under way)."""
     got = b""
     for _ in range(10_000):  # bounded: each recv also has the socket timeout
         if got.count(b"data: ") >= events:
-            return s
+            return
         chunk = s.recv(65536)
         assert chunk, f"stream ended early: {got[-300:]!r}"
         got += chunk

@@ -403,6 +403,38 @@ def test_prompt_longer_than_the_cache(toy: tuple[int, OpenAIApp]) -> None:
     assert request(port, "POST", "/v1/completions", {"prompt": "fits", "max_tokens": 2})[0] == 200
 
 
+@pytest.fixture(params=["toy", "real"])
+def either(request: pytest.FixtureRequest) -> tuple[int, OpenAIApp]:
+    return request.getfixturevalue(request.param)
+
+
+def test_15mb_prompt_does_not_delay_health(either: tuple[int, OpenAIApp]) -> None:
+    port, app = either
+    body = json.dumps({"prompt": "many words " * 1_400_000, "max_tokens": 4}).encode()  # 15.4 MB
+    assert 15_000_000 < len(body) < app.options.max_request_bytes
+    out: dict[str, Any] = {}
+
+    def post() -> None:
+        t0 = time.perf_counter()
+        out["reply"] = request(port, "POST", "/v1/completions", raw=body, timeout=120)[:2]
+        out["seconds"] = time.perf_counter() - t0
+
+    big = threading.Thread(target=post)
+    big.start()
+    delays: list[float] = []
+    deadline = time.monotonic() + 120
+    while big.is_alive() or len(delays) < 3:
+        assert time.monotonic() < deadline, "the 15 MB request did not finish within 120 s"
+        t0 = time.perf_counter()
+        health(port)
+        delays.append(time.perf_counter() - t0)
+        time.sleep(0.01)
+    big.join()
+    assert max(delays) < 0.5, f"/health took up to {max(delays):.3f} s while a 15 MB prompt was handled"
+    err = assert_openai_error(*out["reply"], 400, "prompt")
+    assert err["code"] == "context_length_exceeded"
+
+
 def test_no_hand_written_http_remains() -> None:
     core = REPO / "exl3_core"
     assert not (core / "server" / "http.py").exists()
