@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import queue
 import threading
 import time
@@ -31,6 +32,8 @@ from typing import Any
 
 from exl3_core.generator.generator import Generator, Result
 from exl3_core.generator.job import Job
+
+log = logging.getLogger(__name__)
 
 #: seconds of history behind :attr:`GeneratorStats.tokens_per_s`
 RATE_WINDOW_S = 10.0
@@ -246,7 +249,11 @@ class AsyncGenerator:
                 if isinstance(m, _Stop):
                     self._stop(m)
                     return
-                self._apply(m)
+                try:
+                    self._apply(m)
+                except Exception as e:  # the owner thread must outlive any one message
+                    log.exception("AsyncGenerator: applying %s failed", type(m).__name__)
+                    self._call_loop(_resolve, m.ack, e)
             if messages:
                 self._publish()
             if gen.queue or gen.active:

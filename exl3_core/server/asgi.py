@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import h11
 from starlette.requests import ClientDisconnect, Request
@@ -98,7 +98,7 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], *, headers: dict[str, str] | None = None,
+    def __init__(self, events: AsyncGenerator[str, None], *, headers: dict[str, str] | None = None,
                  on_close: Callable[[], object] | None = None) -> None:
         self.events = events
         self.on_close = on_close
@@ -121,9 +121,7 @@ class EventStreamResponse(Response):
             for t in (pump, watch):
                 t.cancel()
             await asyncio.gather(pump, watch, return_exceptions=True)
-            aclose = getattr(self.events, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            await self.events.aclose()
             if self.on_close is not None:
                 self.on_close()
         if pump.done() and not pump.cancelled() and pump.exception() is not None:

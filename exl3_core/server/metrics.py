@@ -35,6 +35,8 @@ class _GeneratorCollector(Collector):
         yield CounterMetricFamily("exl3_generation_tokens", "Tokens sampled", value=s.generated_tokens)
         yield CounterMetricFamily("exl3_prompt_tokens", "Prompt tokens of accepted requests", value=s.prompt_tokens)
         yield CounterMetricFamily("exl3_steps", "Generator steps that ran at least one request", value=s.steps)
+        yield CounterMetricFamily("exl3_failed_steps", "Generator steps that raised (their requests ended with an "
+                                                       "error)", value=s.failed_steps)
         yield CounterMetricFamily("exl3_cancelled_requests", "Requests cancelled while queued or running "
                                                               "(client disconnects, timeouts)", value=s.cancelled)
         yield GaugeMetricFamily("exl3_cache_pages", "KV-cache pages", value=s.pages)

@@ -23,15 +23,16 @@ are refused with 400 rather than ignored; unknown fields are refused as OpenAI r
 from __future__ import annotations
 
 import asyncio
+import collections.abc
 import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 from fastapi import FastAPI
@@ -69,6 +70,9 @@ from exl3_core.server.schemas import (
     refuse_unsupported,
     validation_error,
 )
+
+if TYPE_CHECKING:
+    from exl3_core.plugins.registry import Plugins
 
 #: generator ``eos_reason`` -> OpenAI ``finish_reason``
 FINISH_REASONS = {"stop_token": "stop", "stop_string": "stop", "filter": "stop", "max_new_tokens": "length",
@@ -114,8 +118,6 @@ class PromptTokenizer(Protocol):
 
     def encode(self, text: str, add_bos: bool | None = None) -> torch.Tensor: ...
 
-    def decode(self, ids: Any) -> str: ...
-
     def get_vocab_bytes(self) -> list[bytes]: ...
 
 
@@ -123,10 +125,10 @@ class PromptTokenizer(Protocol):
 class ChatTokenizer(Protocol):
     """A tokenizer that renders chat templates (when its ``chat_template`` is set)."""
 
-    chat_template: Any
+    chat_template: str | Mapping[str, str] | None
 
-    def apply_chat_template(self, messages: Sequence[Any], add_generation_prompt: bool = True) -> str | torch.Tensor:
-        ...
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
+                            add_generation_prompt: bool = True) -> str | torch.Tensor: ...
 
 
 @dataclass
@@ -203,7 +205,8 @@ class OpenAIApp:
     """
 
     def __init__(self, generator: Generator, tokenizer: PromptTokenizer | None = None, *, model_id: str = "exl3",
-                 max_context: int | None = None, plugins: Any = None, options: ServerOptions | None = None) -> None:
+                 max_context: int | None = None, plugins: Plugins | None = None,
+                 options: ServerOptions | None = None) -> None:
         self.generator = generator
         tok = tokenizer if tokenizer is not None else generator.tokenizer
         if tok is None:
@@ -504,7 +507,7 @@ class OpenAIApp:
                              choices=[CompletionChoice(text=text, finish_reason=finish)])
         return _json(doc, headers)
 
-    async def _events(self, aj: AsyncJob, meta: _Meta) -> AsyncIterator[str]:
+    async def _events(self, aj: AsyncJob, meta: _Meta) -> collections.abc.AsyncGenerator[str, None]:
         """The SSE payloads of a streamed (chat) completion."""
         exclude = None if meta.include_usage else {"usage"}
 

@@ -20,7 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from exl3_core.server.openai import OpenAIApp
+from exl3_core.server.openai import NORMALIZATION_SLACK, OpenAIApp
 from exl3_core.server.runner import exposure_warning, is_loopback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -394,7 +394,7 @@ def test_prompt_longer_than_the_cache(toy: tuple[int, OpenAIApp]) -> None:
         "messages": [{"role": "user", "content": "y" * n}]})[:2], 400, "messages")
     assert err["code"] == "context_length_exceeded"
     # past the byte bound the prompt is refused without being tokenized at all
-    assert app.max_prompt_bytes == n * app.max_token_bytes * 4
+    assert app.max_prompt_bytes == n * app.max_token_bytes * NORMALIZATION_SLACK
     longest = tok.longest  # type: ignore[attr-defined]
     err = assert_openai_error(*request(port, "POST", "/v1/completions", {
         "prompt": "z" * (app.max_prompt_bytes + 1)})[:2], 400, "prompt")
@@ -410,29 +410,30 @@ def either(request: pytest.FixtureRequest) -> tuple[int, OpenAIApp]:
 
 def test_15mb_prompt_does_not_delay_health(either: tuple[int, OpenAIApp]) -> None:
     port, app = either
-    body = json.dumps({"prompt": "many words " * 1_400_000, "max_tokens": 4}).encode()  # 15.4 MB
-    assert 15_000_000 < len(body) < app.options.max_request_bytes
-    out: dict[str, Any] = {}
+    words = "many words " * 1_400_000  # 15.4 MB
+    bodies = {"/v1/completions": json.dumps({"prompt": words, "max_tokens": 4}).encode(),
+              "/v1/chat/completions": json.dumps({"messages": [{"role": "user", "content": words}]}).encode()}
+    assert all(15_000_000 < len(b) < app.options.max_request_bytes for b in bodies.values())
+    replies: dict[str, Any] = {}
 
     def post() -> None:
-        t0 = time.perf_counter()
-        out["reply"] = request(port, "POST", "/v1/completions", raw=body, timeout=120)[:2]
-        out["seconds"] = time.perf_counter() - t0
+        for path, body in bodies.items():
+            replies[path] = request(port, "POST", path, raw=body, timeout=120)[:2]
 
     big = threading.Thread(target=post)
     big.start()
     delays: list[float] = []
     deadline = time.monotonic() + 120
     while big.is_alive() or len(delays) < 3:
-        assert time.monotonic() < deadline, "the 15 MB request did not finish within 120 s"
+        assert time.monotonic() < deadline, "the 15 MB requests did not finish within 120 s"
         t0 = time.perf_counter()
         health(port)
         delays.append(time.perf_counter() - t0)
         time.sleep(0.01)
     big.join()
     assert max(delays) < 0.5, f"/health took up to {max(delays):.3f} s while a 15 MB prompt was handled"
-    err = assert_openai_error(*out["reply"], 400, "prompt")
-    assert err["code"] == "context_length_exceeded"
+    for path, param in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
+        assert assert_openai_error(*replies[path], 400, param)["code"] == "context_length_exceeded"
 
 
 def test_no_hand_written_http_remains() -> None:
