@@ -132,7 +132,7 @@ class Settings:
             deferred_norm=flag("DEFERRED_NORM", True),
             qkv_epilogue=flag("QKV_EPILOGUE", True),
             prefill_bf16=flag("PREFILL_BF16", True),
-            api_key=g("API_KEY") or None,
+            api_key=(g("API_KEY") or "").strip() or None,
             log_level=(g("LOG_LEVEL") or "WARNING").upper(),
             no_progress=flag("NO_PROGRESS"),
         )

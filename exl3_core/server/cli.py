@@ -25,9 +25,10 @@ def add_cli(sub: Any) -> None:
                    help="address to listen on (default 127.0.0.1: this machine only). Binding beyond loopback "
                         "without --api-key lets anyone who can reach the port use the model")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
-    p.add_argument("--api-key", default=None,
+    p.add_argument("--api-key", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on every /v1 request (default: $EXL3_API_KEY; "
-                        "unset: no authentication). /health and /metrics stay open")
+                        "unset: no authentication). /health and /metrics stay open. Prefer EXL3_API_KEY: other "
+                        "users of this machine can read a command line")
     p.add_argument("--cache-tokens", type=int, default=8192,
                    help="KV-cache size in tokens, shared by all concurrent requests (default 8192)")
     p.add_argument("--device", default=None, help="torch device (default: cuda:0 if available, else cpu)")
@@ -35,9 +36,9 @@ def add_cli(sub: Any) -> None:
                    help="most requests generating at once; more wait in the queue (default 16)")
     p.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: the folder name)")
     p.add_argument("--attention", default=None, help="comma-separated attention backends to try, in order")
-    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024,
+    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024, metavar="BYTES",
                    help="largest accepted request body in bytes (default 16 MiB; larger bodies get 413)")
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="seconds a request may take from arrival to its last token before it is cancelled "
                         "(default 600; 0: no limit)")
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",

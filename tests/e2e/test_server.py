@@ -535,6 +535,17 @@ def test_exl3_serve_command_with_api_key_from_env_stops_on_sigint() -> None:
             proc.wait(10)
 
 
+@pytest.mark.parametrize(("flags", "message"), [(["--max-request-bytes", "0"], "--max-request-bytes"),
+                                                (["--request-timeout", "-1"], "--request-timeout"),
+                                                (["--api-key", " "], "--api-key")])
+def test_serve_rejects_bad_options_before_loading_the_model(flags: list[str], message: str) -> None:
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "exl3_core", "serve", *flags], capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert out.returncode == 2 and message in out.stderr and "serving" not in out.stderr, out.stderr
+
+
 def test_warning_when_binding_beyond_loopback_without_a_key() -> None:
     assert all(is_loopback(h) for h in ("127.0.0.1", "127.3.2.1", "::1", "localhost"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.5", "example.com"))
