@@ -14,6 +14,8 @@ still has its job cancelled and its cache pages freed.
 * A step that raises ends every job it was running with an ``eos`` result whose ``eos_reason`` is
   ``"error"`` (the exception under ``"error"``), so no consumer waits forever, and their pages are
   freed; the owner thread keeps serving new jobs.
+* :meth:`AsyncJob.end` ends a job from the event loop (a request deadline): the consumer gets a
+  last ``eos`` result with the given ``eos_reason``.
 * :attr:`AsyncGenerator.stats` is a snapshot the owner thread replaces after every step and every
   batch of messages, so readers on other threads never look at the generator while it changes.
 """
@@ -26,9 +28,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from exl3_core.generator.generator import Generator, Result
 from exl3_core.generator.job import Job
@@ -223,7 +227,7 @@ class AsyncGenerator:
             aj.queue.put_nowait(r)
 
     # -- owner thread -----------------------------------------------------------------------------
-    def _call_loop(self, fn: Any, *args: Any) -> bool:
+    def _call_loop(self, fn: Callable[..., object], *args: object) -> bool:
         """Run ``fn(*args)`` on the event loop; False once the loop is gone (interpreter exit)."""
         assert self._loop is not None
         try:
@@ -234,6 +238,8 @@ class AsyncGenerator:
 
     def _main(self) -> None:
         gen = self.generator
+        if gen.device.type == "cuda" and gen.device.index is not None:
+            torch.cuda.set_device(gen.device)  # the current device is per thread; streams and graphs use it
         while True:
             messages: list[_Message] = []
             if not (gen.queue or gen.active):
