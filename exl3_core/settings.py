@@ -18,6 +18,7 @@ itself is tuned (fusions, launch options, graph buckets) is typed in :mod:`exl3_
 | ``EXL3_NUM_THREADS`` | CPU threads for the compiled CPU ops (0 = torch's default) |
 | ``EXL3_PAGE_SIZE`` | KV-cache page size in tokens (default 256) |
 | ``EXL3_CUDA_GRAPHS`` | ``0`` disables CUDA graphs (decode steps and prefill chunks), e.g. to debug a kernel or read a profile op by op |
+| ``EXL3_API_KEY`` | the key ``exl3 serve`` requires from clients (``Authorization: Bearer KEY``) when ``--api-key`` is not given; unset: no key |
 | ``EXL3_LOG_LEVEL`` | log level for the ``exl3`` logger (default ``WARNING``) |
 | ``EXL3_NO_PROGRESS`` | ``1``: never draw progress bars |
 """
@@ -70,6 +71,7 @@ class Settings:
     num_threads: int = 0
     page_size: int = 256
     cuda_graphs: bool = True
+    api_key: str | None = None
     log_level: str = "WARNING"
     no_progress: bool = False
 
@@ -104,6 +106,7 @@ class Settings:
             num_threads=_int("NUM_THREADS", g("NUM_THREADS"), 0),
             page_size=page_size,
             cuda_graphs=flag("CUDA_GRAPHS", True),
+            api_key=(g("API_KEY") or "").strip() or None,
             log_level=(g("LOG_LEVEL") or "WARNING").upper(),
             no_progress=flag("NO_PROGRESS"),
         )

@@ -1,12 +1,14 @@
-"""OpenAI-compatible HTTP serving (``exl3 serve``).
+"""OpenAI-compatible HTTP serving (``exl3 serve``) on FastAPI and uvicorn.
 
-* :mod:`exl3_core.server.http`: a standard-library HTTP/1.1 server on ``asyncio`` with JSON and
-  Server-Sent Events responses (:class:`HTTPServer`, :class:`BackgroundServer`);
-* :mod:`exl3_core.server.openai`: the ``/v1`` routes on the continuous-batching generator
-  (:class:`OpenAIApp`, :class:`BatchingGenerator`);
+* :mod:`exl3_core.server.openai`: the routes on the continuous-batching generator
+  (:class:`OpenAIApp`, whose ``asgi()`` is the FastAPI application; :class:`ServerOptions`);
+* :mod:`exl3_core.server.schemas`: pydantic models of the OpenAI request and response shapes;
+* :mod:`exl3_core.server.asgi`: API-key middleware, Server-Sent Events, body limit;
+* :mod:`exl3_core.server.metrics`: the Prometheus registry behind ``/metrics``;
+* :mod:`exl3_core.server.runner`: uvicorn in the foreground or on a thread (:class:`BackgroundServer`);
 * :mod:`exl3_core.server.cli`: the ``exl3 serve`` command.
 
-Names resolve lazily so that ``exl3 --help`` does not import torch through this package.
+Names resolve lazily so that ``exl3 --help`` does not import torch or FastAPI through this package.
 """
 from __future__ import annotations
 
@@ -14,14 +16,12 @@ import importlib
 from typing import Any
 
 _LAZY = {
-    "HTTPServer": "exl3_core.server.http", "BackgroundServer": "exl3_core.server.http",
-    "HTTPError": "exl3_core.server.http", "Request": "exl3_core.server.http", "Response": "exl3_core.server.http",
-    "EventStream": "exl3_core.server.http", "OpenAIApp": "exl3_core.server.openai",
-    "BatchingGenerator": "exl3_core.server.openai", "serve": "exl3_core.server.cli",
+    "OpenAIApp": "exl3_core.server.openai", "ServerOptions": "exl3_core.server.openai",
+    "APIError": "exl3_core.server.errors", "BackgroundServer": "exl3_core.server.runner",
+    "serve": "exl3_core.server.cli",
 }
 
-__all__ = ["BackgroundServer", "BatchingGenerator", "EventStream", "HTTPError", "HTTPServer", "OpenAIApp",
-           "Request", "Response", "serve"]
+__all__ = ["APIError", "BackgroundServer", "OpenAIApp", "ServerOptions", "serve"]
 
 
 def __getattr__(name: str) -> Any:

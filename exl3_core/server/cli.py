@@ -1,4 +1,4 @@
-"""``exl3 serve``: the OpenAI-compatible HTTP server for one model.
+"""``exl3 serve``: the OpenAI-compatible HTTP server for one model (FastAPI on uvicorn).
 
 Model loading is the ``generate``/``chat`` commands' :class:`~exl3_core.generate_cli.Session`;
 this module only adds the HTTP side. Heavy imports happen when the command runs, so building the
@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import importlib.util
 import logging
-import signal
 import sys
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("exl3.server")
 
 
 def add_cli(sub: Any) -> None:
@@ -21,8 +22,13 @@ def add_cli(sub: Any) -> None:
     p.add_argument("-m", "--model", type=Path, default=None,
                    help="model folder (HF-style, unquantized or EXL3); default: the embedded default model")
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1: this machine only; the API has no authentication)")
+                   help="address to listen on (default 127.0.0.1: this machine only). Binding beyond loopback "
+                        "without --api-key lets anyone who can reach the port use the model")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every /v1 request (default: $EXL3_API_KEY; "
+                        "unset: no authentication). /health and /metrics stay open. Prefer EXL3_API_KEY: other "
+                        "users of this machine can read a command line")
     p.add_argument("--cache-tokens", type=int, default=8192,
                    help="KV-cache size in tokens, shared by all concurrent requests (default 8192)")
     p.add_argument("--device", default=None, help="torch device (default: cuda:0 if available, else cpu)")
@@ -30,8 +36,31 @@ def add_cli(sub: Any) -> None:
                    help="most requests generating at once; more wait in the queue (default 16)")
     p.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: the folder name)")
     p.add_argument("--attention", default=None, help="comma-separated attention backends to try, in order")
-    p.add_argument("--max-body-mb", type=float, default=16.0, help="largest accepted request body in MiB (default 16)")
+    p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024, metavar="BYTES",
+                   help="largest accepted request body in bytes (default 16 MiB; larger bodies get 413)")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="seconds a request may take from arrival to its last token before it is cancelled "
+                        "(default 600; 0: no limit)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser pages from ORIGIN (e.g. http://localhost:3000, or * for any) to call the "
+                        "API; repeat for several. Default: no CORS headers")
     p.set_defaults(func=_serve_cmd)
+
+
+def server_options(args: argparse.Namespace) -> Any:
+    """The :class:`~exl3_core.server.openai.ServerOptions` of the parsed ``serve`` arguments."""
+    from exl3_core import settings
+    from exl3_core.server.openai import ServerOptions
+
+    key = args.api_key if args.api_key is not None else settings.get().api_key
+    if args.max_request_bytes < 1:
+        raise ValueError(f"--max-request-bytes {args.max_request_bytes} must be positive")
+    if args.request_timeout < 0:
+        raise ValueError(f"--request-timeout {args.request_timeout} must be >= 0 (0: no limit)")
+    if key is not None and not key.strip():
+        raise ValueError("--api-key / EXL3_API_KEY is empty; give a non-empty key or leave it unset")
+    return ServerOptions(api_key=key, max_request_bytes=args.max_request_bytes,
+                         request_timeout=args.request_timeout or None, cors_origins=tuple(args.cors_origin))
 
 
 def build_app(args: argparse.Namespace) -> Any:
@@ -42,38 +71,53 @@ def build_app(args: argparse.Namespace) -> Any:
 
     if args.max_batch < 1:
         raise ValueError(f"--max-batch {args.max_batch} must be at least 1")
+    options = server_options(args)
     s = Session(args)
     gen = Generator(s.model, s.cache, s.tokenizer, max_batch_size=args.max_batch)
     gen.capture_graphs()  # every decode bucket now: no request waits for a capture later
     name = args.model_name or Path(s.config.directory).name
     ctx = s.config.raw.get("max_position_embeddings")
-    return OpenAIApp(gen, s.tokenizer, model_id=name, max_context=ctx if isinstance(ctx, int) else None)
+    return OpenAIApp(gen, s.tokenizer, model_id=name, max_context=ctx if isinstance(ctx, int) else None,
+                     options=options)
 
 
-async def serve(app: Any, host: str, port: int, *, stop: asyncio.Event | None = None, **server_kwargs: Any) -> None:
-    """Serve ``app`` until ``stop`` is set (or SIGINT/SIGTERM), then shut down cleanly."""
-    from exl3_core.server.http import HTTPServer
+async def serve(app: Any, host: str, port: int, *, stop: asyncio.Event | None = None, access_log: bool = True) -> None:
+    """Serve ``app`` (an :class:`OpenAIApp`) on ``host:port`` until ``stop`` is set or
+    SIGINT/SIGTERM arrives, then shut down cleanly."""
+    from exl3_core.server.runner import bind, exposure_warning, run_server
 
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, stop.set)
-    server = HTTPServer(app, host, port, **server_kwargs)
-    await server.start()
-    print(f"exl3: serving '{app.model_id}' on http://{host}:{server.port}/v1 (Ctrl-C stops)", file=sys.stderr,
-          flush=True)
+    warning = exposure_warning(host, app.options.api_key)
+    if warning is not None:
+        log.warning("%s", warning)
+    sock = bind(host, port)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"exl3: serving '{app.model_id}' on http://{shown}:{sock.getsockname()[1]}/v1 (Ctrl-C stops)",
+          file=sys.stderr, flush=True)
     try:
-        await stop.wait()
+        await run_server(app, sock, stop=stop, access_log=access_log)
     finally:
-        await server.close()
-        await app.close()
+        sock.close()
+
+
+#: modules of the "server" extra
+SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 
 
 def _serve_cmd(args: argparse.Namespace) -> int:
-    logging.getLogger("exl3.server").setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
+    missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"exl3 serve: missing {', '.join(missing)}; install the server extra: pip install 'exl3-core[server]' "
+              f"(or: pip install fastapi uvicorn prometheus-client)", file=sys.stderr)
+        return 2
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")
+    for name in ("exl3.server", "uvicorn", "uvicorn.access", "uvicorn.error"):
+        logging.getLogger(name).setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
+    try:
+        server_options(args)  # option errors before the model loads
+    except ValueError as e:
+        print(f"exl3 serve: {e}", file=sys.stderr)
+        return 2
     app = build_app(args)
-    asyncio.run(serve(app, args.host, args.port, max_body_bytes=int(args.max_body_mb * 1024 * 1024)))
+    asyncio.run(serve(app, args.host, args.port))
     return 0

@@ -1,67 +1,134 @@
-"""OpenAI-compatible routes on the continuous-batching generator.
+"""OpenAI-compatible routes on the continuous-batching generator, as a FastAPI application.
 
 ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``, ``POST /v1/chat/completions``
-(``stream`` true/false) and ``GET /health``. Every request becomes one :class:`Job` submitted to a
-single :class:`BatchingGenerator` whose one loop task steps the :class:`Generator` for all of
-them, so concurrent HTTP requests share forward passes.
+(``stream`` true/false, streams as Server-Sent Events), ``GET /health`` and ``GET /metrics``
+(Prometheus). Every request becomes one :class:`Job` submitted to a single
+:class:`AsyncGenerator`, whose owner thread steps the :class:`Generator` for all of them, so
+concurrent requests share forward passes.
+
+Request handling keeps the event loop free: the body is parsed and validated, the chat template
+rendered and the prompt tokenized on a small thread pool, and a prompt whose byte length alone
+proves it cannot fit the context is refused before it is tokenized at all (see
+:attr:`OpenAIApp.max_prompt_bytes`). A client that disconnects, or a request that passes
+``request_timeout``, has its job cancelled and its cache pages freed.
 
 Supported request fields: ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``top_k`` and ``min_p`` (extensions), ``repetition_penalty`` (extension),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``stop``, ``seed``, ``n`` (1 only),
 ``stream``, ``stream_options.include_usage``, ``ignore_eos`` (extension) and ``response_format``
 (``json_object`` / ``json_schema`` through the ``llguidance`` filter plugin). Fields that would
-change the answer but are not implemented (``logprobs``, ``tools``, ``echo``, ``suffix``, n > 1)
-are refused with 400 rather than ignored.
+change the answer but are not implemented (``logprobs``, ``tools``, ``echo``, ``suffix``, n > 1, ...)
+are refused with 400 rather than ignored; unknown fields are refused as OpenAI refuses them.
 """
 from __future__ import annotations
 
 import asyncio
+import collections.abc
+import json
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+
+import torch
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 
 from exl3_core.cache.pages import CacheExhausted
+from exl3_core.filters.base import Filter
 from exl3_core.generator import AsyncGenerator, AsyncJob, Generator, Job
 from exl3_core.generator.generator import Result
 from exl3_core.sampling import Sampler, SamplerValueError
-from exl3_core.server.http import EventStream, HTTPError, Request, Response, json_response
+from exl3_core.server.asgi import APIKeyMiddleware, EventStreamResponse, read_body, wait_disconnect
+from exl3_core.server.errors import APIError
+from exl3_core.server.metrics import MetricsMiddleware, ServerMetrics
+from exl3_core.server.schemas import (
+    MAX_STOP_STRINGS,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    ResponseFormat,
+    Usage,
+    refuse_unsupported,
+    validation_error,
+)
+
+if TYPE_CHECKING:
+    from exl3_core.plugins.registry import Plugins
 
 #: generator ``eos_reason`` -> OpenAI ``finish_reason``
 FINISH_REASONS = {"stop_token": "stop", "stop_string": "stop", "filter": "stop", "max_new_tokens": "length",
                   "max_seq_len": "length"}
-MAX_STOP_STRINGS = 16
+#: a tokenizer's normalizer can merge characters (NFC composes a Hangul syllable's three jamo, 9
+#: bytes, into one 3-byte character), so a token may stand for up to this many times its bytes
+NORMALIZATION_SLACK = 4
+#: threads that parse bodies, render templates and tokenize prompts
+PROMPT_THREADS = 2
+
+_T = TypeVar("_T")
+_M = TypeVar("_M", bound=BaseModel)
 
 
-class BatchingGenerator(AsyncGenerator):
-    """:class:`AsyncGenerator` that records batch sizes (``max_batch``) and cancellations for the
-    server's statistics."""
+@dataclass(frozen=True)
+class ServerOptions:
+    """HTTP-level settings of one server.
 
-    def __init__(self, generator: Generator) -> None:
-        super().__init__(generator)
-        self.steps = 0
-        self.batched_steps = 0  # steps that ran more than one job
-        self.max_batch = 0
-        self.cancelled = 0
+    :param api_key: when set, every ``/v1`` request needs ``Authorization: Bearer <api_key>``.
+    :param max_request_bytes: largest request body (413 beyond).
+    :param request_timeout: seconds a request may take from arrival to its last token (the body's
+        arrival included); None: no limit.
+    :param cors_origins: origins allowed to call the API from a browser (``*`` for any); empty: no CORS.
+    """
 
-    def _iterate(self) -> list[Result]:
-        gen = self.generator
-        with gen.lock:  # re-entrant; keeps the count below consistent with the step
-            results = gen.iterate()
-            # jobs in this step = still active + those it finished (admission failures never ran)
-            n = len(gen.active) + sum(1 for r in results if r["eos"] and r["job"].t_admit)
-        if n:
-            self.steps += 1
-            self.batched_steps += n > 1
-            self.max_batch = max(self.max_batch, n)
-        return results
+    api_key: str | None = None
+    max_request_bytes: int = 16 * 1024 * 1024
+    request_timeout: float | None = 600.0
+    cors_origins: tuple[str, ...] = ()
 
-    async def cancel(self, aj: AsyncJob) -> None:
-        if aj.job.status in ("queued", "active"):
-            self.cancelled += 1
-        await super().cancel(aj)
+    def __post_init__(self) -> None:
+        if self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes={self.max_request_bytes} must be positive")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout={self.request_timeout} must be positive (None: no limit)")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key is empty; pass a non-empty key or None for no authentication")
+
+
+class PromptTokenizer(Protocol):
+    """What the server needs of a tokenizer (:class:`~exl3_core.Tokenizer` and the toy
+    :class:`~exl3_core.generator.toy.ByteTokenizer` have it)."""
+
+    def encode(self, text: str, add_bos: bool | None = None) -> torch.Tensor: ...
+
+    def get_vocab_bytes(self) -> list[bytes]: ...
+
+
+@runtime_checkable
+class ChatTokenizer(Protocol):
+    """A tokenizer that renders chat templates (when its ``chat_template`` is set)."""
+
+    chat_template: str | Mapping[str, str] | None
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
+                            add_generation_prompt: bool = True) -> str | torch.Tensor: ...
 
 
 @dataclass
@@ -73,261 +140,246 @@ class _Params:
     ignore_eos: bool
     stream: bool
     include_usage: bool
-    response_format: dict[str, Any] | None
+    response_format: ResponseFormat | None
 
 
-def _bad(param: str, message: str) -> HTTPError:
-    return HTTPError(400, message, param=param)
-
-
-def _number(body: dict[str, Any], name: str, default: float | None, *, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False, integer: bool = False) -> Any:
-    v = body.get(name)
-    if v is None:
-        return default
-    kind = "an integer" if integer else "a number"
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (integer and not isinstance(v, int)):
-        raise _bad(name, f"'{name}' must be {kind}, got {v!r}")
-    if not math.isfinite(v):
-        raise _bad(name, f"'{name}' must be finite, got {v!r}")
-    below = lo is not None and (v <= lo if lo_open else v < lo)
-    above = hi is not None and v > hi
-    if below or above:
-        lo_s = "" if lo is None else f"{'>' if lo_open else '>='} {lo:g}"
-        hi_s = "" if hi is None else f"<= {hi:g}"
-        raise _bad(name, f"'{name}' must be {' and '.join(s for s in (lo_s, hi_s) if s)}, got {v!r}")
-    return v
-
-
-def _flag(body: dict[str, Any], name: str, default: bool = False) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _bad(name, f"'{name}' must be true or false, got {v!r}")
-    return v
-
-
-def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise _bad("n", f"n={n!r} is not supported: this server returns exactly one choice per request; omit 'n' or "
-                        f"send n=1 (and send several requests for several samples)")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise _bad("best_of", f"best_of={best_of!r} is not supported; omit it or send 1")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise _bad("logprobs", "logprobs are not supported by this server; omit 'logprobs'/'top_logprobs'")
-    if body.get("tools") or body.get("functions"):
-        raise _bad("tools", "tool/function calling is not supported by this server; omit 'tools'/'functions'")
-    if not chat:
-        if body.get("echo"):
-            raise _bad("echo", "echo=true is not supported; omit 'echo' and prepend the prompt yourself")
-        if body.get("suffix"):
-            raise _bad("suffix", "'suffix' (insertion) is not supported; omit it")
-
-
-def parse_params(body: dict[str, Any], chat: bool) -> _Params:
-    """Validate the generation fields of a (chat) completion request (400 naming the field)."""
-    _refuse_unsupported(body, chat)
-    if "model" in body and body["model"] is not None and not isinstance(body["model"], str):
-        raise _bad("model", f"'model' must be a string, got {body['model']!r}")
-    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _number(body, key, None, lo=1, integer=True)
-    temperature = _number(body, "temperature", 1.0, lo=0.0)
-    top_p = _number(body, "top_p", 1.0, lo=0.0, hi=1.0, lo_open=True)
-    top_k = _number(body, "top_k", 0, lo=-1, integer=True)
-    top_k = 0 if top_k == -1 else top_k  # -1 means "disabled" in several servers' dialects
-    min_p = _number(body, "min_p", 0.0, lo=0.0, hi=1.0)
-    presence = _number(body, "presence_penalty", 0.0, lo=-2.0, hi=2.0)
-    frequency = _number(body, "frequency_penalty", 0.0, lo=-2.0, hi=2.0)
-    repetition = _number(body, "repetition_penalty", 1.0, lo=0.0, lo_open=True)
-    seed = _number(body, "seed", None, integer=True)
-    if seed is not None:
-        seed %= 2**63  # any JSON integer is a valid OpenAI seed; torch wants a 64-bit one
-    bias_raw = body.get("logit_bias")
-    bias: dict[int, float] = {}
-    if bias_raw is not None:
-        if not isinstance(bias_raw, dict):
-            raise _bad("logit_bias", "'logit_bias' must be an object mapping token ids to biases")
-        for k, v in bias_raw.items():
-            try:
-                tid = int(k)
-            except (TypeError, ValueError):
-                raise _bad("logit_bias", f"'logit_bias' key {k!r} is not a token id") from None
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
-                raise _bad("logit_bias", f"'logit_bias' value for {k} must be a number in [-100, 100], got {v!r}")
-            bias[tid] = float(v)
-    stop_raw = body.get("stop")
-    stop = [stop_raw] if isinstance(stop_raw, str) else stop_raw if stop_raw is not None else []
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise _bad("stop", f"'stop' must be a string or a list of strings, got {stop_raw!r}")
-    if len(stop) > MAX_STOP_STRINGS:
-        raise _bad("stop", f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stop)}")
-    stream = _flag(body, "stream")
-    opts = body.get("stream_options")
-    if opts is not None and (not isinstance(opts, dict) or not stream):
-        raise _bad("stream_options", "'stream_options' must be an object and needs stream=true")
-    include_usage = bool(opts and _flag(opts, "include_usage"))
-    rf = body.get("response_format")
-    if rf is not None and (not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema")):
-        raise _bad("response_format", "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                                      "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": {...}}}")
+def _parse(model: type[_M], body: bytes) -> _M:
     try:
-        penalties = {"presence_penalty": presence, "frequency_penalty": frequency, "repetition_penalty": repetition,
-                     "logit_bias": bias or None}
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def _params(req: CompletionRequest | ChatCompletionRequest) -> _Params:
+    """The generation settings of a validated request (400 naming the field for bad combinations)."""
+    max_tokens = req.max_tokens
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_k = req.top_k or 0
+    top_k = 0 if top_k == -1 else top_k  # -1 means "disabled" in several servers' dialects
+    presence = req.presence_penalty or 0.0
+    frequency = req.frequency_penalty or 0.0
+    repetition = 1.0 if req.repetition_penalty is None else req.repetition_penalty
+    bias: dict[int, float] = {}
+    for k, v in (req.logit_bias or {}).items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise APIError.bad("logit_bias", f"'logit_bias' key {k!r} is not a token id") from None
+        if not -100 <= v <= 100:
+            raise APIError.bad("logit_bias", f"'logit_bias' value for {k} must be a number in [-100, 100], got {v!r}")
+        bias[tid] = float(v)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError.bad("stop", f"at most {MAX_STOP_STRINGS} stop strings are supported, got {len(stop)}")
+    try:
+        penalties: dict[str, Any] = {"presence_penalty": presence, "frequency_penalty": frequency,
+                                     "repetition_penalty": repetition, "logit_bias": bias or None}
         if temperature == 0 and presence == 0 and frequency == 0 and repetition == 1 and not bias:
             sampler = Sampler.greedy()  # argmax: the truncations cannot change it
         elif temperature == 0:
             sampler = Sampler.build(temperature=0.0, **penalties)
         else:
-            sampler = Sampler.build(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, **penalties)
+            sampler = Sampler.build(temperature=temperature, top_k=top_k, top_p=1.0 if req.top_p is None else req.top_p,
+                                    min_p=req.min_p or 0.0, **penalties)
     except SamplerValueError as e:
-        raise HTTPError(400, f"invalid sampling parameters: {e}") from None
-    return _Params(max_tokens, sampler, seed, [s for s in stop if s], _flag(body, "ignore_eos"), stream,
-                   include_usage, rf if rf and rf.get("type") != "text" else None)
-
-
-def _message_text(i: int, content: Any) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad("messages", f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
-                                       f"are supported, got {str(part)[:80]}")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise _bad("messages", f"messages[{i}].content must be a string or a list of text parts")
+        raise APIError(400, f"invalid sampling parameters: {e}") from None
+    seed = None if req.seed is None else req.seed % 2**63  # any JSON integer is a valid OpenAI seed
+    rf = req.response_format if req.response_format is not None and req.response_format.type != "text" else None
+    return _Params(max_tokens, sampler, seed, [s for s in stop if s], bool(req.ignore_eos), bool(req.stream),
+                   bool(req.stream_options and req.stream_options.include_usage), rf)
 
 
 class OpenAIApp:
-    """The request handler (``await app(request)``) serving one model.
+    """One model served over the OpenAI API; :meth:`asgi` is the FastAPI application.
 
     :param generator: the :class:`Generator` all requests share (its ``max_batch_size`` bounds
         how many run at once; the rest wait in its queue).
-    :param tokenizer: default ``generator.tokenizer``; needs ``encode``/``decode`` and, for chat,
-        ``apply_chat_template`` with a ``chat_template`` (else messages are joined as
-        ``role: content`` lines).
+    :param tokenizer: default ``generator.tokenizer``; chat uses its ``apply_chat_template`` when
+        it has a ``chat_template`` (else messages are joined as ``role: content`` lines).
     :param model_id: the name reported by ``/v1/models`` and in responses.
     :param max_context: longest prompt + completion (default: the generator's ``max_seq_len``).
     :param plugins: plugin set providing the ``llguidance`` filter (default: the global one).
+    :param options: HTTP-level settings (API key, body limit, timeout, CORS).
     """
 
-    def __init__(self, generator: Generator, tokenizer: Any = None, *, model_id: str = "exl3",
-                 max_context: int | None = None, plugins: Any = None) -> None:
+    def __init__(self, generator: Generator, tokenizer: PromptTokenizer | None = None, *, model_id: str = "exl3",
+                 max_context: int | None = None, plugins: Plugins | None = None,
+                 options: ServerOptions | None = None) -> None:
         self.generator = generator
         tok = tokenizer if tokenizer is not None else generator.tokenizer
         if tok is None:
             raise ValueError("OpenAIApp needs a tokenizer: pass tokenizer= or build the Generator with one")
-        self.tokenizer: Any = tok
+        self.tokenizer: PromptTokenizer = tok
         self.model_id = model_id
         self.max_context = min(generator.max_seq_len, max_context or generator.max_seq_len)
+        self.options = options or ServerOptions()
         self._plugins = plugins
-        self.agen = BatchingGenerator(generator)
+        self.agen = AsyncGenerator(generator)
+        self.metrics = ServerMetrics(lambda: self.agen.stats)
         self.created = int(time.time())
-        self.routes: dict[str, dict[str, Callable[[Request], Awaitable[Response | EventStream]]]] = {
-            "/health": {"GET": self._health},
-            "/v1/models": {"GET": self._models},
-            "/v1/completions": {"POST": self._completions},
-            "/v1/chat/completions": {"POST": self._chat_completions},
-        }
+        #: the longest text one token stands for (bytes)
+        self.max_token_bytes = max(1, max((len(b) for b in tok.get_vocab_bytes()), default=1))
+        #: a prompt longer than this (UTF-8 bytes) has at least ``max_context`` tokens whatever the
+        #: tokenizer does with it, so it is refused without being tokenized
+        self.max_prompt_bytes = self.max_context * self.max_token_bytes * NORMALIZATION_SLACK
+        self._pool = ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="exl3-prompt")
+        self._asgi: FastAPI | None = None
 
-    async def __call__(self, req: Request) -> Response | EventStream:
-        path = req.path.rstrip("/") or "/"
-        method = "GET" if req.method == "HEAD" else req.method
-        if path.startswith("/v1/models/") and method == "GET":
-            return self._model(path.removeprefix("/v1/models/"))
-        route = self.routes.get(path)
-        if route is None:
-            raise HTTPError(404, f"Invalid URL ({req.method} {req.path}): no such route; available: "
-                                 f"{', '.join(sorted(self.routes))}", code="unknown_url")
-        handler = route.get(method)
-        if handler is None:
-            raise HTTPError(405, f"{req.method} is not allowed on {path}; use {', '.join(route)}",
-                            headers={"Allow": ", ".join(route)})
-        return await handler(req)
+    # -- application ------------------------------------------------------------------------------
+    def asgi(self) -> FastAPI:
+        """The FastAPI application (built once)."""
+        if self._asgi is None:
+            self._asgi = self._build()
+        return self._asgi
+
+    def _build(self) -> FastAPI:
+        @asynccontextmanager
+        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+            yield
+            await self.close()
+
+        api = FastAPI(title="exl3", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+        api.add_api_route("/health", self._health, methods=["GET", "HEAD"])
+        api.add_api_route("/metrics", self._metrics, methods=["GET"])
+        api.add_api_route("/v1/models", self._models, methods=["GET", "HEAD"])
+        api.add_api_route("/v1/models/{name:path}", self._model, methods=["GET", "HEAD"])
+        api.add_api_route("/v1/completions", self._completions, methods=["POST"])
+        api.add_api_route("/v1/chat/completions", self._chat_completions, methods=["POST"])
+        api.add_exception_handler(APIError, self._on_api_error)
+        api.add_exception_handler(StarletteHTTPException, self._on_http_error)
+        api.add_exception_handler(RequestValidationError, self._on_validation_error)
+        api.add_exception_handler(Exception, self._on_crash)
+        # added innermost first: CORS answers preflights before the key check, metrics count everything
+        if self.options.api_key is not None:
+            api.add_middleware(APIKeyMiddleware, api_key=self.options.api_key)
+        api.add_middleware(MetricsMiddleware, metrics=self.metrics)
+        if self.options.cors_origins:
+            api.add_middleware(CORSMiddleware, allow_origins=list(self.options.cors_origins),
+                               allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["Authorization", "Content-Type"],
+                               expose_headers=["X-Request-Id"])
+        return api
 
     async def close(self) -> None:
-        """Cancel every running request's job and stop the generator loop."""
+        """End every running request's job and stop the generator's owner thread."""
         await self.agen.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _offload(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # -- errors -----------------------------------------------------------------------------------
+    @staticmethod
+    async def _on_api_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return exc.response()
+
+    async def _on_http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 404:
+            routes = ["/health", "/metrics", "/v1/chat/completions", "/v1/completions", "/v1/models"]
+            return APIError(404, f"Invalid URL ({request.method} {request.url.path}): no such route; available: "
+                                 f"{', '.join(routes)}", code="unknown_url").response()
+        if exc.status_code == 405:
+            allow = (exc.headers or {}).get("Allow", "")
+            return APIError(405, f"{request.method} is not allowed on {request.url.path}; use {allow}",
+                            headers={"Allow": allow}).response()
+        return APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
+
+    @staticmethod
+    async def _on_validation_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        return validation_error(list(exc.errors())).response()
+
+    @staticmethod
+    async def _on_crash(_: Request, exc: Exception) -> Response:
+        return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
     # -- simple routes ----------------------------------------------------------------------------
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "exl3",
-                "max_model_len": self.max_context}
+    def _model_card(self) -> ModelCard:
+        return ModelCard(id=self.model_id, created=self.created, max_model_len=self.max_context)
 
-    async def _models(self, req: Request) -> Response:
-        return json_response({"object": "list", "data": [self._model_card()]})
+    async def _models(self) -> Response:
+        return _json(ModelList(data=[self._model_card()]))
 
-    def _model(self, name: str) -> Response:
+    async def _model(self, name: str) -> Response:
         if name != self.model_id:
-            raise HTTPError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
-                            code="model_not_found", param="model")
-        return json_response(self._model_card())
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
+                           code="model_not_found", param="model")
+        return _json(self._model_card())
 
-    async def _health(self, req: Request) -> Response:
-        gen, alloc = self.generator, self.generator.cache.allocator
-        return json_response({
-            "status": "ok", "model": self.model_id, "active_jobs": len(gen.active), "queued_jobs": len(gen.queue),
-            "steps": self.agen.steps, "batched_steps": self.agen.batched_steps, "max_batch_seen": self.agen.max_batch,
-            "cancelled_jobs": self.agen.cancelled,
-            "cache": {"pages": alloc.num_pages, "page_size": alloc.page_size, "pages_in_use": alloc.num_live(),
-                      "pages_cached": alloc.num_cached()},
+    async def _health(self) -> Response:
+        s = self.agen.stats
+        return JSONResponse({
+            "status": "ok", "model": self.model_id, "active_jobs": s.active_jobs, "queued_jobs": s.queued_jobs,
+            "steps": s.steps, "batched_steps": s.batched_steps, "max_batch_seen": s.max_batch,
+            "cancelled_jobs": s.cancelled,
+            "cache": {"pages": s.pages, "page_size": s.page_size, "pages_in_use": s.pages_in_use,
+                      "pages_cached": s.pages_cached},
         })
 
-    # -- prompts ----------------------------------------------------------------------------------
-    def _chat_prompt(self, body: dict[str, Any]) -> list[int]:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise _bad("messages", "'messages' must be a non-empty list of {\"role\", \"content\"} objects")
-        clean = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise _bad("messages", f"messages[{i}] must be an object with a string 'role'")
-            entry = {"role": m["role"], "content": _message_text(i, m.get("content"))}
-            if isinstance(m.get("name"), str):
-                entry["name"] = m["name"]
-            clean.append(entry)
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            try:
-                text = tok.apply_chat_template(clean, add_generation_prompt=True)
-            except Exception as e:  # noqa: BLE001 - templates raise their own errors for unsupported turns
-                raise _bad("messages", f"the model's chat template rejected the messages: {e}") from None
-            return self._ids(tok.encode(text, add_bos=False))
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in clean) + "assistant:"
-        return self._ids(tok.encode(text))
+    async def _metrics(self) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, media_type=content_type)
 
-    def _text_prompt(self, body: dict[str, Any]) -> list[int]:
-        p = body.get("prompt")
+    # -- prompts (on the prompt threads) ----------------------------------------------------------
+    def _too_long(self, n_bytes: int, chat: bool) -> APIError:
+        return APIError(400, f"This model's maximum context length is {self.max_context} tokens; the prompt has "
+                             f"{n_bytes} bytes, so at least {math.ceil(n_bytes / (self.max_token_bytes * NORMALIZATION_SLACK))} "
+                             f"tokens. Shorten the prompt", param="messages" if chat else "prompt",
+                        code="context_length_exceeded")
+
+    def _encode(self, text: str, chat: bool, **kwargs: Any) -> list[int]:
+        # a character is at least one byte: the cheap test first, then the exact one
+        if len(text) > self.max_prompt_bytes or len(text.encode("utf-8")) > self.max_prompt_bytes:
+            raise self._too_long(len(text.encode("utf-8")), chat)
+        t = self.tokenizer.encode(text, **kwargs)
+        return [int(x) for x in t.reshape(-1).tolist()]
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        msgs: list[dict[str, str]] = []
+        for m in req.messages:
+            entry = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                entry["name"] = m.name
+            msgs.append(entry)
+        tok = self.tokenizer
+        if isinstance(tok, ChatTokenizer) and tok.chat_template:
+            if sum(len(m["content"]) for m in msgs) > self.max_prompt_bytes:
+                raise self._too_long(sum(len(m["content"].encode("utf-8")) for m in msgs), chat=True)
+            try:
+                text = tok.apply_chat_template(msgs, add_generation_prompt=True)
+            except Exception as e:  # noqa: BLE001 - templates raise their own errors for unsupported turns
+                raise APIError.bad("messages", f"the model's chat template rejected the messages: {e}") from None
+            assert isinstance(text, str)
+            return self._encode(text, chat=True, add_bos=False)
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
+        return self._encode(text, chat=True)
+
+    def _text_prompt(self, req: CompletionRequest) -> list[int]:
+        p = req.prompt
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]  # a batch of one
         if isinstance(p, str):
-            ids = self._ids(self.tokenizer.encode(p))
-        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-            ids = list(p)
-        elif isinstance(p, list) and len(p) > 1:
-            raise _bad("prompt", f"a batch of {len(p)} prompts is not supported; send one prompt per request")
-        else:
-            raise _bad("prompt", "'prompt' must be a non-empty string or a list of token ids")
-        return ids
+            if not p:
+                raise APIError.bad("prompt", "'prompt' is empty; send at least one character or token id")
+            return self._encode(p, chat=False)
+        if p and all(isinstance(t, int) for t in p):
+            return [int(t) for t in p]  # type: ignore[arg-type]
+        if len(p) > 1:
+            raise APIError.bad("prompt", f"a batch of {len(p)} prompts is not supported; send one prompt per request")
+        raise APIError.bad("prompt", "'prompt' must be a non-empty string or a list of token ids")
 
-    @staticmethod
-    def _ids(t: Any) -> list[int]:
-        return [int(x) for x in (t.reshape(-1).tolist() if hasattr(t, "reshape") else t)]
-
-    # -- constrained output -----------------------------------------------------------------------
-    def _json_filter(self, rf: dict[str, Any]) -> Any:
-        if rf["type"] == "json_object":
-            schema: Any = {"type": "object"}
+    def _json_filter(self, rf: ResponseFormat) -> Filter:
+        schema: object
+        if rf.type == "json_object":
+            schema = {"type": "object"}
         else:
-            js = rf.get("json_schema")
-            schema = js.get("schema") if isinstance(js, dict) else None
+            schema = rf.json_schema.schema_ if rf.json_schema is not None else None
             if not isinstance(schema, (dict, bool)):
-                raise _bad("response_format", "response_format json_schema needs \"json_schema\": {\"name\": ..., "
-                                              "\"schema\": {...}} with the schema as an object")
+                raise APIError.bad("response_format", "response_format json_schema needs \"json_schema\": {\"name\": "
+                                                      "..., \"schema\": {...}} with the schema as an object")
         plugins = self._plugins
         if plugins is None:
             from exl3_core.plugins import get_plugins
@@ -336,113 +388,185 @@ class OpenAIApp:
         try:
             cls = plugins.filter("llguidance")
         except LookupError as e:
-            raise _bad("response_format", f"response_format '{rf['type']}' needs the 'llguidance' filter of the "
-                                          f"exl3-filters plugin, which is not available: {e}. Install it "
-                                          f"(pip install -e plugins/filters) or omit response_format") from None
+            raise APIError.bad("response_format", f"response_format '{rf.type}' needs the 'llguidance' filter of the "
+                                                  f"exl3-filters plugin, which is not available: {e}. Install it "
+                                                  f"(pip install -e plugins/filters) or omit response_format") from None
         kwargs: dict[str, Any] = {"json_schema": schema}
         if self.generator.vocab_size is not None:
             kwargs["n_vocab"] = self.generator.vocab_size  # model vocab may be padded past the tokenizer's
         try:
-            return cls(self.tokenizer, **kwargs)
+            f: Filter = cls(self.tokenizer, **kwargs)
         except (ValueError, TypeError) as e:
-            raise _bad("response_format", f"invalid JSON schema in response_format: {e}") from None
+            raise APIError.bad("response_format", f"invalid JSON schema in response_format: {e}") from None
+        return f
 
     # -- completions ------------------------------------------------------------------------------
-    async def _chat_completions(self, req: Request) -> Response | EventStream:
-        return await self._complete(req, chat=True)
+    async def _chat_completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=True)
 
-    async def _completions(self, req: Request) -> Response | EventStream:
-        return await self._complete(req, chat=False)
+    async def _completions(self, request: Request) -> Response:
+        return await self._complete(request, chat=False)
 
-    async def _complete(self, req: Request, chat: bool) -> Response | EventStream:
-        body = req.json()
-        if not isinstance(body, dict):
-            raise HTTPError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-        p = parse_params(body, chat)
-        ids = self._chat_prompt(body) if chat else self._text_prompt(body)
+    async def _complete(self, request: Request, chat: bool) -> Response:
+        t0 = time.perf_counter()
+        timeout = self.options.request_timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        body = await read_body(request, self.options.max_request_bytes, timeout)
+        if not body.strip():
+            raise APIError(400, "the request body is empty; send a JSON object")
+        req: CompletionRequest | ChatCompletionRequest
+        if chat:
+            req = await self._offload(_parse, ChatCompletionRequest, body)
+        else:
+            req = await self._offload(_parse, CompletionRequest, body)
+        refuse_unsupported(req)
+        p = _params(req)
+        if isinstance(req, ChatCompletionRequest):
+            ids = await self._offload(self._chat_prompt, req)
+        else:
+            ids = await self._offload(self._text_prompt, req)
         room = self.max_context - len(ids)
         if room < 1 or (p.max_tokens is not None and p.max_tokens > room):
-            raise HTTPError(400, f"This model's maximum context length is {self.max_context} tokens; the prompt has "
-                                 f"{len(ids)} tokens and max_tokens is {p.max_tokens if p.max_tokens else 'at least 1'}. "
-                                 f"Shorten the prompt or lower max_tokens", param="messages" if chat else "prompt",
-                            code="context_length_exceeded")
-        filters = []
-        if p.response_format is not None:
-            # building the engine's vocabulary can take a second: keep the event loop free
-            filters.append(await asyncio.get_running_loop().run_in_executor(None, self._json_filter,
-                                                                            p.response_format))
+            raise APIError(400, f"This model's maximum context length is {self.max_context} tokens; the prompt has "
+                                f"{len(ids)} tokens and max_tokens is {p.max_tokens if p.max_tokens else 'at least 1'}. "
+                                f"Shorten the prompt or lower max_tokens", param="messages" if chat else "prompt",
+                           code="context_length_exceeded")
+        filters = [] if p.response_format is None else [await self._offload(self._json_filter, p.response_format)]
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             job = Job(ids, max_new_tokens=p.max_tokens or room, sampler=p.sampler, seed=p.seed,
                       stop_conditions=p.stop, stop_at_eos=not p.ignore_eos, filters=filters, identifier=rid)
             aj = await self.agen.submit(job)
         except SamplerValueError as e:
-            raise HTTPError(400, f"invalid sampling parameters: {e}", param="logit_bias") from None
+            raise APIError(400, f"invalid sampling parameters: {e}", param="logit_bias") from None
         except (ValueError, TypeError) as e:
-            raise HTTPError(400, str(e)) from None
-        meta = {"id": rid, "created": int(time.time()), "model": self.model_id}
+            raise APIError(400, str(e)) from None
+        meta = _Meta(rid, int(time.time()), self.model_id, chat, p.include_usage, t0, deadline)
         headers = {"X-Request-Id": rid}
-        if p.stream:
-            return EventStream(self._stream(aj, meta, chat, p.include_usage), headers=headers,
-                               on_close=lambda: self._abandon(aj))
-        last: Result = {}
+        try:
+            if p.stream:
+                return EventStreamResponse(self._events(aj, meta), headers=headers, on_close=aj.cancel)
+            return await self._whole(request, aj, meta, headers)
+        except BaseException:
+            aj.cancel()  # nothing will consume the job any more
+            raise
+
+    async def _results(self, aj: AsyncJob, meta: _Meta) -> AsyncIterator[Result]:
+        """The job's results; at the request's deadline the job is ended with ``eos_reason``
+        ``"timeout"``. Records the time to the first token."""
+        timer = None
+        if meta.deadline is not None:
+            timer = asyncio.get_running_loop().call_later(max(0.0, meta.deadline - time.monotonic()), aj.end, "timeout")
+        timed = False
         try:
             async for r in aj:
-                last = r
+                if not timed and aj.job.t_first:
+                    timed = True
+                    self.metrics.ttft.observe(aj.job.t_first - meta.t0)
+                yield r
         finally:
-            await self._abandon(aj)
-        if last.get("eos_reason") == "error" or not last:
+            if timer is not None:
+                timer.cancel()
+
+    def _timeout_error(self) -> APIError:
+        return APIError(504, f"the request did not finish within {self.options.request_timeout:g} s (exl3 serve "
+                             f"--request-timeout); its generation was cancelled. Lower max_tokens or raise the timeout",
+                        code="timeout")
+
+    async def _whole(self, request: Request, aj: AsyncJob, meta: _Meta, headers: dict[str, str]) -> Response:
+        async def collect() -> Result:
+            last: Result = {}
+            async for r in self._results(aj, meta):
+                last = r
+            return last
+
+        consume = asyncio.ensure_future(collect())
+        watch = asyncio.ensure_future(wait_disconnect(request.receive))
+        try:
+            await asyncio.wait({consume, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (consume, watch):
+                t.cancel()
+            await asyncio.gather(consume, watch, return_exceptions=True)
+        if not consume.done() or consume.cancelled():
+            aj.cancel()
+            raise APIError(499, "the client closed the connection; the request was cancelled",
+                           code="client_closed_request")
+        last = consume.result()
+        if not last or last.get("eos_reason") not in FINISH_REASONS:
             raise self._job_error(last)
         text = last["full_completion"]
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": FINISH_REASONS[last["eos_reason"]]}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+        finish = FINISH_REASONS[last["eos_reason"]]
+        usage = self._usage(aj.job, last)
+        doc: BaseModel
+        if meta.chat:
+            doc = ChatCompletion(id=meta.id, created=meta.created, model=meta.model, usage=usage,
+                                 choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)])
         else:
-            choice["text"] = text
-        return json_response({**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                              "usage": self._usage(job, last)}, headers=headers)
+            doc = Completion(id=meta.id, created=meta.created, model=meta.model, usage=usage,
+                             choices=[CompletionChoice(text=text, finish_reason=finish)])
+        return _json(doc, headers)
 
-    async def _abandon(self, aj: AsyncJob) -> None:
-        if not aj.done:
-            await aj.cancel()
+    async def _events(self, aj: AsyncJob, meta: _Meta) -> collections.abc.AsyncGenerator[str, None]:
+        """The SSE payloads of a streamed (chat) completion."""
+        exclude = None if meta.include_usage else {"usage"}
 
-    @staticmethod
-    def _usage(job: Job, last: Result) -> dict[str, int]:
-        n_in, n_out = len(job.prompt), int(last.get("new_tokens", job.new_tokens))
-        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
-
-    @staticmethod
-    def _job_error(last: Result) -> HTTPError:
-        err = last.get("error")
-        if isinstance(err, CacheExhausted):
-            return HTTPError(503, f"the server's cache is full ({err}); retry later or with a shorter request",
-                             type="server_error", code="cache_exhausted")
-        return HTTPError(500, f"generation failed: {type(err).__name__}: {err}")
-
-    async def _stream(self, aj: AsyncJob, meta: dict[str, Any], chat: bool, include_usage: bool) -> AsyncIterator[Any]:
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
-            if chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
-                    {"content": text} if text is not None else {})
-                c: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+            doc: BaseModel
+            if meta.chat:
+                delta = ChatDelta(role="assistant", content="") if first else ChatDelta(content=text)
+                doc = ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model,
+                                          choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
             else:
-                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            out = {**meta, "object": obj, "choices": [c]}
-            if include_usage:
-                out["usage"] = None
-            return out
+                doc = Completion(id=meta.id, created=meta.created, model=meta.model,
+                                 choices=[CompletionChoice(text=text or "", finish_reason=finish)])
+            return doc.model_dump_json(exclude=exclude)
 
-        if chat:
+        if meta.chat:
             yield chunk(None, None, first=True)
-        async for r in aj:
-            if r.get("eos_reason") == "error":
-                yield self._job_error(r).body()
+        async for r in self._results(aj, meta):
+            if r["eos"] and r.get("eos_reason") not in FINISH_REASONS:
+                yield json.dumps(self._job_error(r).body())
                 return
             if r["text"]:
                 yield chunk(r["text"], None)
             if r["eos"]:
                 yield chunk(None, FINISH_REASONS[r["eos_reason"]])
-                if include_usage:
-                    yield {**meta, "object": obj, "choices": [], "usage": self._usage(aj.job, r)}
+                if meta.include_usage:
+                    usage = self._usage(aj.job, r)
+                    doc: BaseModel = (ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model,
+                                                          choices=[], usage=usage) if meta.chat else
+                                      Completion(id=meta.id, created=meta.created, model=meta.model, choices=[],
+                                                 usage=usage))
+                    yield doc.model_dump_json()
+
+    @staticmethod
+    def _usage(job: Job, last: Result) -> Usage:
+        n_in, n_out = len(job.prompt), int(last.get("new_tokens", job.new_tokens))
+        return Usage(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
+
+    def _job_error(self, last: Result) -> APIError:
+        if last.get("eos_reason") == "timeout":
+            return self._timeout_error()
+        if last.get("eos_reason") == "cancelled":
+            return APIError(503, "the server is shutting down; the request was cancelled", code="server_shutting_down")
+        err = last.get("error")
+        if isinstance(err, CacheExhausted):
+            return APIError(503, f"the server's cache is full ({err}); retry later or with a shorter request",
+                            code="cache_exhausted")
+        return APIError(500, f"generation failed: {type(err).__name__}: {err}")
+
+
+@dataclass(frozen=True)
+class _Meta:
+    id: str
+    created: int
+    model: str
+    chat: bool
+    include_usage: bool
+    t0: float  # perf_counter at arrival (time to first token)
+    deadline: float | None  # monotonic
+
+
+def _json(doc: BaseModel, headers: dict[str, str] | None = None) -> Response:
+    return Response(doc.model_dump_json(), media_type="application/json", headers=headers)

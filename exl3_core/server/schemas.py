@@ -1,0 +1,286 @@
+"""Pydantic models of the OpenAI request and response shapes this server speaks.
+
+Requests are validated strictly (a JSON string is not an integer, NaN is not a number) and
+unknown fields are refused, as OpenAI's API does, so a misspelt parameter is an error instead of
+silently having no effect. Fields that OpenAI defines but this server cannot honour are accepted
+by the schema and refused with a 400 that names them (see :func:`refuse_unsupported`).
+Extensions over OpenAI's fields: ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos``.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic_core import ErrorDetails
+
+from exl3_core.server.errors import APIError
+
+#: most stop strings per request
+MAX_STOP_STRINGS = 16
+
+JSONObject = dict[str, object]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=True)
+
+
+# -- requests ------------------------------------------------------------------------------------
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.text for p in self.content)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # OpenAI's padding field: there is nothing to obfuscate here
+
+
+class JSONSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: JSONObject | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class _GenerationRequest(_Strict):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: disabled
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool | None = False
+    response_format: ResponseFormat | None = None
+    # accepted, no effect on the answer
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    # refused unless neutral
+    logprobs: int | None = None
+    best_of: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    parallel_tool_calls: bool | None = None  # only meaningful with tools, which are refused
+    # refused unless neutral
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[JSONObject] | None = None
+    tool_choice: str | JSONObject | None = None
+    functions: list[JSONObject] | None = None
+    function_call: str | JSONObject | None = None
+    modalities: list[str] | None = None
+    audio: JSONObject | None = None
+    prediction: JSONObject | None = None
+    reasoning_effort: str | None = None
+    web_search_options: JSONObject | None = None
+
+
+def refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """400 for fields that would change the answer but are not implemented, instead of ignoring them."""
+    if req.n is not None and req.n != 1:
+        raise APIError.bad("n", f"n={req.n} is not supported: this server returns exactly one choice per request; "
+                                f"omit 'n' or send n=1 (and send several requests for several samples)")
+    if req.stream_options is not None and not req.stream:
+        raise APIError.bad("stream_options", "'stream_options' needs stream=true")
+    if isinstance(req, CompletionRequest):
+        if req.best_of not in (None, 1):
+            raise APIError.bad("best_of", f"best_of={req.best_of} is not supported; omit it or send 1")
+        if req.logprobs is not None:
+            raise APIError.bad("logprobs", "logprobs are not supported by this server; omit 'logprobs'")
+        if req.echo:
+            raise APIError.bad("echo", "echo=true is not supported; omit 'echo' and prepend the prompt yourself")
+        if req.suffix:
+            raise APIError.bad("suffix", "'suffix' (insertion) is not supported; omit it")
+        return
+    if req.logprobs or req.top_logprobs:
+        raise APIError.bad("logprobs", "logprobs are not supported by this server; omit 'logprobs'/'top_logprobs'")
+    if req.tools or req.functions or req.tool_choice not in (None, "none") or req.function_call not in (None, "none"):
+        raise APIError.bad("tools", "tool/function calling is not supported by this server; omit "
+                                    "'tools'/'tool_choice'/'functions'/'function_call'")
+    if req.audio is not None or (req.modalities is not None and req.modalities != ["text"]):
+        raise APIError.bad("modalities", "this server produces text only; omit 'audio' and 'modalities'")
+    for name in ("prediction", "reasoning_effort", "web_search_options"):
+        if getattr(req, name) is not None:
+            raise APIError.bad(name, f"'{name}' is not supported by this server; omit it")
+
+
+# -- request validation errors --------------------------------------------------------------------
+_EXPECTED = {
+    "prompt": "a string, a list of token ids, or a list holding one string or one list of token ids",
+    "stop": "a string or a list of strings",
+    "messages": "a non-empty list of {\"role\": ..., \"content\": ...} objects whose content is a string or a list "
+                "of text parts ({\"type\": \"text\", \"text\": ...})",
+    "response_format": "{\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                       "\"json_schema\": {\"name\": ..., \"schema\": {...}}}",
+}
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "null"}
+
+
+def _path(loc: tuple[int | str, ...]) -> str:
+    """``('messages', 0, 'content', 'list[TextPart]', 1, 'type')`` -> ``messages[0].content[1].type``
+    (pydantic's union-branch tags dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in _TYPE_TAGS or part[:1].isupper() or "-" in part:
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def validation_error(errors: list[ErrorDetails]) -> APIError:
+    """One OpenAI-shaped 400 for a pydantic validation failure of a request body."""
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first['msg']}")
+    if not first["loc"]:
+        return APIError(400, "the request body must be a JSON object")
+    param = str(first["loc"][0])
+    if first["type"] == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param} (this server does not know the field "
+                             f"'{_path(first['loc'])}'; remove it)", param=param)
+    if first["type"] == "missing":
+        return APIError(400, f"'{_path(first['loc'])}' is required", param=param)
+    shown = repr(first.get("input"))
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    same = [e for e in errors if e["loc"][:1] == first["loc"][:1]]
+    if len(same) > 1 and param in _EXPECTED:  # a union's branches all failed: say what is accepted
+        return APIError(400, f"invalid '{param}': expected {_EXPECTED[param]}", param=param)
+    return APIError(400, f"invalid '{_path(first['loc'])}': {first['msg']}, got {shown}", param=param)
+
+
+# -- responses -----------------------------------------------------------------------------------
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "exl3"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class Completion(BaseModel):
+    """A ``text_completion`` (whole, or one streamed chunk)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _present_only(self, handler: object) -> dict[str, object]:
+        # a delta carries only what changed: absent keys, not nulls
+        data: dict[str, object] = handler(self)  # type: ignore[operator]
+        return {k: v for k, v in data.items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
