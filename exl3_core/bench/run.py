@@ -22,6 +22,7 @@ Figures (each from the same process, so the bounds are measured on the same card
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -143,7 +144,8 @@ def decode_ceiling(model: torch.nn.Module, op: Callable[..., torch.Tensor] | Non
     rows = []
     dev = layers[0].trellis.device
     for (shape, cb), ms in groups.items():
-        t = _graphed_time(lambda m=ms[0], c=cb: op(m.trellis, c), dev)
+        trellis: torch.Tensor = ms[0].trellis
+        t = _graphed_time(functools.partial(op, trellis, cb), dev)
         weights = shape[0] * shape[1] * 256
         total += t * len(ms)
         rows.append({"trellis": list(shape), "codebook": cb, "count": len(ms), "us": t * 1e6,

@@ -328,13 +328,12 @@ def _decode_split(
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(Out + q_start * stride_ot + head[:, None] * stride_oh + dv[None, :], out.to(Out.dtype.element_ty),
                  mask=(h_ok & (hrow * 0 + q_len > 0))[:, None] & (dv[None, :] < HEAD_DIM_V))
-    if split < n_arrive:
+    if split < n_arrive:  # partials, then the head block's last used split merges them: no second launch
         part = (b * NUM_HEADS + head) * NUM_SPLITS + split
         tl.store(PartM + part, m_i, mask=h_ok)
         tl.store(PartL + part, l_i, mask=h_ok)
         tl.store(PartAcc + part.to(tl.int64)[:, None] * HEAD_DIM_V + dv[None, :], acc,
                  mask=h_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
-    if split < n_arrive:  # the head block's last used split merges them: no second launch
         tl.debug_barrier()  # every thread's partial stores precede the release below
         cnt = Count + b * (tl.num_programs(1)) + tl.program_id(1)
         if tl.atomic_add(cnt, 1, sem="acq_rel") == n_arrive - 1:
