@@ -1,6 +1,6 @@
 """Decode attention alone: per-launch time of the CUDA tensor-core short-bound kernel and the Triton split kernel on one
 shape, from a CUDA graph of back-to-back launches (no PDL, nothing else running). Intrinsic latency only:
-the decode step overlaps each launch with its neighbours (docs/performance.md, run 24).
+the decode step overlaps each launch with its neighbours, so compare designs in the step as well (ab_run.py).
 
     python bench/attn_decode_micro.py --head-dim 64 --q-heads 32 --kv-heads 8 --keys 256 --bound 512 [--batch 1]
 """

@@ -2,23 +2,26 @@
 linear next to the 4-kernel chain at m <= 16), grouped fused linears, reconstruct, reconstruct_full
 (W in the original basis) and the prefill chains around it.
 
-Usage (on a CUDA machine, after building exl3_core._C):
-    PYTHONPATH=. python bench/exl3_kernels.py [--quick] [--json out.json]
+Usage (on a CUDA machine, after building exl3_core._C, and bench/ext for the decode-only ceiling):
+    PYTHONPATH=. python bench/exl3_kernels.py [--quick] [--json out.json] [--skip decode,gemm,...]
 
 Every figure is printed with its two bounds: the memory roofline (bytes moved / measured copy
 bandwidth) and the decode-only ceiling (weights / decode-only rate of the same decoder for that K
-and codebook). Timing: CUDA graphs of several calls over rotating buffers larger than L2, CUDA
-events, warm-up, median of repeats.
+and codebook: ``torch.ops.exl3_bench.decode_only``, built by ``python bench/ext/build.py``; without it
+the ceiling columns are left out). Timing: CUDA graphs of several calls over rotating buffers larger
+than L2, CUDA events, warm-up, median of repeats.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 import torch
 
 from exl3_core import ext
+from exl3_core.bench.run import decode_only_op
 
 CB_NAMES = {0: "3inst", 1: "mcg", 2: "mul1"}
 L2_BYTES = 60 * 2**20  # H200; overridden by the device property when torch exposes it
@@ -87,16 +90,16 @@ def rand_trellis(k: int, n: int, K: int) -> torch.Tensor:
     return torch.randint(-32768, 32768, (k // 16, n // 16, 16 * K), dtype=torch.int16, device="cuda")
 
 
-def decode_ceiling(quick: bool, rows: list) -> dict:
-    """Decode-only rate (weights/s) per (K, codebook): 2^28 weights, every tile decoded once."""
-    ops = torch.ops.exl3
+def decode_ceiling(op, quick: bool, rows: list) -> dict:
+    """Decode-only rate (weights/s) per (K, codebook) of the bench extension's kernel ``op``: 2^28 weights,
+    every tile decoded once."""
     k = n = 16384
     out = {}
     ks = [4] if quick else range(1, 9)
     for K in ks:
         t = rand_trellis(k, n, K)
         for cb in (0, 1, 2):
-            sec = time_events(lambda: ops.decode_bench(t, K, cb, 0))
+            sec = time_events(lambda: op(t, cb, 0))
             rate = k * n / sec
             out[(K, cb)] = rate
             mem = t.numel() * 2 / BW
@@ -108,7 +111,7 @@ def decode_ceiling(quick: bool, rows: list) -> dict:
     # occupancy / split sensitivity at the headline point
     t = rand_trellis(k, n, 4)
     for kt in (4, 8, 16, 32, 128):
-        sec = time_events(lambda: ops.decode_bench(t, 4, 2, kt))
+        sec = time_events(lambda: op(t, 2, kt))
         rows.append(dict(kind="decode_only_kt", K=4, cb="mul1", kt_per_warp=kt, tw_s=k * n / sec / 1e12))
         print(f"decode-only K=4 mul1 kt_per_warp={kt}: {k * n / sec / 1e12:6.3f} Tweights/s", flush=True)
     return out
@@ -245,19 +248,21 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=None)
     ap.add_argument("--skip", default="", help="comma list of: decode,gemm,group,reconstruct,full")
-    ap.add_argument("--lib", default=None, help="load this op library (a kernel variant) instead of exl3_core._C")
+    ap.add_argument("--ceiling-lib", type=Path, default=None,
+                    help="the bench extension (default: bench/ext/build/exl3_bench.so when built)")
     args = ap.parse_args()
-    if args.lib:
-        torch.ops.load_library(args.lib)
-    elif not ext.has_op("decode_bench"):
+    if not ext.has_op("exl3_gemm"):
         raise SystemExit(f"exl3 CUDA ops not built: {ext.load_error}")
+    op = decode_only_op(args.ceiling_lib)
+    if op is None:
+        print("decode-only ceiling: left out (build the bench extension: python bench/ext/build.py)")
     props = torch.cuda.get_device_properties(0)
     print(f"device: {props.name}, {props.multi_processor_count} SMs, L2 {l2_bytes() >> 20} MiB, torch {torch.__version__}")
     BW = copy_bandwidth()
     print(f"device copy bandwidth: {BW / 1e12:.3f} TB/s (read+write)", flush=True)
     rows: list = [dict(kind="copy_bw", tb_s=BW / 1e12, device=props.name)]
     skip = set(filter(None, args.skip.split(",")))
-    ceil = decode_ceiling(args.quick, rows) if "decode" not in skip else {}
+    ceil = decode_ceiling(op, args.quick, rows) if "decode" not in skip and op is not None else {}
     if "gemm" not in skip:
         gemm_bench(ceil, args.quick, rows)
     if "group" not in skip:

@@ -1,9 +1,10 @@
 // Standalone tuning harness for the one-launch EXL3 linear at decode sizes (no torch): builds in
-// seconds with nvcc, so bench/gemv_tune.sh can compile and time several variants of the kernel's
-// compile-time knobs (EXL3_RING_STAGES, ...) in one device call.
+// seconds with nvcc (bench/gemv_tune.sh), so a changed value of csrc/exl3/tuning.cuh can be timed in one
+// device call. It times the product's kernels and launchers as built from those values; the k chunk,
+// pre-decoding mode and shapes are chosen at run time (arguments and TUNE_* variables below).
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -Icsrc [-D...] \
-//        bench/gemv_tune.cu -o gemv_tune && ./gemv_tune [kt ...]
+//   nvcc -std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -Icsrc -Ibench/ext \
+//        [-DTUNE_K=K -DTUNE_CB=CB] bench/gemv_tune.cu -o gemv_tune && ./gemv_tune [kt ...]
 //
 // Per shape (4096x14336, 14336x4096 and 4096x28672 = the 8B gate/up pair; K=4, codebook TUNE_CB):
 // the fused op at m=1 for each k chunk size given (0 = the launcher's choice), the decode-only kernel
@@ -24,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "decode_only.cuh"
 #include "exl3/exl3_fused.cuh"
 #include "exl3/exl3_kernels.cuh"
 #include "tune_common.cuh"
@@ -41,16 +43,6 @@ static void had128_host(double* v) {  // in place, normalized, as the kernels' b
 }
 
 static float h2f(__half h) { return __half2float(h); }
-
-// The decode-only kernel launched as a programmatic dependent (same grid as launch_gemm_t picks). It
-// reads nothing an earlier launch writes, so it needs no griddepcontrol.wait.
-template <int K, int CB>
-static void decode_only_pdl_t(exl3::GemmArgs a, cudaStream_t st) {
-    a.kt_per_warp = 0;  // the launcher's split (about one wave of resident warps)
-    exl3::gemm_pick_kt<K, CB, 1, true>(a);
-    const exl3::LaunchShape ls = exl3::gemm_launch_shape<K, CB, 1, true>(a);
-    CK(exl3::launch_as_dependent(exl3::gemm_kernel<K, CB, 1, true>, ls.blocks, ls.threads, st, a));
-}
 
 // TUNE_CHAIN="KxN,KxN,...": one decoder layer's linears launched in that order (e.g. q/k/v, o, gate/up,
 // down of the 8B shape), repeated over 4 layers' worth of distinct trellis (more than L2 holds),
@@ -235,19 +227,18 @@ int main(int argc, char** argv) {
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     int occ_f = 0, occ_d = 0;
     // the fused kernel as the m = 1 linears run it with long chunks (the transposed deep-ring variant)
-    constexpr bool TR = EXL3_FUSED_TR;
-    constexpr int RS = exl3::fused_ring(K, TR);
-    const exl3::FusedVariant fv = exl3::fused_variant<K, CB>(TR ? exl3::FV_TR : exl3::FV_M16);
+    constexpr int RS = exl3::fused_ring(K, true);
+    const exl3::FusedVariant fv = exl3::fused_variant<K, CB>(exl3::FV_TR);
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_f, fv.kern, (int)fv.threads, 0));
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_d, exl3::gemm_kernel<K, CB, 1, true>,
-                                                     exl3::warps_for(exl3::gemm_nt(true)) * 32, 0));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_d, exl3_bench::decode_only_kernel<K, CB>,
+                                                     exl3_bench::DO_WARPS * 32, 0));
     cudaFuncAttributes fa{};
     CK(cudaFuncGetAttributes(&fa, fv.kern));
     cudaFuncAttributes fd{};
-    CK(cudaFuncGetAttributes(&fd, exl3::gemm_kernel<K, CB, 1, true>));
+    CK(cudaFuncGetAttributes(&fd, exl3_bench::decode_only_kernel<K, CB>));
     std::printf("variant: ring stages %d (decode-only %d) | fused regs %d, smem %zu B, blocks/SM %d | decode-only regs %d, "
                 "blocks/SM %d\n", RS, exl3::tr_ring_stages(K), fa.numRegs, fa.sharedSizeBytes, occ_f, fd.numRegs, occ_d);
-    if constexpr (exl3::PD_TILES > 0) {  // the pre-decoding variant the launcher may pick
+    {  // the pre-decoding variant the launcher may pick
         const exl3::FusedVariant pv = exl3::fused_variant<K, CB>(exl3::FV_PD);
         cudaFuncAttributes fp{};
         CK(cudaFuncGetAttributes(&fp, pv.kern));
@@ -298,22 +289,27 @@ int main(int argc, char** argv) {
             a.p[0] = exl3::FusedProblem{tr + (long)(i % copies) * words, su, sv, y, z, cnt, nt, 0};
             return exl3::launch_fused_t<K, CB>(a, st);
         };
-        auto gemm_args = [&](int i) {
+        auto gemm = [&](int i, cudaStream_t st) {
             exl3::GemmArgs g{};
             g.x = x;
             g.trellis = tr + (long)(i % copies) * words;
             g.z = z;
-            g.sink = sink;
             g.m = 1;
             g.k_tiles = kt;
             g.n_tiles = nt;
             g.kt_per_warp = 0;
             g.m0 = 0;
-            return g;
+            return exl3::launch_gemm_t<K, CB, 1>(g, st);
         };
-        auto gemm = [&](bool dec, int i, cudaStream_t st) {
-            const exl3::GemmArgs g = gemm_args(i);
-            return dec ? exl3::launch_gemm_t<K, CB, 1, true>(g, st) : exl3::launch_gemm_t<K, CB, 1, false>(g, st);
+        // the decode-only kernel (bench/ext): the same loop decoding the same weights, no activations
+        auto decode_only = [&](int i, cudaStream_t st, bool pdl) {
+            exl3_bench::DecodeOnlyArgs d{};
+            d.trellis = tr + (long)(i % copies) * words;
+            d.sink = sink;
+            d.k_tiles = kt;
+            d.n_tiles = nt;
+            d.kt_per_warp = 0;  // the launcher's split (about one wave of resident warps)
+            return exl3_bench::launch_decode_only_t<K, CB>(d, st, pdl);
         };
 
         // correctness of the fused op (copy 0, one-wave chunking) against an fp64 host reference
@@ -348,14 +344,14 @@ int main(int argc, char** argv) {
         const double rel = std::sqrt(num / den);
 
         const double weights = (double)k * n;
-        const float t_dec = time_graph([&](int i, cudaStream_t st) { gemm(true, i, st); });
-        const float t_inner = time_graph([&](int i, cudaStream_t st) { gemm(false, i, st); });
+        const float t_dec = time_graph([&](int i, cudaStream_t st) { decode_only(i, st, false); });
+        const float t_inner = time_graph([&](int i, cudaStream_t st) { gemm(i, st); });
         std::printf("%5dx%-5d  rel.err %.2e | decode-only (same shape) %.2f us = %.2f Tw/s | inner split-k GEMM %.2f us (%.0f%%)\n",
                     k, n, rel, t_dec * 1e6, weights / t_dec / 1e12, t_inner * 1e6, 100 * t_dec / t_inner);
         // In the engine the linear runs as a programmatic dependent (EXL3_PDL): its blocks start while the
         // kernel before it drains. Back-to-back launches, both kernels as dependents, show what is left of
         // the per-launch fixed cost once the launches overlap.
-        const float t_dec_pdl = time_graph([&](int i, cudaStream_t st) { decode_only_pdl_t<K, CB>(gemm_args(i), st); });
+        const float t_dec_pdl = time_graph([&](int i, cudaStream_t st) { decode_only(i, st, true); });
         const float t_pdl = time_graph([&](int i, cudaStream_t st) { fused(0, i, st, true); });
         std::printf("   with PDL: decode-only %.2f us, fused kt=0 %.2f us -> %.1f%% of decode-only with PDL, %.1f%% of "
                     "plain decode-only\n", t_dec_pdl * 1e6, t_pdl * 1e6, 100 * t_dec_pdl / t_pdl, 100 * t_dec / t_pdl);

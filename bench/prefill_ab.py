@@ -1,7 +1,6 @@
 """Device script: the engine's graphed prefill in two variants, one model, alternating rounds, back to back
-and after an idle second (the card's power cap makes cross-call comparisons noisy: docs/performance.md,
-run 18). ``--ab pruned``: with and without the last block pruned to the rows whose logits are asked for
-(``StandardDecoder._last_rows``); ``--ab bf16``: bf16 activations and GEMM operands against fp16
+and after an idle second (the card's power cap makes cross-call comparisons noisy). ``--ab pruned``: with
+and without the last block pruned to the rows whose logits are asked for (``StandardDecoder._last_rows``); ``--ab bf16``: bf16 activations and GEMM operands against fp16
 (``StandardDecoder._prefill_dtype``, ``EXL3_PREFILL_BF16``).
 
     python bench/prefill_ab.py [--ab pruned|bf16] [--shape 8b] [--tokens 2048] [--rounds 4] [--iters 10] [--idle 5]

@@ -116,15 +116,13 @@ def back_to_back_and_idle(replay_ms: Callable[[], float], idle: float, runs: int
 
 def prefill_args(extra: bool = False) -> argparse.Namespace:
     """``--shape`` (default 8b), ``--tokens`` (2048) and ``--idle`` (seconds, 1.0): the prefill scripts' options;
-    with ``extra`` also prefill_gemm_bound.py's ``--dtype``, ``--carveout`` and ``--mantissa``."""
+    with ``extra`` also prefill_gemm_bound.py's ``--dtype``."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8b")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--idle", type=float, default=1.0)
     if extra:
         ap.add_argument("--dtype", default="float16", choices=("float16", "bfloat16"))
-        ap.add_argument("--carveout", type=int, default=0, help="SMs cuBLAS leaves free")
-        ap.add_argument("--mantissa", type=int, default=10, help="W rounded to this many fp16 mantissa bits")
     return ap.parse_args()
 
 

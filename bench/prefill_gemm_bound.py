@@ -5,14 +5,12 @@ plus everything around them (the W rebuild, attention, norms, SiLU * mul). This 
 GEMMs, one dense fp16 weight per linear and layer (as the rebuilt W the engine multiplies by), captured
 in one CUDA graph with torch.matmul (the engine's cuBLAS call), and logs nvidia-smi as
 bench/prefill_clock.py does. Its back-to-back figure bounds any engine that does the prefill's math as
-fp16 tensor-core GEMMs on this card: the rest of the forward has to fit in the difference.
+16-bit tensor-core GEMMs on this card: the rest of the forward has to fit in the difference.
 
-    python bench/prefill_gemm_bound.py [--shape 8b] [--tokens 2048] [--idle 1.0] [--dtype bfloat16] [--carveout 32]
-        [--mantissa 7]
+    python bench/prefill_gemm_bound.py [--shape 8b] [--tokens 2048] [--idle 1.0] [--dtype bfloat16]
 
-``--dtype`` runs the same GEMMs in another 16-bit type; ``--carveout`` tells cuBLAS to leave that many SMs
-free (torch's experimental SM carveout; the idle figure shows whether it takes effect); ``--mantissa m``
-rounds W's fp16 values to m mantissa bits first (the same GEMM on fewer toggling bits).
+``--dtype`` runs the same GEMMs in bf16 (the engine's fresh-prompt prefill), whose operands draw less power
+at the card's cap than fp16 ones.
 """
 from __future__ import annotations
 
@@ -35,18 +33,11 @@ def main() -> None:
     dt = getattr(torch, args.dtype)
 
     def weight(k: int, n: int) -> torch.Tensor:
-        w = torch.randn(k, n, device=dev, dtype=torch.float16) * k**-0.5
-        if args.mantissa < 10:  # round to nearest on the dropped bits (no overflow at these magnitudes)
-            drop = 10 - args.mantissa
-            b = w.view(torch.int16)
-            w = ((b + (1 << (drop - 1))) & ~((1 << drop) - 1)).to(torch.int16).view(torch.float16)
-        return w.to(dt)
+        return (torch.randn(k, n, device=dev, dtype=torch.float32) * k**-0.5).to(dt)
 
     ws = [[weight(k, n) for k, n in dims] for _ in range(s.layers)]
     xs = {k: torch.randn(args.tokens, k, device=dev, dtype=dt) for k, _ in dims}
     outs = {n: torch.empty(args.tokens, n, device=dev, dtype=dt) for _, n in dims}
-    if args.carveout:
-        torch._C._set_sm_carveout_experimental(args.carveout)
     flop = 2.0 * args.tokens * sum(k * n for k, n in dims) * s.layers
 
     def forward() -> None:
@@ -64,7 +55,7 @@ def main() -> None:
         return time_median(g.replay, dev, warmup=0, iters=1) * 1e3
 
     phases = back_to_back_and_idle(replay_ms, args.idle)
-    print(f"{args.shape}: {len(dims) * s.layers} {args.dtype} GEMMs (W mantissa {args.mantissa} bits, carveout {args.carveout}) of a {args.tokens}-token prefill, {flop / 1e12:.2f} TFLOP")
+    print(f"{args.shape}: {len(dims) * s.layers} {args.dtype} GEMMs of a {args.tokens}-token prefill, {flop / 1e12:.2f} TFLOP")
     for name, ms, (clk, pw, ex) in phases:
         med = statistics.median(ms)
         print(f"GEMMs only, {name}: median {med:.2f} ms = {args.tokens / med * 1e3:,.0f} tok/s, "

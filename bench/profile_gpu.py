@@ -241,9 +241,10 @@ def profile_loop(shape_name: str, tokens: int, out: Path | None, device: str = "
 
 
 #: kernel name fragments -> group, for the decode step table (first match wins)
-_DECODE_GROUPS = (("fused_linear", "EXL3 linear (fused)"), ("gemm_kernel", "EXL3 GEMM"), ("_decode_split", "attention split"),
-                  ("_decode_combine", "attention combine"), ("rms", "norms"), ("rope", "rope"), ("kv_write", "kv write"),
-                  ("silu", "act*mul"), ("gelu", "act*mul"), ("sample", "sampling"), ("argmax", "sampling"))
+_DECODE_GROUPS = (("fused_linear", "EXL3 linear (fused)"), ("gemm_kernel", "EXL3 GEMM"),
+                  ("_decode_split", "attention (split-KV)"), ("decode_attn", "attention (CUDA)"), ("rms", "norms"),
+                  ("rope", "rope"), ("kv_write", "kv write"), ("silu", "act*mul"), ("gelu", "act*mul"),
+                  ("sample", "sampling"), ("argmax", "sampling"), ("greedy", "sampling"))
 
 
 def _group(name: str) -> str:

@@ -1,9 +1,9 @@
-// Standalone timing + accuracy harness for recon_full_kernel (csrc/exl3/exl3_recon_full.cuh), the
-// prefill path's weight rebuild W = diag(suh) · BD · Ŵ · BD · diag(svh), fp16 [k, n]. No torch: builds
-// in seconds, so bench/recon_tune.sh compiles and runs the fp32 (EXL3_RF_HALF_MAX_K=0) and the half2
-// (EXL3_RF_HALF_MAX_K=8) kernels at K=4 in one device call.
+// Standalone timing + accuracy harness for the W rebuild of the prefill path (csrc/exl3/exl3_recon_full.cuh),
+// W = diag(suh) · BD · Ŵ · BD · diag(svh), fp16 [k, n]: the fp32 kernel and the half2 kernel side by side (the
+// launcher picks by K, RF_HALF_MAX_K in tuning.cuh; here both run at K = 4). No torch: builds in seconds
+// (bench/recon_tune.sh).
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -Icsrc -DEXL3_RF_HALF_MAX_K=8 \
+//   nvcc -std=c++17 -O3 -arch=sm_90 --use_fast_math --expt-relaxed-constexpr -Icsrc \
 //        bench/recon_tune.cu -o recon_tune && ./recon_tune [k n]   (k n: that shape, MUL1 only)
 //
 // Per shape (4096x14336, 14336x4096, 4096x4096; K=4) and codebook (MUL1, 3INST): random trellis words
@@ -29,7 +29,7 @@
 constexpr int K = 4;
 constexpr double HBM_BPS = 4.3e12;  // H200 HBM3e, achievable order of magnitude for the floor
 
-template <int CB>
+template <int CB, bool HALF>
 static void run_shape(int k, int n, const char* cbname) {
     const int kt = k / 16, nt = n / 16;
     const long words = (long)kt * nt * 8 * K;  // 16K int16 per 16x16 tile
@@ -55,7 +55,7 @@ static void run_shape(int k, int n, const char* cbname) {
 
     auto launch = [&](int i, cudaStream_t st) {
         const int c = i % copies;
-        CK(exl3::dispatch_recon_full<CB>(K, tr + c * words, su, sv, out + c * (long)k * n, false, kt, nt, n, st));
+        CK((exl3::launch_recon_full_t<K, CB, false, HALF>(tr + c * words, su, sv, out + c * (long)k * n, kt, nt, n, st)));
     };
     launch(0, 0);
     CK(cudaDeviceSynchronize());
@@ -93,38 +93,47 @@ static void run_shape(int k, int n, const char* cbname) {
 
     const float t = time_graph(launch, 16);
     const double floor_s = (double)(tbytes + obytes) / HBM_BPS;
-    std::printf("%5dx%-5d %-5s %7.2f us | floor %6.2f us (%4.1f%% reached) | max|err| %.2e = %.2f x 2^-11 RMS(W), rel-L2 %.2e\n",
-                k, n, cbname, t * 1e6, floor_s * 1e6, 100 * floor_s / t, maxe, maxe / rms * 2048, std::sqrt(num / den));
+    std::printf("%5dx%-5d %-5s %-5s %7.2f us | floor %6.2f us (%4.1f%% reached) | max|err| %.2e = %.2f x 2^-11 RMS(W), "
+                "rel-L2 %.2e\n", k, n, cbname, HALF ? "half2" : "fp32", t * 1e6, floor_s * 1e6, 100 * floor_s / t, maxe, maxe / rms * 2048, std::sqrt(num / den));
     CK(cudaFree(tr));
     CK(cudaFree(out));
     CK(cudaFree(su));
     CK(cudaFree(sv));
 }
 
-int main(int argc, char** argv) {
-    int dev = 0;
-    cudaDeviceProp prop{};
-    CK(cudaGetDeviceProperties(&prop, dev));
-    // attributes of the K=4 MUL1 kernel (the launcher has set its smem opt-in by the first shape's launch)
-    constexpr bool half = exl3::rf_uses_half<K>;
-    constexpr int smem = exl3::rf_smem_bytes<K>;
-    auto kern = exl3::recon_full_pick<K, exl3::CB_MUL1>();
+// registers, local memory and resident CTAs of one kernel at K = 4, MUL1
+template <bool HALF>
+static void describe() {
+    constexpr int smem = exl3::rf_smem_bytes<HALF>;
+    auto kern = exl3::recon_full_pick<K, exl3::CB_MUL1, false, HALF>();
     CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     cudaFuncAttributes fa{};
     CK(cudaFuncGetAttributes(&fa, kern));
     int occ = 0;
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kern, exl3::RF_THREADS, smem));
-    std::printf("%s, %d SMs | %s kernel (EXL3_RF_HALF_MAX_K=%d): K=4 MUL1 %d regs, %d B local, %d B dynamic smem, %d CTAs/SM\n",
-                prop.name, prop.multiProcessorCount, half ? "half2" : "fp32", EXL3_RF_HALF_MAX_K, fa.numRegs,
-                (int)fa.localSizeBytes, smem, occ);
+    std::printf("%s kernel: K=4 MUL1 %d regs, %d B local, %d B dynamic smem, %d CTAs/SM%s\n", HALF ? "half2" : "fp32",
+                fa.numRegs, (int)fa.localSizeBytes, smem, occ,
+                HALF == exl3::rf_uses_half<K> ? " (the launcher's choice at K = 4)" : "");
+}
+
+int main(int argc, char** argv) {
+    int dev = 0;
+    cudaDeviceProp prop{};
+    CK(cudaGetDeviceProperties(&prop, dev));
+    std::printf("%s, %d SMs\n", prop.name, prop.multiProcessorCount);
+    describe<false>();
+    describe<true>();
     if (argc == 3) {  // one shape, MUL1 only (for ncu)
-        run_shape<exl3::CB_MUL1>(std::atoi(argv[1]), std::atoi(argv[2]), "MUL1");
+        run_shape<exl3::CB_MUL1, false>(std::atoi(argv[1]), std::atoi(argv[2]), "MUL1");
+        run_shape<exl3::CB_MUL1, true>(std::atoi(argv[1]), std::atoi(argv[2]), "MUL1");
         return 0;
     }
     const int shapes[3][2] = {{4096, 14336}, {14336, 4096}, {4096, 4096}};
     for (auto& s : shapes) {
-        run_shape<exl3::CB_MUL1>(s[0], s[1], "MUL1");
-        run_shape<exl3::CB_3INST>(s[0], s[1], "3INST");
+        run_shape<exl3::CB_MUL1, false>(s[0], s[1], "MUL1");
+        run_shape<exl3::CB_MUL1, true>(s[0], s[1], "MUL1");
+        run_shape<exl3::CB_3INST, false>(s[0], s[1], "3INST");
+        run_shape<exl3::CB_3INST, true>(s[0], s[1], "3INST");
     }
     return 0;
 }

@@ -1,5 +1,5 @@
 // Helpers shared by the standalone kernel harnesses (bench/gemv_tune.cu, bench/recon_tune.cu): no
-// torch, so each builds with nvcc in seconds and several compile-time variants fit in one device call.
+// torch, so each builds with nvcc in seconds and a changed tuning value can be timed in one device call.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -3,14 +3,10 @@
 // plugins/attn_backends/src/exl3_attn_backends/cuda_decode.py, which sends long bounds to the Triton
 // split-KV kernel.
 //
-// Why (docs/performance.md, runs 24, 25 and 28): the Triton split kernel's merge (partials, an arrival
-// atomic, their reload) sits on every layer's critical path at batch 1; one block per kv head with scalar
-// FMAs lost (each warp's dependent chain was ~2,600 instructions), and a cluster merge lost (its launch and
-// barriers). Here each warp's chain is ~16 + 16 mma.m16n8k16 with their ldmatrix loads, the
-// FlashAttention-2 way, and the block merges its 8 warps in shared memory. Its first version (run 25) held
-// 256 keys a pass at head dim 64: the 1B bench's sequences (257-385 keys) took a second pass after the wait
-// and it lost; with the pass sized by the bound all of them are copied before the wait, and the attention
-// ends ~3.1 us after q/k/v instead of ~4.5 (1B b=1 1,718-1,722 tok/s against 1,663-1,666, run 28).
+// Why: at batch 1 the Triton split kernel's merge (partials, an arrival atomic, their reload) sits on every
+// layer's critical path, while here one block's warps run both products on the tensor cores (~16 + 16
+// mma.m16n8k16 a warp, the FlashAttention-2 way) and merge in shared memory, with every key of a short bound
+// copied before the wait.
 //
 // Block: 8 warps. The query heads of one kv head are the rows of the mma's A (padded to 16 with zeros).
 // Keys in passes of `cap` rows held in shared memory (sized by the launch from the static key bound, at

@@ -33,9 +33,8 @@ namespace {
 
 constexpr int kSeq = 256;       // weights per tile
 constexpr int kStates = 65536;  // 16-bit trellis states
-// SIMD width in floats: one native register. A 64-byte vector type on an AVX2-only build makes gcc
-// scalarise the compare/select (measured ~25x slower on a 2-core AVX2-only EPYC), so the width follows the
-// target instead of being fixed at 16.
+// SIMD width in floats: one native register, because a 64-byte vector type on an AVX2-only build makes gcc
+// scalarise the compare/select.
 #if defined(__AVX512F__)
 constexpr int kLanes = 16;
 #else
@@ -156,10 +155,8 @@ int trace_arg(const float* Dp, const float* lut, float w, int n) {
 // Survivor storage per K. History mode keeps every step's cost array (fp32, NN per step) and
 // recomputes survivors during the traceback; it does a third of the inner-loop work but writes 4x
 // more memory per step, which for K <= 2 (NN >= 16384, 16+ MiB per pass) spills out of the caches.
-// Both modes give bit-identical states.
-// Measured on a 2-core Zen 4 (AVX-512): history is ~1.4x faster for K >= 3, survivors ~1.2x for
-// K <= 2. On a 2-core AVX2-only EPYC history wins at every K (K=2: 364 vs 176 tiles/s, K=4: 665 vs
-// 359), so 8-lane builds always take it.
+// Both modes give bit-identical states. With AVX-512 history is faster for K >= 3 and survivors for
+// K <= 2; 8-lane (AVX2) builds always take history, which wins at every K there.
 template <int K>
 bool use_history(int64_t mode) {
     return mode == 0 ? (K >= 3 || kLanes < 16) : mode == 2;

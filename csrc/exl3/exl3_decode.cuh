@@ -121,28 +121,7 @@ struct LaneWindow {
 __device__ __forceinline__ uint32_t h2_bits(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 __device__ __forceinline__ __half2 bits_h2(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 
-// MUL1 in the matmuls (exl3_kernels.cuh DecodeMmaLoop) skips the codebook's affine map: decode_lane<K,
-// CB_MUL1, true> yields h = 1 + b/1024 (b the byte sum, h exact in fp16) and the mma sums h * x. Since
-// w = MUL1_RAW_SCALE * h + MUL1_RAW_BIAS exactly (the spec's 1774/2^18 * (1024 + b) - 10.3828125), the
-// loop adds one mma of x against ones (S = sum of x over the same k) and its owner finishes with
-// SCALE * acc + BIAS * S per output: one HFMA2 per two weights less in the decoder, at the price of w's
-// fp16 rounding, which the product no longer has (relative ~2e-4 against a GEMM over the rounded Ŵ).
-// Off by default: on the H200 (docs/performance.md, run 22) it raised the decode-only ceiling 5-9% and
-// the 1B-shape b=1 decode 1.5% (b=8 6%), left the 8B shape's decode unchanged, and made the m = 1 GEMV
-// 0.1 us slower, i.e. 72-76% of the raised ceiling where the rounded decoder reaches 80-85% of its own.
-// With 4 n tiles per warp (run 23) it shortens the m = 1 GEMV 3.5% and the b=1 decode 1.1% (1B) and 1.6%
-// (8B), but its own decode-only ceiling rises 11%: the GEMV is then at 79% of it (85% with this default).
-// Build with -DEXL3_MUL1_RAW=1 (or edit here) for it; exl3::mul1_raw() reports the build's choice.
-#ifndef EXL3_MUL1_RAW
-#define EXL3_MUL1_RAW 0
-#endif
 template <int CB>
-constexpr bool mul1_raw = EXL3_MUL1_RAW && CB == CB_MUL1;
-constexpr float MUL1_RAW_SCALE = 6.9296875f;   // 1774 * 1024 / 2^18, exact in fp32
-constexpr float MUL1_RAW_BIAS = -10.3828125f;  // fp16 0xC931, exact
-constexpr uint32_t HALF2_ONES = 0x3C003C00u;   // (1.0, 1.0) in fp16
-
-template <int CB, bool RAW = false>
 __device__ __forceinline__ uint32_t cb_hash(uint32_t s) {
     if constexpr (CB == CB_3INST) {
         uint32_t x = s * 89226354u + 64248484u;
@@ -151,21 +130,19 @@ __device__ __forceinline__ uint32_t cb_hash(uint32_t s) {
         uint32_t x = s * 0xCBAC1FEDu;
         return (x & 0x8FFF8FFFu) ^ 0x3B603B60u;
     } else {
-        // byte sum of s*MUL1 plus 0x6400: the fp16 bit pattern of 1024 + b (b <= 1020, no carry out);
-        // RAW: plus 0x3C00, the bits of 1 + b/1024 (the mantissa holds b)
-        return __dp4a(s * 0x83DCD12Du, 0x01010101u, RAW ? 0x3C00u : 0x6400u);
+        // byte sum of s*MUL1 plus 0x6400: the fp16 bit pattern of 1024 + b (b <= 1020, no carry out)
+        return __dp4a(s * 0x83DCD12Du, 0x01010101u, 0x6400u);
     }
 }
 
-template <int CB, bool RAW = false>
+template <int CB>
 __device__ __forceinline__ __half2 cb_pair(uint32_t s0, uint32_t s1) {
-    uint32_t x0 = cb_hash<CB, RAW>(s0);
-    uint32_t x1 = cb_hash<CB, RAW>(s1);
+    uint32_t x0 = cb_hash<CB>(s0);
+    uint32_t x1 = cb_hash<CB>(s1);
     if constexpr (CB == CB_MUL1) {
         const __half2 kinv = bits_h2(0x1EEE1EEEu);   // 1774 / 2^18
         const __half2 kbias = bits_h2(0xC931C931u);  // -10.3828125
         __half2 h = bits_h2(__byte_perm(x0, x1, 0x5410));
-        if constexpr (RAW) return h;  // (h0, h1); the affine map is the loop owner's
         return __hfma2(h, kinv, kbias);  // one rounding, as the spec's fp16 fma
     } else {
         // (lo0, lo1) + (hi0, hi1): each sum exact in fp32 then rounded once, as __hadd
@@ -191,8 +168,8 @@ __device__ __forceinline__ void lane_state(const uint32_t (&w)[LaneWindow<K>::NW
 
 // Decode lane's 8 positions into 4 half2: f[0] = (j0, j1), f[1] = (j2, j3) are the B fragment of
 // n-block 0 (rows 2q, 2q+1 | 2q+8, 2q+9; col g), f[2], f[3] the same for n-block 1 (col g+8),
-// with q = lane & 3, g = lane >> 2. RAW: MUL1 without its affine map (mul1_raw above), else ignored.
-template <int K, int CB, bool RAW = false>
+// with q = lane & 3, g = lane >> 2.
+template <int K, int CB>
 __device__ __forceinline__ void decode_lane(const uint32_t (&w)[LaneWindow<K>::NW], __half2 (&f)[4]) {
     uint32_t s[8];
     lane_state<K, 0>(w, s);
@@ -203,10 +180,10 @@ __device__ __forceinline__ void decode_lane(const uint32_t (&w)[LaneWindow<K>::N
     lane_state<K, 5>(w, s);
     lane_state<K, 6>(w, s);
     lane_state<K, 7>(w, s);
-    f[0] = cb_pair<CB, RAW>(s[0], s[1]);
-    f[1] = cb_pair<CB, RAW>(s[2], s[3]);
-    f[2] = cb_pair<CB, RAW>(s[4], s[5]);
-    f[3] = cb_pair<CB, RAW>(s[6], s[7]);
+    f[0] = cb_pair<CB>(s[0], s[1]);
+    f[1] = cb_pair<CB>(s[2], s[3]);
+    f[2] = cb_pair<CB>(s[4], s[5]);
+    f[3] = cb_pair<CB>(s[6], s[7]);
 }
 
 }  // namespace exl3

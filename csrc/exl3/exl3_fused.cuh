@@ -21,19 +21,14 @@
 #include <stdint.h>
 
 #include <atomic>
-#include <vector>
 
 #include "exl3_decode.cuh"
 #include "exl3_kernels.cuh"
+#include "tuning.cuh"
 
 namespace exl3 {
 
 constexpr int FUSED_MAX_PROBLEMS = 3;
-// Tuning knob (bench/gemv_tune.cu builds variants): a minimum of resident blocks per SM handed to
-// the register allocator (0: none, ptxas decides).
-#ifndef EXL3_FUSED_MINB
-#define EXL3_FUSED_MINB 0
-#endif
 constexpr int FUSED_COLS = BLOCK_TILES * 16;  // output columns per block
 static_assert(FUSED_COLS == 128, "the fused epilogue Hadamard needs blocks of exactly 128 columns");
 
@@ -106,10 +101,11 @@ struct FusedArgs {
     // stream is still finishing; it prefetches (and, pre-decoding, decodes) trellis words, which nothing
     // before it writes, then waits (griddepcontrol.wait) before touching x or the workspace. The kernel
     // always signals its own dependents (a no-op when none is launched as one): after its main loop, or at
-    // its start (EXL3_PDL_TRIGGER, pd_early). sm_90 or newer only.
+    // its start (pd_early). sm_90 or newer only.
     bool pdl;
-    // a pre-decoding launch (PD > 0) signals its dependent at its start instead of after its main loop
-    // (set by the launcher from predecode_mode(); EXL3_PDL_TRIGGER 2)
+    // a pre-decoding launch (PD > 0) signals its dependent at its start instead of after its main loop, so
+    // that the dependent's early blocks decode their own weights meanwhile (the launcher sets it from
+    // predecode_mode())
     bool pd_early;
 };
 
@@ -120,94 +116,29 @@ __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
     return u;
 }
 
-// Tuning knob (bench/gemv_tune.cu): 0 never uses the transposed main loop (exl3_kernels.cuh) for m <= 8
-#ifndef EXL3_FUSED_TR
-#define EXL3_FUSED_TR 1
-#endif
+// Whether a fused kernel signals its programmatic dependent at its start rather than after its main loop:
+// only a pre-decoding launch (PD > 0) asked to, whose dependent's early blocks then decode their own weights.
+__host__ __device__ constexpr bool pdl_trigger_early(int pd, bool pd_early) { return pd > 0 && pd_early; }
 
-// Resident blocks per SM asked of the register allocator for the transposed kernel: its x staging
-// holds 8 rows instead of 16, so shared memory allows 14-15 blocks (K <= 5) where the m16 kernel's
-// allowed 9; 32 registers, no spills at any K. Capped by what shared memory admits at K (K >= 6 keep
-// 39-48 registers). 14 blocks/SM measured 0.4-2.4% faster than 12 (40 registers) on the 8B shapes
-// (docs/performance.md, run 8).
-#ifndef EXL3_FUSED_TR_MINB
-#define EXL3_FUSED_TR_MINB 15
-#endif
-// Tuning knob (bench/gemv_tune.cu): where the kernel lets its programmatic dependent launch. 0: at
-// its start, so the dependent's blocks take free slots and prefetch their trellis during this
-// kernel's main loop; 1: after the main loop, so they do not compete with it for slots and
-// DRAM. H200, back-to-back PDL launches (docs/performance.md, run 9): 4096x4096 11.80 -> 8.56 us,
-// 4096x14336 unchanged, one 1B-shape layer's four linears 36.8 -> 32.8 us, an 8B layer's 76.3 -> 75.8.
-// 2 (default): pre-decoding kernels (PD below) at their start, the others after the main loop. With
-// pre-decoding the dependent's early blocks do useful work (their chunk's decoding) instead of only
-// prefetching: H200, PDL layer chain (docs/performance.md, run 19): 1B-shape layer 32.5 -> 29.4 us.
-#ifndef EXL3_PDL_TRIGGER
-#define EXL3_PDL_TRIGGER 2
-#endif
-__host__ __device__ constexpr bool pdl_trigger_early(int pd, bool pd_early) {
-    return EXL3_PDL_TRIGGER == 0 || (EXL3_PDL_TRIGGER == 2 && pd > 0 && pd_early);
-}
-// The short trellis ring of the transposed kernel for short k chunks (launch_fused_t): at <= SHORT_RING_MAX_KT
-// k tiles per block a ring of SHORT_RING stages already holds most of the chunk, and its smaller shared
-// footprint admits more resident blocks (K = 4: 16 per SM against 14). H200, one linear launched back to back
-// (docs/performance.md, run 16): 1B-shape gate/up 2048x16384 14.30 -> 13.37 us, the 8B q/k/v 11.58 -> 11.24;
-// the 8B gate/up and down (16-32 tiles per chunk) are 0.3-1.2 us faster with the deep ring.
-#ifndef EXL3_SHORT_RING  // tuning knobs (bench/gemv_tune.cu)
-#define EXL3_SHORT_RING 4
-#endif
-#ifndef EXL3_SHORT_RING_MAX_KT
-#define EXL3_SHORT_RING_MAX_KT 12
-#endif
-constexpr int SHORT_RING = EXL3_SHORT_RING;
-// Pre-decoding (fused_linear_kernel's PD): in a grid that fits in one wave of such blocks, with chunks of at
-// most pd_ring(K) k tiles, each warp requests its whole chunk at once and decodes its first PD_STEPS k tiles
-// into registers (4 per tile) before griddepcontrol.wait, i.e. while the kernel before it drains; after the
-// wait only the rest of the decoding, the x prologue, the mma and the split-k tail are left. Small grids (a
-// 1B-shape layer's q/k/v and o_proj: 2-3 blocks per SM) leave room for these blocks beside the previous
-// kernel's, and larger ones grow their chunks to fit: all four linears of a 1B-shape layer, the 8B shape's
-// q/k/v and o_proj (docs/performance.md, run 19: 1B b=1 1402 -> 1632 tok/s, 8B 355 -> 371). PD_TILES 0: off
-// (bench/gemv_tune.cu builds it for A/B runs).
-#ifndef EXL3_PD_TILES
-#define EXL3_PD_TILES 32
-#endif
-#ifndef EXL3_PD_STEPS
-#define EXL3_PD_STEPS 8
-#endif
-#ifndef EXL3_PD_MINB
-#define EXL3_PD_MINB 4
-#endif
-constexpr int PD_TILES = EXL3_PD_TILES;
-constexpr int PD_STEPS = EXL3_PD_STEPS < EXL3_PD_TILES ? EXL3_PD_STEPS : EXL3_PD_TILES;
-// the variant's ring (a whole chunk: 256 K bytes per k tile and block) and so its longest chunk at K, within
-// the 48 KB of static shared memory; SHORT_RING stands in when pre-decoding is off
-constexpr int pd_ring(int K) {
-    return PD_TILES <= 0 ? SHORT_RING : (K <= 4 || PD_TILES <= 16) ? PD_TILES : 16;
-}
-constexpr int PD_MIN_BLOCKS = EXL3_PD_MINB;
-constexpr int SHORT_RING_MAX_KT = EXL3_SHORT_RING_MAX_KT;
 // The deep ring of one fused variant: the default S of fused_linear_kernel and fused_occupancy, so that the
-// launcher's choice and its occupancy query cannot disagree. The transposed loop (with or without the x-once
-// prologue) takes tr_ring_stages (exl3_kernels.cuh). With 2 tiles per warp (run 16) the 6-bit heads were
-// 2-3% slower at 4 stages than at 6; with 4 tiles per warp they are 2.7% faster (run 23).
+// launcher's choice and its occupancy query cannot disagree.
 constexpr int fused_ring(int K, bool TR) { return TR ? tr_ring_stages(K) : ring_stages(K); }
 
-// n tiles per warp of a fused variant (exl3_kernels.cuh TR_NT): the transposed loop without pre-decoding
-// takes TR_NT, pre-decoding and the m16 loop GEMM_NT
+// n tiles per warp of a fused variant: the transposed loop without pre-decoding takes TR_NT, pre-decoding
+// and the m16 loop GEMM_NT (pre-decoding holds 4 fragment registers per tile and would double them)
 constexpr int fused_nt(bool TR, int PD) { return TR && PD == 0 ? TR_NT : GEMM_NT; }
 // the ring (the block's 8 n tiles x S stages, whatever the warps) and the x stage
 template <int K, bool TR, int S = ring_stages(K)>
 constexpr int fused_smem_bytes() {
     return BLOCK_TILES * S * 8 * K * 4 + (TR ? 8 : 16) * X_STAGE_STRIDE * 2 + 16;
 }
-// MUL1's raw decoder (exl3_decode.cuh mul1_raw) keeps x's sums in 5 more registers: its transposed
-// variants are capped at 12 blocks (40 registers) where 15 (32) would spill ~100 bytes a thread
-constexpr int RAW_MAX_MIN_BLOCKS = 12;
-template <int K, bool TR, int S = ring_stages(K), int CB = CB_3INST>
+// resident blocks per SM asked of ptxas: for the transposed kernel FUSED_TR_MIN_BLOCKS, capped by what
+// shared memory admits (1 KB reserved per block); the m16 kernel leaves it to ptxas
+template <int K, bool TR, int S = ring_stages(K)>
 constexpr int fused_min_blocks() {
-    if (!TR) return EXL3_FUSED_MINB > 0 ? EXL3_FUSED_MINB : 1;
-    const int by_smem = (228 * 1024) / (fused_smem_bytes<K, TR, S>() + 1024);  // 1 KB reserved per block
-    const int cap = mul1_raw<CB> && RAW_MAX_MIN_BLOCKS < EXL3_FUSED_TR_MINB ? RAW_MAX_MIN_BLOCKS : EXL3_FUSED_TR_MINB;
-    return by_smem < cap ? by_smem : cap;
+    if (!TR) return 1;
+    const int by_smem = (228 * 1024) / (fused_smem_bytes<K, TR, S>() + 1024);
+    return by_smem < FUSED_TR_MIN_BLOCKS ? by_smem : FUSED_TR_MIN_BLOCKS;
 }
 
 // RoPE on a lane's 4 consecutive output columns of row r (d0: the first one's column within its head):
@@ -284,9 +215,9 @@ __device__ __forceinline__ uint2 prologue_item(const FusedArgs& a, const __half*
 }
 
 // x transformed once per launch for every problem (FusedArgs::xh_buf), one warp per (problem, row,
-// 128 columns): at m rows each block of the fused linear otherwise repeats m x (its chunk's 128-column
-// blocks) of these transforms, which measured 22 of an 8B layer's 105 us at m = 8 (docs/performance.md,
-// run 15). Launched as a programmatic dependent just before the fused linear (which waits for it).
+// 128 columns), because at m rows every block of the fused linear would otherwise repeat m x (its chunk's
+// 128-column blocks) of these transforms. Launched as a programmatic dependent just before the fused
+// linear (which waits for it).
 // DUMMY: a template, so each translation unit including this header has its own weak instance.
 template <int DUMMY>
 __global__ void __launch_bounds__(128) fused_xh_kernel(FusedArgs a) {
@@ -316,7 +247,7 @@ __global__ void __launch_bounds__(128) fused_xh_kernel(FusedArgs a) {
 // requested at once; its first PD tiles are decoded into registers)
 // NT: n tiles per warp (fused_nt), so warps_for(NT) warps per block
 template <int K, int CB, bool TR, bool XH = false, int S = fused_ring(K, TR), int PD = 0, int NT = fused_nt(TR, PD)>
-__global__ void __launch_bounds__(warps_for(NT) * 32, (PD > 0 ? PD_MIN_BLOCKS : fused_min_blocks<K, TR, S, CB>()))
+__global__ void __launch_bounds__(warps_for(NT) * 32, (PD > 0 ? PD_MIN_BLOCKS : fused_min_blocks<K, TR, S>()))
     fused_linear_kernel(FusedArgs a) {
     constexpr int WARPS = warps_for(NT);
     const int lane = threadIdx.x & 31;
@@ -416,13 +347,11 @@ __global__ void __launch_bounds__(warps_for(NT) * 32, (PD > 0 ? PD_MIN_BLOCKS : 
 #pragma unroll
             for (int i = 0; i < 4; ++i) acc[0][nt][nb][i] = 0.f;
     __half2 unused = __float2half2_rn(0.f);
-    float sacc[1][4] = {};
-    if constexpr (PD > 0) loop.template run_pd<PD>(xs_lane, acc, sacc, pre);
-    else loop.run(xs_lane, 0, acc, sacc, unused);
+    if constexpr (PD > 0) loop.template run_pd<PD>(xs_lane, acc, pre);
+    else loop.run(xs_lane, 0, acc, unused);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (!pdl_trigger_early(PD, a.pd_early)) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
-    loop.finish(acc, sacc);
 
     // ---- split-k partials into z (fp32 atomics at L2)
     if constexpr (TR) {
@@ -464,8 +393,7 @@ __global__ void __launch_bounds__(warps_for(NT) * 32, (PD > 0 ? PD_MIN_BLOCKS : 
     // The barrier orders every thread's atomics before thread 0's release fence (fences are cumulative
     // over what the barrier made the thread observe), so one acq_rel fence on each side of the counter
     // publishes the arrival after the block's partials, and the last block's z reads come after it
-    // observed every arrival (the barrier again). A fence.sc in every thread instead measured 0.6-0.8 us
-    // slower per 8B layer (docs/performance.md, run 10).
+    // observed every arrival (the barrier again), which is cheaper than a fence.sc in every thread.
     __syncthreads();
     if (threadIdx.x == 0) {
         asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
@@ -528,18 +456,12 @@ __global__ void __launch_bounds__(warps_for(NT) * 32, (PD > 0 ? PD_MIN_BLOCKS : 
 // resident blocks x (k tiles + a fixed per-block cost of ~4 k tiles for the x prologue and the split-k
 // epilogue). A ragged last wave costs a whole wave (its blocks take as long as a full wave's), so
 // e.g. 4096x14336 gets 26 k tiles (1,120 blocks, one wave of 1,188) where whole Hadamard blocks only
-// allowed 32 (896 blocks, 75% of the slots) or 24 (1,232 blocks: a second wave of 44). Measured on the
-// H200: 4096x28672 (gate/up) -2.7%, the single 8B shapes within noise (docs/performance.md, run 6).
+// allowed 32 (896 blocks, 75% of the slots) or 24 (1,232 blocks: a second wave of 44). Grids of several
+// waves (a head's vocabulary) take the same model, since their ragged last wave costs about a wave too.
 inline int pick_kt_per_chunk(int k_tiles, long col_blocks, long resident_blocks) {
     if (resident_blocks < 1) resident_blocks = 1;
     const int lo = k_tiles < 8 ? (k_tiles > 0 ? k_tiles : 1) : 8;
     const int hi = k_tiles < GEMM_KT_MAX ? (k_tiles > 0 ? k_tiles : 1) : GEMM_KT_MAX;
-    // Grids of several waves (a head's vocabulary) take the same model: their ragged last wave costs
-    // about a wave as well. H200, m = 1, K = 6, x once (docs/performance.md, run 27): 2048x128256 80.0 us
-    // at 32 tiles (4 chunks, 2.2 waves), 77.1 at the model's 26 (5 chunks, 2.7 waves), 78.4 at 22 (3.3
-    // waves); 4096x128256 148.8-149.4 at 32, 147.9-149.2 at 24-30 (the model picks 29: the 8B b=1 decode
-    // measured 404.2 tok/s with and without it). Run 16 had taken the longest chunk for such grids, when
-    // the model's pick was slower (2 n tiles per warp).
     int best = hi;
     long best_cost = -1;
     for (int kt = hi; kt >= lo; --kt) {  // ties go to the larger chunk (fewer atomics, less x re-reading)
@@ -554,25 +476,6 @@ inline int pick_kt_per_chunk(int k_tiles, long col_blocks, long resident_blocks)
     return best;
 }
 
-// Measured exceptions to pick_kt_per_chunk's cost model for the transposed kernel at m = 1, keyed by
-// (SM count, K, k tiles, column blocks): shapes where a layer-chain sweep on that device found a
-// clearly faster chunk than the model's (bench/gemv_tune.cu, TUNE_CHAIN). Installed once by Python
-// at load (exl3_core/ext.py, through exl3::set_kt_exceptions), before any launch reads them.
-struct KtException {
-    int sms, K, k_tiles;
-    long col_blocks;
-    int kt;
-};
-inline std::vector<KtException>& kt_exceptions() {
-    static std::vector<KtException> table;
-    return table;
-}
-inline int kt_exception(int sms, int K, int k_tiles, long col_blocks) {
-    for (const KtException& e : kt_exceptions())
-        if (e.sms == sms && e.K == K && e.k_tiles == k_tiles && e.col_blocks == col_blocks) return e.kt;
-    return 0;
-}
-
 // Runtime mode of pre-decoding (exl3::set_predecode, EXL3_PREDECODE in exl3_core/settings.py): 0 off, 1 on with
 // the dependent signalled after the main loop, 2 on with the signal at the kernel's start. Read at each launch,
 // so a captured graph keeps what it saw.
@@ -580,9 +483,8 @@ inline std::atomic<int>& predecode_mode() {
     static std::atomic<int> mode{2};
     return mode;
 }
-// Tuning knob (exl3::set_predecode_max_kt, bench/ab_run.py --pd-max-kt, TUNE_PD_MAX_KT): the longest chunk a
-// pre-decoding launch takes, below the ring's length (0: the ring's length). E.g. 16 keeps the 1B-shape gate/up
-// (which needs 32-tile chunks to fit one wave) on the plain path.
+// The longest chunk a pre-decoding launch takes, below the ring's length (0: the ring's length), set at run time
+// (exl3::set_predecode_max_kt) so that one build can compare a linear on the plain path with pre-decoding.
 inline std::atomic<int>& predecode_max_kt() {
     static std::atomic<int> kt{0};
     return kt;
@@ -590,12 +492,11 @@ inline std::atomic<int>& predecode_max_kt() {
 
 // Whether a transposed launch (m <= 8) transforms x once (FusedArgs::xh_buf, fused_xh_kernel) instead of in
 // every block: from min_rows rows (0: never), or at any row count when the output is wide (a head's
-// vocabulary: every k chunk of x would be transformed again by each of >= XH_WIDE_COL_BLOCKS column blocks).
-// The one test, shared by the launcher and the workspace (exl3_ops.cu). H200, m = 1, K = 6, 32 k tiles per
-// chunk (docs/performance.md, run 16): 2048x128256 86.5 -> 84.7 us, 4096x128256 165.2 -> 160.9; the decoder's
-// linears at m = 1 (<= 224 column blocks) are 0.3-1 us slower with it.
+// vocabulary: every k chunk of x would be transformed again by each of >= XH_WIDE_COL_BLOCKS column blocks;
+// the decoder's narrower linears at one row are faster transforming their own chunk).
+// The one test, shared by the launcher and the workspace (exl3_ops.cu).
 constexpr long XH_WIDE_COL_BLOCKS = 512;
-// the ring of the x-once variant with GEMM_NT tiles per warp (launch_fused_t's xh_few; run 16's choice)
+// the ring of the x-once variant with GEMM_NT tiles per warp (launch_fused_t's xh_few): the m16 loop's depth
 constexpr int xh_few_ring(int K) { return ring_stages(K); }
 inline bool xh_wanted(int m, int k_tiles, long col_blocks, int min_rows) {
     return min_rows > 0 && m <= 8 && k_tiles % 8 == 0 && (m >= min_rows || col_blocks >= XH_WIDE_COL_BLOCKS);
@@ -649,14 +550,12 @@ int fused_occupancy(FusedVariantId id) {
 // Fills a.kt_per_chunk (when <= 0) and the problems' block0, launches; returns the k tiles per chunk.
 template <int K, int CB>
 int launch_fused_t(FusedArgs a, cudaStream_t st) {
-    const bool tr = EXL3_FUSED_TR && a.m <= 8;
+    const bool tr = a.m <= 8;
     long col_blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) col_blocks += a.p[i].n_tiles / BLOCK_TILES;
     const bool xh = tr && a.xh_buf != nullptr && xh_wanted(a.m, a.k_tiles, col_blocks, a.xh_min_rows);
     // x once for the rows (a decoder linear at m >= xh_min_rows), not for the width (a head): 2 n tiles per
-    // warp, as before run 23. Their short chunks leave the block's fixed work (x copy, 8 rows' epilogue) to
-    // twice the warps. H200, m = 8 (run 23): the 1B layer chain 50.5 us with 2 tiles per warp against 53.6
-    // with 4; the 8B chain 94.4 against 93.5.
+    // warp, so that the short chunks' fixed work (x copy, 8 rows' epilogue) has twice the warps.
     const bool xh_few = xh && col_blocks < XH_WIDE_COL_BLOCKS;
     const bool short_ok = tr && !xh && SHORT_RING < tr_ring_stages(K);  // the short ring variant may serve
     // the variant for the rows and width; pre-decoding or the short ring may take its place below
@@ -667,14 +566,11 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
     if (a.kt_per_chunk <= 0) {
         const int occ = fused_occupancy<K, CB>(base);
-        if (tr && a.m == 1) a.kt_per_chunk = kt_exception(sms, K, a.k_tiles, col_blocks);  // measured at m = 1
-        if (a.kt_per_chunk <= 0) {
-            a.kt_per_chunk = pick_kt_per_chunk(a.k_tiles, col_blocks, (long)sms * occ);
-            if (short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT) {  // again with the short ring's residency
-                const long res = (long)sms * fused_occupancy<K, CB>(FV_TR_SHORT);
-                const int kt = pick_kt_per_chunk(a.k_tiles, col_blocks, res);
-                if (kt <= SHORT_RING_MAX_KT) a.kt_per_chunk = kt;
-            }
+        a.kt_per_chunk = pick_kt_per_chunk(a.k_tiles, col_blocks, (long)sms * occ);
+        if (short_ok && a.kt_per_chunk <= SHORT_RING_MAX_KT) {  // again with the short ring's residency
+            const long res = (long)sms * fused_occupancy<K, CB>(FV_TR_SHORT);
+            const int kt = pick_kt_per_chunk(a.k_tiles, col_blocks, res);
+            if (kt <= SHORT_RING_MAX_KT) a.kt_per_chunk = kt;
         }
     }
     if (a.kt_per_chunk > GEMM_KT_MAX) a.kt_per_chunk = GEMM_KT_MAX;
@@ -682,19 +578,17 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     // pre-decoding: chunks its ring holds whole, in a grid of at most one wave of its (larger) blocks. A
     // launcher-picked chunk whose grid is too large for that grows to the shortest one that fits.
     bool pd = false;
-    if constexpr (PD_TILES > 0) {
-        const int mode = predecode_mode().load(std::memory_order_relaxed);
-        a.pd_early = mode == 2;
-        if (tr && !xh && mode > 0) {
-            constexpr int ring = pd_ring(K);
-            const int cap = predecode_max_kt().load(std::memory_order_relaxed);
-            const int longest = cap > 0 && cap < ring ? cap : ring;
-            const long slots = (long)sms * fused_occupancy<K, CB>(FV_PD);
-            int kt = a.kt_per_chunk;
-            while (picked && kt < longest && grid_blocks(kt) > slots) ++kt;
-            pd = kt <= longest && grid_blocks(kt) <= slots;
-            if (pd) a.kt_per_chunk = kt;
-        }
+    const int mode = predecode_mode().load(std::memory_order_relaxed);
+    a.pd_early = mode == 2;
+    if (tr && !xh && mode > 0) {
+        constexpr int ring = pd_ring(K);
+        const int cap = predecode_max_kt().load(std::memory_order_relaxed);
+        const int longest = cap > 0 && cap < ring ? cap : ring;
+        const long slots = (long)sms * fused_occupancy<K, CB>(FV_PD);
+        int kt = a.kt_per_chunk;
+        while (picked && kt < longest && grid_blocks(kt) > slots) ++kt;
+        pd = kt <= longest && grid_blocks(kt) <= slots;
+        if (pd) a.kt_per_chunk = kt;
     }
     const long chunks = (a.k_tiles + a.kt_per_chunk - 1) / a.kt_per_chunk;
     long blocks = 0;

@@ -12,8 +12,8 @@ struct FusedArgs;
 
 // codebook cb in 0..2, K in 1..8; out is fp16 [16*k_tiles, 16*n_tiles]
 void launch_reconstruct(int cb, int K, const uint32_t* trellis, __half* out, int k_tiles, int n_tiles, cudaStream_t st);
-// mb: 1 or 2 m16 row blocks per launch, 0 = decode-only benchmark; a.kt_per_warp <= 0 picks one
-// wave of resident warps. Returns the k tiles per warp it used.
+// mb: 1 or 2 m16 row blocks per launch; a.kt_per_warp <= 0 picks one wave of resident warps.
+// Returns the k tiles per warp it used.
 int launch_gemm(int cb, int K, int mb, const GemmArgs& a, cudaStream_t st);
 // blockwise H128/sqrt(128) along the last dim of a row-major [rows, dim] tensor (see exl3_had.cu)
 void launch_had128(const void* x, bool x_fp16, void* y, bool y_fp16, const __half* pre, const __half* post,

@@ -139,7 +139,6 @@ Tensor gemm_xh(const Tensor& xh, const Tensor& trellis, int64_t K, int64_t codeb
     a.x = reinterpret_cast<const __half*>(xh.data_ptr());
     a.trellis = reinterpret_cast<const uint32_t*>(trellis.data_ptr());
     a.z = z.data_ptr<float>();
-    a.sink = nullptr;
     a.m = (int)m;
     a.k_tiles = kt;
     a.n_tiles = nt;
@@ -235,10 +234,9 @@ bool fused_workspace(const Tensor& like, int64_t n_total, float** z, int** count
 }
 
 // From this many rows (set from Python, exl3::set_xh_min_rows; 0: never) a transposed fused launch
-// transforms x once for the launch (exl3_fused.cuh, fused_xh_kernel) instead of in every block. H200
-// (docs/performance.md, run 15): 8B-shape b=8 decode 1988.5 -> 2179.9 tok/s, 1B-shape 7734 -> 7832; at
-// m = 4 the layer-chain harness measured no gain, so the default starts at 8 rows. Wide outputs (a head)
-// take it at any row count (exl3::xh_wanted); 0 switches both off.
+// transforms x once for the launch (exl3_fused.cuh, fused_xh_kernel) instead of in every block, since at
+// 8 rows the per-block transforms cost more than the extra pass. Wide outputs (a head) take it at any row
+// count (exl3::xh_wanted); 0 switches both off.
 std::atomic<int> g_xh_min_rows{8};
 
 int64_t set_xh_min_rows(int64_t rows) { return g_xh_min_rows.exchange((int)rows); }
@@ -299,26 +297,12 @@ std::atomic<bool> g_pdl{true};
 
 bool set_pdl(bool on) { return g_pdl.exchange(on); }
 
-// Whether this build's MUL1 matmuls multiply by the unrounded codebook values (exl3_decode.cuh, EXL3_MUL1_RAW):
-// the GPU tests pick their reference by it
-bool mul1_raw() { return EXL3_MUL1_RAW != 0; }
-
 // Pre-decoding of the fused linear's short chunks (exl3_fused.cuh, PD_TILES), set from Python
 // (EXL3_PREDECODE, exl3_core/ext.py): 0 off, 1 on, 2 on with the early signal; returns the previous mode
 int64_t set_predecode(int64_t mode) { return exl3::predecode_mode().exchange(mode < 0 ? 0 : mode > 2 ? 2 : (int)mode); }
 
 // The longest chunk a pre-decoding launch takes (0: the ring's; a tuning knob); returns the previous value
 int64_t set_predecode_max_kt(int64_t kt) { return exl3::predecode_max_kt().exchange(kt < 0 ? 0 : (int)kt); }
-
-// The fused linear's k-chunk exceptions (exl3_fused.cuh), flat (sms, K, k_tiles, col_blocks, kt) rows,
-// validated by the Python caller (exl3_core/ext.py); replaces the table, returns its new row count.
-int64_t set_kt_exceptions(std::vector<int64_t> rows) {
-    auto& t = exl3::kt_exceptions();
-    t.clear();
-    for (size_t i = 0; i + 5 <= rows.size(); i += 5)
-        t.push_back({(int)rows[i], (int)rows[i + 1], (int)rows[i + 2], (long)rows[i + 3], (int)rows[i + 4]});
-    return (int64_t)t.size();
-}
 
 // Optional prologue/epilogue work of a fused launch (FusedArgs): the deferred norm of x, the residual
 // add, q/k/v's RoPE and cache rows.
@@ -657,8 +641,8 @@ std::tuple<Tensor, Tensor> linear_workspace(const Tensor& like) {
 // Spec 4.3: y = fp16(Had(z) ) * svh with z = fp16(Had(fp16(x*suh))) @ Ŵ; the seam of linear.py.
 // m <= 4: the one-launch fused op; m <= 64: Hadamard, split-k GEMM, Hadamard; beyond: W in the original
 // basis (reconstruct_full) + one cuBLAS GEMM, in bf16 when x is bf16 (the bf16 prefill; fp16 otherwise).
-// (H200, 4096x14336 K=4: fused 27.7 vs 29.0 us at m=1 but 32.4 vs 29.6 us at m=8, where the fused
-// prologue's per-block input Hadamard of every row costs more than the two extra launches.)
+// The fused op stops at 4 rows here because its m16 prologue repeats every row's input Hadamard in each
+// block, which from 8 rows costs more than the two extra launches.
 Tensor gemm(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t codebook) {
     const int k = check_trellis(trellis, 0, codebook, "exl3::exl3_gemm");
     const int64_t kd = trellis.size(0) * 16, nd = trellis.size(1) * 16;
@@ -673,27 +657,6 @@ Tensor gemm(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Ten
     return gemm_4kernel(x, trellis, su, sv, k, codebook);
 }
 
-// decode-only ceiling: decode every tile of `trellis` with the GEMM's decoder, no activations
-Tensor decode_bench(const Tensor& trellis, int64_t K, int64_t codebook, int64_t kt_per_warp) {
-    const int k = check_trellis(trellis, K, codebook, "exl3::decode_bench");
-    const int kt = (int)trellis.size(0), nt = (int)trellis.size(1);
-    TORCH_CHECK(nt % exl3::BLOCK_TILES == 0, "exl3::decode_bench: n must be a multiple of 128");
-    c10::cuda::CUDAGuard guard(trellis.device());
-    exl3::GemmArgs a{};
-    a.trellis = reinterpret_cast<const uint32_t*>(trellis.data_ptr());
-    a.m = 0;
-    a.k_tiles = kt;
-    a.n_tiles = nt;
-    a.kt_per_warp = (int)kt_per_warp;
-    // room for one float per warp at the finest split (kt_per_warp = 1) and any n tiles per warp (>= 1)
-    const int64_t warps = (int64_t)nt * kt;
-    Tensor sink = at::empty({warps + exl3::BLOCK_TILES}, trellis.options().dtype(at::kFloat));
-    a.sink = sink.data_ptr<float>();
-    exl3::launch_gemm((int)codebook, k, 0, a, at::cuda::getCurrentCUDAStream());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return sink;
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(exl3, m) {
@@ -703,7 +666,6 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
     m.def("exl3_gemm(Tensor x, Tensor trellis, Tensor suh, Tensor svh, int codebook) -> Tensor");
     m.def("exl3_gemm_xh(Tensor xh, Tensor trellis, int K, int codebook, int kt_per_warp=0) -> Tensor");
     m.def("had128(Tensor x, Tensor? pre_scale=None, Tensor? post_scale=None, bool out_fp16=True) -> Tensor");
-    m.def("decode_bench(Tensor trellis, int K, int codebook, int kt_per_warp=0) -> Tensor");
     m.def("exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, int codebook, int kt_per_chunk=0) -> Tensor");
     m.def("exl3_linear_group(Tensor x, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, "
           "int kt_per_chunk=0) -> Tensor[]");
@@ -718,9 +680,7 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
     m.def("set_pdl(bool on) -> bool", &set_pdl);
     m.def("set_predecode(int mode) -> int", &set_predecode);
     m.def("set_predecode_max_kt(int kt) -> int", &set_predecode_max_kt);
-    m.def("set_kt_exceptions(int[] rows) -> int", &set_kt_exceptions);
     m.def("set_xh_min_rows(int rows) -> int", &set_xh_min_rows);
-    m.def("mul1_raw() -> bool", &mul1_raw);
 }
 
 TORCH_LIBRARY_IMPL(exl3, CUDA, m) {
@@ -730,7 +690,6 @@ TORCH_LIBRARY_IMPL(exl3, CUDA, m) {
     m.impl("exl3_gemm", &gemm);
     m.impl("exl3_gemm_xh", &gemm_xh);
     m.impl("had128", &had128);
-    m.impl("decode_bench", &decode_bench);
     m.impl("exl3_linear", &linear);
     m.impl("exl3_linear_group", &linear_group);
     m.impl("exl3_linear_workspace", &linear_workspace);

@@ -15,12 +15,11 @@
 // fp32 [128][132] tile: the 4-float row pad makes the pass-1 scalar stores and the pass-2 float4
 // loads bank-conflict free. csrc/exl3/recon_full_emu.py models this index math on the CPU.
 //
-// For K <= EXL3_RF_HALF_MAX_K (default 6) the launcher uses recon_full_half_kernel instead: the same
+// For K <= RF_HALF_MAX_K (tuning.cuh) the launcher uses recon_full_half_kernel instead: the same
 // transform with the butterflies in packed half2 (HADD2/HSUB2, two elements per instruction; 64
-// registers for the 128 values) through an fp16 [128][136] tile (half the smem): 5 CTAs per SM instead
-// of 3, ~35% faster on an H200 (docs/performance.md, run 7), at a relative error of ~8.9e-4 instead of
-// ~2.1e-4. That is < 0.3% of the quantization error's energy up to K = 6 (and would be ~5% at K = 8),
-// hence the default. Details at recon_full_half_kernel below.
+// registers for the 128 values) through an fp16 [128][136] tile (half the smem), so that 5 CTAs fit per SM
+// instead of 3, at a relative error of ~8.9e-4 instead of ~2.1e-4: < 0.3% of the quantization error's
+// energy up to K = 6 (and ~5% at K = 8). Details at recon_full_half_kernel below.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,10 +30,7 @@
 #include <type_traits>
 
 #include "exl3_decode.cuh"
-
-#ifndef EXL3_RF_HALF_MAX_K
-#define EXL3_RF_HALF_MAX_K 6  // 0: always the fp32 kernel, 8: always the half2 kernel (bench/recon_tune.sh)
-#endif
+#include "tuning.cuh"
 
 namespace exl3 {
 
@@ -47,16 +43,11 @@ constexpr int RF_MIN_BLOCKS = 3;                  // register cap 65536 / (3 * 1
 constexpr int RFH_RS = 136;                       // smem row stride in halves (17 16-byte chunks)
 constexpr int RFH_TILE = 128 * RFH_RS;            // tile halves; the block's suh, svh follow (2 x 128)
 constexpr int RFH_SMEM = (RFH_TILE + 256) * 2;    // 35,328 B: room for 6 CTAs per SM (6 x (34.5 + 1 reserved) KB < 228 KB)
-// 5 CTAs per SM: register cap 65536 / (5 * 128) -> 96 per thread, no spills (ptxas wants ~94 for the
-// 64 values plus addresses and scales). 6 (cap 80) fits the smem but spills ~40 B per thread around the
-// pass-2 butterflies and measured 4-7% slower (run 7); EXL3_RF_HALF_MINB=6 builds it for comparison
-#ifndef EXL3_RF_HALF_MINB
-#define EXL3_RF_HALF_MINB 5
-#endif
-constexpr int RFH_MIN_BLOCKS = EXL3_RF_HALF_MINB;
+// RFH_MIN_BLOCKS (tuning.cuh) CTAs per SM: at 5 the register cap 65536 / (5 * 128) = 96 per thread holds
+// the 64 values plus addresses and scales without spills (6, cap 80, would spill)
 
 // Output element type: fp16, or bf16 (BF) for a prefill whose GEMMs take bf16 operands (cuBLAS's bf16
-// GEMMs draw less power at the card's cap, docs/performance.md run 30). The half2 kernel rounds to fp16
+// GEMMs draw less power at the card's power cap). The half2 kernel rounds to fp16
 // first and converts that to bf16 (exact: equal to torch's fp16 -> bf16 cast of the fp16 output); the
 // fp32 kernel rounds its fp32 result once, to the output type
 template <bool BF>
@@ -353,23 +344,24 @@ __global__ void __launch_bounds__(RF_THREADS, RF_MIN_BLOCKS)
 }
 
 
-// the kernel for K (only that one is instantiated) and its dynamic shared memory
+// the kernel for K (HALF: the half2 one; only the launcher's choice is instantiated, bench/recon_tune.cu
+// instantiates both) and its dynamic shared memory
 template <int K>
-constexpr bool rf_uses_half = K <= EXL3_RF_HALF_MAX_K;
-template <int K>
-constexpr int rf_smem_bytes = rf_uses_half<K> ? RFH_SMEM : RF_SMEM;
-template <int K, int CB, bool BF>
+constexpr bool rf_uses_half = K <= RF_HALF_MAX_K;
+template <bool HALF>
+constexpr int rf_smem_bytes = HALF ? RFH_SMEM : RF_SMEM;
+template <int K, int CB, bool BF, bool HALF = rf_uses_half<K>>
 inline auto recon_full_pick() {
-    if constexpr (rf_uses_half<K>) return recon_full_half_kernel<K, CB, BF>;
+    if constexpr (HALF) return recon_full_half_kernel<K, CB, BF>;
     else return recon_full_kernel<K, CB, BF>;
 }
 
 // k_tiles and n_tiles multiples of 8 (dims multiples of 128); returns the launch error, if any
-template <int K, int CB, bool BF>
+template <int K, int CB, bool BF, bool HALF = rf_uses_half<K>>
 cudaError_t launch_recon_full_t(const uint32_t* trellis, const __half* suh, const __half* svh, void* out,
                                 int k_tiles, int n_tiles, long ldo, cudaStream_t st) {
-    constexpr int smem = rf_smem_bytes<K>;
-    auto kern = recon_full_pick<K, CB, BF>();
+    constexpr int smem = rf_smem_bytes<HALF>;
+    auto kern = recon_full_pick<K, CB, BF, HALF>();
     // > 48 KB of dynamic shared memory needs an opt-in per function and device (host-side, legal
     // during graph capture); done once per device for this instantiation
     static unsigned long long ready = 0;  // bit d: attributes set on device d (benign race: idempotent)

@@ -30,6 +30,10 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--new-tokens", type=int, default=128, help="decode tokens timed per run")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of eager b=1 decode steps")
     p.add_argument("--vs-transformers", action="store_true", help="also time the shape in bf16 through transformers")
+    p.add_argument("--ceiling-lib", type=Path, default=None, metavar="SO",
+                   help="the bench extension with the decode-only ceiling kernel (python bench/ext/build.py writes "
+                        "bench/ext/build/exl3_bench.so, the default in a source checkout); without it the ceiling "
+                        "is left out")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write every figure to this JSON file")
     p.set_defaults(func=_bench_cmd)
 
@@ -53,7 +57,7 @@ def _bench_cmd(args: argparse.Namespace) -> int:
                     device=args.device, contexts=contexts, batches=_ints(args.batches, "--batches"),
                     prefill_tokens=_ints(args.prefill, "--prefill"), prefill_past=args.prefill_past,
                     new_tokens=args.new_tokens, profile=args.profile,
-                    vs_transformers=args.vs_transformers)
+                    vs_transformers=args.vs_transformers, ceiling_lib=args.ceiling_lib)
     if args.json is not None:
         args.json.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
     return 0

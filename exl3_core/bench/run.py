@@ -12,17 +12,21 @@ Figures (each from the same process, so the bounds are measured on the same card
   length asked for (short prompts show the per-forward host cost that the graph removes);
 * bounds: ``roofline`` = bytes read per decode token (weights + KV at that context) / measured
   device-to-device copy bandwidth (read + written bytes), and ``decode_ceiling`` = time to decode
-  every quantized weight once at the ``exl3::decode_bench`` rate of its own shape, K and codebook
-  (the integer-pipeline ceiling of on-the-fly decoding; no activations, no attention), measured
-  :data:`CEILING_SAMPLES` times before and as many again after the b=1 runs. One measurement moves by
-  +-2% from the next at the same clock (H200, docs/performance.md run 18), so the fractions use the
-  median of the samples; ``strict_fraction_of_decode_ceiling`` divides by the fastest sample instead.
+  every quantized weight once at the rate of the decode-only kernel (``torch.ops.exl3_bench.decode_only``,
+  the GEMV's own decoder with no activations, no attention: the integer-pipeline ceiling of on-the-fly
+  decoding) for its shape, K and codebook, measured :data:`CEILING_SAMPLES` times before and as many again
+  after the b=1 runs. That kernel is a benchmark, built apart from ``exl3_core._C`` by
+  ``python bench/ext/build.py`` (:func:`decode_only_op`); without it the ceiling is left out. One
+  measurement moves by about 2% from the next at the same clock, so the fractions use the median of the
+  samples; ``strict_fraction_of_decode_ceiling`` divides by the fastest sample instead.
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -107,13 +111,31 @@ def _graphed_time(fn: Callable[[], Any], device: torch.device, calls: int = 10) 
     return time_median(g.replay, device, warmup=2, iters=7) / calls
 
 
-def decode_ceiling(model: torch.nn.Module) -> dict[str, Any] | None:
-    """Seconds to decode every quantized weight once at ``exl3::decode_bench`` rates (None without the op)."""
-    from exl3_core import ext
-    from exl3_core.quant.exl3.cuda_ops import decode_bench_cuda
+#: the bench extension (bench/ext) as ``python bench/ext/build.py`` writes it in a source checkout
+BENCH_LIB = Path(__file__).resolve().parents[2] / "bench" / "ext" / "build" / "exl3_bench.so"
 
+
+def decode_only_op(lib: Path | None = None) -> Callable[..., torch.Tensor] | None:
+    """``torch.ops.exl3_bench.decode_only(trellis, codebook, kt_per_warp=0)``, the decode-only ceiling kernel,
+    loading the bench extension from ``lib`` first when the op is not registered yet. Without ``lib`` the
+    checkout's :data:`BENCH_LIB` is tried, and None returned when it was not built; an explicit ``lib`` that
+    does not exist is an error."""
+    if lib is not None and not Path(lib).is_file():
+        raise FileNotFoundError(f"--ceiling-lib {lib}: no such file; build the bench extension with "
+                                "`python bench/ext/build.py` (it writes bench/ext/build/exl3_bench.so)")
+    if not hasattr(torch.ops.exl3_bench, "decode_only"):
+        path = Path(lib) if lib is not None else BENCH_LIB
+        if not path.is_file():
+            return None
+        torch.ops.load_library(str(path))
+    return torch.ops.exl3_bench.decode_only
+
+
+def decode_ceiling(model: torch.nn.Module, op: Callable[..., torch.Tensor] | None) -> dict[str, Any] | None:
+    """Seconds to decode every quantized weight once at the decode-only kernel's rates (``op``, from
+    :func:`decode_only_op`; None without it or on the CPU)."""
     layers = _exl3_layers(model)
-    if not layers or not layers[0].trellis.is_cuda or not ext.has_op("decode_bench"):
+    if op is None or not layers or not layers[0].trellis.is_cuda:
         return None
     groups: dict[tuple[Any, ...], list[Any]] = {}
     for m in layers:
@@ -122,7 +144,8 @@ def decode_ceiling(model: torch.nn.Module) -> dict[str, Any] | None:
     rows = []
     dev = layers[0].trellis.device
     for (shape, cb), ms in groups.items():
-        t = _graphed_time(lambda m=ms[0], c=cb: decode_bench_cuda(m.trellis, c), dev)
+        trellis: torch.Tensor = ms[0].trellis
+        t = _graphed_time(functools.partial(op, trellis, cb), dev)
         weights = shape[0] * shape[1] * 256
         total += t * len(ms)
         rows.append({"trellis": list(shape), "codebook": cb, "count": len(ms), "us": t * 1e6,
@@ -134,9 +157,9 @@ def decode_ceiling(model: torch.nn.Module) -> dict[str, Any] | None:
 CEILING_SAMPLES = 3
 
 
-def _ceiling_samples(model: torch.nn.Module) -> list[dict[str, Any]]:
+def _ceiling_samples(model: torch.nn.Module, op: Callable[..., torch.Tensor] | None) -> list[dict[str, Any]]:
     """:data:`CEILING_SAMPLES` :func:`decode_ceiling` measurements (none without the op)."""
-    return [c for c in (decode_ceiling(model) for _ in range(CEILING_SAMPLES)) if c]
+    return [c for c in (decode_ceiling(model, op) for _ in range(CEILING_SAMPLES)) if c]
 
 
 def combine_ceilings(samples: list[dict[str, Any]], log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -288,7 +311,7 @@ def bench_prefill(model: Any, cache: Any, *, tokens: int, seed: int = 0, past: i
 
             t = time_median(replay, model.device, warmup=2, iters=5)
             # the same replay from an idle GPU (a user's prompt): back to back, a long prefill holds the
-            # tensor cores busy long enough for the card to lower its clock (docs/performance.md, run 7)
+            # tensor cores busy long enough for the card to lower its clock
             idle = []
             for _ in range(IDLE_REPEATS):
                 time.sleep(IDLE_SECONDS)
@@ -333,12 +356,17 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
               device: str | torch.device | None = None, contexts: tuple[int, ...] = (256, 4096),
               batches: tuple[int, ...] = (8, 32), prefill_tokens: int | tuple[int, ...] = 2048, prefill_past: int = 0,
               new_tokens: int = 128,
-              profile: bool = False, vs_transformers: bool = False,
+              profile: bool = False, vs_transformers: bool = False, ceiling_lib: Path | None = None,
               log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every figure of the module docstring as one dict (see ``exl3 bench --help``)."""
+    """Every figure of the module docstring as one dict (see ``exl3 bench --help``); ``ceiling_lib``: the
+    bench extension's library (:func:`decode_only_op`)."""
     prefills = tuple(t for t in ((prefill_tokens,) if isinstance(prefill_tokens, int) else prefill_tokens) if t > 0)
     longest = max(prefills, default=0)
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    # the ceiling kernel first: a --ceiling-lib that does not exist fails before any work
+    op = decode_only_op(ceiling_lib) if dev.type == "cuda" or ceiling_lib is not None else None
+    if dev.type == "cuda" and op is None:
+        log("decode-only ceiling: left out (build the bench extension: python bench/ext/build.py)")
     out: dict[str, Any] = {"shape": shape_dict(shape), "bpw": bpw, "head_bits": head_bits, "codebook": codebook,
                            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                            "torch": torch.__version__}
@@ -362,7 +390,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
     out["memory"] = model.memory_report()
     wbytes = weight_bytes_per_token(model)
     out["weight_bytes_per_token"] = wbytes
-    ceilings = _ceiling_samples(model)
+    ceilings = _ceiling_samples(model, op)
     if ceilings:
         log("decode-only ceiling of the weights: " + ", ".join(f"{c['tok_s']:.0f}" for c in ceilings) + " tok/s")
     elem = torch.empty((), dtype=model.dtype).element_size()
@@ -374,7 +402,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
         decode.append(r)
     ceiling = None
     if ceilings:  # measured again with the card as warm as the b=1 runs left it
-        ceiling = combine_ceilings(ceilings + _ceiling_samples(model), log)
+        ceiling = combine_ceilings(ceilings + _ceiling_samples(model, op), log)
     out["decode_ceiling"] = ceiling
     for b in batches:
         r = bench_decode(model, cache, batch=b, ctx=min(contexts), new_tokens=new_tokens)

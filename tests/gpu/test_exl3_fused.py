@@ -13,10 +13,6 @@ measures 4.1e-4..4.5e-4 on these shapes): REL_FP32 = 2e-3 leaves ~5x margin. Aga
 that rounds at the same four places only the fp32 accumulation order differs, flipping an fp16
 rounding in ~0.5% of the elements; the emulation measures <= 1.2e-5, while dropping one of the
 roundings shows up as 3.4e-4: REL_ROUNDED = 1e-4 sits between the two.
-
-MUL1: a build with EXL3_MUL1_RAW multiplies by the codebook values before their fp16 rounding (the
-affine map folded into the epilogue); the references then use them (``decode_inner(exact=True)``). The
-two products differ by ~2e-4 relative, so a kernel on the other one fails REL_ROUNDED.
 """
 from __future__ import annotations
 
@@ -53,8 +49,7 @@ class Problem:
         self.trellis = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * K), dtype=torch.int16, device=DEV)
         self.suh = rand_scales(k)
         self.svh = rand_scales(n)
-        # what the build's matmuls multiply by: the unrounded MUL1 values with EXL3_MUL1_RAW, else Ŵ
-        self.w = decode_inner(self.trellis, K, cb, exact=torch.ops.exl3.mul1_raw()).double()
+        self.w = decode_inner(self.trellis, K, cb).double()
 
 
 def rand_scales(size: int) -> torch.Tensor:
@@ -267,26 +262,6 @@ def test_predecode_chunk_cap(fused_ops) -> None:
                 check(fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, CB_MUL1), x, p, f"cap={cap} m={m}")
     finally:
         fused_ops.set_predecode_max_kt(saved)
-    assert_workspace_clean(fused_ops)
-
-
-def test_kt_exception_table(fused_ops) -> None:
-    """A measured k-chunk exception (exl3_core.ext.KT_EXCEPTIONS) for this device's SM count takes the
-    launcher's place for its shape: outputs stay correct at an odd chunk; bad rows are refused in Python."""
-    from exl3_core import ext
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    p = Problem(4096, 1024, 4, CB_MUL1)  # 256 k tiles, 8 column blocks of 128
-    try:
-        assert ext.set_kt_exceptions([(sms, 4, 256, 8, 5)]) == 1
-        for m in (1, 8):
-            x = xin(m, 4096)
-            poison((m, 1024))
-            check(fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, CB_MUL1), x, p, f"exception kt=5 m={m}")
-        with pytest.raises(ValueError, match="kt <= 32"):
-            ext.set_kt_exceptions([(sms, 4, 256, 8, 40)])
-    finally:
-        assert ext.set_kt_exceptions(ext.KT_EXCEPTIONS) == len(ext.KT_EXCEPTIONS)
     assert_workspace_clean(fused_ops)
 
 

@@ -168,15 +168,15 @@ def test_split_kv_graph_after_counter_growth() -> None:
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        tp.decode_split_kv(small, 8, merge=True)  # compile, and the cached counters exist before the capture
+        tp.decode_split_kv(small, 8)  # compile, and the cached counters exist before the capture
     torch.cuda.current_stream().wait_stream(s)
     old = kc._cache[key]
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        out = tp.decode_split_kv(small, 8, merge=True)
+        out = tp.decode_split_kv(small, 8)
     seqs = old.numel() // 8 + 1  # 8 kv heads x 1 head block per sequence: more programs than it holds
     big = make_args(_decode_case(128, 32, 8, (40,) * seqs, torch.float16), DEV, seed=3)
-    tp.decode_split_kv(big, 2, merge=True)
+    tp.decode_split_kv(big, 2)
     assert kc._cache[key] is not old and kc._cache[key].numel() > old.numel()
     junk = [torch.full((n,), 5, dtype=torch.int32, device=DEV) for n in (old.numel(), old.numel() // 2) for _ in range(16)]
     expect = reference_attention(small)

@@ -51,7 +51,7 @@ def test_gemm_paths_match_reference_engine(name: str, input_ids: torch.Tensor) -
         }
         for what, (out, want) in cases.items():
             rel = _rel(out, want)
-            print(f"golden {name} {what}: rel L2 {rel:.3e}")  # figures for docs/performance.md (pytest -s)
+            print(f"golden {name} {what}: rel L2 {rel:.3e}")  # shown with pytest -s
             assert rel < TOL, f"{name}, {what}: rel L2 {rel:.4g} against ExLlamaV3's logits"
     finally:
         model.unload()

@@ -58,7 +58,7 @@ def test_graph_decode_equals_eager(model_cache, batch: int) -> None:
     was seen on an H200. So two runs may part at a near-tie (top-2 gap within that tolerance); the
     comparison of a sequence stops there, and a parting at a clear margin fails. With this random model
     the batch of 3 parts at near-ties after 6-49 steps in its second and third sequences, with and
-    without the linear's pre-decoding alike (docs/performance.md, run 19): the guard against an empty
+    without the linear's pre-decoding alike: the guard against an empty
     comparison asks for one sequence's worth of compared steps, not most of them.
     """
     model, cache = model_cache

@@ -23,8 +23,8 @@ FP16_HALF_ULP = 2.0**-11  # relative rounding bound of fp16 (normal range)
 FP16_SUB_HALF_ULP = 2.0**-25  # absolute rounding bound in fp16's subnormal range
 # K <= RF_HALF_MAX_K runs the half2 kernel (the launcher's compile-time choice; read from the header so
 # the two cannot drift apart), larger K the fp32 kernel.
-RF_HALF_MAX_K = int(re.search(r"#define EXL3_RF_HALF_MAX_K (\d+)",
-                              (Path(__file__).parents[2] / "csrc/exl3/exl3_recon_full.cuh").read_text()).group(1))
+RF_HALF_MAX_K = int(re.search(r"constexpr int RF_HALF_MAX_K = (\d+);",
+                              (Path(__file__).parents[2] / "csrc/exl3/tuning.cuh").read_text()).group(1))
 # The half2 kernel rounds to fp16 after each of its 14 butterfly stages and after
 # *suh and *svh. The last stage and the two scalings round the element itself: at most 3 half-ulps of
 # |W_ij| (3 * FP16_HALF_ULP * |ref|). For the 13 earlier stages: the values of stage s have RMS

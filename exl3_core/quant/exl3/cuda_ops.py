@@ -13,7 +13,6 @@ The compiled ops live under ``torch.ops.exl3`` when ``exl3_core._C`` was built w
   be bf16 (W rebuilt in bf16, a bf16 result)
 * ``exl3_gemm_xh(xh fp16 [m, k], trellis, K, codebook, kt_per_warp=0) -> fp32 [m, n]`` (z = xh @ Ŵ)
 * ``had128(x, pre_scale=None, post_scale=None, out_fp16=True)`` (blockwise H128/sqrt(128))
-* ``decode_bench(trellis, K, codebook, kt_per_warp=0)`` (decode-only ceiling; benchmarks only)
 * ``exl3_linear(x fp16 [m <= 16, k], trellis, suh, svh, codebook, kt_per_chunk=0) -> fp16 [m, n]``:
   ``exl3_gemm``'s decode path in one launch (csrc/exl3/exl3_fused.cuh); ``exl3_gemm`` itself
   routes m <= 16 here
@@ -36,8 +35,8 @@ The fallbacks run anywhere (CPU included) and compute the same functions in fp32
 The one-launch ops share a per-device workspace that grows, eagerly, to the widest call so far. A call
 wider than that while a CUDA graph is being captured cannot grow it and silently takes the unfused
 ATen/4-kernel path (same results, slower replays); run the captured shapes once eagerly first, as the
-generator's graph code does. There is no warning: a c10 warning raised inside an extension crashes the
-process when a broken compiler wrapper built it (the device image's, docs/performance.md run 25);
+generator's graph code does. There is no warning, because a c10 warning raised inside an extension crashes
+the process when a broken compiler wrapper built it (bench/device_env.sh avoids one);
 tests/gpu/test_deferred_norm_gpu.py covers this path.
 """
 from __future__ import annotations
@@ -54,8 +53,8 @@ def _compiled(name: str, *tensors: torch.Tensor) -> bool:
 
 
 def _check(trellis: torch.Tensor, K: int | None, codebook: int, what: str) -> int:
-    """Validate in Python before calling the op: its C++ checks work, but on the device image an
-    exception thrown from the extension currently crashes the process (see docs/performance.md)."""
+    """Validate in Python before calling the op, so that bad input raises even where an exception thrown
+    from inside the extension would crash the process (an extension built by a broken compiler wrapper)."""
     found = k_from_trellis(trellis, what)
     if trellis.dtype != torch.int16 or trellis.dim() != 3:
         raise ValueError(f"{what}: trellis must be int16 [k/16, n/16, 16K], got {trellis.dtype} {tuple(trellis.shape)}")
@@ -192,16 +191,6 @@ def exl3_gemm_cuda(
         z = xh @ decode_inner(trellis, k_from_trellis(trellis), codebook).to(torch.float32)
         y = had_blockwise(z, dim=-1) * svh.to(torch.float32)
     return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def decode_bench_cuda(trellis: torch.Tensor, codebook: int, kt_per_warp: int = 0) -> torch.Tensor:
-    """Decode every tile with the GEMM's decoder and no activations (benchmarks only; needs the op)."""
-    if not _compiled("decode_bench", trellis):
-        raise RuntimeError(
-            "decode_bench needs the compiled CUDA op exl3::decode_bench: build exl3_core._C with nvcc "
-            "(python setup.py build_ext --inplace) and pass a CUDA trellis"
-        )
-    return ext.op("decode_bench")(trellis.contiguous(), k_from_trellis(trellis), codebook, kt_per_warp)
 
 
 FUSED_MAX_M = 16  # rows the one-launch op takes (one m16 block)

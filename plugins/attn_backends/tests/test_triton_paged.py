@@ -60,28 +60,19 @@ DECODE_CASES = [
 ]
 
 
-def _one_chunk(args: AttnArgs) -> int:
-    import exl3_attn_backends.triton_paged as tp
-
-    return tp._decode_block_n(args.spec, args.max_seqlen_k)
-
-
-@pytest.mark.parametrize("preload,short_chunk", [(0, 0), (32768, 0), (0, 32)],
-                         ids=["one_chunk", "preload32k", "short_bound_chunk32"])
+@pytest.mark.parametrize("short_chunk", [0, 32], ids=["chunk64", "short_bound_chunk32"])
 @pytest.mark.parametrize("case,splits", [(c, s) for c in DECODE_CASES for s in (None, 7)]  # None = heuristic
                          + [(DECODE_CASES[0], 3), (DECODE_CASES[4], 3), (DECODE_CASES[6], 40)],  # 40: many empty
                          ids=lambda x: x.id if isinstance(x, Case) else f"splits{x}")
-def test_split_kv_decode_matches_reference(case: Case, splits: int | None, preload: int, short_chunk: int,
+def test_split_kv_decode_matches_reference(case: Case, splits: int | None, short_chunk: int,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The split kernel against the reference: its key tile before the wait one BLOCK_N chunk (most
-    lengths take several splits and the merge), or 32 KB (fp16 at head dim <= 64: 256 keys, so
-    shorter sequences are their first split's alone, without the merge); 64-key chunks, or 32 for these
-    short bounds (SHORT_BOUND_BLOCK_N)."""
+    """The split kernel against the reference: one key chunk loaded before the wait, most lengths taking
+    several splits and the merge; 32-key chunks for these short bounds (SHORT_BOUND_BLOCK_N), or the
+    long bounds' 64 (the rule off)."""
     import exl3_attn_backends.triton_paged as tp
 
     used: list[int] = []
     real = tp.decode_split_kv
-    monkeypatch.setattr(tp, "PRELOAD_BYTES", preload)
     monkeypatch.setattr(tp, "SHORT_BOUND_BLOCK_N", short_chunk)
     monkeypatch.setattr(tp, "decode_split_kv", lambda a, n: used.append(n) or real(a, n))
     b = TritonPagedAttention()
@@ -94,19 +85,18 @@ def test_split_kv_decode_matches_reference(case: Case, splits: int | None, prelo
 
 
 def test_split_kv_short_sequence_needs_no_merge(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Lengths within one least share (a split's preloaded key tile) take no merge: the arrival
-    counters stay untouched and the partials unwritten, the output is the reference's; one key more
-    than the share takes the merge, with the same result."""
+    """Lengths within one least share (a split's key chunk) take no merge: the arrival counters stay
+    untouched and the partials unwritten, the output is the reference's; one key more than the share
+    takes the merge, with the same result."""
     import exl3_attn_backends.triton_paged as tp
 
     import exl3_core.kernels.counters as kc
     from exl3_core.reference.attention import attention as reference_attention
 
-    monkeypatch.setattr(tp, "PRELOAD_BYTES", 32768)
-    case = _decode_case(64, 8, 2, (255, 0, 100), torch.float16)  # fp16 out: the fp32 tensors are the partials
+    case = _decode_case(64, 8, 2, (31, 0, 20), torch.float16)  # fp16 out: the fp32 tensors are the partials
     args = make_args(case, DEVICE, seed=21)
-    share = tp.preload_keys(case.spec, args.max_seqlen_k)
-    assert share == 256
+    share = tp._decode_block_n(case.spec, args.max_seqlen_k)
+    assert share == 32  # a short bound: 32-key chunks, the longest sequence one of them
     parts: list[torch.Tensor] = []
     real_empty = torch.empty
 
@@ -117,11 +107,11 @@ def test_split_kv_short_sequence_needs_no_merge(monkeypatch: pytest.MonkeyPatch)
             parts.append(t)
         return t
 
-    def decode_spied(a: AttnArgs, **kw: object) -> torch.Tensor:  # parts: this call's partial buffers
+    def decode_spied(a: AttnArgs) -> torch.Tensor:  # parts: this call's partial buffers
         parts.clear()
         with monkeypatch.context() as m:
             m.setattr(tp.torch, "empty", spy)
-            return tp.decode_split_kv(a, 4, merge=True, **kw)  # type: ignore[arg-type]
+            return tp.decode_split_kv(a, 4)
 
     out = decode_spied(args)
     torch.testing.assert_close(out, reference_attention(args), atol=2e-3, rtol=2e-3)
@@ -130,7 +120,7 @@ def test_split_kv_short_sequence_needs_no_merge(monkeypatch: pytest.MonkeyPatch)
     counts = kc._cache[("decode_split", dev.type, dev.index)]
     assert int(counts.abs().sum()) == 0
     longer = make_args(_decode_case(64, 8, 2, (share, 3), torch.float16), DEVICE, seed=22)  # share + 1 keys
-    out = decode_spied(longer, block_n0=share)
+    out = decode_spied(longer)
     torch.testing.assert_close(out, reference_attention(longer), atol=2e-3, rtol=2e-3)
     assert not bool(parts[0].isnan().all()), "a sequence of two shares was not merged"
     assert int(kc._cache[("decode_split", dev.type, dev.index)].abs().sum()) == 0
@@ -149,28 +139,26 @@ def test_split_kv_reload_of_the_newest_row(case: Case, monkeypatch: pytest.Monke
     assert forced
 
 
-@pytest.mark.parametrize("merge", [False, True], ids=["combine_kernel", "merged_in_split"])
 @pytest.mark.parametrize("case", [DECODE_CASES[i] for i in (0, 3, 4, 6)], ids=lambda c: c.id)
-def test_split_kv_merge_paths(case: Case, merge: bool) -> None:
-    """The splits merged by a separate combine kernel, or by each head block's last split program. 40
-    splits exceed one merge round (running max across rounds); lengths leave trailing splits empty.
-    The merged path leaves its arrival counters at zero: a second call (a graph replay) is identical."""
+def test_split_kv_merge_rounds_and_counters(case: Case) -> None:
+    """Each head block's last split program merges the splits: 40 splits exceed one merge round (running
+    max across rounds); lengths leave trailing splits empty. The arrival counters are left at zero, so a
+    second call (a graph replay) is identical."""
     import exl3_attn_backends.triton_paged as tp
 
     import exl3_core.kernels.counters as kc
     from exl3_core.reference.attention import attention as reference_attention
 
     args = make_args(case, DEVICE, seed=5)
-    out = tp.decode_split_kv(args, 40, merge=merge, block_n0=_one_chunk(args))
+    out = tp.decode_split_kv(args, 40)
     ref = reference_attention(args)
     tol = 2e-5 if case.spec.dtype == torch.float32 else 2e-3
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
-    if merge:
-        dev = args.q.device  # "cuda:N": the counters are cached per device index
-        counts = kc._cache[("decode_split", dev.type, dev.index)]
-        assert int(counts.abs().sum()) == 0, "a head block's counter was not reset by its last program"
-        again = tp.decode_split_kv(args, 40, merge=True, block_n0=_one_chunk(args))
-        torch.testing.assert_close(again, out, atol=0, rtol=0)
+    dev = args.q.device  # "cuda:N": the counters are cached per device index
+    counts = kc._cache[("decode_split", dev.type, dev.index)]
+    assert int(counts.abs().sum()) == 0, "a head block's counter was not reset by its last program"
+    again = tp.decode_split_kv(args, 40)
+    torch.testing.assert_close(again, out, atol=0, rtol=0)
 
 
 def test_split_kv_graph_bound_reads_nothing_past_lengths() -> None:
@@ -215,11 +203,9 @@ def test_num_splits_from_static_values_only(monkeypatch: pytest.MonkeyPatch) -> 
     # default), else the single-pass kernel's 64; with the rule off, 64 for every bound
     assert tp._decode_block_n(case.spec, 32 * tp.MAX_SPLITS) == 32
     assert tp._decode_block_n(case.spec, 32 * tp.MAX_SPLITS + 1) == 64
+    # a split's least share is one chunk: a bound of one chunk is one split, one key more two
+    assert tp.choose_num_splits(args._replace(max_seqlen_k=32)) == 1
+    assert tp.choose_num_splits(args._replace(max_seqlen_k=33)) == 2
+    assert tp.choose_num_splits(args._replace(max_seqlen_k=1 << 20)) <= tp.MAX_SPLITS
     monkeypatch.setattr(tp, "SHORT_BOUND_BLOCK_N", 0)
     assert tp._decode_block_n(case.spec, 32 * tp.MAX_SPLITS) == 64
-    monkeypatch.setattr(tp, "PRELOAD_BYTES", 65536)
-    share = tp.preload_keys(case.spec, 1 << 20)
-    assert share == 256  # 64 KB of fp16 keys at head dim 128
-    assert tp.choose_num_splits(args._replace(max_seqlen_k=share)) == 1  # one least share
-    assert tp.choose_num_splits(args._replace(max_seqlen_k=share + 1)) == 2
-    assert tp.choose_num_splits(args._replace(max_seqlen_k=1 << 20)) <= tp.MAX_SPLITS

@@ -4,10 +4,8 @@
 The block holds the keys in shared memory and finishes the softmax itself (8 warps, mma.m16n8k16 for both
 products, the warps merged in shared memory): no partial states in global memory, no arrival counter and
 no merge pass, which the Triton split-KV kernel needs and which sit on every layer's critical path at batch
-1 (docs/performance.md, runs 21 and 24). The block copies its keys before its programmatic wait, so at
-short contexts the work after the wait is the query, the newest row and the arithmetic. H200, 1B shape,
-ctx 256 (docs/performance.md, run 28): b=1 1,718-1,722 tok/s against 1,663-1,666 with the Triton kernel,
-b=8 8,007 against 7,541.
+1. The block copies its keys before its programmatic wait, so at short contexts the work after the wait is
+the query, the newest row and the arithmetic.
 
 One block per head reads the whole sequence: its shared memory holds one pass of keys sized by the static
 bound (``max_seqlen_k``, the bound a decode graph is captured with), up to 512 rows at head dim 64 and 256
@@ -25,12 +23,11 @@ import torch
 from exl3_core.attention.spec import AttnArgs, AttnSpec
 
 #: the longest static key bound served here per head dim (one pass of the block's shared memory: 128 KB of
-#: keys and values); longer ones go to Triton. A tuning knob (bench/ab_run.py --cuda-decode-max-keys caps it).
+#: keys and values), since later passes would run after the wait; longer ones go to Triton.
 MAX_KEYS = {64: 512, 128: 256}
 #: the most (sequences x kv heads) blocks served here per SM of the device: one at the largest passes
-#: (141 KB of shared memory at head dim 64 and 512 keys); larger batches go to the Triton split kernel, whose
-#: programs are small (H200, 1B shape: b=8's 64 blocks 8,007 tok/s against Triton's 7,541; b=32 would be
-#: 256 blocks on 132 SMs). A tuning knob.
+#: (141 KB of shared memory at head dim 64 and 512 keys), because a second wave of such blocks would cost
+#: more than the Triton split kernel's small programs.
 BLOCKS_PER_SM = 1
 MAX_GROUP = 8
 HEAD_DIMS = (64, 128)

@@ -12,8 +12,7 @@ kernel leaves most of a large GPU idle at b=1 and long contexts. ``_decode_split
 axis over ``num_splits`` key ranges; each program computes the partial softmax state
 (max, sum, unnormalised acc) of its head block over its range in fp32, and the last of a head
 block's programs to finish merges the splits (an arrival counter; with several sequences only the
-splits a sequence uses arrive; ``_decode_combine``, a second launch, is the alternative kept for
-A/B runs). ``num_splits`` comes from host-side static values only (batch size, heads, the
+splits a sequence uses arrive). ``num_splits`` comes from host-side static values only (batch size, heads, the
 ``max_seqlen_k`` bound, SM count); each sequence's key range per split is derived on the device
 from its own length, so a CUDA graph captured at the cache capacity replays correctly at any
 length, and splits past a sequence's end write neutral partials without touching the cache.
@@ -93,7 +92,7 @@ def _attn_fwd(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PREC: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -132,15 +131,13 @@ def _attn_fwd(
         full = lo
     full = lo + tl.maximum(full - lo, 0) // BLOCK_N * BLOCK_N
 
-    if SPLIT:
-        for start in range(lo, full, BLOCK_N):
-            acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
-                                        K, V, PageTable, scale, softcap,
-                                        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
-                                        PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, CAUSAL, WINDOW, SOFTCAP,
-                                        False, DOT_PREC)
-    else:
-        full = lo
+    # chunks below the causal diagonal in their own unmasked loop: no mask arithmetic for most of a prefill
+    for start in range(lo, full, BLOCK_N):
+        acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
+                                    K, V, PageTable, scale, softcap,
+                                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+                                    PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, CAUSAL, WINDOW, SOFTCAP,
+                                    False, DOT_PREC)
     for start in range(full, hi, BLOCK_N):
         acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
                                     K, V, PageTable, scale, softcap,
@@ -251,14 +248,12 @@ def _decode_split(
     NUM_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr, GROUP: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_N0: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
-    RELOAD_FRESH: tl.constexpr, MERGE: tl.constexpr, BLOCK_HM: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-    LATE_TRIGGER: tl.constexpr, USED_ONLY: tl.constexpr,
+    RELOAD_FRESH: tl.constexpr, BLOCK_HM: tl.constexpr, SPLIT_CHUNK: tl.constexpr, USED_ONLY: tl.constexpr,
 ):
     # grid (batch, kv_heads * HEAD_BLOCKS, NUM_SPLITS); rows = BLOCK_H heads of one GQA group. A split's
-    # first BLOCK_N0 keys (a multiple of BLOCK_N, and its least share) are loaded before the wait, the
-    # rest in BLOCK_N chunks after it.
+    # first BLOCK_N keys (its least share) are loaded before the wait, the rest in BLOCK_N chunks after it.
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
     hblk = tl.program_id(1) % HEAD_BLOCKS
@@ -281,22 +276,22 @@ def _decode_split(
     dv = tl.arange(0, BLOCK_DV)
 
     # This split's key range, from this sequence's own length: equal shares rounded up to whole
-    # BLOCK_N chunks, at least BLOCK_N0 keys, so short sequences leave trailing splits empty (no cache
-    # reads below) and one that fits BLOCK_N0 is the first split's alone.
-    per = tl.maximum(tl.cdiv(tl.cdiv(seq_k, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N0)
+    # BLOCK_N chunks, at least one chunk, so short sequences leave trailing splits empty (no cache
+    # reads below) and one that fits a chunk is the first split's alone.
+    per = tl.maximum(tl.cdiv(tl.cdiv(seq_k, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
     lo = split * per
     hi = tl.minimum(lo + per, seq_k)
     if WINDOW > 0:  # the one query sits at seq_k - 1 and sees keys n > seq_k - 1 - WINDOW
         lo = tl.maximum(lo, seq_k - WINDOW)
     hi = tl.where(q_len > 0, hi, lo)  # padded/empty rows read nothing
-    n0_ok = lo + tl.arange(0, BLOCK_N0) < hi
-    page0, slot0 = _split_rows(PageTable, b, lo, stride_pt, PAGE_SIZE, BLOCK_N0, n0_ok)
+    n0_ok = lo + tl.arange(0, BLOCK_N) < hi
+    page0, slot0 = _split_rows(PageTable, b, lo, stride_pt, PAGE_SIZE, BLOCK_N, n0_ok)
     k0, v0 = _split_load(K, V, page0, slot0, kvh, n0_ok, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
                          stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
-    if PDL:  # a programmatic dependent of the cache write (exl3_core/kernels/pdl.py)
+    if PDL:  # a programmatic dependent of the cache write (exl3_core/kernels/pdl.py); o_proj, which decodes its
+        # weights before its own wait, may start now
         gdc_wait()
-        if not LATE_TRIGGER:
-            gdc_launch_dependents()
+        gdc_launch_dependents()
 
     q_ptr = Q + q_start * stride_qt + head[:, None] * stride_qh + d[None, :]
     q_ok = h_ok & (hrow * 0 + q_len > 0)
@@ -307,42 +302,38 @@ def _decode_split(
     if lo < hi:
         if RELOAD_FRESH:  # this step's own key/value, if in the first chunk, may postdate the loads above
             # (its cache row is already known: one round trip, alongside q's)
-            new = lo + tl.arange(0, BLOCK_N0) == seq_k - 1
+            new = lo + tl.arange(0, BLOCK_N) == seq_k - 1
             kn, vn = _split_load(K, V, page0, slot0, kvh, new & n0_ok, stride_kp, stride_ks, stride_kh, stride_vp,
                                  stride_vs, stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
             k0 = tl.where(new[None, :], kn, k0)
             v0 = tl.where(new[:, None], vn, v0)
-        m_i, l_i, acc = _split_step(q, k0, v0, lo, hi, m_i, l_i, acc, scale, softcap, BLOCK_N0, SOFTCAP, DOT_PREC)
-    for start in range(lo + BLOCK_N0, hi, BLOCK_N):
+        m_i, l_i, acc = _split_step(q, k0, v0, lo, hi, m_i, l_i, acc, scale, softcap, BLOCK_N, SOFTCAP, DOT_PREC)
+    for start in range(lo + BLOCK_N, hi, BLOCK_N):
         k, v = _split_tiles(K, V, PageTable, b, kvh, start, hi, stride_pt, stride_kp, stride_ks, stride_kh, stride_vp,
                             stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N)
         m_i, l_i, acc = _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, BLOCK_N, SOFTCAP, DOT_PREC)
 
     # partials [B, Hq, NUM_SPLITS] and [B, Hq, NUM_SPLITS, HEAD_DIM_V]; empty splits: (-inf, 0, 0).
-    # With the merge, splits past the sequence's used ones (a graph captured at the cache capacity
-    # runs NUM_SPLITS programs; a short sequence uses a few) store nothing and do not arrive: the
-    # merge waits for the used splits only (at least split 0, so a zero-length row still gets its output).
-    # USED_ONLY is off for one sequence, where waiting for all measured faster (MERGE_USED_SPLITS_ONLY).
+    # With USED_ONLY (several sequences), splits past the sequence's used ones (a graph captured at the
+    # cache capacity runs NUM_SPLITS programs; a short sequence uses a few) store nothing and do not
+    # arrive: the merge waits for the used splits only (at least split 0, so a zero-length row still gets
+    # its output); one sequence keeps every split arriving, which is faster there.
     n_used = tl.minimum(tl.cdiv(seq_k, tl.maximum(per, 1)), NUM_SPLITS)
-    # With the merge, a sequence that one split holds takes no partials and no arrival: its first
-    # split writes the output itself (the merge of one split is this same division, bit for bit).
-    n_arrive = tl.maximum(n_used, 1) if MERGE and USED_ONLY else NUM_SPLITS
-    if MERGE:
-        alone = n_used <= 1
-        n_arrive = tl.where(alone, 0, n_arrive)
-        if alone and split == 0:
-            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            tl.store(Out + q_start * stride_ot + head[:, None] * stride_oh + dv[None, :], out.to(Out.dtype.element_ty),
-                     mask=(h_ok & (hrow * 0 + q_len > 0))[:, None] & (dv[None, :] < HEAD_DIM_V))
-    if split < n_arrive:
+    # A sequence that one split holds takes no partials and no arrival: its first split writes the
+    # output itself (the merge of one split is this same division, bit for bit).
+    n_arrive = tl.maximum(n_used, 1) if USED_ONLY else NUM_SPLITS
+    alone = n_used <= 1
+    n_arrive = tl.where(alone, 0, n_arrive)
+    if alone and split == 0:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(Out + q_start * stride_ot + head[:, None] * stride_oh + dv[None, :], out.to(Out.dtype.element_ty),
+                 mask=(h_ok & (hrow * 0 + q_len > 0))[:, None] & (dv[None, :] < HEAD_DIM_V))
+    if split < n_arrive:  # partials, then the head block's last used split merges them: no second launch
         part = (b * NUM_HEADS + head) * NUM_SPLITS + split
         tl.store(PartM + part, m_i, mask=h_ok)
         tl.store(PartL + part, l_i, mask=h_ok)
         tl.store(PartAcc + part.to(tl.int64)[:, None] * HEAD_DIM_V + dv[None, :], acc,
                  mask=h_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
-    if PDL and LATE_TRIGGER:  # o_proj's blocks launch (and prefetch) only while the merge runs
-        gdc_launch_dependents()
-    if MERGE and split < n_arrive:  # the head block's last used split merges them: no combine launch
         tl.debug_barrier()  # every thread's partial stores precede the release below
         cnt = Count + b * (tl.num_programs(1)) + tl.program_id(1)
         if tl.atomic_add(cnt, 1, sem="acq_rel") == n_arrive - 1:
@@ -350,38 +341,6 @@ def _decode_split(
                 _merge_splits(PartM, PartL, PartAcc, Out, b, hblk, q_start, n_used, NUM_SPLITS, stride_ot, stride_oh,
                               NUM_HEADS, GROUP, kvh * GROUP, BLOCK_H, BLOCK_HM, SPLIT_CHUNK, HEAD_DIM_V, BLOCK_DV)
             tl.store(cnt, 0)  # clean for the next call (a replayed graph reuses the buffer)
-
-
-@triton.jit
-def _decode_combine(
-    PartM, PartL, PartAcc, Out, CuQ,
-    stride_ot, stride_oh, NUM_SPLITS,
-    NUM_HEADS: tl.constexpr, BLOCK_S: tl.constexpr,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, PDL: tl.constexpr,
-):
-    # grid (batch, q_heads, cdiv(HEAD_DIM_V, BLOCK_DV)): softmax-weighted sum of the split partials
-    if PDL:  # a programmatic dependent of the split kernel; o_proj may start prefetching (kernels/pdl.py)
-        gdc_wait()
-        gdc_launch_dependents()
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    q_start = tl.load(CuQ + b)
-    q_len = tl.load(CuQ + b + 1) - q_start
-    if q_len == 0:
-        return
-    sp = tl.arange(0, BLOCK_S)
-    s_ok = sp < NUM_SPLITS
-    part = (b * NUM_HEADS + h) * NUM_SPLITS + sp
-    m = tl.load(PartM + part, mask=s_ok, other=float("-inf"))
-    l_s = tl.load(PartL + part, mask=s_ok, other=0.0)
-    m_max = tl.max(m, 0)
-    w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty splits weigh exp(-inf) = 0
-    denom = tl.sum(w * l_s, 0)
-    acc = tl.load(PartAcc + part.to(tl.int64)[:, None] * HEAD_DIM_V + dv[None, :],
-                  mask=s_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(Out + q_start * stride_ot + h * stride_oh + dv, out.to(Out.dtype.element_ty), mask=dv < HEAD_DIM_V)
 
 
 _CACHE_VIEWS = frozenset(f"{k}/{d}" for k in ("kv", "mla") for d in ("fp16", "bf16", "fp32"))
@@ -411,9 +370,8 @@ class TritonPagedAttention:
         if spec.device_type != "cuda":
             return -10
         if spec.dtype == torch.float32 and spec.cache is None and spec.phase != "decode":
-            # fp32 tiles use exact (ieee) dots on CUDA cores: 0.5-0.7 TFLOP/s on an H200 for the
-            # conversion's cache-less 2048-token calibration rows (docs/performance.md), where the
-            # torch reference runs its two matmuls through cuBLAS (TF32 while converting)
+            # fp32 tiles use exact (ieee) dots on CUDA cores, far slower for the conversion's cache-less
+            # calibration rows than the torch reference's two cuBLAS matmuls (TF32 while converting)
             return -5
         return 100
 
@@ -440,7 +398,7 @@ class TritonPagedAttention:
     def forward(self, args: AttnArgs) -> torch.Tensor:
         spec = args.spec
         if self.dense_prefill and args.q.is_cuda and fresh_single_sequence(args):
-            return dense_causal(args)  # torch's fused kernels: 8B shape, 2048 tokens, docs/performance.md
+            return dense_causal(args)  # torch's fused flash kernel outruns this one on a fresh prompt
         if spec.phase == "decode" and spec.cache is not None and args.max_seqlen_q == 1:
             # the split kernel even at one split: its key tile is loaded before its wait
             splits = self.decode_num_splits if self.decode_num_splits is not None else choose_num_splits(args)
@@ -449,51 +407,18 @@ class TritonPagedAttention:
         return attention_single_pass(args)
 
 
-#: split-KV heuristic: aim for this many programs per SM in the split kernel, at most
-#: MAX_SPLITS splits (the combine kernel holds every split's partial row in registers).
-#: H200, 8B-shape b=1 graph (docs/performance.md): 32 splits was best at ctx 4096 (0.436 ms/step
-#: vs 0.441 at 64) and cost less at ctx 256 (0.260 vs 0.310 ms); the split count is fixed at
-#: capture from the cache capacity, so it must serve short and long contexts alike.
+#: split-KV heuristic: aim for this many programs per SM in the split kernel, at most MAX_SPLITS splits: the
+#: split count is fixed at capture from the cache capacity, so it must serve short and long contexts alike,
+#: and more splits lengthen the merge by as much as they shorten each split.
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 32
-#: The split kernel's last program per head block merges the splits (one launch, no combine kernel
-#: between attention and o_proj); False: the separate combine kernel. For A/B runs and tests.
-MERGE_IN_SPLIT_KERNEL = True
-#: With the merge in the split kernel, signal the dependent (o_proj) after the partial stores instead
-#: of right after the wait. Late was faster while o_proj's early blocks only prefetched (their loads
-#: competed with the split programs'); since o_proj decodes its weights before its wait (pre-decoding,
-#: csrc/exl3/exl3_fused.cuh), early is faster (docs/performance.md, run 19). False: early.
-LATE_TRIGGER_WHEN_MERGED = False
-#: Bytes of a split program's key tile (keys x padded head dim x element size) loaded before its wait,
-#: which is also its least share of the keys: a sequence within one share is one program's (no
-#: partials, no merge). 0: one BLOCK_N chunk. H200 (docs/performance.md, run 20): 64 KB (512 keys at
-#: head dim 64, 256 at 128) ran slower than one chunk at ctx 256, 1B 7.6 against 6.7 us after q/k/v
-#: and 8B 347 against 368 tok/s: one program's post-wait work on the wide tile outweighs the merge.
-PRELOAD_BYTES = 0
-#: warps of the split kernel (0: 8 when the preloaded key tile is wider than one chunk and over 16 KB, else 4)
-SPLIT_WARPS = 0
-#: The split kernel's key chunk while the static bound holds at most MAX_SPLITS such chunks: then every
-#: split has one chunk, loaded before its wait. Longer bounds keep the single-pass kernel's (64 up to head
-#: dim 128). H200, b=1 (docs/performance.md, run 20): ctx 256 (bound 512) 1B 1650.6-1652.8 tok/s against
-#: 1627.7-1632.8, 8B 375.5 against 367.2; at ctx 4096 32 was slower (1357 against 1376, 324 against 326).
-#: 0: off (every bound takes the single-pass kernel's chunk).
+#: The split kernel's key chunk while the static bound holds at most MAX_SPLITS such chunks, so that every
+#: split has one chunk, loaded before its wait; longer bounds keep the single-pass kernel's (64 up to head
+#: dim 128), whose chunks cost fewer iterations. 0: every bound takes the single-pass kernel's chunk.
 SHORT_BOUND_BLOCK_N = 32
-#: the split kernel's key chunk for every bound (0: the rule above); a tuning knob
-DECODE_BLOCK_N = 0
-#: with the merge, only the used splits arrive at one sequence too (MERGE_USED_SPLITS_ONLY); a tuning knob
-USED_ONLY_AT_B1 = False
 #: fp32 elements of the merge's [heads, splits, dv] partial tile per round (8192: 64 registers a
 #: thread at 4 warps); more splits than fit take several rounds with a running max.
 MERGE_TILE = 8192
-#: With the merge and more than one sequence, only the splits a sequence uses store partials and
-#: arrive (False, or one sequence: all NUM_SPLITS do). H200, 8B shape, ctx 256 (docs/performance.md,
-#: run 14): b=8 1978-1983 tok/s against 1944-1946 with all; b=1 349.7-349.8 against 352.2, so one
-#: sequence keeps every split arriving.
-MERGE_USED_SPLITS_ONLY = True
-#: Launch-shape override of ``_attn_fwd`` for query blocks longer than 16 rows (prefill): keys
-#: block_m, block_n, num_warps, num_stages, split (0/1). Empty: the built-in choice. For tuning runs
-#: (bench/attn_prefill_tune.py); not a user setting.
-PREFILL_TUNING: dict[str, int] = {}
 _SM_COUNT: dict[int, int] = {}
 
 
@@ -521,53 +446,36 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _decode_block_n(spec: AttnSpec, max_seqlen_k: int) -> int:
-    """The split kernel's key chunk for this static bound (see :data:`SHORT_BOUND_BLOCK_N`)."""
-    if DECODE_BLOCK_N:
-        return DECODE_BLOCK_N
+    """The split kernel's key chunk for this static bound (see :data:`SHORT_BOUND_BLOCK_N`), which is
+    also a split's least share of the keys."""
     block_n = _block_sizes(spec)[2]
     if 16 <= SHORT_BOUND_BLOCK_N < block_n and triton.cdiv(max(max_seqlen_k, 1), SHORT_BOUND_BLOCK_N) <= MAX_SPLITS:
         return SHORT_BOUND_BLOCK_N
     return block_n
 
 
-def preload_keys(spec: AttnSpec, max_seqlen_k: int) -> int:
-    """Keys a split program loads before its wait (its least share): :data:`PRELOAD_BYTES` of keys at
-    the padded head dim, no more than ``max_seqlen_k`` needs (a static bound), at least one BLOCK_N chunk
-    (always for head dims over 256). A power of two."""
-    block_d, block_dv, _ = _block_sizes(spec)
-    block_n = _decode_block_n(spec, max_seqlen_k)
-    widest = max(block_d, block_dv)
-    keys = PRELOAD_BYTES // (widest * spec.dtype.itemsize)
-    if keys <= block_n or widest > 256:
-        return block_n
-    return max(block_n, min(1 << (keys.bit_length() - 1), triton.next_power_of_2(max(max_seqlen_k, 1))))
-
-
 def choose_num_splits(args: AttnArgs) -> int:
     """Splits over the key axis for a paged decode call, from static host values only.
 
     Enough (batch x kv_heads x head_blocks x splits) programs to give every SM a few, but no
-    more splits than ``max_seqlen_k`` (the bound a CUDA graph is captured with) has least shares
-    (:func:`preload_keys`): each split's range is rounded up to whole chunks on the device.
+    more splits than ``max_seqlen_k`` (the bound a CUDA graph is captured with) has key chunks
+    (:func:`_decode_block_n`): each split's range is rounded up to whole chunks on the device.
     """
     spec = args.spec
     group = spec.num_q_heads // spec.num_kv_heads
     programs = args.seq_lens_k.shape[0] * spec.num_kv_heads * triton.cdiv(group, 16)
     want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(args.q.device), programs)
-    share = preload_keys(spec, args.max_seqlen_k)
+    share = _decode_block_n(spec, args.max_seqlen_k)
     return max(1, min(want, triton.cdiv(max(args.max_seqlen_k, 1), share), MAX_SPLITS))
 
 
-def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None = None,
-                    merge: bool | None = None, block_n0: int | None = None) -> torch.Tensor:
+def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None = None) -> torch.Tensor:
     """Split-KV decode over a paged cache (one query per sequence): the split kernel, whose last
-    program per head block merges the splits, or (``merge=False``) the split kernel + a combine kernel.
+    program per head block merges the splits.
 
     ``reload_fresh``: reload each sequence's newest key/value after the wait for the kernel that wrote
     them (the split kernel loads its first chunk before that wait); None = when launched as a
     programmatic dependent, the only case where the early loads can see the old row. Tests force it.
-    ``merge``: None = :data:`MERGE_IN_SPLIT_KERNEL`. ``block_n0``: keys loaded before the wait, a
-    power-of-two multiple of BLOCK_N (None = :func:`preload_keys`; tests force BLOCK_N for many splits).
     """
     spec = args.spec
     q = args.q
@@ -580,12 +488,6 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
     assert k is not None and pt is not None
     block_d, block_dv, _ = _block_sizes(spec)
     block_n = _decode_block_n(spec, args.max_seqlen_k)
-    block_n0 = preload_keys(spec, args.max_seqlen_k) if block_n0 is None else block_n0
-    if block_n0 % block_n or block_n0 & (block_n0 - 1):
-        raise ValueError(f"block_n0={block_n0} must be a power-of-two multiple of BLOCK_N={block_n}")
-    # Triton's default 4, or 8 for a preloaded tile wider than one chunk and over 16 KB
-    wide = block_n0 > block_n and block_n0 * max(block_d, block_dv) * spec.dtype.itemsize > 16384
-    warps = SPLIT_WARPS or (8 if wide else 4)
     block_h = 16  # tl.dot needs M >= 16: small GQA groups leave rows masked, which costs no memory traffic
     head_blocks = triton.cdiv(group, block_h)
     dev = q.device
@@ -594,38 +496,24 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
     part_acc = torch.empty((B, Hq, num_splits, spec.v_dim), dtype=torch.float32, device=dev)
     out = torch.empty((q.shape[0], Hq, spec.v_dim), dtype=q.dtype, device=dev)
     opts = launch_opts(out)
-    merge = MERGE_IN_SPLIT_KERNEL if merge is None else merge
     block_hm = min(block_h, triton.next_power_of_2(group))
     programs = B * spec.num_kv_heads * head_blocks
     _decode_split[(B, spec.num_kv_heads * head_blocks, num_splits)](
         q, k, v, pt, args.cu_seqlens_q, args.seq_lens_k, part_m, part_l, part_acc,
-        arrival_counters("decode_split", dev, programs) if merge else part_m, out,
+        arrival_counters("decode_split", dev, programs), out,
         float(args.scale), float(spec.softcap or 1.0),
         q.stride(0), q.stride(1),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         pt.stride(0), out.stride(0), out.stride(1), num_splits,
         NUM_HEADS=Hq, PAGE_SIZE=k.shape[1], GROUP=group, HEAD_BLOCKS=head_blocks,
         HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.v_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_N0=block_n0,
+        BLOCK_H=block_h, BLOCK_N=block_n,
         WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0, DOT_PREC=_dot_precision(spec.dtype),
-        RELOAD_FRESH=opts["PDL"] if reload_fresh is None else reload_fresh,
-        MERGE=merge, BLOCK_HM=block_hm, LATE_TRIGGER=merge and LATE_TRIGGER_WHEN_MERGED,
+        RELOAD_FRESH=opts["PDL"] if reload_fresh is None else reload_fresh, BLOCK_HM=block_hm,
         SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), max(1, MERGE_TILE // (block_hm * block_dv))),
-        USED_ONLY=MERGE_USED_SPLITS_ONLY and (B > 1 or USED_ONLY_AT_B1), num_warps=warps, **opts,
-    )
-    if merge:
-        return out
-    block_s = max(2, triton.next_power_of_2(num_splits))
-    block_dv_c = min(block_dv, 128)
-    _decode_combine[(B, Hq, triton.cdiv(spec.v_dim, block_dv_c))](
-        part_m, part_l, part_acc, out, args.cu_seqlens_q,
-        out.stride(0), out.stride(1), num_splits,
-        NUM_HEADS=Hq, BLOCK_S=block_s, HEAD_DIM_V=spec.v_dim, BLOCK_DV=block_dv_c,
-        num_warps=8 if block_s * block_dv_c >= 8192 else 4, **launch_opts(out),  # the [splits, dv] partial tile sits in registers
+        USED_ONLY=B > 1, num_warps=4, **opts,
     )
     return out
-
-
 def attention_single_pass(args: AttnArgs) -> torch.Tensor:
     """The one-kernel path: prefill, mixed steps, cache-less calls (and decode when one split suffices)."""
     spec = args.spec
@@ -653,17 +541,9 @@ def attention_single_pass(args: AttnArgs) -> torch.Tensor:
     block_d, block_dv, block_n = _block_sizes(spec)
     block_m = 16 if args.max_seqlen_q * group <= 16 else (32 if block_d > 128 else 64)
     launch: dict[str, int] = {}
-    # chunks below the diagonal in their own unmasked loop (H200, fp32 2 x 2048 tokens: 99.6 vs
-    # 139.5 ms without; bench/attn_prefill_tune.py --split-only)
-    split = bool(PREFILL_TUNING.get("split", 1))
     if q.is_cuda and q.element_size() == 2 and max(block_d, block_dv) <= 128 and args.max_seqlen_q * group >= 512:
-        # long prefill: larger tiles, 8 warps (H200, 32/8 heads x 128, 2048 tokens: 205 vs 251 us;
-        # bench/attn_prefill_tune.py, docs/performance.md)
+        # long 16-bit prefill: larger tiles and 8 warps keep the tensor cores fed
         block_m, block_n, launch = 128, 128, {"num_warps": 8, "num_stages": 2}
-    if {"block_m", "block_n", "num_warps", "num_stages"} & PREFILL_TUNING.keys() and block_m > 16:  # benchmarks
-        block_m = PREFILL_TUNING.get("block_m", block_m)
-        block_n = PREFILL_TUNING.get("block_n", block_n)
-        launch = {k: v for k, v in PREFILL_TUNING.items() if k in ("num_warps", "num_stages")}
     grid = (B, spec.num_kv_heads, triton.cdiv(max(args.max_seqlen_q, 1) * group, block_m))
     _attn_fwd[grid](
         q, k, v, out, pt, args.cu_seqlens_q, args.seq_lens_k,
@@ -676,6 +556,6 @@ def attention_single_pass(args: AttnArgs) -> torch.Tensor:
         HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.v_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=paged, CAUSAL=spec.causal, WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0,
-        DOT_PREC=_dot_precision(spec.dtype), SPLIT=split, **launch,
+        DOT_PREC=_dot_precision(spec.dtype), **launch,
     )
     return out
