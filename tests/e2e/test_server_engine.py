@@ -11,6 +11,7 @@ import torch
 
 from exl3_core.archkit.batch import BatchMeta
 from exl3_core.cache import Cache
+from exl3_core.cache.layer import CacheLayers
 from exl3_core.generator import AsyncGenerator, AsyncJob, Generator, Job
 from exl3_core.generator.toy import ByteTokenizer, ToyModel
 from exl3_core.plugins import load_plugins
@@ -125,10 +126,11 @@ class FlakyModel(ToyModel):
 
     broken = False
 
-    def forward_batch(self, meta: BatchMeta, cache: object = None) -> torch.Tensor:
+    def forward_batch(self, meta: BatchMeta, cache: CacheLayers | None = None, *,
+                      fp32_logits: bool = True) -> torch.Tensor:
         if self.broken:
             raise RuntimeError("device lost")
-        return super().forward_batch(meta, cache)
+        return super().forward_batch(meta, cache, fp32_logits=fp32_logits)
 
 
 def test_failed_step_ends_its_jobs_and_the_owner_keeps_serving() -> None:
