@@ -19,7 +19,8 @@ from exl3_core.attention import AttnSpec
 
 def _spec(**kw: object) -> AttnSpec:
     base = {"head_dim": 128, "num_q_heads": 32, "num_kv_heads": 8, "dtype": torch.float16, "cache": "kv/fp16",
-            "phase": "decode", "page_size": 256, "device_type": "cuda", "device_cc": (9, 0)}
+            "phase": "decode", "page_size": 256, "device_type": "cuda", "device_cc": (9, 0), "max_keys": 256,
+            "num_seqs": 1, "q_per_seq": 1, "sm_count": 132}
     base.update(kw)
     return AttnSpec(**base)  # type: ignore[arg-type]
 
@@ -44,10 +45,35 @@ def test_outranks_triton_for_decode_only() -> None:
     ({"window": 128}, "sliding window"),
     ({"softcap": 30.0}, "softcap"),
     ({"has_sinks": True}, "sinks"),
+    ({"q_per_seq": 3}, "one query per sequence"),
+    ({"max_keys": 512}, "past one pass of shared memory (256 keys at head dim 128)"),
+    ({"max_keys": 0}, "key bound unknown"),
+    ({"num_seqs": 32}, "32 sequences x 8 kv heads = 256 blocks, more than 1 per SM of 132"),
 ])
 def test_declines_with_reasons(kw: dict, part: str) -> None:
     reasons = " | ".join(CudaDecodeAttention().unsupported_reasons(_spec(**kw)))
     assert part in reasons, reasons
+
+
+def test_accepts_its_bounds() -> None:
+    """Within its bound and batch it only lacks the compiled op here (a CPU build); head dim 64 takes 512 keys."""
+    for kw in ({}, {"head_dim": 64, "max_keys": 512}, {"num_seqs": 16}):
+        reasons = CudaDecodeAttention().unsupported_reasons(_spec(**kw))
+        assert all("decode_attention" in r for r in reasons), reasons
+
+
+def test_dispatcher_routes_long_bounds_and_big_batches_to_triton() -> None:
+    """The decline is the route: past its bound or batch, the next backend by priority (Triton) takes the spec."""
+    from exl3_core.attention.dispatch import Dispatcher
+    from exl3_core.plugins import load_plugins
+
+    d = Dispatcher(load_plugins())
+    spec = _spec(device_type="cpu", device_cc=(0, 0), dtype=torch.float32, cache="kv/fp32", max_keys=4096)
+    assert "past one pass" in " ".join(CudaDecodeAttention().unsupported_reasons(spec))
+    chosen = d.select(spec)
+    assert chosen.name in ("triton_paged", "torch")
+    assert TritonPagedAttention().route(_spec()) .startswith("split-KV")
+    assert TritonPagedAttention().route(_spec(q_per_seq=3)).startswith("single-pass")
 
 
 def _tensors(**over: torch.Tensor) -> dict[str, torch.Tensor]:

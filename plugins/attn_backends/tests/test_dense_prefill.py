@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3_attn_backends.dense import dense_causal, fresh_single_sequence
+from exl3_attn_backends.dense import DenseCausalAttention, dense_causal, fresh_single_sequence
 
 from exl3_core.attention import AttnSpec
 from exl3_core.testing.attention import Case, make_args, reference_attention, tolerance
@@ -45,3 +45,21 @@ def test_dense_equals_reference(dtype: torch.dtype, heads: tuple[int, int], n: i
     assert out.shape == ref.shape and out.dtype == dtype and out.is_contiguous()
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     assert err < tolerance(dtype), err
+
+
+def test_backend_takes_exactly_one_fresh_sequence() -> None:
+    b = DenseCausalAttention()
+    ok = AttnSpec(head_dim=64, num_q_heads=8, num_kv_heads=2, dtype=torch.float16, phase="prefill", num_seqs=1,
+                  device_type="cuda", device_cc=(9, 0))
+    assert b.unsupported_reasons(ok) == []
+    for kw, part in (({"cache": "kv/fp16"}, "no cache"), ({"num_seqs": 2}, "one sequence"),
+                     ({"phase": "decode"}, "prefill only"), ({"dtype": torch.float32}, "fp16 or bf16"),
+                     ({"window": 8}, "plain causal"), ({"head_dim_v": 32}, "as wide as keys"),
+                     ({"device_type": "cpu", "device_cc": (0, 0)}, "CUDA device")):
+        reasons = " | ".join(b.unsupported_reasons(ok._replace(**kw)))
+        assert part in reasons, (kw, reasons)
+    args = make_args(Case(_spec(), (12,)), DEVICE)
+    torch.testing.assert_close(b.forward(args._replace(spec=ok._replace(device_type=DEVICE))).float(),
+                               reference_attention(args).float(), atol=tolerance(torch.float16), rtol=0)
+    with pytest.raises(ValueError, match="args.k"):
+        b.forward(args._replace(k=None))

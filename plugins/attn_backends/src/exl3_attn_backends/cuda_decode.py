@@ -10,9 +10,9 @@ the query, the newest row and the arithmetic.
 One block per head reads the whole sequence: its shared memory holds one pass of keys sized by the static
 bound (``max_seqlen_k``, the bound a decode graph is captured with), up to 512 rows at head dim 64 and 256
 at 128; longer sequences would take more passes after the wait. So it serves bounds up to :data:`MAX_KEYS`
-only; longer bounds, several queries per sequence and layouts the kernel does not take go to the Triton
-backend. Decode specs it cannot serve at all (head dims, groups, windows, ...) are declined with reasons,
-so the dispatcher picks Triton.
+only. Everything it does not serve (longer bounds, batches past one block per SM, several queries per
+sequence, head dims, groups, windows, ...) it declines per spec with reasons, and the dispatcher picks
+the next backend (Triton); ``exl3 inspect --plan`` shows the choice.
 """
 from __future__ import annotations
 
@@ -100,9 +100,6 @@ class CudaDecodeAttention:
     #: no host syncs, caching-allocator outputs, current stream (the Triton fallback is graph-safe too)
     graph_safe: ClassVar[bool] = True
 
-    def __init__(self) -> None:
-        self._fallback = None
-
     def priority(self, spec: AttnSpec) -> int:
         return 110 if spec.device_type == "cuda" and spec.phase == "decode" else -20
 
@@ -130,6 +127,16 @@ class CudaDecodeAttention:
             r.append("attention sinks not implemented")
         if spec.non_causal_spans:
             r.append("non-causal spans not implemented")
+        if spec.q_per_seq != 1:
+            r.append(f"one query per sequence (a multi-token step has {spec.q_per_seq or 'several'})")
+        most = MAX_KEYS.get(spec.head_dim, 0)
+        if spec.max_keys == 0 or spec.max_keys > most:
+            r.append(f"key bound {spec.max_keys or 'unknown'} past one pass of shared memory ({most} keys at head dim "
+                     f"{spec.head_dim})")
+        blocks = spec.num_seqs * spec.num_kv_heads
+        if spec.num_seqs == 0 or blocks > BLOCKS_PER_SM * spec.sm_count:
+            r.append(f"{spec.num_seqs or 'unknown'} sequences x {spec.num_kv_heads} kv heads = {blocks} blocks, more "
+                     f"than {BLOCKS_PER_SM} per SM of {spec.sm_count}")
         if spec.device_type == "cuda" and not r:
             from exl3_core import ext
 
@@ -137,22 +144,15 @@ class CudaDecodeAttention:
                 r.append("exl3_core._C lacks decode_attention (extension not built, or built before it)")
         return r
 
-    def _triton(self):  # the Triton backend, imported on first use
-        if self._fallback is None:
-            from exl3_attn_backends.triton_paged import TritonPagedAttention
-
-            self._fallback = TritonPagedAttention()
-        return self._fallback
-
     def forward(self, args: AttnArgs) -> torch.Tensor:
-        from exl3_attn_backends.triton_paged import _sm_count  # the device's SM count, cached per device
-
-        if (args.max_seqlen_q != 1 or args.max_seqlen_k > MAX_KEYS.get(args.spec.head_dim, 0) or args.k_cache is None
-                or args.v_cache is None or args.page_table is None
-                or check_call(args.q, args.k_cache, args.v_cache, args.page_table, args.cu_seqlens_q,
-                              args.seq_lens_k)
-                or args.seq_lens_k.shape[0] * args.spec.num_kv_heads > BLOCKS_PER_SM * _sm_count(args.q.device)):
-            return self._triton().forward(args)
+        if args.k_cache is None or args.v_cache is None or args.page_table is None:
+            raise ValueError("cuda_decode: a decode call reads the paged cache (k_cache, v_cache, page_table)")
+        if args.max_seqlen_k > MAX_KEYS.get(args.spec.head_dim, 0):
+            raise ValueError(f"cuda_decode: max_seqlen_k={args.max_seqlen_k} exceeds the spec's key bound "
+                             f"{args.spec.max_keys}; the spec must be built from the call's bounds")
+        bad = check_call(args.q, args.k_cache, args.v_cache, args.page_table, args.cu_seqlens_q, args.seq_lens_k)
+        if bad:
+            raise ValueError("cuda_decode: " + "; ".join(bad))
         from exl3_core.kernels.pdl import early_launch
 
         return torch.ops.exl3.decode_attention(args.q, args.k_cache, args.v_cache, args.page_table,

@@ -1,16 +1,20 @@
-"""Dense fast path for a prefill with no earlier tokens: the new keys/values are all there is.
+"""Dense causal attention of one fresh sequence through torch's fused SDPA kernels.
 
-A single sequence whose keys are exactly its new rows (``k``/``v`` given beside the cache, no
-cached prefix) needs no page table, so it can go through torch's fused scaled-dot-product
-attention (FlashAttention/cuDNN kernels on Hopper), which outruns the Triton kernel on long causal
-prefill. Every condition is host-side and static per call, so choosing the path costs no sync.
+A sequence with no earlier tokens attends to its own new rows only, so it needs no page table: the
+attention module hands it to the backends without the cache (``AttnSpec.cache`` None, one sequence),
+and on CUDA torch's scaled-dot-product attention (FlashAttention/cuDNN kernels on Hopper) outruns the
+Triton kernel on long causal prefill. The dispatcher picks this backend for exactly those specs.
 """
 from __future__ import annotations
+
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from exl3_core.attention.spec import AttnArgs
+from exl3_core.attention.spec import AttnArgs, AttnSpec
+
+_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def fresh_single_sequence(args: AttnArgs) -> bool:
@@ -21,10 +25,10 @@ def fresh_single_sequence(args: AttnArgs) -> bool:
     """
     s = args.spec
     return (args.k is not None and args.v is not None and s.phase == "prefill"
-            and s.dtype in (torch.float16, torch.bfloat16) and args.q.dtype == s.dtype
+            and s.dtype in _DTYPES and args.q.dtype == s.dtype
             and s.causal and not s.window and not s.softcap and not s.has_sinks and not s.non_causal_spans
             and s.v_dim == s.head_dim and args.cu_seqlens_q.shape[0] == 2
-            and args.max_seqlen_k == args.q.shape[0] == args.k.shape[0] and args.q.shape[0] > 1)
+            and args.max_seqlen_k == args.q.shape[0] == args.k.shape[0])
 
 
 def dense_causal(args: AttnArgs) -> torch.Tensor:
@@ -34,3 +38,36 @@ def dense_causal(args: AttnArgs) -> torch.Tensor:
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=args.scale,
                                        enable_gqa=s.num_q_heads != s.num_kv_heads)
     return o.squeeze(0).transpose(0, 1).contiguous()
+
+
+class DenseCausalAttention:
+    """One fresh sequence's causal prefill (no cache, 16-bit, CUDA) through torch's SDPA."""
+
+    name: ClassVar[str] = "torch_sdpa"
+    #: torch's SDPA launches on the current stream and reads nothing back to the host
+    graph_safe: ClassVar[bool] = True
+
+    def priority(self, spec: AttnSpec) -> int:
+        # above the Triton backend, for the specs it accepts
+        return 105
+
+    def unsupported_reasons(self, spec: AttnSpec) -> list[str]:
+        r = []
+        if spec.device_type != "cuda":
+            r.append(f"needs a CUDA device (got {spec.device_type}); elsewhere the reference is as good")
+        if spec.phase != "prefill" or spec.cache is not None:
+            r.append("one fresh sequence's prefill only (no cache: the keys are the new rows)")
+        if spec.num_seqs != 1:
+            r.append(f"one sequence per call (got up to {spec.num_seqs or 'unknown'})")
+        if spec.dtype not in _DTYPES:
+            r.append(f"fp16 or bf16 only (got {spec.dtype})")
+        if not spec.causal or spec.window or spec.softcap or spec.has_sinks or spec.non_causal_spans:
+            r.append("plain causal masks only (no window, softcap, sinks or non-causal spans)")
+        if spec.v_dim != spec.head_dim:
+            r.append(f"values as wide as keys only (got {spec.head_dim}/{spec.v_dim})")
+        return r
+
+    def forward(self, args: AttnArgs) -> torch.Tensor:
+        if args.k is None or args.v is None:
+            raise ValueError("torch_sdpa: a fresh sequence's call carries its keys and values (args.k, args.v)")
+        return dense_causal(args)

@@ -10,9 +10,11 @@ EXL3_PLUGIN_API = (1, 0)
 @hookimpl
 def exl3_attention_backends() -> list[AttentionBackendSpec]:
     return [
-        # its kernel is exl3-core's (csrc/attn/decode_attn.cu); past its bound it hands calls to triton_paged
+        # its kernel is exl3-core's (csrc/attn/decode_attn.cu); it declines bounds and batches past its
+        # shared-memory pass, which the dispatcher then gives to triton_paged
         AttentionBackendSpec(name="cuda_decode", impl="exl3_attn_backends.cuda_decode:CudaDecodeAttention",
                              requires=("triton",)),
+        AttentionBackendSpec(name="torch_sdpa", impl="exl3_attn_backends.dense:DenseCausalAttention"),
         AttentionBackendSpec(name="triton_paged", impl="exl3_attn_backends.triton_paged:TritonPagedAttention",
                              requires=("triton",)),
         AttentionBackendSpec(name="flash_attn", impl="exl3_attn_backends.flash:FlashAttnBackend",

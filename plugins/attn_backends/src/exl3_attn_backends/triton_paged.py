@@ -27,7 +27,6 @@ import torch
 import triton
 import triton.language as tl
 
-from exl3_attn_backends.dense import dense_causal, fresh_single_sequence
 from exl3_core.attention.spec import AttnArgs, AttnSpec
 from exl3_core.kernels.counters import arrival_counters
 from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
@@ -362,8 +361,6 @@ class TritonPagedAttention:
         #: force the split count of paged decode calls (None: :func:`choose_num_splits`); 1 = the
         #: single-pass kernel. For tests and benchmarks.
         self.decode_num_splits: int | None = None
-        #: a fresh single-sequence prefill goes to torch's fused SDPA (dense.py); False: always Triton
-        self.dense_prefill = True
 
     def priority(self, spec: AttnSpec) -> int:
         # Under the CPU interpreter the kernel is correct but slow: available, never preferred.
@@ -395,11 +392,19 @@ class TritonPagedAttention:
             r.append("head dim > 1024")
         return r
 
+    @staticmethod
+    def _split_route(spec: AttnSpec) -> bool:
+        return spec.phase == "decode" and spec.cache is not None and spec.q_per_seq == 1
+
+    def route(self, spec: AttnSpec) -> str:
+        """The kernel calls matching ``spec`` take (see :meth:`forward`)."""
+        if self._split_route(spec):
+            return "split-KV decode kernel (splits from the static key bound)"
+        return "single-pass varlen kernel"
+
     def forward(self, args: AttnArgs) -> torch.Tensor:
         spec = args.spec
-        if self.dense_prefill and args.q.is_cuda and fresh_single_sequence(args):
-            return dense_causal(args)  # torch's fused flash kernel outruns this one on a fresh prompt
-        if spec.phase == "decode" and spec.cache is not None and args.max_seqlen_q == 1:
+        if self._split_route(spec):
             # the split kernel even at one split: its key tile is loaded before its wait
             splits = self.decode_num_splits if self.decode_num_splits is not None else choose_num_splits(args)
             if splits > 1 or self.decode_num_splits is None:
