@@ -49,14 +49,15 @@ class KernelTuning:
     #: rows up to which the one-launch linear (grouped, residual, deferred-norm forms) runs; its
     #: kernel takes at most 8
     fused_linear_max_rows: int = 8
-    #: rows from which exl3_gemm multiplies by W rebuilt in the original basis (the compiled
-    #: kernel's own threshold: from here linears sharing x are rebuilt side by side)
-    rebuild_min_rows: int = 65
     #: programmatic dependent launch between the decode step's kernels (Hopper and newer)
     pdl: bool = True
     #: the decode-size linear decodes its weights before waiting for its input: 0 off, 1 on,
     #: 2 on and the next kernel may start at once
     predecode: int = 2
+    #: the longest k chunk (16-row tiles) a pre-decoding launch takes; 0: its ring's length
+    predecode_max_kt: int = 0
+    #: rows from which a decode-size launch transforms its input once for all its blocks (0: never)
+    xh_min_rows: int = 8
 
     def __post_init__(self) -> None:
         if not 1 <= self.fused_linear_max_rows <= 8:

@@ -49,12 +49,18 @@ class Chunk:
 
 def build_batch(chunks: list[Chunk], *, page_size: int, table_width: int, scratch_page: int,
                 device: torch.device, decode: bool) -> tuple[BatchMeta, list[int]]:
-    """Metadata for ``chunks`` plus, per chunk wanting logits, its row in the returned logits."""
+    """Metadata for ``chunks`` plus, per chunk wanting logits, its row in the returned logits (the row of its
+    last token). A decode step carries the same number k of tokens in every chunk (1, or more to verify
+    drafted tokens); sequence b's rows are then ``b*k .. b*k+k-1``, all with logits."""
     B_real = len(chunks)
     B = bucket_size(B_real) if decode else B_real
+    k = len(chunks[0].tokens) if decode and chunks else 1
+    if decode and any(len(c.tokens) != k for c in chunks):
+        raise ValueError(f"a decode step carries the same number of tokens per sequence, got "
+                         f"{[len(c.tokens) for c in chunks]}")
     table = np.full((B, table_width), scratch_page, dtype=np.int32)
-    lens_q = np.ones(B, dtype=np.int64)
-    lens_k = np.ones(B, dtype=np.int32)
+    lens_q = np.full(B, k, dtype=np.int64)
+    lens_k = np.full(B, k, dtype=np.int32)
     ids_parts, pos_parts, slot_parts = [], [], []
     for b, c in enumerate(chunks):
         n = len(c.tokens)
@@ -70,16 +76,16 @@ def build_batch(chunks: list[Chunk], *, page_size: int, table_width: int, scratc
         pos_parts.append(pos)
         slot_parts.append(pages[pos // page_size] * page_size + pos % page_size)
     pad = B - B_real
-    if pad:
-        ids_parts.append(np.zeros(pad, dtype=np.int64))
-        pos_parts.append(np.zeros(pad, dtype=np.int64))
-        slot_parts.append(np.full(pad, scratch_page * page_size, dtype=np.int64))
+    if pad:  # padded sequences: k rows each at positions 0..k-1, writing the scratch page only
+        ids_parts.append(np.zeros(pad * k, dtype=np.int64))
+        pos_parts.append(np.tile(np.arange(k, dtype=np.int64), pad))
+        slot_parts.append(np.full(pad * k, scratch_page * page_size, dtype=np.int64))
     cu = np.zeros(B + 1, dtype=np.int32)
     np.cumsum(lens_q, out=cu[1:])
     logit_rows: list[int] = []
     if decode:
-        logits_indices = None  # one token per row: every row's logits, fixed shape
-        logit_rows = [b for b, c in enumerate(chunks) if c.want_logits]
+        logits_indices = None  # every row's logits, fixed shape
+        logit_rows = [b * k + k - 1 for b, c in enumerate(chunks) if c.want_logits]
     else:
         want = [b for b, c in enumerate(chunks) if c.want_logits]
         logits_indices = torch.tensor([int(cu[b + 1]) - 1 for b in want], dtype=torch.int64, device=device)
@@ -93,7 +99,7 @@ def build_batch(chunks: list[Chunk], *, page_size: int, table_width: int, scratc
         positions=t(np.concatenate(pos_parts)),
         cu_seqlens_q=t(cu),
         seq_lens_k=t(lens_k),
-        max_seqlen_q=1 if decode else int(lens_q.max(initial=1)),
+        max_seqlen_q=k if decode else int(lens_q.max(initial=1)),
         max_seqlen_k=table_width * page_size if decode else int(lens_k.max(initial=1)),
         phase="decode" if decode else "prefill",
         page_table=t(table),

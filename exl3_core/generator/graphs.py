@@ -7,13 +7,14 @@ small models. :class:`DecodeGraphs` captures the plan's forward plus greedy sele
 (batches are already padded to buckets, the page table to a fixed width, see
 :mod:`exl3_core.generator.batching`), with static input buffers that each step overwrites:
 
-    ids [B], positions [B], cu_seqlens_q [B+1], seq_lens_k [B], page_table [B, W], slot_mapping [B]
+    ids [B*k], positions [B*k], cu_seqlens_q [B+1], seq_lens_k [B], page_table [B, W], slot_mapping [B*k]
 
-and a per-row ``carry`` index: the row's input id is the previous step's greedy id of that row
+(k new tokens per sequence: 1 for a plain step, more for a step verifying drafted tokens; a bucket is
+a sequence count and a k), and a per-row ``carry`` index: the row's input id is the previous step's greedy id of that row
 (the overlapped loop, :mod:`exl3_core.generator.overlap`). A bucket's two graphs (slots) alternate
 so that one step's inputs are copied while the step before still runs (:class:`DecodeGraphs`).
 
-The replay leaves ``logits [B, V]`` and ``packed [2, B]`` (greedy ids, ok flags) in static
+The replay leaves ``logits [B*k, V]`` and ``packed [2, B*k]`` (greedy ids, ok flags) in static
 output buffers; for all-greedy steps without filters the generator reads only ``packed`` back.
 Other samplers run eagerly on the static logits.
 
@@ -62,18 +63,19 @@ _FIELDS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens_k
 _BLOB_FIELDS = _FIELDS + ("carry",)
 
 
-def _field_shapes(B: int, W: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    return {"input_ids": (torch.int64, (B,)), "positions": (torch.int64, (B,)), "slot_mapping": (torch.int64, (B,)),
+def _field_shapes(B: int, k: int, W: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    R = B * k  # rows: k new tokens of each of B sequences
+    return {"input_ids": (torch.int64, (R,)), "positions": (torch.int64, (R,)), "slot_mapping": (torch.int64, (R,)),
             "cu_seqlens_q": (torch.int32, (B + 1,)), "seq_lens_k": (torch.int32, (B,)),
-            "page_table": (torch.int32, (B, W)), "carry": (torch.int32, (B,))}
+            "page_table": (torch.int32, (B, W)), "carry": (torch.int32, (R,))}
 
 
 class _Blob:
     """The decode inputs of one bucket as views of one byte buffer (each field 16-byte aligned, as
     a separately allocated tensor would be), so that host-built inputs travel in one copy."""
 
-    def __init__(self, B: int, W: int, device: torch.device, pinned: bool = False) -> None:
-        shapes = _field_shapes(B, W)
+    def __init__(self, B: int, k: int, W: int, device: torch.device, pinned: bool = False) -> None:
+        shapes = _field_shapes(B, k, W)
         offsets, n = {}, 0
         for name in _BLOB_FIELDS:
             dtype, shape = shapes[name]
@@ -210,13 +212,14 @@ class DecodeGraphs(_GraphSet):
         self._init_state()
 
     def _init_state(self) -> None:
-        self._blobs: dict[tuple[int, int], _Blob] = {}  # (bucket, slot) -> static inputs
-        self._rings: dict[int, list[tuple[_Blob, torch.cuda.Event]]] = {}  # bucket -> pinned staging ring
-        self._packed: dict[int, torch.Tensor] = {}  # bucket -> float64 [2 slots, 2, B], the greedy outputs
-        self._next: dict[int, int] = {}  # bucket -> slot of its next replay
-        self._last: tuple[int, int] | None = None  # (bucket, slot) of the latest replay
-        self._replayed: dict[tuple[int, int], torch.cuda.Event] = {}  # after the slot's latest replay
-        self._read: dict[tuple[int, int], torch.cuda.Event] = {}  # after its outputs' latest read-back
+        # a bucket is (sequences B, tokens per sequence k); a graph key is (B, k, slot)
+        self._blobs: dict[tuple[int, int, int], _Blob] = {}  # graph -> static inputs
+        self._rings: dict[tuple[int, int], list[tuple[_Blob, torch.cuda.Event]]] = {}  # bucket -> pinned staging ring
+        self._packed: dict[tuple[int, int], torch.Tensor] = {}  # bucket -> float64 [2 slots, 2, B*k], greedy outputs
+        self._next: dict[tuple[int, int], int] = {}  # bucket -> slot of its next replay
+        self._last: tuple[int, int, int] | None = None  # the latest replay's graph
+        self._replayed: dict[tuple[int, int, int], torch.cuda.Event] = {}  # after the graph's latest replay
+        self._read: dict[tuple[int, int, int], torch.cuda.Event] = {}  # after its outputs' latest read-back
         self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None  # staging, read-back
         self.carried = 0  # replays whose input ids were carried over on the device, inside the graph
 
@@ -229,20 +232,21 @@ class DecodeGraphs(_GraphSet):
             return None
         return cls(plan, cache, table_width)
 
-    def capture_buckets(self, max_batch: int) -> list[int]:
-        """Capture now the graphs of every bucket a step of up to ``max_batch`` rows can use (capped at
-        :attr:`max_bucket`), instead of at each bucket's first step; returns those buckets."""
+    def capture_buckets(self, max_batch: int, k: int = 1) -> list[int]:
+        """Capture now the graphs of every bucket a step of up to ``max_batch`` sequences (``k`` tokens each)
+        can use (capped at :attr:`max_bucket`), instead of at each bucket's first step; returns the buckets."""
         top = min(bucket_size(max(max_batch, 1)), self.max_bucket)
         buckets = [b for b in DECODE_BUCKETS if b <= top]
         for b in buckets:
-            self._graph((b, 0))
-            self._graph((b, 1))
+            self._graph((b, k, 0))
+            self._graph((b, k, 1))
         return buckets
 
     def accepts(self, meta: BatchMeta) -> bool:
-        """Whether ``meta`` (host or device tensors) can be replayed."""
-        return (meta.phase == "decode" and meta.logits_indices is None and meta.page_table is not None
-                and meta.batch_size <= self.max_bucket and meta.input_ids.shape[0] == meta.batch_size
+        """Whether ``meta`` (host or device tensors) can be replayed: a decode step of k tokens per sequence."""
+        k = meta.q_per_seq
+        return (meta.phase == "decode" and meta.logits_indices is None and meta.page_table is not None and k >= 1
+                and meta.batch_size <= self.max_bucket and meta.input_ids.shape[0] == meta.batch_size * k
                 and meta.page_table.shape[1] == self.table_width)
 
     def _side_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
@@ -252,8 +256,9 @@ class DecodeGraphs(_GraphSet):
 
     def run(self, meta: BatchMeta, ids: torch.Tensor | None = None,
             src: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Replay the graph of ``meta``'s bucket: ``(logits [B, V], packed [2, B])`` (static buffers,
-        valid until the next replay; the logits in the head's dtype, fp16 for EXL3 heads).
+        """Replay the graph of ``meta``'s bucket: ``(logits [B*k, V], packed [2, B*k])`` (static buffers,
+        valid until the next replay; the logits in the head's dtype, fp16 for EXL3 heads). Rows
+        ``b*k .. b*k+k-1`` are sequence b's k tokens (k = 1 for a plain decode step).
 
         ``meta`` built on the host (the generator's way) is packed into a pinned staging buffer and
         reaches the graph's inputs in one asynchronous copy on the staging stream; device tensors are
@@ -265,17 +270,18 @@ class DecodeGraphs(_GraphSet):
             graph when the previous replay was this bucket's other slot (whose output ``ids`` is), else
             gathered and copied (cast to int64) before the replay.
         """
-        B = meta.batch_size
-        slot = self._next.get(B, 0)
-        key, partner = (B, slot), (B, 1 - slot)
+        bucket = (meta.batch_size, meta.q_per_seq)
+        R = bucket[0] * bucket[1]
+        slot = self._next.get(bucket, 0)
+        key, partner = (*bucket, slot), (*bucket, 1 - slot)
         g = self._graph(key)
         s = g.meta
         main = torch.cuda.current_stream(self.device)
         if ids is not None and src is None:
-            src = list(range(min(ids.shape[0], B)))
+            src = list(range(min(ids.shape[0], R)))
         # in the graph only with host-built inputs (their staging carries the per-row source index)
         carried = (ids is not None and not meta.input_ids.is_cuda and self._last == partner and src is not None
-                   and ids.data_ptr() == self._packed[B][1 - slot][0].data_ptr())
+                   and ids.data_ptr() == self._packed[bucket][1 - slot][0].data_ptr())
         if (ev := self._read.get(key)) is not None:
             main.wait_event(ev)  # this slot's outputs of two steps back have been read
         blob = self._blobs[key]
@@ -285,7 +291,7 @@ class DecodeGraphs(_GraphSet):
             blob.views["carry"].fill_(-1)  # a carried replay may have left its indices; this path carries nothing
         else:
             stage, _ = self._side_streams()
-            ring = self._rings[B]
+            ring = self._rings[bucket]
             host, done = ring[self.replays % len(ring)]
             done.synchronize()  # this staging buffer's previous copy has read it
             for name in _FIELDS:
@@ -311,7 +317,7 @@ class DecodeGraphs(_GraphSet):
             ev = self._replayed[key] = torch.cuda.Event()
         ev.record(main)
         self._last = key
-        self._next[B] = 1 - slot
+        self._next[bucket] = 1 - slot
         self.replays += 1
         assert g.packed is not None
         return g.logits, g.packed
@@ -319,7 +325,7 @@ class DecodeGraphs(_GraphSet):
     def read_back(self, packed: torch.Tensor) -> HostRead:
         """Start the asynchronous host copy of the latest replay's ``packed`` on the read-back stream
         (the next replay does not queue behind it; the replay that overwrites these outputs waits)."""
-        if self._last is None or packed.data_ptr() != self._packed[self._last[0]][self._last[1]].data_ptr():
+        if self._last is None or packed.data_ptr() != self._packed[self._last[:2]][self._last[2]].data_ptr():
             raise ValueError("DecodeGraphs.read_back: packed is not the latest replay's output")
         _, reader = self._side_streams()
         reader.wait_event(self._replayed[self._last])
@@ -336,36 +342,37 @@ class DecodeGraphs(_GraphSet):
         super().reset()
         self._init_state()
 
-    def _static_meta(self, key: tuple[int, int]) -> BatchMeta:
-        B = key[0]
+    def _static_meta(self, key: tuple[int, int, int]) -> BatchMeta:
+        B, k, _ = key
+        bucket = (B, k)
         dev, W, ps = self.device, self.table_width, self.page_size
         scratch = self.cache.scratch_page
-        blob = self._blobs[key] = _Blob(B, W, dev)
-        if B not in self._rings:
-            self._rings[B] = [(_Blob(B, W, torch.device("cpu"), pinned=True), torch.cuda.Event())
-                              for _ in range(self.staging_slots)]
+        blob = self._blobs[key] = _Blob(B, k, W, dev)
+        if bucket not in self._rings:
+            self._rings[bucket] = [(_Blob(B, k, W, torch.device("cpu"), pinned=True), torch.cuda.Event())
+                                   for _ in range(self.staging_slots)]
             # both slots' greedy outputs, outside the graph pool: each slot's first kernel reads the other's
-            self._packed[B] = torch.zeros((2, 2, B), dtype=torch.float64, device=dev)
+            self._packed[bucket] = torch.zeros((2, 2, B * k), dtype=torch.float64, device=dev)
         v = blob.views
         # every padded row points at the scratch page: warm-up and capture write nothing else
         v["input_ids"].zero_()
-        v["positions"].zero_()
-        v["cu_seqlens_q"].copy_(torch.arange(B + 1, dtype=torch.int32))
-        v["seq_lens_k"].fill_(1)
+        v["positions"].copy_(torch.arange(k, dtype=torch.int64).repeat(B))
+        v["cu_seqlens_q"].copy_(torch.arange(B + 1, dtype=torch.int32) * k)
+        v["seq_lens_k"].fill_(k)
         v["page_table"].fill_(scratch)
         v["slot_mapping"].fill_(scratch * ps)
         v["carry"].fill_(-1)
-        return BatchMeta(max_seqlen_q=1, max_seqlen_k=W * ps, phase="decode", logits_indices=None,
+        return BatchMeta(max_seqlen_q=k, max_seqlen_k=W * ps, phase="decode", logits_indices=None,
                          **{name: v[name] for name in _FIELDS})
 
-    def _step(self, key: tuple[int, int], meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
-        B, slot = key
+    def _step(self, key: tuple[int, int, int], meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        B, k, slot = key
         # the plan folds the carried ids into the step's first launch where it can
-        carry = (self._blobs[key].views["carry"], self._packed[B][1 - slot][0])
+        carry = (self._blobs[key].views["carry"], self._packed[(B, k)][1 - slot][0])
         # the head's own dtype: the greedy pick reads it as is, and a sampler casts its rows (no fp32
         # copy of [B, V] in every step)
         logits = self.plan.forward(meta, self.cache, carry=carry, fp32_logits=False)
-        return logits, ops.greedy_pack(logits, out=self._packed[B][slot])
+        return logits, ops.greedy_pack(logits, out=self._packed[(B, k)][slot])
 
 
 class PrefillGraphs(_GraphSet):

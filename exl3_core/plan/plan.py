@@ -67,7 +67,9 @@ class ExecutionPlan:
         self.kernels: LinearKernels = kernels if kernels is not None else CompiledKernels()
         self.tuning = tuning if tuning is not None else Tuning.for_device(self.device)
         self.fused = fused_ops(self.device)
-        self.launch = LaunchConfig(pdl=self.tuning.kernels.pdl, predecode=self.tuning.kernels.predecode)
+        k = self.tuning.kernels
+        self.launch = LaunchConfig(pdl=k.pdl, predecode=k.predecode, predecode_max_kt=k.predecode_max_kt,
+                                   xh_min_rows=k.xh_min_rows)
         self._built_for = self._model_key()
         self.executor: DecoderExecutor | None = None
         self.reference_why: list[str] = []

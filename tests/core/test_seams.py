@@ -290,3 +290,22 @@ def test_k_token_step_equals_k_single_steps(fused: None, k: int) -> None:
     torch.testing.assert_close(multi, single, **TOL)
     with pytest.raises(ValueError, match="same number of new tokens"):
         BatchMeta.from_lists([[1, 2], [3]], [4, 4], page_table=table, page_size=PAGE, phase="decode")
+
+
+def test_build_batch_pads_k_token_decode_steps() -> None:
+    """The generator's host-side builder for a decode step of k tokens per sequence: fixed shapes for a
+    bucket (padded sequences write the scratch page), every row's logits, each chunk's last row reported."""
+    from exl3_core.generator.batching import Chunk, build_batch
+
+    chunks = [Chunk([5, 6, 7], 10, [2], True), Chunk([8, 9, 1], 3, [4], False), Chunk([2, 2, 2], 0, [6], True)]
+    meta, rows = build_batch(chunks, page_size=PAGE, table_width=2, scratch_page=9, device=torch.device("cpu"),
+                             decode=True)
+    assert meta.batch_size == 4 and meta.q_per_seq == 3 and meta.input_ids.shape == (12,)
+    assert meta.cu_seqlens_q.tolist() == [0, 3, 6, 9, 12] and meta.seq_lens_k.tolist() == [13, 6, 3, 3]
+    assert meta.positions.tolist()[:9] == [10, 11, 12, 3, 4, 5, 0, 1, 2]
+    assert meta.slot_mapping.tolist()[:3] == [2 * PAGE + 10, 2 * PAGE + 11, 2 * PAGE + 12]
+    assert meta.slot_mapping.tolist()[9:] == [9 * PAGE] * 3 and meta.page_table[3].tolist() == [9, 9]
+    assert rows == [2, 8] and meta.logits_indices is None and meta.max_seqlen_q == 3
+    with pytest.raises(ValueError, match="same number of tokens"):
+        build_batch([Chunk([1], 0, [0], True), Chunk([1, 2], 0, [1], True)], page_size=PAGE, table_width=2,
+                    scratch_page=9, device=torch.device("cpu"), decode=True)
