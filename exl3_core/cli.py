@@ -19,6 +19,7 @@ SUBCOMMAND_MODULES = (
     "exl3_core.eval.cli",
     "exl3_core.bench.cli",
     "exl3_core.server.cli",
+    "exl3_core.plan.cli",
 )
 
 
