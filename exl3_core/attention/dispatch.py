@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from exl3_core.attention.backend import AttentionBackend
 from exl3_core.attention.spec import AttnSpec
-from exl3_core.plugins.registry import missing_requires
+from exl3_core.plugins.registry import Plugins, missing_requires
 
 
 class NoAttentionBackend(RuntimeError):
@@ -28,7 +27,7 @@ class NoAttentionBackend(RuntimeError):
 class Dispatcher:
     """Per plugin set: instantiates backends lazily and caches the choice per (spec, allowed)."""
 
-    def __init__(self, plugins: Any) -> None:
+    def __init__(self, plugins: Plugins) -> None:
         self.plugins = plugins
         self._backends: dict[str, AttentionBackend] | None = None
         self._unavailable: dict[str, str] = {}
@@ -103,7 +102,7 @@ class Dispatcher:
 _dispatchers: dict[int, Dispatcher] = {}
 
 
-def get_dispatcher(plugins: Any = None) -> Dispatcher:
+def get_dispatcher(plugins: Plugins | None = None) -> Dispatcher:
     """The dispatcher of a plugin set (default: the process-wide one)."""
     if plugins is None:
         from exl3_core.plugins import get_plugins
@@ -115,7 +114,7 @@ def get_dispatcher(plugins: Any = None) -> Dispatcher:
     return d
 
 
-def select(spec: AttnSpec, allowed: tuple[str, ...] | None = None, plugins: Any = None) -> AttentionBackend:
+def select(spec: AttnSpec, allowed: tuple[str, ...] | None = None, plugins: Plugins | None = None) -> AttentionBackend:
     """Convenience: ``get_dispatcher(plugins).select(spec, allowed)``; ``EXL3_ATTN_BACKENDS`` applies."""
     if allowed is None:
         from exl3_core import settings

@@ -56,6 +56,9 @@ from exl3_core.plan.plan import ExecutionPlan, decode_shapes
 
 log = logging.getLogger(__name__)
 
+#: a decode graph's (sequences, tokens per sequence, slot), or a prefill graph's bucket code
+GraphKey = tuple[int, int, int] | int
+
 #: the decode step's input fields, in their staging buffer's order (shapes: _field_shapes)
 _FIELDS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens_k", "page_table")
 #: the staging buffer's fields: the step's inputs, then per row the previous step's greedy row its
@@ -134,7 +137,7 @@ class _GraphSet:
         self.table_width = table_width
         self.page_size = cache.page_size
         self.device = plan.device
-        self._graphs: dict[Any, _Graph] = {}
+        self._graphs: dict[GraphKey, _Graph] = {}
         self._pool: Any = None
         self._key = self._state_key()
         self.replays = 0
@@ -148,7 +151,7 @@ class _GraphSet:
         self._graphs.clear()
         self._pool = None
 
-    def _graph(self, key: Any) -> _Graph:
+    def _graph(self, key: GraphKey) -> _Graph:
         state = self._state_key()
         if state != self._key:
             self.reset()
@@ -158,13 +161,13 @@ class _GraphSet:
             g = self._graphs[key] = self._capture(key)
         return g
 
-    def _static_meta(self, key: Any) -> BatchMeta:
+    def _static_meta(self, key: GraphKey) -> BatchMeta:
         raise NotImplementedError
 
-    def _step(self, key: Any, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _step(self, key: GraphKey, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
         raise NotImplementedError
 
-    def _capture(self, key: Any) -> _Graph:
+    def _capture(self, key: GraphKey) -> _Graph:
         meta = self._static_meta(key)
         cur = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
@@ -483,5 +486,5 @@ class PrefillGraphs(_GraphSet):
             page_table=small[:W].view(1, W), slot_mapping=big[2 * T:3 * T], logits_indices=big[3 * T:],
         )
 
-    def _step(self, key: Any, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _step(self, key: GraphKey, meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.plan.forward(meta, self.cache), None

@@ -16,14 +16,14 @@ import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from exl3_core.nn.linear import make_linear
 from exl3_core.nn.mlp import Activation, GatedMLP, activation
-from exl3_core.nn.module import LoadContext, Module, WeightError
+from exl3_core.nn.module import ForwardState, LoadContext, Module, WeightError
 
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
@@ -273,7 +273,7 @@ class MoE(Module):
         logits = self.router(x if self.router_dtype is None else x.to(self.router_dtype))
         return route(logits, self.routing, self.correction_bias, self.pinned_ids)
 
-    def forward(self, x: torch.Tensor, state: Any = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.select(x)
