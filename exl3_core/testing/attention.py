@@ -12,17 +12,30 @@ from typing import Any
 
 import torch
 
-from exl3_core.attention.spec import AttnArgs, AttnSpec, device_cc
+from exl3_core.attention.spec import AttnArgs, AttnSpec, device_cc, pow2_bucket, sm_count
 from exl3_core.reference.attention import attention as reference_attention
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
-    """One conformance case: a spec plus the batch shape it is exercised with."""
+    """One conformance case: a spec plus the batch shape it is exercised with. The spec's static call
+    fields (key bound, sequences, queries per sequence, SM count) are filled from the shape, as the
+    attention modules fill them from a batch."""
 
     spec: AttnSpec
     q_lens: tuple[int, ...]
     past_lens: tuple[int, ...] = ()  # cached tokens before the new ones (paged cases)
+
+    def __post_init__(self) -> None:
+        s = self.spec
+        lens = [p + n for p, n in zip(self.past_lens or [0] * len(self.q_lens), self.q_lens)]
+        uniform = len(set(self.q_lens)) == 1
+        dev = torch.device(s.device_type) if s.device_type != "cuda" else torch.device("cuda", 0)
+        filled = s._replace(
+            max_keys=s.max_keys or pow2_bucket(max(lens)), num_seqs=s.num_seqs or pow2_bucket(len(self.q_lens)),
+            q_per_seq=s.q_per_seq or (self.q_lens[0] if s.phase == "decode" and uniform else 0),
+            sm_count=s.sm_count or (sm_count(dev) if dev.type == "cuda" and torch.cuda.is_available() else 0))
+        object.__setattr__(self, "spec", filled)
 
     @property
     def page_size(self) -> int:
@@ -65,6 +78,13 @@ def default_cases(device: torch.device | str = "cpu", dtype: torch.dtype = torch
                       (6, 1), (10 * mul, 31 * mul)))
     cases.append(Case(AttnSpec(head_dim=96, head_dim_v=64, num_q_heads=4, num_kv_heads=1, cache="mla/fp16",
                                phase="decode", **paged, **base), (1, 1), (5, 50 * mul)))
+    # one fresh sequence without the cache (a fresh prompt's call), a short-bound decode batch, and a
+    # multi-token decode step (speculative verification: several queries per sequence)
+    cases.append(Case(AttnSpec(head_dim=128, num_q_heads=8, num_kv_heads=2, **base), (37 * mul,)))
+    cases.append(Case(AttnSpec(head_dim=64, num_q_heads=8, num_kv_heads=2, cache="kv/fp16", phase="decode",
+                               **paged, **base), (1, 1, 1, 1), (3, 40, 17, 90)))
+    cases.append(Case(AttnSpec(head_dim=64, num_q_heads=8, num_kv_heads=2, cache="kv/fp16", phase="decode",
+                               **paged, **base), (3, 3), (20, 45 * mul)))
     return cases
 
 
