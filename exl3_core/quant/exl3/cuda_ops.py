@@ -86,6 +86,8 @@ def launch_ints(launch: LaunchConfig | None, what: str) -> list[int]:
     value raises a ValueError even where an exception from inside the extension would crash the process."""
     cfg = current() if launch is None else launch
     pdl, predecode, max_kt, xh_rows = cfg.ints()
+    if pdl not in (0, 1):
+        raise ValueError(f"{what}: LaunchConfig.pdl={cfg.pdl!r}; expected a bool")
     if predecode not in (0, 1, 2):
         raise ValueError(f"{what}: LaunchConfig.predecode={predecode}; expected 0 (off), 1 (on) or 2 (on, early signal)")
     if not 0 <= max_kt <= PREDECODE_MAX_KT_MAX:
