@@ -56,8 +56,30 @@ static float h2f(__half h) { return __half2float(h); }
 // threads: wait, signal, read 16 KB, write 8 KB), the attention combine before o_proj. TUNE_M=1..8: rows
 // per launch (a batched decode step; default 1). TUNE_XH=N: from N rows, x is transformed once per launch
 // (fused_xh_kernel) instead of in every block's prologue. TUNE_PREDECODE=0|1|2: the launcher's pre-decoding
-// mode (exl3::predecode_mode: off, on, on with the early signal; default 2), for A/B runs in one build;
-// TUNE_PD_MAX_KT=N: its longest chunk (exl3::predecode_max_kt; 0: the ring's length).
+// mode (FusedArgs::predecode: off, on, on with the early signal; default 2), for A/B runs in one build;
+// TUNE_PD_MAX_KT=N: its longest chunk (FusedArgs::predecode_max_kt; 0: the ring's length).
+// The launcher's options of every fused launch here (the product's ops take them per call: their `launch`
+// argument), read once from TUNE_PREDECODE / TUNE_PD_MAX_KT.
+struct PredecodeOpts {
+    int mode = 2, max_kt = 0;
+};
+static PredecodeOpts predecode_opts() {
+    static const PredecodeOpts o = [] {
+        PredecodeOpts r;
+        if (const char* pd = std::getenv("TUNE_PREDECODE")) r.mode = std::max(0, std::min(2, std::atoi(pd)));
+        if (const char* pk = std::getenv("TUNE_PD_MAX_KT")) r.max_kt = std::max(0, std::atoi(pk));
+        return r;
+    }();
+    return o;
+}
+// zero-initialised FusedArgs with the run's pre-decoding options
+static exl3::FusedArgs fused_args() {
+    exl3::FusedArgs a{};
+    a.predecode = predecode_opts().mode;
+    a.predecode_max_kt = predecode_opts().max_kt;
+    return a;
+}
+
 struct CombineLike {
     const float* in;
     __half* out;
@@ -153,7 +175,7 @@ static int layer_chain(const char* spec) {
     for (int pdl = 1; pdl >= 0; --pdl) {
         const float t = time_graph([&](int i, cudaStream_t st) {
             for (size_t j = 0; j < sh.size(); ++j) {
-                exl3::FusedArgs a{};
+                exl3::FusedArgs a = fused_args();
                 a.pdl = pdl;
                 a.x = x;
                 a.m = M;
@@ -205,8 +227,6 @@ int main(int argc, char** argv) {
     for (int i = 1; i < argc; ++i) kts.push_back(std::atoi(argv[i]));
     if (kts.empty()) kts = {0, 8, 16, 24, 25, 26, 32};
     constexpr int K = TUNE_K, CB = TUNE_CB;
-    if (const char* pd = std::getenv("TUNE_PREDECODE")) exl3::predecode_mode() = std::max(0, std::min(2, std::atoi(pd)));
-    if (const char* pk = std::getenv("TUNE_PD_MAX_KT")) exl3::predecode_max_kt() = std::max(0, std::atoi(pk));
     // shapes k x n: the 8B MLP by default (the last: gate/up as one problem); TUNE_SHAPES="4096x6144,4096x4096"
     // (e.g. the 8B q/k/v group and o_proj) replaces them
     std::vector<std::pair<int, int>> shapes = {{4096, 14336}, {14336, 4096}, {4096, 28672}};
@@ -245,7 +265,7 @@ int main(int argc, char** argv) {
         std::printf("pre-decoding: chunks <= %d k tiles, %d decoded before the wait | regs %d, smem %zu B, blocks/SM %d | "
                     "mode %d\n", exl3::pd_ring(K), exl3::PD_STEPS, fp.numRegs, fp.sharedSizeBytes,
                     exl3::fused_occupancy<K, CB>(exl3::FV_PD),
-                    exl3::predecode_mode().load());
+                    predecode_opts().mode);
     }
     for (auto& sh : shapes) {
         const int k = sh.first, n = sh.second, kt = k / 16, nt = n / 16;
@@ -279,7 +299,7 @@ int main(int argc, char** argv) {
         CK(cudaMemset(cnt, 0, n / 128 * 4));
 
         auto fused = [&](int kt_chunk, int i, cudaStream_t st, bool pdl = false) {
-            exl3::FusedArgs a{};
+            exl3::FusedArgs a = fused_args();
             a.pdl = pdl;
             a.x = x;
             a.m = 1;

@@ -1,7 +1,8 @@
 """Device script: the engine's graphed prefill in two variants, one model, alternating rounds, back to back
-and after an idle second (the card's power cap makes cross-call comparisons noisy). ``--ab pruned``: with
-and without the last block pruned to the rows whose logits are asked for (``StandardDecoder._last_rows``); ``--ab bf16``: bf16 activations and GEMM operands against fp16
-(``StandardDecoder._prefill_dtype``, ``EXL3_PREFILL_BF16``).
+and after an idle second (the card's power cap makes cross-call comparisons noisy). Each variant is an
+execution plan with its own tuning: ``--ab pruned``: with and without the last block pruned to the rows whose
+logits are asked for (``FusionTuning.last_rows``); ``--ab bf16``: bf16 activations and GEMM operands against
+fp16 (``FusionTuning.prefill_bf16``).
 
     python bench/prefill_ab.py [--ab pruned|bf16] [--shape 8b] [--tokens 2048] [--rounds 4] [--iters 10] [--idle 5]
                                [--eager 5]
@@ -9,26 +10,32 @@ and without the last block pruned to the rows whose logits are asked for (``Stan
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
 import torch
-
 from exl3_kernels import event_ms  # bench/ is the script's directory
 
-from exl3_core.archkit.decoder import StandardDecoder
+from exl3_core.archkit.batch import BatchMeta
 from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.bench.run import prefill_meta
+from exl3_core.cache import Cache
 from exl3_core.generator.graphs import PrefillGraphs
+from exl3_core.plan import ExecutionPlan
+from exl3_core.tuning import Tuning
+
+#: per --ab: the FusionTuning field switched, and the names of its on and off variants
+VARIANTS = {"pruned": ("last_rows", ("pruned", "full")), "bf16": ("prefill_bf16", ("bf16", "fp16"))}
 
 
-def _enqueue_vs_device(model, cache, meta) -> tuple[float, float]:
+def _enqueue_vs_device(plan: ExecutionPlan, cache: Cache, meta: BatchMeta) -> tuple[float, float]:
     """ms the host takes to enqueue one eager forward, and its device time by events (GPU idle at the start)."""
     torch.cuda.synchronize()
     e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     t = time.perf_counter()
     e0.record()
-    model.forward_batch(meta, cache)
+    plan.forward(meta, cache)
     enqueue = (time.perf_counter() - t) * 1e3
     e1.record()
     e1.synchronize()
@@ -49,46 +56,38 @@ def main() -> None:
                                cache_tokens=2 * args.tokens + 1024)
     pages = cache.allocator.allocate(-(-args.tokens // cache.page_size))
     ids = prefill_meta(model, cache, args.tokens, pages).input_ids.tolist()
-    # the second variant of each pair replaces one decoder method while its graph is captured
-    attr, names, off = {"pruned": ("_last_rows", ("pruned", "full"), lambda self, meta: (None, 0)),
-                        "bf16": ("_prefill_dtype", ("bf16", "fp16"), lambda self, x, meta: None)}[args.ab]
-    own = getattr(StandardDecoder, attr)
+    field, names = VARIANTS[args.ab]
+    base = Tuning.for_device(model.device)
+    plans = {name: ExecutionPlan(model, dataclasses.replace(base, fusion=dataclasses.replace(base.fusion, **{field: on})))
+             for name, on in zip(names, (True, False))}
+    for name, plan in plans.items():
+        print(f"{name}: tuning {plan.tuning.name}" + "".join(f"; {d}" for d in plan.tuning.describe()))
     graphs, logits = {}, {}
     for name in names:
-        if name == names[1]:
-            setattr(StandardDecoder, attr, off)
-        try:
-            g = PrefillGraphs.create(model, cache, len(pages), args.tokens)
-            assert g is not None, "prefill graphs declined"
-            graphs[name] = g
-            logits[name] = g.run(ids, pages).float().clone()
-        finally:
-            setattr(StandardDecoder, attr, own)
+        g = PrefillGraphs.create(plans[name], cache, len(pages), args.tokens)
+        assert g is not None, "prefill graphs declined"
+        graphs[name] = g
+        logits[name] = g.run(ids, pages).float().clone()
     a, b = logits[names[0]], logits[names[1]]
     print(f"logits rel. difference {names[0]} vs {names[1]}: {((a - b).norm() / b.norm()).item():.2e}; "
           f"same argmax: {bool((a.argmax(-1) == b.argmax(-1)).all())}")
     res: dict[str, list[float]] = {n: [] for n in graphs}
     for _ in range(args.rounds):
         for name, g in graphs.items():
-            event_ms(lambda: g.run(ids, pages), 2)
-            res[name] += event_ms(lambda: g.run(ids, pages), args.iters)
+            event_ms(lambda g=g: g.run(ids, pages), 2)
+            res[name] += event_ms(lambda g=g: g.run(ids, pages), args.iters)
     idle: dict[str, list[float]] = {n: [] for n in graphs}
     for _ in range(args.idle):
         for name, g in graphs.items():
             time.sleep(1.0)
-            idle[name] += event_ms(lambda: g.run(ids, pages), 1)
-    # eager forwards (model.forward_batch): host enqueue time and device time by events, GPU idle at the start
+            idle[name] += event_ms(lambda g=g: g.run(ids, pages), 1)
+    # eager forwards (each plan's forward): host enqueue time and device time by events, GPU idle at the start
     eager: dict[str, list[tuple[float, float]]] = {}
     meta = prefill_meta(model, cache, args.tokens, pages)
     for name in names:
-        if name == names[1]:
-            setattr(StandardDecoder, attr, off)
-        try:
-            for _ in range(2):
-                model.forward_batch(meta, cache)
-            eager[name] = [_enqueue_vs_device(model, cache, meta) for _ in range(args.eager)]
-        finally:
-            setattr(StandardDecoder, attr, own)
+        for _ in range(2):
+            plans[name].forward(meta, cache)
+        eager[name] = [_enqueue_vs_device(plans[name], cache, meta) for _ in range(args.eager)]
     n = args.tokens
     for name in names:
         enq = statistics.median(e for e, _ in eager[name])
@@ -99,6 +98,7 @@ def main() -> None:
         print(f"{args.shape} prefill {n} {name:>6}: back to back {m:6.2f} ms = {n / m * 1e3:,.0f} tok/s "
               f"(min {min(res[name]):.2f}, max {max(res[name]):.2f}); after 1 s idle {mi:6.2f} ms = {n / mi * 1e3:,.0f} tok/s")
     model.unload()
+    cache.free()
 
 
 if __name__ == "__main__":

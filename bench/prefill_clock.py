@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.bench.run import prefill_meta, time_median
 from exl3_core.generator.graphs import PrefillGraphs
+from exl3_core.plan import ExecutionPlan
 
 if TYPE_CHECKING:
     from typing import Self  # Python 3.11+; only read by type checkers here
@@ -132,7 +133,7 @@ def main() -> None:
                                cache_tokens=2 * args.tokens + 1024)
     pages = cache.allocator.allocate(-(-args.tokens // cache.page_size))
     meta = prefill_meta(model, cache, args.tokens, pages)
-    graphs = PrefillGraphs.create(model, cache, len(pages), args.tokens)
+    graphs = PrefillGraphs.create(ExecutionPlan(model), cache, len(pages), args.tokens)
     assert graphs is not None, "prefill graphs declined"
     ids = meta.input_ids.tolist()
 

@@ -1,8 +1,8 @@
 """Where the time goes on the GPU (device script helper, not a benchmark).
 
     python bench/profile_gpu.py prefill [--shape 8b] [--tokens 2048]
-        torch.profiler kernel table of one prefill forward (random-weight EXL3 model, 4.0 bpw,
-        6-bit head, MUL1), GPU time per kernel group, and the forward's wall time.
+        torch.profiler kernel table of one prefill forward of the execution plan (random-weight EXL3
+        model, 4.0 bpw, 6-bit head, MUL1), GPU time per kernel group, and the forward's wall time.
     python bench/profile_gpu.py host [--shape 1b] [--tokens 128]
         b=1 greedy generator decode: wall time per token vs the replayed graph step, and a cProfile
         of the host side (functions by own time) -- the host work between graph replays.
@@ -34,6 +34,7 @@ import torch
 
 from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.bench.run import _sync, bench_prefill, decode_meta, graph_step_time, prefill_meta
+from exl3_core.plan import ExecutionPlan
 
 
 def _emit(text: str, out: Path | None, name: str) -> None:
@@ -51,33 +52,34 @@ def profile_prefill(shape_name: str, tokens: int, out: Path | None, device: str 
     model, cache = build_model(shape, bpw=4.0, head_bits=6, codebook="mul1", device=device,
                                cache_tokens=2 * tokens + 1024)
     r = bench_prefill(model, cache, tokens=tokens)
+    plan = ExecutionPlan(model)
     pages = cache.allocator.allocate(-(-tokens // cache.page_size))
     meta = prefill_meta(model, cache, tokens, pages, seed=1)
-    model.forward_batch(meta, cache)
+    plan.forward(meta, cache)
     _sync(model.device)
     cuda = model.device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         for _ in range(3):
-            model.forward_batch(meta, cache)
+            plan.forward(meta, cache)
         _sync(model.device)
     table = prof.key_averages().table(sort_by="device_time_total" if cuda else "cpu_time_total", row_limit=30, max_name_column_width=90)
     head = f"prefill {shape_name} {tokens} tokens: {r['tok_s']:.0f} tok/s ({r['seconds'] * 1e3:.2f} ms per forward); 3 forwards profiled\n"
     if cuda:
-        head += _host_vs_device(model, cache, meta, out)
-        head += _host_small(model, cache, small_tokens)
+        head += _host_vs_device(plan, cache, meta, out)
+        head += _host_small(plan, cache, small_tokens)
     _emit(head + table, out, f"profile_prefill_{shape_name}.txt")
 
 
-def _host_small(model: object, cache: object, tokens: int) -> str:
+def _host_small(plan: ExecutionPlan, cache: Any, tokens: int) -> str:
     """The host's own cost of a forward: a ``tokens``-long prefill (same op path as 2048 once above
     64 rows, but little GPU work) timed host-side with the GPU idle at the start, plus a cProfile of
     it by own time. If this enqueue time is far below the 2048-token device time, the host is not
     what bounds the long prefill."""
-    pages = cache.allocator.allocate(-(-tokens // cache.page_size))  # type: ignore[attr-defined]
+    pages = cache.allocator.allocate(-(-tokens // cache.page_size))
     try:
-        meta = prefill_meta(model, cache, tokens, pages, seed=2)
-        fwd = model.forward_batch  # type: ignore[attr-defined]
+        meta = prefill_meta(plan.model, cache, tokens, pages, seed=2)
+        fwd = plan.forward
         runs = [_enqueue_vs_device(fwd, meta, cache) for _ in range(6)]
         enq = sorted(e for e, _ in runs)
         dev = sorted(d for _, d in runs)
@@ -90,7 +92,7 @@ def _host_small(model: object, cache: object, tokens: int) -> str:
         s = io.StringIO()
         pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
     finally:
-        cache.allocator.release(pages)  # type: ignore[attr-defined]
+        cache.allocator.release(pages)
     return (f"{tokens}-token forward: host enqueue median {enq[3] * 1e3:.2f} ms, device {dev[3] * 1e3:.2f} ms "
             f"(GPU idle at the start)\n" + s.getvalue())
 
@@ -109,14 +111,14 @@ def _enqueue_vs_device(fwd: Any, meta: object, cache: object) -> tuple[float, fl
     return enqueue, e0.elapsed_time(e1) / 1e3
 
 
-def _host_vs_device(model: object, cache: object, meta: object, out: Path | None) -> str:
+def _host_vs_device(plan: ExecutionPlan, cache: Any, meta: Any, out: Path | None) -> str:
     """Why a forward's wall time exceeds its kernels' sum: host enqueue time vs device time, the
     synchronising calls made during one forward (torch's sync debug mode), and a Chrome trace."""
     import warnings
 
     from torch.profiler import ProfilerActivity, profile
 
-    fwd = model.forward_batch  # type: ignore[attr-defined]
+    fwd = plan.forward
     enqueue, device = _enqueue_vs_device(fwd, meta, cache)
     lines = [f"host enqueue of one forward {enqueue * 1e3:.2f} ms; device (events) {device * 1e3:.2f} ms\n"]
     torch.cuda.set_sync_debug_mode("warn")
@@ -261,7 +263,7 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
     shape = parse_shape(shape_name)
     model, cache = build_model(shape, bpw=4.0, head_bits=6, codebook="mul1", device=device,
                                cache_tokens=batch * (ctx + 1024))
-    graphs = DecodeGraphs.create(model, cache, cache.max_pages_per_seq(ctx + 1))
+    graphs = DecodeGraphs.create(ExecutionPlan(model), cache, cache.max_pages_per_seq(ctx + 1))
     if graphs is None:
         raise SystemExit("decode graphs declined for this model/device: nothing to profile")
     # inputs built on the host, as the generator stages them (a device-built meta takes DecodeGraphs.run's

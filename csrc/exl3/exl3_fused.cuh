@@ -20,8 +20,6 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include <atomic>
-
 #include "exl3_decode.cuh"
 #include "exl3_kernels.cuh"
 #include "tuning.cuh"
@@ -105,8 +103,14 @@ struct FusedArgs {
     bool pdl;
     // a pre-decoding launch (PD > 0) signals its dependent at its start instead of after its main loop, so
     // that the dependent's early blocks decode their own weights meanwhile (the launcher sets it from
-    // predecode_mode())
+    // predecode)
     bool pd_early;
+    // Host side, read by the launcher only (after the kernel's fields, so that their parameter offsets stay):
+    // pre-decoding of short chunks (PD_TILES): 0 off, 1 on with the dependent signalled after the main loop,
+    // 2 on with the signal at the kernel's start; and the longest chunk a pre-decoding launch takes (0: its
+    // ring's length). Per launch, from the caller's options (exl3_ops.cu: the ops' `launch` argument).
+    int predecode;
+    int predecode_max_kt;
 };
 
 __device__ __forceinline__ uint2 pack_half4(const __half (&h)[4]) {
@@ -476,20 +480,6 @@ inline int pick_kt_per_chunk(int k_tiles, long col_blocks, long resident_blocks)
     return best;
 }
 
-// Runtime mode of pre-decoding (exl3::set_predecode, EXL3_PREDECODE in exl3_core/settings.py): 0 off, 1 on with
-// the dependent signalled after the main loop, 2 on with the signal at the kernel's start. Read at each launch,
-// so a captured graph keeps what it saw.
-inline std::atomic<int>& predecode_mode() {
-    static std::atomic<int> mode{2};
-    return mode;
-}
-// The longest chunk a pre-decoding launch takes, below the ring's length (0: the ring's length), set at run time
-// (exl3::set_predecode_max_kt) so that one build can compare a linear on the plain path with pre-decoding.
-inline std::atomic<int>& predecode_max_kt() {
-    static std::atomic<int> kt{0};
-    return kt;
-}
-
 // Whether a transposed launch (m <= 8) transforms x once (FusedArgs::xh_buf, fused_xh_kernel) instead of in
 // every block: from min_rows rows (0: never), or at any row count when the output is wide (a head's
 // vocabulary: every k chunk of x would be transformed again by each of >= XH_WIDE_COL_BLOCKS column blocks;
@@ -578,11 +568,10 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     // pre-decoding: chunks its ring holds whole, in a grid of at most one wave of its (larger) blocks. A
     // launcher-picked chunk whose grid is too large for that grows to the shortest one that fits.
     bool pd = false;
-    const int mode = predecode_mode().load(std::memory_order_relaxed);
-    a.pd_early = mode == 2;
-    if (tr && !xh && mode > 0) {
+    a.pd_early = a.predecode == 2;
+    if (tr && !xh && a.predecode > 0) {
         constexpr int ring = pd_ring(K);
-        const int cap = predecode_max_kt().load(std::memory_order_relaxed);
+        const int cap = a.predecode_max_kt;
         const int longest = cap > 0 && cap < ring ? cap : ring;
         const long slots = (long)sms * fused_occupancy<K, CB>(FV_PD);
         int kt = a.kt_per_chunk;

@@ -6,7 +6,6 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <atomic>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -233,17 +232,46 @@ bool fused_workspace(const Tensor& like, int64_t n_total, float** z, int** count
     return true;
 }
 
-// From this many rows (set from Python, exl3::set_xh_min_rows; 0: never) a transposed fused launch
-// transforms x once for the launch (exl3_fused.cuh, fused_xh_kernel) instead of in every block, since at
-// 8 rows the per-block transforms cost more than the extra pass. Wide outputs (a head) take it at any row
-// count (exl3::xh_wanted); 0 switches both off.
-std::atomic<int> g_xh_min_rows{8};
+// Launch options of the fused ops, per call: their trailing schema argument `int[] launch`, either empty
+// (the defaults below) or [pdl, predecode, predecode_max_kt, xh_min_rows] (exl3_core/kernels/launch.py,
+// LaunchConfig.ints(): the execution plan passes its tuning's). Arguments rather than process-wide
+// settings, so that two plans with different tunings (an A/B benchmark, two models) each launch with
+// their own, and a captured graph keeps what its calls passed.
+struct LaunchOpts {
+    // programmatic dependent launch (exl3_fused.cuh, FusedArgs::pdl); honoured on sm_90 or newer only
+    bool pdl = true;
+    // pre-decoding of short chunks (FusedArgs::predecode): 0 off, 1 on, 2 on with the early signal
+    int predecode = 2;
+    // the longest chunk a pre-decoding launch takes, in k tiles (0: its ring's length)
+    int predecode_max_kt = 0;
+    // from this many rows a transposed launch transforms x once for the launch (fused_xh_kernel) instead of
+    // in every block, since at 8 rows the per-block transforms cost more than the extra pass; wide outputs
+    // (a head) take it at any row count (exl3::xh_wanted); 0 switches both off
+    int xh_min_rows = 8;
+};
 
-int64_t set_xh_min_rows(int64_t rows) { return g_xh_min_rows.exchange((int)rows); }
+LaunchOpts launch_opts(at::IntArrayRef launch, const char* op) {
+    LaunchOpts o;
+    if (launch.empty()) return o;
+    TORCH_CHECK(launch.size() == 4, op, ": launch must be [] (the defaults) or [pdl, predecode, predecode_max_kt, "
+                "xh_min_rows], got ", launch.size(), " values; pass exl3_core.kernels.launch.current().ints()");
+    TORCH_CHECK(launch[0] == 0 || launch[0] == 1, op, ": launch[0] (pdl) = ", launch[0], "; expected 0 or 1");
+    TORCH_CHECK(launch[1] >= 0 && launch[1] <= 2, op, ": launch[1] (predecode) = ", launch[1],
+                "; expected 0 (off), 1 (on) or 2 (on, early signal)");
+    TORCH_CHECK(launch[2] >= 0 && launch[2] <= exl3::GEMM_KT_MAX, op, ": launch[2] (predecode_max_kt) = ", launch[2],
+                "; expected 0 (the ring's length) to ", exl3::GEMM_KT_MAX, " k tiles");
+    TORCH_CHECK(launch[3] >= 0 && launch[3] <= FUSED_MAX_M, op, ": launch[3] (xh_min_rows) = ", launch[3],
+                "; expected 0 (never) to ", FUSED_MAX_M, " rows");
+    o.pdl = launch[0] != 0;
+    o.predecode = (int)launch[1];
+    o.predecode_max_kt = (int)launch[2];
+    o.xh_min_rows = (int)launch[3];
+    return o;
+}
 
 // The transformed-x workspace for k columns at m rows and col_blocks output blocks, or nullptr (each block
-// transforms its chunk): where exl3::xh_wanted says no (min_rows: g_xh_min_rows, loaded once by the
-// caller), or when it would have to grow during a capture (as fused_workspace).
+// transforms its chunk): where exl3::xh_wanted says no (min_rows: the call's LaunchOpts::xh_min_rows), or
+// when it would have to grow during a capture (as fused_workspace).
 __half* fused_xh_workspace(const Tensor& like, int64_t m, int64_t k, int64_t col_blocks, int min_rows) {
     if (!exl3::xh_wanted((int)m, (int)(k / 16), (long)col_blocks, min_rows)) return nullptr;
     std::lock_guard<std::mutex> lock(g_ws_mutex);
@@ -291,19 +319,6 @@ Tensor gemm_4kernel(const Tensor& x, const Tensor& trellis, const Tensor& su, co
     return had128(z, c10::nullopt, sv, true);
 }
 
-// Programmatic dependent launch of the fused linear (exl3_fused.cuh), set from Python (EXL3_PDL,
-// exl3_core/ext.py) through exl3::set_pdl; read at each launch (a captured graph keeps what it saw)
-std::atomic<bool> g_pdl{true};
-
-bool set_pdl(bool on) { return g_pdl.exchange(on); }
-
-// Pre-decoding of the fused linear's short chunks (exl3_fused.cuh, PD_TILES), set from Python
-// (EXL3_PREDECODE, exl3_core/ext.py): 0 off, 1 on, 2 on with the early signal; returns the previous mode
-int64_t set_predecode(int64_t mode) { return exl3::predecode_mode().exchange(mode < 0 ? 0 : mode > 2 ? 2 : (int)mode); }
-
-// The longest chunk a pre-decoding launch takes (0: the ring's; a tuning knob); returns the previous value
-int64_t set_predecode_max_kt(int64_t kt) { return exl3::predecode_max_kt().exchange(kt < 0 ? 0 : (int)kt); }
-
 // Optional prologue/epilogue work of a fused launch (FusedArgs): the deferred norm of x, the residual
 // add, q/k/v's RoPE and cache rows.
 struct FusedExtras {
@@ -320,11 +335,12 @@ struct FusedExtras {
     __half* cache[exl3::FUSED_MAX_PROBLEMS] = {nullptr, nullptr, nullptr};
 };
 
-// One launch for up to 3 problems sharing x (same K, codebook); returns false (nothing launched)
-// when the workspace cannot be had during capture.
+// One launch for up to 3 problems sharing x (same K, codebook) with the launch options lo; returns false
+// (nothing launched) when the workspace cannot be had during capture.
 bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std::vector<Tensor>& su,
                   const std::vector<Tensor>& sv, const std::vector<Tensor>& y, int k, int64_t codebook,
-                  int64_t kt_per_chunk, const Tensor* gate = nullptr, int act = 0, const FusedExtras& ex = {}) {
+                  int64_t kt_per_chunk, const LaunchOpts& lo, const Tensor* gate = nullptr, int act = 0,
+                  const FusedExtras& ex = {}) {
     int64_t n_total = 0;
     for (const Tensor& t : trellis) n_total += t.size(1) * 16;
     float* z = nullptr;
@@ -350,10 +366,12 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
     a.rope_half = ex.rope_half;
     a.rope_interleaved = ex.rope_interleaved;
     a.slots = ex.slots;
-    a.xh_min_rows = g_xh_min_rows.load(std::memory_order_relaxed);
+    a.xh_min_rows = lo.xh_min_rows;
     a.xh_buf = fused_xh_workspace(x, x.size(0), x.size(1), n_total / exl3::FUSED_COLS, a.xh_min_rows);
     // programmatic dependent launch is Hopper's (sm_90+); torch caches the device properties
-    a.pdl = g_pdl.load(std::memory_order_relaxed) && at::cuda::getDeviceProperties(x.device().index())->major >= 9;
+    a.pdl = lo.pdl && at::cuda::getDeviceProperties(x.device().index())->major >= 9;
+    a.predecode = lo.predecode;
+    a.predecode_max_kt = lo.predecode_max_kt;
     int64_t n_off = 0;
     for (size_t i = 0; i < trellis.size(); ++i) {
         exl3::FusedProblem& p = a.p[i];
@@ -412,26 +430,32 @@ Group prepare_group(const char* op, const Tensor& x, at::TensorList trellis, at:
 
 // Spec 4.3 in one launch for m <= 16 (exl3_fused.cuh): y = fp16(Had(z)) * svh, z = fp16(Had(fp16(x*suh))) @ Ŵ.
 // Problems: trellis/suh/svh triples sharing x, K and codebook; returns one fp16 [m, n_i] per problem.
-std::vector<Tensor> linear_group(const Tensor& x, at::TensorList trellis, at::TensorList suh, at::TensorList svh,
-                                 int64_t codebook, int64_t kt_per_chunk) {
+std::vector<Tensor> group_launch(const char* op, const Tensor& x, at::TensorList trellis, at::TensorList suh,
+                                 at::TensorList svh, int64_t codebook, int64_t kt_per_chunk, at::IntArrayRef launch) {
     c10::cuda::CUDAGuard guard(x.device());
-    Group g = prepare_group("exl3::exl3_linear_group", x, trellis, suh, svh, codebook);
+    const LaunchOpts lo = launch_opts(launch, op);
+    Group g = prepare_group(op, x, trellis, suh, svh, codebook);
     Tensor xc = aligned16(x.contiguous());
     if (x.size(0) == 0) return g.ys;
     if (g.kd == 0) {  // empty sum: z = 0, so y = 0
         for (Tensor& t : g.ys) t.zero_();
         return g.ys;
     }
-    if (!fused_launch(xc, trellis.vec(), g.su, g.sv, g.ys, g.k, codebook, kt_per_chunk)) {
+    if (!fused_launch(xc, trellis.vec(), g.su, g.sv, g.ys, g.k, codebook, kt_per_chunk, lo)) {
         for (size_t i = 0; i < trellis.size(); ++i)
             g.ys[i] = gemm_4kernel(xc, trellis[i], g.su[i], g.sv[i], g.k, codebook);
     }
     return g.ys;
 }
 
+std::vector<Tensor> linear_group(const Tensor& x, at::TensorList trellis, at::TensorList suh, at::TensorList svh,
+                                 int64_t codebook, int64_t kt_per_chunk, at::IntArrayRef launch) {
+    return group_launch("exl3::exl3_linear_group", x, trellis, suh, svh, codebook, kt_per_chunk, launch);
+}
+
 Tensor linear(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t codebook,
-              int64_t kt_per_chunk) {
-    return linear_group(x, {trellis}, {suh}, {svh}, codebook, kt_per_chunk)[0];
+              int64_t kt_per_chunk, at::IntArrayRef launch) {
+    return group_launch("exl3::exl3_linear", x, {trellis}, {suh}, {svh}, codebook, kt_per_chunk, launch)[0];
 }
 
 // The gated activation's operand checks (act code; gate shaped like x, fp16, same device)
@@ -453,14 +477,15 @@ Tensor aten_act_mul(const Tensor& gate, const Tensor& up, int64_t act) {
 // the fused op's prologue (exl3_fused.cuh, fused_act_mul) instead of a launch of its own. act: 0 silu,
 // 1 gelu (tanh approximation).
 Tensor linear_act(const Tensor& gate, const Tensor& up, const Tensor& trellis, const Tensor& suh, const Tensor& svh,
-                  int64_t codebook, int64_t act) {
+                  int64_t codebook, int64_t act, at::IntArrayRef launch) {
     const char* op = "exl3::exl3_linear_act";
     c10::cuda::CUDAGuard guard(up.device());
+    const LaunchOpts lo = launch_opts(launch, op);
     Group g = prepare_group(op, up, {trellis}, {suh}, {svh}, codebook);
     check_gate(gate, up, act, op);
     Tensor uc = aligned16(up.contiguous()), gc = aligned16(gate.contiguous());
     if (up.size(0) == 0) return g.ys[0];
-    if (fused_launch(uc, {trellis}, g.su, g.sv, g.ys, g.k, codebook, 0, &gc, (int)act)) return g.ys[0];
+    if (fused_launch(uc, {trellis}, g.su, g.sv, g.ys, g.k, codebook, 0, lo, &gc, (int)act)) return g.ys[0];
     // no workspace during capture: the activation product by ATen, then the 4-kernel chain
     return gemm_4kernel(aten_act_mul(gc, uc, act), trellis, g.su[0], g.sv[0], g.k, codebook);
 }
@@ -513,9 +538,10 @@ std::vector<Tensor> linear_group_ex(const Tensor& x, at::TensorList trellis, at:
                                     const c10::optional<Tensor>& norm_w, double eps, double offset,
                                     const c10::optional<Tensor>& rope_cos, const c10::optional<Tensor>& rope_sin,
                                     bool rope_interleaved, at::IntArrayRef rope_on, const c10::optional<Tensor>& slots,
-                                    const c10::List<c10::optional<Tensor>>& caches) {
+                                    const c10::List<c10::optional<Tensor>>& caches, at::IntArrayRef launch) {
     const char* op = "exl3::exl3_linear_group_ex";
     c10::cuda::CUDAGuard guard(x.device());
+    const LaunchOpts lo = launch_opts(launch, op);
     Group g = prepare_group(op, x, trellis, suh, svh, codebook);
     const int64_t m = x.size(0);
     const size_t np = trellis.size();
@@ -582,7 +608,7 @@ std::vector<Tensor> linear_group_ex(const Tensor& x, at::TensorList trellis, at:
         ex.rope[i] = rope[i];
         ex.cache[i] = cache[i].defined() ? reinterpret_cast<__half*>(cache[i].data_ptr()) : nullptr;
     }
-    if (fused_launch(xc, trellis.vec(), g.su, g.sv, g.ys, g.k, codebook, 0, nullptr, 0, ex)) return g.ys;
+    if (fused_launch(xc, trellis.vec(), g.su, g.sv, g.ys, g.k, codebook, 0, lo, nullptr, 0, ex)) return g.ys;
     // no workspace during capture: norm, the chain, RoPE and the cache writes with ATen
     Tensor xin = norm_ss.has_value() ? aten_rms_norm(xc, norm_w, eps, offset) : xc;
     for (size_t i = 0; i < np; ++i) {
@@ -598,9 +624,11 @@ std::vector<Tensor> linear_group_ex(const Tensor& x, at::TensorList trellis, at:
 // the result into ss (fp32 [>= m], zero before the call) for the next linear's deferred norm
 // (linear_group_ex). n must equal res's width.
 Tensor linear_residual(const Tensor& x, const c10::optional<Tensor>& gate, int64_t act, const Tensor& trellis,
-                       const Tensor& suh, const Tensor& svh, int64_t codebook, const Tensor& res, const Tensor& ss) {
+                       const Tensor& suh, const Tensor& svh, int64_t codebook, const Tensor& res, const Tensor& ss,
+                       at::IntArrayRef launch) {
     const char* op = "exl3::exl3_linear_residual";
     c10::cuda::CUDAGuard guard(x.device());
+    const LaunchOpts lo = launch_opts(launch, op);
     Group g = prepare_group(op, x, {trellis}, {suh}, {svh}, codebook);
     const int64_t nd = trellis.size(1) * 16;
     TORCH_CHECK(g.kd > 0, op, ": k = 0");
@@ -616,7 +644,7 @@ Tensor linear_residual(const Tensor& x, const c10::optional<Tensor>& gate, int64
     FusedExtras ex;
     ex.res = reinterpret_cast<const __half*>(rc.data_ptr());
     ex.res_ss = ss.data_ptr<float>();
-    if (fused_launch(xc, {trellis}, g.su, g.sv, g.ys, g.k, codebook, 0, gc.defined() ? &gc : nullptr, (int)act, ex))
+    if (fused_launch(xc, {trellis}, g.su, g.sv, g.ys, g.k, codebook, 0, lo, gc.defined() ? &gc : nullptr, (int)act, ex))
         return g.ys[0];
     // no workspace during capture: ATen for the activation product, the chain, the add and the sums
     Tensor xin = gc.defined() ? aten_act_mul(gc, xc, act) : xc;
@@ -642,16 +670,20 @@ std::tuple<Tensor, Tensor> linear_workspace(const Tensor& like) {
 // m <= 4: the one-launch fused op; m <= 64: Hadamard, split-k GEMM, Hadamard; beyond: W in the original
 // basis (reconstruct_full) + one cuBLAS GEMM, in bf16 when x is bf16 (the bf16 prefill; fp16 otherwise).
 // The fused op stops at 4 rows here because its m16 prologue repeats every row's input Hadamard in each
-// block, which from 8 rows costs more than the two extra launches.
-Tensor gemm(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t codebook) {
+// block, which from 8 rows costs more than the two extra launches. launch: the fused op's options (the
+// other paths take none).
+Tensor gemm(const Tensor& x, const Tensor& trellis, const Tensor& suh, const Tensor& svh, int64_t codebook,
+            at::IntArrayRef launch) {
     const int k = check_trellis(trellis, 0, codebook, "exl3::exl3_gemm");
+    launch_opts(launch, "exl3::exl3_gemm");  // checked on every path, not only where the fused op runs
     const int64_t kd = trellis.size(0) * 16, nd = trellis.size(1) * 16;
     check_x(x, kd, 0, "exl3::exl3_gemm", true);
     TORCH_CHECK(x.scalar_type() == at::kHalf || (x.size(0) >= FULL_MIN_M && kd % 128 == 0 && nd % 128 == 0),
                 "exl3::exl3_gemm: a bf16 x needs at least ", FULL_MIN_M, " rows and k, n multiples of 128 (the "
                 "rebuilt-W path); got ", x.sizes(), " against k = ", kd, ", n = ", nd, "; pass fp16");
     check_scales(suh, svh, kd, nd, "exl3::exl3_gemm");
-    if (x.size(0) <= FUSED_ROUTE_M && kd % 128 == 0 && nd % 128 == 0) return linear(x, trellis, suh, svh, codebook, 0);
+    if (x.size(0) <= FUSED_ROUTE_M && kd % 128 == 0 && nd % 128 == 0)
+        return group_launch("exl3::exl3_gemm", x, {trellis}, {suh}, {svh}, codebook, 0, launch)[0];
     c10::cuda::CUDAGuard guard(x.device());
     Tensor su = suh.to(at::kHalf).contiguous(), sv = svh.to(at::kHalf).contiguous();
     return gemm_4kernel(x, trellis, su, sv, k, codebook);
@@ -663,24 +695,23 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
     m.def("reconstruct(Tensor trellis, int K, int codebook) -> Tensor");
     m.def("reconstruct_full(Tensor trellis, Tensor suh, Tensor svh, int K, int codebook) -> Tensor");
     m.def("reconstruct_full_into(Tensor trellis, Tensor suh, Tensor svh, int K, int codebook, Tensor(a!) out) -> ()");
-    m.def("exl3_gemm(Tensor x, Tensor trellis, Tensor suh, Tensor svh, int codebook) -> Tensor");
+    // the fused ops' (and exl3_gemm's, which routes up to 4 rows to them) trailing `launch`: [] or
+    // [pdl, predecode, predecode_max_kt, xh_min_rows] (LaunchOpts)
+    m.def("exl3_gemm(Tensor x, Tensor trellis, Tensor suh, Tensor svh, int codebook, int[] launch=[]) -> Tensor");
     m.def("exl3_gemm_xh(Tensor xh, Tensor trellis, int K, int codebook, int kt_per_warp=0) -> Tensor");
     m.def("had128(Tensor x, Tensor? pre_scale=None, Tensor? post_scale=None, bool out_fp16=True) -> Tensor");
-    m.def("exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, int codebook, int kt_per_chunk=0) -> Tensor");
+    m.def("exl3_linear(Tensor x, Tensor trellis, Tensor suh, Tensor svh, int codebook, int kt_per_chunk=0, "
+          "int[] launch=[]) -> Tensor");
     m.def("exl3_linear_group(Tensor x, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, "
-          "int kt_per_chunk=0) -> Tensor[]");
+          "int kt_per_chunk=0, int[] launch=[]) -> Tensor[]");
     m.def("exl3_linear_workspace(Tensor like) -> (Tensor, Tensor)");
-    m.def("exl3_linear_act(Tensor gate, Tensor up, Tensor trellis, Tensor suh, Tensor svh, int codebook, int act) -> Tensor");
+    m.def("exl3_linear_act(Tensor gate, Tensor up, Tensor trellis, Tensor suh, Tensor svh, int codebook, int act, "
+          "int[] launch=[]) -> Tensor");
     m.def("exl3_linear_group_ex(Tensor x, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, "
           "Tensor? norm_ss, Tensor? norm_w, float eps, float offset, Tensor? rope_cos, Tensor? rope_sin, "
-          "bool rope_interleaved, int[] rope_on, Tensor? slots, Tensor?[] caches) -> Tensor[]");
+          "bool rope_interleaved, int[] rope_on, Tensor? slots, Tensor?[] caches, int[] launch=[]) -> Tensor[]");
     m.def("exl3_linear_residual(Tensor x, Tensor? gate, int act, Tensor trellis, Tensor suh, Tensor svh, int codebook, "
-          "Tensor res, Tensor(a!) ss) -> Tensor");
-    // no tensor argument: a catch-all kernel. Returns the previous setting.
-    m.def("set_pdl(bool on) -> bool", &set_pdl);
-    m.def("set_predecode(int mode) -> int", &set_predecode);
-    m.def("set_predecode_max_kt(int kt) -> int", &set_predecode_max_kt);
-    m.def("set_xh_min_rows(int rows) -> int", &set_xh_min_rows);
+          "Tensor res, Tensor(a!) ss, int[] launch=[]) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl3, CUDA, m) {

@@ -1,8 +1,13 @@
 """GPU kernel tests: skipped as a whole without CUDA; with CUDA the compiled ops must be present."""
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
+
+from exl3_core.plan.kernels import CompiledKernels
+from exl3_core.quant.exl3.linear import EXL3Linear, NormPrologue, RopeCacheEpilogue
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -27,3 +32,48 @@ def exl3_ops():
             f"(TORCH_CUDA_ARCH_LIST=9.0 python setup.py build_ext --inplace). load errors: {ext.load_error}"
         )
     return torch.ops.exl3
+
+
+class CountingKernels(CompiledKernels):
+    """The compiled EXL3 linear kernels, counting each method's calls by the names
+    :class:`exl3_core.testing.kernels.EmulatedKernels` uses, so that a test can tell which fused forms an
+    :class:`~exl3_core.plan.ExecutionPlan` built with it took; ``rebuild_dtypes`` lists the operand dtype of
+    every rebuilt-W GEMM."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.rebuild_dtypes: list[torch.dtype] = []
+
+    def _count(self, op: str) -> None:
+        self.calls[op] = self.calls.get(op, 0) + 1
+
+    def group(self, x2: torch.Tensor, lins: Sequence[EXL3Linear]) -> list[torch.Tensor]:
+        self._count("group")
+        return super().group(x2, lins)
+
+    def group_ex(self, h2: torch.Tensor, lins: Sequence[EXL3Linear], norm: NormPrologue | None,
+                 epilogue: RopeCacheEpilogue | None) -> list[torch.Tensor]:
+        self._count("group_ex" if epilogue is None else "group_ex_epilogue")
+        if norm is not None:
+            self._count("norm_prologue")
+        return super().group_ex(h2, lins, norm, epilogue)
+
+    def act(self, layer: EXL3Linear, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
+        self._count("act")
+        return super().act(layer, gate, up, act)
+
+    def residual(self, layer: EXL3Linear, x: torch.Tensor, residual: torch.Tensor, ss: torch.Tensor,
+                 gate: torch.Tensor | None, act: str | None) -> torch.Tensor:
+        self._count("residual" if gate is None else "residual_gated")
+        return super().residual(layer, x, residual, ss, gate, act)
+
+    def rebuild_gemm(self, x2: torch.Tensor, lins: Sequence[EXL3Linear]) -> list[torch.Tensor]:
+        self._count("rebuild_gemm")
+        self.rebuild_dtypes.append(x2.dtype)
+        return super().rebuild_gemm(x2, lins)
+
+
+@pytest.fixture
+def counting_kernels() -> type[CountingKernels]:
+    """:class:`CountingKernels`, to build as many as a test needs."""
+    return CountingKernels

@@ -1,13 +1,14 @@
 """On CUDA (compute capability >= 9.0): the tensor-core decode attention (torch.ops.exl3.decode_attention,
 csrc/attn/decode_attn.cu) and its backend against the torch reference on fresh random paged caches, with
-and without PDL, replayed from a CUDA graph at other lengths, and its refusals of bad input."""
+and without PDL, replayed from a CUDA graph at other lengths, the dispatcher's routes around what it declines,
+and its refusals of bad input."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from exl3_core.attention import AttnSpec
-from exl3_core.attention.spec import device_cc
+from exl3_core.attention.spec import device_cc, pow2_bucket, sm_count
 from exl3_core.reference.attention import attention as reference_attention
 from exl3_core.testing.attention import Case, make_args, tolerance
 
@@ -26,10 +27,16 @@ def op(exl3_ops):
 
 def _case(hd: int, hq: int, hkv: int, past: tuple[int, ...], dtype: torch.dtype, page_size: int = 16,
           q_lens: tuple[int, ...] | None = None) -> Case:
+    """A decode call over ``past`` cached tokens per sequence, its spec stating the call's static shape (key
+    bound, sequences, queries per sequence, SMs) as the attention module does."""
+    q = q_lens or (1,) * len(past)
+    dev = torch.device(DEV)
     spec = AttnSpec(head_dim=hd, num_q_heads=hq, num_kv_heads=hkv, dtype=dtype,
                     cache="kv/fp16" if dtype == torch.float16 else "kv/bf16", phase="decode", page_size=page_size,
-                    device_type="cuda", device_cc=device_cc(torch.device(DEV)))
-    return Case(spec, q_lens or (1,) * len(past), past)
+                    device_type="cuda", device_cc=device_cc(dev),
+                    max_keys=pow2_bucket(max(p + n for p, n in zip(past, q))), num_seqs=pow2_bucket(len(past)),
+                    q_per_seq=q[0] if len(set(q)) == 1 else 0, sm_count=sm_count(dev))
+    return Case(spec, q, past)
 
 
 def _check(out: torch.Tensor, args, what: str) -> None:
@@ -119,38 +126,46 @@ def test_graph_replay_at_other_lengths() -> None:
         _check(out, static._replace(max_seqlen_k=max(lens)), f"replay {lens}")
 
 
-def test_backend_is_chosen_for_decode_and_hands_the_rest_to_triton(monkeypatch: pytest.MonkeyPatch) -> None:
-    import exl3_attn_backends.triton_paged as tp
-    from exl3_attn_backends.cuda_decode import MAX_KEYS, CudaDecodeAttention
+def test_dispatcher_routes_what_the_backend_declines_to_triton() -> None:
+    """The route is the dispatcher's: within its key bound and batch a decode step goes to cuda_decode; past
+    the bound, past one block per SM, or with several queries per sequence cuda_decode declines with its
+    reasons and Triton takes the spec. Whichever is chosen equals the reference; cuda_decode itself refuses
+    a call outside its spec (a bound past it, q rows off 16-byte alignment) instead of computing it."""
+    from exl3_attn_backends.cuda_decode import BLOCKS_PER_SM, MAX_KEYS, CudaDecodeAttention
 
     from exl3_core.attention import get_dispatcher
     from exl3_core.plugins import load_plugins
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("compute capability < 9.0: the backend declines")
-    case = _case(128, 32, 8, (200,), torch.float16)
-    assert get_dispatcher(load_plugins()).select(case.spec).name == "cuda_decode"
-    called: list[int] = []
-    real = tp.decode_split_kv
-    monkeypatch.setattr(tp, "decode_split_kv", lambda a, n: called.append(n) or real(a, n))
-    args = make_args(_case(128, 32, 8, (MAX_KEYS[128] + 10,), torch.float16), DEV, seed=9)
-    _check(CudaDecodeAttention().forward(args), args, "past the bound")
-    assert called, "a bound past MAX_KEYS did not go to the Triton split kernel"
-    called.clear()
-    args = make_args(case, DEV, seed=10)
-    _check(CudaDecodeAttention().forward(args), args, "within the bound")
-    assert not called
-    import exl3_attn_backends.cuda_decode as cd
-
-    monkeypatch.setattr(cd, "BLOCKS_PER_SM", 0)  # more blocks than the device takes at once: Triton's
-    _check(CudaDecodeAttention().forward(args), args, "too many blocks")
-    assert called, "a grid over the block limit did not go to the Triton split kernel"
-    called.clear()
-    monkeypatch.setattr(cd, "BLOCKS_PER_SM", 1)
+    d = get_dispatcher(load_plugins())
+    within = _case(128, 32, 8, (200,), torch.float16)
+    assert d.select(within.spec).name == "cuda_decode"
+    args = make_args(within, DEV, seed=10)
+    _check(d.select(within.spec).forward(args), args, "within the bound")
+    hkv = 8
+    many = BLOCKS_PER_SM * sm_count(torch.device(DEV)) // hkv + 1  # sequences x kv heads past the block limit
+    declined = {
+        "past one pass of shared memory": _case(128, 32, hkv, (MAX_KEYS[128] + 10,), torch.float16),
+        "more than": _case(128, 32, hkv, tuple(range(20, 20 + many)), torch.float16),
+        "one query per sequence": _case(128, 32, hkv, (40, 90), torch.float16, q_lens=(3, 3)),
+    }
+    for why, case in declined.items():
+        reasons = " | ".join(CudaDecodeAttention().unsupported_reasons(case.spec))
+        assert why in reasons, (why, reasons)
+        chosen = d.select(case.spec)
+        assert chosen.name == "triton_paged", (why, chosen.name)
+        args = make_args(case, DEV, seed=len(why))
+        _check(chosen.forward(args), args, why)
+    long = make_args(declined["past one pass of shared memory"], DEV, seed=9)
+    with pytest.raises(ValueError, match="max_seqlen_k"):
+        CudaDecodeAttention().forward(long)
+    args = make_args(within, DEV, seed=11)
     q = torch.empty(args.q.numel() + 4, dtype=args.q.dtype, device=DEV)[4:].view(args.q.shape)  # 8-byte aligned
     q.copy_(args.q)
-    _check(CudaDecodeAttention().forward(args._replace(q=q)), args, "unaligned q")
-    assert called, "q rows off 16-byte alignment did not go to the Triton split kernel"
+    with pytest.raises(ValueError, match="q rows must be contiguous and 16-byte aligned"):
+        CudaDecodeAttention().forward(args._replace(q=q))
+    _check(CudaDecodeAttention().forward(args), args, "after the refusals")
 
 
 def test_refuses_bad_input_and_keeps_working(op) -> None:

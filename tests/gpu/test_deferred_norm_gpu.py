@@ -1,15 +1,18 @@
 """The fused linear's extras: the residual add and row sums of squares in one EXL3 linear's epilogue
 (``exl3::exl3_linear_residual``), the norm in the next one's prologue and attention's RoPE + KV write in
 q/k/v's epilogue (``exl3::exl3_linear_group_ex``), against pure-torch references on fresh random
-inputs; a decode model with all of them against the same model with separate kernels."""
+inputs; the plan's rules for when it launches them; a decode model with all of them against the same
+model with separate kernels (a tuning with the deferred norms and the q/k/v epilogue off)."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
-from exl3_core import settings
 from exl3_core.quant.exl3 import CB_3INST, CB_MCG, CB_MUL1, cuda_ops
 from exl3_core.reference import fused as ref
+from exl3_core.tuning import FusionTuning, GraphTuning, Tuning
 
 DEV = "cuda"
 NO_ROPE = (None, None, False, [], None, [])  # exl3_linear_group_ex's RoPE/cache arguments, unused
@@ -205,33 +208,68 @@ def test_capture_time_fallbacks_match_references(ops_) -> None:
     assert (kc.view(-1, hkv, hd)[untouched] == 7.0).all()
 
 
-def test_python_side_refuses_what_the_ops_cannot_take() -> None:
-    """The model code checks before it calls the ops (a TORCH_CHECK thrown inside exl3_core._C crashes
-    the process on the device image; tests/gpu/test_exl3_kernels.py): unfusable inputs fall back."""
-    from exl3_core.nn.norm import DeferredNorm, RMSNorm
-    from exl3_core.quant.exl3.linear import (FUSED_GROUP_MAX_ROWS, EXL3Linear, _group_ex_ok, linear_residual,
-                                             residual_fusable)
+def test_plan_launches_only_what_the_ops_can_take(counting_kernels) -> None:
+    """The plan checks before it calls the ops (a TORCH_CHECK thrown inside exl3_core._C crashes the process on
+    the device image; tests/gpu/test_exl3_kernels.py): a residual producer (:class:`ResidualOut`) or a deferred
+    norm's consumer (:class:`Projection`) launches only on inputs its kernel takes and falls back otherwise,
+    with the same result either way."""
+    from exl3_core.nn.norm import RMSNorm
+    from exl3_core.plan.linears import DeferredNorm, Projection, ResidualOut, add_residual_ss
+    from exl3_core.quant.exl3.linear import EXL3Linear, launch_residual
 
+    dev = torch.device("cuda", torch.cuda.current_device())
+    tuning = Tuning.h200()
+    max_rows = tuning.kernels.fused_linear_max_rows
     t, su, sv = problem(256, 256, 4)
     lin = EXL3Linear(t, su, sv, CB_MUL1, 256, 256)
+    kernels = counting_kernels()
+    out = ResidualOut("down", lin, tuning, dev, kernels, act="silu")
+    assert out.why == [] and out.gate_ok
+
+    def residual_launched(x: torch.Tensor, res: torch.Tensor, gate: torch.Tensor | None = None) -> bool:
+        """Whether ``out.run`` took the launch; either way its result is the reference's."""
+        before = sum(kernels.calls.values())
+        ss = torch.zeros(x.shape[0], device=DEV)
+        inp = x if gate is None else ref.silu_mul(gate, x)
+        y = out.run(x, res, ss, lambda: lin(inp).to(res.dtype)[..., : res.shape[-1]], gate=gate,
+                    act_mul=ref.silu_mul)
+        want = add_residual_ss(res, lin(inp).to(res.dtype)[..., : res.shape[-1]], torch.zeros_like(ss))
+        assert rel(y, want) < 2e-3 and torch.allclose(ss.double(), y.double().pow(2).sum(-1), rtol=1e-3)
+        return sum(kernels.calls.values()) > before
+
     x, res = torch.randn(1, 256, device=DEV).half(), torch.randn(1, 256, device=DEV).half()
-    assert residual_fusable(lin, x, res)
-    assert not residual_fusable(lin, x, res.float())            # fp32 stream
-    assert not residual_fusable(lin, x, res[:, :128])           # residual narrower than the output
-    rows = FUSED_GROUP_MAX_ROWS
-    assert residual_fusable(lin, torch.randn(rows, 256, device=DEV).half(), torch.randn(rows, 256, device=DEV).half())
-    rows += 1  # past the one-launch linear's rows
-    assert not residual_fusable(lin, torch.randn(rows, 256, device=DEV).half(), torch.randn(rows, 256, device=DEV).half())
-    assert not residual_fusable(lin, x, res, gate=torch.randn(1, 128, device=DEV).half())
-    norm = RMSNorm("n", 256, 1e-6)
-    norm.weight = torch.rand(256, device=DEV)
-    ss = torch.zeros(1, device=DEV)
-    assert _group_ex_ok(DeferredNorm(x, norm, ss), (lin,))
-    assert not _group_ex_ok(DeferredNorm(x, norm, ss.half()), (lin,))  # fp16 sums
-    norm.weight = norm.weight.half()
-    assert not _group_ex_ok(DeferredNorm(x, norm, ss), (lin,))  # the kernel reads an fp32 weight
+    assert residual_launched(x, res)
+    assert not residual_launched(x, res.float())  # fp32 stream
+    assert not residual_launched(x, res[:, :128].contiguous())  # residual narrower than the output
+    big = torch.randn(max_rows, 256, device=DEV).half()
+    assert residual_launched(big, torch.randn(max_rows, 256, device=DEV).half())
+    big = torch.randn(max_rows + 1, 256, device=DEV).half()  # past the one-launch linear's rows
+    assert not residual_launched(big, torch.randn(max_rows + 1, 256, device=DEV).half())
+    assert residual_launched(x, res, gate=torch.randn(1, 256, device=DEV).half())
+    assert kernels.calls.get("residual_gated") == 1
+    before = dict(kernels.calls)  # a gate not shaped like x: the plain path, whatever plain() computes
+    y = out.run(x, res, torch.zeros(1, device=DEV), lambda: torch.zeros_like(res),
+                gate=torch.randn(1, 128, device=DEV).half(), act_mul=ref.silu_mul)
+    assert kernels.calls == before and torch.equal(y, res)
     with pytest.raises(ValueError, match="needs act in"):
-        linear_residual(lin, x, res, ss, gate=x, act=None)
+        launch_residual(lin, x, res, torch.zeros(1, device=DEV), gate=x, act=None)
+
+    norm = RMSNorm("n", 256, 1e-6)
+    norm.weight = torch.rand(256, device=DEV) + 0.5
+    proj = Projection("q", (lin,), tuning, dev, kernels)
+    assert proj.launch_why == []
+
+    def prologue_launched(d: DeferredNorm) -> bool:
+        before = kernels.calls.get("norm_prologue", 0)
+        (y,) = proj.run(d)
+        assert rel(y, lin(norm(d.h))) < 2e-3
+        return kernels.calls.get("norm_prologue", 0) > before
+
+    ss = x.float().pow(2).sum(-1)
+    assert prologue_launched(DeferredNorm(x, norm, ss))
+    assert not prologue_launched(DeferredNorm(x, norm, ss.half()))  # fp16 sums
+    norm.weight = norm.weight.half()
+    assert not prologue_launched(DeferredNorm(x, norm, ss))  # the kernel reads an fp32 weight
 
 
 # ---------------------------------------------------------------- a decode model, deferred vs norm kernels
@@ -247,13 +285,14 @@ def model_cache():
                                page_size=64, plugins=bench_plugins())
     yield model, cache
     model.unload()
+    cache.free()
 
 
-def _greedy(model, cache, prompts: list[list[int]], n: int) -> list[tuple[list[int], torch.Tensor]]:
+def _greedy(model, cache, prompts: list[list[int]], n: int, tuning: Tuning) -> list[tuple[list[int], torch.Tensor]]:
     from exl3_core.generator import Generator, Job
 
-    gen = Generator(model, cache, None, max_batch_size=4, max_seq_len=512)
-    gen.graphs = None  # eager: each setting's path is taken by the forward itself
+    gen = Generator(model, cache, None, max_batch_size=4, max_seq_len=512, tuning=tuning)
+    assert gen.graphs is None, "eager steps: each tuning's path is taken by the forward itself"
     jobs = [Job(p, max_new_tokens=n, stop_at_eos=False, identifier=i, return_logits=True) for i, p in enumerate(prompts)]
     gen.enqueue(jobs)
     ids: dict[int, list[int]] = {i: [] for i in range(len(jobs))}
@@ -269,23 +308,24 @@ def _greedy(model, cache, prompts: list[list[int]], n: int) -> list[tuple[list[i
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_decode_with_fused_extras_equals_separate_kernels(ops_, model_cache, batch: int, monkeypatch) -> None:
     """Greedy decode (32 steps) with the norms deferred into the linears and RoPE + KV write in q/k/v's
-    epilogue equals the chain with separate kernels: logits within fp16 tolerance until a near-tie,
-    and the fused paths actually ran."""
-    import exl3_core.quant.exl3.linear as lin
+    epilogue equals the chain with separate kernels (``FusionTuning(deferred_norm=False,
+    qkv_epilogue=False)``): logits within fp16 tolerance until a near-tie, and the fused paths actually ran
+    with the first tuning and not with the second."""
+    import exl3_core.ops as eops
+    import exl3_core.plan.kernels as plan_kernels
 
     model, cache = model_cache
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, 2000, (int(n),), generator=g).tolist() for n in torch.randint(10, 80, (batch,), generator=g)]
-    import exl3_core.ops as eops
 
     calls = {"norm": 0, "res": 0, "qkv": 0, "embed": 0}
-    real_norm, real_res = lin._project_group_ex, lin.linear_residual
+    real_ex, real_res = plan_kernels.launch_group_ex, plan_kernels.launch_residual
     real_embed, real_start = eops.embed_ss, eops.step_start
 
-    def count_norm(x, layers, ep=None):
-        calls["norm"] += not isinstance(x, torch.Tensor)
-        calls["qkv"] += ep is not None
-        return real_norm(x, layers, ep)
+    def count_ex(h2, lins, norm=None, epilogue=None):
+        calls["norm"] += norm is not None
+        calls["qkv"] += epilogue is not None
+        return real_ex(h2, lins, norm, epilogue)
 
     def count_res(*a, **kw):
         calls["res"] += 1
@@ -299,27 +339,21 @@ def test_decode_with_fused_extras_equals_separate_kernels(ops_, model_cache, bat
         calls["embed"] += 1
         return real_start(*a, **kw)
 
-    monkeypatch.setattr(lin, "_project_group_ex", count_norm)
+    # the compiled kernels' entry points as the plan calls them (exl3_core.plan.kernels.CompiledKernels)
+    monkeypatch.setattr(plan_kernels, "launch_group_ex", count_ex)
+    monkeypatch.setattr(plan_kernels, "launch_residual", count_res)
     monkeypatch.setattr(eops, "embed_ss", count_embed)
     monkeypatch.setattr(eops, "step_start", count_start)
-    for mod in ("exl3_core.nn.attention", "exl3_core.nn.mlp"):
-        monkeypatch.setattr(f"{mod}.linear_residual", count_res)
-    monkeypatch.setenv("EXL3_CUDA_GRAPHS", "0")  # eager steps: no capture needed for the comparison
-    monkeypatch.setenv("EXL3_DEFERRED_NORM", "1")
-    monkeypatch.setenv("EXL3_QKV_EPILOGUE", "1")
-    settings.reload()
-    deferred = _greedy(model, cache, prompts, 32)
+    base = Tuning.for_device(model.device)
+    # eager steps: no capture needed for the comparison
+    base = dataclasses.replace(base, graphs=GraphTuning(enabled=False))
+    fused = dataclasses.replace(base, fusion=FusionTuning(deferred_norm=True, qkv_epilogue=True))
+    deferred = _greedy(model, cache, prompts, 32, fused)
     assert calls["norm"] > 0 and calls["res"] > 0 and calls["qkv"] > 0 and calls["embed"] > 0, calls
-    monkeypatch.setenv("EXL3_DEFERRED_NORM", "0")
-    monkeypatch.setenv("EXL3_QKV_EPILOGUE", "0")
-    settings.reload()
+    separate = dataclasses.replace(base, fusion=FusionTuning(deferred_norm=False, qkv_epilogue=False))
     before = dict(calls)
-    plain = _greedy(model, cache, prompts, 32)
-    assert calls == before, "EXL3_DEFERRED_NORM=0 / EXL3_QKV_EPILOGUE=0 still took the fused paths"
-    monkeypatch.delenv("EXL3_DEFERRED_NORM")
-    monkeypatch.delenv("EXL3_QKV_EPILOGUE")
-    monkeypatch.delenv("EXL3_CUDA_GRAPHS")
-    settings.reload()
+    plain = _greedy(model, cache, prompts, 32, separate)
+    assert calls == before, "a tuning with deferred_norm=False, qkv_epilogue=False still took the fused paths"
     for (ta, la), (tb, lb) in zip(deferred, plain):
         n = next((i for i in range(32) if ta[i] != tb[i]), 32)
         if n < 32:  # a parting is allowed only at a near-tie of the top two logits

@@ -5,6 +5,9 @@ References are pure torch in fp64 on fresh random problems (any int16 bit patter
 protocol: the op must leave its fp32 accumulator and arrival counters zeroed, so repeated,
 interleaved and CUDA-graph-replayed calls stay right with no memset in between.
 
+Launch options (pre-decoding, its chunk cap, the x-once row threshold) are the ops' per-call ``launch``
+argument (``LaunchConfig.ints()``): each test passes the setting it exercises and the defaults otherwise.
+
 Tolerances. The op rounds to fp16 four times (x*suh, xh, Had(z), *svh); each rounding is a relative
 error below 2^-11 = 4.9e-4 per element (about 2e-4 RMS), and the Hadamards (orthogonal) and the
 random Ŵ carry relative L2 error through unchanged, so against the unrounded fp64 algebra the
@@ -21,6 +24,7 @@ import math
 import pytest
 import torch
 
+from exl3_core.kernels.launch import LaunchConfig
 from exl3_core.quant.exl3 import CB_3INST, CB_MCG, CB_MUL1, cuda_ops
 from exl3_core.quant.exl3.hadamard import get_hadamard
 from exl3_core.quant.exl3.trellis import decode_inner
@@ -38,7 +42,14 @@ MS = (1, 3, 8, 16)
 def fused_ops(exl3_ops):
     if not hasattr(exl3_ops, "exl3_linear"):
         pytest.fail("exl3_core._C predates exl3::exl3_linear; rebuild it (python setup.py build_ext --inplace)")
+    if not any(a.name == "launch" for a in exl3_ops.exl3_linear.default._schema.arguments):
+        pytest.fail("exl3_core._C predates the fused ops' launch argument; rebuild it")
     return exl3_ops
+
+
+def launch(**kw: int) -> list[int]:
+    """The ops' ``launch`` argument: the defaults with ``kw`` changed."""
+    return LaunchConfig(**kw).ints()
 
 
 class Problem:
@@ -135,28 +146,23 @@ def test_bit_exact_vs_unfused_chain(fused_ops, k: int, K: int, cb: int) -> None:
 
 @pytest.mark.parametrize("K,cb", [(4, CB_MUL1), (2, CB_3INST), (6, CB_MCG)])
 def test_x_transformed_once_is_bit_exact(fused_ops, K: int, cb: int) -> None:
-    """From ``set_xh_min_rows`` rows the launch transforms x once (fused_xh_kernel) and the blocks copy it:
-    the same arithmetic as every block transforming its own chunk, so with one k chunk (no atomics order)
-    the bits agree; the gated op (its own chunking) agrees within rounding. 0 turns it off."""
+    """From ``xh_min_rows`` rows (the ``launch`` argument) the launch transforms x once (fused_xh_kernel) and
+    the blocks copy it: the same arithmetic as every block transforming its own chunk, so with one k chunk (no
+    atomics order) the bits agree; the gated op (its own chunking) agrees within rounding. 0 turns it off."""
     from exl3_core.ops import ACT_CODES
 
     p = Problem(512, 384, K, cb)
-    saved = fused_ops.set_xh_min_rows(0)
-    try:
-        for m in (2, 3, 8):
-            x, gate = xin(m, 512), xin(m, 512) * 2
-            fused_ops.set_xh_min_rows(0)
-            y0 = fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, cb, 32)
-            a0 = fused_ops.exl3_linear_act(gate, x, p.trellis, p.suh, p.svh, cb, ACT_CODES["silu"])
-            fused_ops.set_xh_min_rows(2)
-            y1 = fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, cb, 32)
-            a1 = fused_ops.exl3_linear_act(gate, x, p.trellis, p.suh, p.svh, cb, ACT_CODES["silu"])
-            assert torch.equal(y0.view(torch.int16), y1.view(torch.int16)), f"m={m}: plain"
-            # the gated op picks its own k chunks (several: fp32 atomics in varying order), so within rounding
-            assert rel_err(a1, a0) < REL_ROUNDED, f"m={m}: gated"
-            check(y1, x, p, f"x once, K={K} cb={cb} m={m}")
-    finally:
-        fused_ops.set_xh_min_rows(saved)
+    off, on = launch(xh_min_rows=0), launch(xh_min_rows=2)
+    for m in (2, 3, 8):
+        x, gate = xin(m, 512), xin(m, 512) * 2
+        y0 = fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, cb, 32, off)
+        a0 = fused_ops.exl3_linear_act(gate, x, p.trellis, p.suh, p.svh, cb, ACT_CODES["silu"], off)
+        y1 = fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, cb, 32, on)
+        a1 = fused_ops.exl3_linear_act(gate, x, p.trellis, p.suh, p.svh, cb, ACT_CODES["silu"], on)
+        assert torch.equal(y0.view(torch.int16), y1.view(torch.int16)), f"m={m}: plain"
+        # the gated op picks its own k chunks (several: fp32 atomics in varying order), so within rounding
+        assert rel_err(a1, a0) < REL_ROUNDED, f"m={m}: gated"
+        check(y1, x, p, f"x once, K={K} cb={cb} m={m}")
     assert_workspace_clean(fused_ops)
 
 
@@ -164,29 +170,24 @@ def test_wide_output_paths(fused_ops) -> None:
     """Wide outputs (>= 512 column blocks of 128, a head's vocabulary) transform x once per launch at any row
     count, and a grid of two or more waves takes the cost model's k chunk, which need not end on a Hadamard
     block (exl3_fused.cuh: xh_wanted, pick_kt_per_chunk). With one k chunk the result is bit-exact with the
-    path that has both off (set_xh_min_rows(0): each block transforms its own chunk); with several chunks both
+    path that has both off (xh_min_rows=0: each block transforms its own chunk); with several chunks both
     match the references."""
     one = Problem(128, 512 * 128, 4, CB_MUL1)  # 8 k tiles: one chunk
     deep = Problem(2048, 1024 * 128, 2, CB_MUL1)  # 128 k tiles x 1024 column blocks: >= 2 waves at 32 tiles
-    saved = fused_ops.set_xh_min_rows(8)
-    try:
-        for m in (1, 3, 8):  # 8: the 2-warp blocks (4 n tiles per warp) loop over 4 rows each in the epilogue
-            x = xin(m, one.k)
-            y_wide = fused_ops.exl3_linear(x, one.trellis, one.suh, one.svh, CB_MUL1)
-            fused_ops.set_xh_min_rows(0)
-            y_off = fused_ops.exl3_linear(x, one.trellis, one.suh, one.svh, CB_MUL1)
-            fused_ops.set_xh_min_rows(8)
-            assert torch.equal(y_wide.view(torch.int16), y_off.view(torch.int16)), f"m={m}: one chunk"
-            check(y_wide, x, one, f"wide, one chunk, m={m}")
-            x = xin(m, deep.k)
-            poison((m, deep.n))
-            check(fused_ops.exl3_linear(x, deep.trellis, deep.suh, deep.svh, CB_MUL1), x, deep, f"wide, deep, m={m}")
-            fused_ops.set_xh_min_rows(0)
-            poison((m, deep.n))
-            check(fused_ops.exl3_linear(x, deep.trellis, deep.suh, deep.svh, CB_MUL1), x, deep, f"wide, off, m={m}")
-            fused_ops.set_xh_min_rows(8)
-    finally:
-        fused_ops.set_xh_min_rows(saved)
+    on, off = launch(xh_min_rows=8), launch(xh_min_rows=0)
+    for m in (1, 3, 8):  # 8: the 2-warp blocks (4 n tiles per warp) loop over 4 rows each in the epilogue
+        x = xin(m, one.k)
+        y_wide = fused_ops.exl3_linear(x, one.trellis, one.suh, one.svh, CB_MUL1, 0, on)
+        y_off = fused_ops.exl3_linear(x, one.trellis, one.suh, one.svh, CB_MUL1, 0, off)
+        assert torch.equal(y_wide.view(torch.int16), y_off.view(torch.int16)), f"m={m}: one chunk"
+        check(y_wide, x, one, f"wide, one chunk, m={m}")
+        x = xin(m, deep.k)
+        poison((m, deep.n))
+        check(fused_ops.exl3_linear(x, deep.trellis, deep.suh, deep.svh, CB_MUL1, 0, on), x, deep,
+              f"wide, deep, m={m}")
+        poison((m, deep.n))
+        check(fused_ops.exl3_linear(x, deep.trellis, deep.suh, deep.svh, CB_MUL1, 0, off), x, deep,
+              f"wide, off, m={m}")
     assert_workspace_clean(fused_ops)
 
 
@@ -207,61 +208,46 @@ def test_predecode_matches_plain_path(fused_ops, K: int, cb: int) -> None:
     """Pre-decoding (exl3_fused.cuh, PD_TILES: in a one-wave grid each warp decodes the first 8 k tiles of
     its chunk before griddepcontrol.wait) does the plain path's arithmetic in the same order, in both of its
     modes: bit-equal outputs with one k chunk (no atomics order), the reference's tolerance with 16 chunks
-    (the 1B-shape o_proj) and with the launcher's chunks grown to fit one wave (the 1B-shape down_proj)."""
-    if not hasattr(fused_ops, "set_predecode"):
-        pytest.fail("exl3_core._C predates exl3::set_predecode; rebuild it")
+    (the 1B-shape o_proj) and with the launcher's chunks grown to fit one wave (the 1B-shape down_proj). The
+    mode is each call's ``launch`` argument, so calls with different modes interleave freely."""
     one = Problem(128, 1024, K, cb)  # 8 k tiles: one chunk per column block, 8 blocks
     many = Problem(2048, 2048, K, cb)  # 16 chunks of 8 tiles x 16 column blocks: 256 blocks
     # the 1B down shape: the launcher's 8-tile chunks make 1,024 blocks; pre-decoding grows them to 16 (512)
     grow = Problem(8192, 2048, K, cb)
-    saved = fused_ops.set_predecode(2)
-    assert fused_ops.set_predecode(0) == 2 and fused_ops.set_predecode(1) == 0, "returns the previous mode"
-    try:
-        for m in (1, 3):
-            x = xin(m, 128)
-            y = {}
-            for mode in (2, 1, 0):
-                fused_ops.set_predecode(mode)
-                poison((m, 1024))
-                y[mode] = fused_ops.exl3_linear(x, one.trellis, one.suh, one.svh, cb)
-                check(y[mode], x, one, f"one chunk, predecode={mode}, K={K} cb={cb} m={m}")
-            for mode in (2, 1):
-                diff = (y[mode].view(torch.int16) != y[0].view(torch.int16)).sum().item()
-                assert diff == 0, f"K={K} cb={cb} m={m} mode {mode}: {diff} fp16 values differ from the plain path"
-            x = xin(m, 2048)
-            for mode in (2, 0):
-                fused_ops.set_predecode(mode)
-                poison((m, 2048))
-                check(fused_ops.exl3_linear(x, many.trellis, many.suh, many.svh, cb, 8), x, many,
-                      f"16 chunks, predecode={mode}, K={K} cb={cb} m={m}")
-            x = xin(m, 8192)
-            for mode in (2, 0):
-                fused_ops.set_predecode(mode)
-                poison((m, 2048))
-                check(fused_ops.exl3_linear(x, grow.trellis, grow.suh, grow.svh, cb), x, grow,
-                      f"launcher's chunks, predecode={mode}, K={K} cb={cb} m={m}")
-    finally:
-        fused_ops.set_predecode(saved)
+    for m in (1, 3):
+        x = xin(m, 128)
+        y = {}
+        for mode in (2, 1, 0):
+            poison((m, 1024))
+            y[mode] = fused_ops.exl3_linear(x, one.trellis, one.suh, one.svh, cb, 0, launch(predecode=mode))
+            check(y[mode], x, one, f"one chunk, predecode={mode}, K={K} cb={cb} m={m}")
+        for mode in (2, 1):
+            diff = (y[mode].view(torch.int16) != y[0].view(torch.int16)).sum().item()
+            assert diff == 0, f"K={K} cb={cb} m={m} mode {mode}: {diff} fp16 values differ from the plain path"
+        x = xin(m, 2048)
+        for mode in (2, 0):
+            poison((m, 2048))
+            check(fused_ops.exl3_linear(x, many.trellis, many.suh, many.svh, cb, 8, launch(predecode=mode)), x, many,
+                  f"16 chunks, predecode={mode}, K={K} cb={cb} m={m}")
+        x = xin(m, 8192)
+        for mode in (2, 0):
+            poison((m, 2048))
+            check(fused_ops.exl3_linear(x, grow.trellis, grow.suh, grow.svh, cb, 0, launch(predecode=mode)), x, grow,
+                  f"launcher's chunks, predecode={mode}, K={K} cb={cb} m={m}")
     assert_workspace_clean(fused_ops)
 
 
 def test_predecode_chunk_cap(fused_ops) -> None:
-    """exl3::set_predecode_max_kt caps a pre-decoding launch's chunk: the 1B-shape gate/up (2048 x 16384) needs
-    32-tile chunks to fit one wave, so a cap of 16 sends it down the plain path; both must match the reference."""
-    if not hasattr(fused_ops, "set_predecode_max_kt"):
-        pytest.fail("exl3_core._C predates exl3::set_predecode_max_kt; rebuild it")
+    """``predecode_max_kt`` (the ``launch`` argument) caps a pre-decoding launch's chunk: the 1B-shape gate/up
+    (2048 x 16384) needs 32-tile chunks to fit one wave, so a cap of 16 sends it down the plain path; both must
+    match the reference."""
     p = Problem(2048, 16384, 4, CB_MUL1)
-    saved = fused_ops.set_predecode_max_kt(16)
-    assert fused_ops.set_predecode_max_kt(16) == 16, "returns the previous cap"
-    try:
-        for cap in (16, 0):
-            fused_ops.set_predecode_max_kt(cap)
-            for m in (1, 3):
-                x = xin(m, 2048)
-                poison((m, 16384))
-                check(fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, CB_MUL1), x, p, f"cap={cap} m={m}")
-    finally:
-        fused_ops.set_predecode_max_kt(saved)
+    for cap in (16, 0):
+        for m in (1, 3):
+            x = xin(m, 2048)
+            poison((m, 16384))
+            check(fused_ops.exl3_linear(x, p.trellis, p.suh, p.svh, CB_MUL1, 0, launch(predecode_max_kt=cap)), x, p,
+                  f"cap={cap} m={m}")
     assert_workspace_clean(fused_ops)
 
 
@@ -370,11 +356,19 @@ def test_python_wrappers(fused_ops) -> None:
         cuda_ops.exl3_linear_cuda(x, p.trellis, p.suh[:128], p.svh, p.cb)
 
 
-def test_project_group_matches_separate_layers(fused_ops) -> None:
-    """The q/k/v and gate/up seam (``linear.project_group``): one grouped launch for EXL3 layers that
-    can share it, separate calls otherwise (different K); results equal the layers' own forwards,
-    biases and true (unpadded) widths included."""
-    from exl3_core.quant.exl3.linear import EXL3Linear, project_group
+def _plan_device() -> torch.device:
+    # the plan's runners compare devices with their index, as tensors report them
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def test_projection_matches_separate_layers(fused_ops, counting_kernels) -> None:
+    """The plan's q/k/v and gate/up form (:class:`~exl3_core.plan.linears.Projection` with the compiled
+    kernels): one grouped launch at decode sizes for EXL3 layers that can share it, separate calls otherwise
+    (different K, or more rows than one launch takes); results equal the layers' own forwards, biases and
+    true (unpadded) widths included."""
+    from exl3_core.plan.linears import Projection
+    from exl3_core.quant.exl3.linear import EXL3Linear
+    from exl3_core.tuning import Tuning
 
     def layer(k_true: int, n_true: int, K: int, bias: bool) -> EXL3Linear:
         k, n = -(-k_true // 128) * 128, -(-n_true // 128) * 128
@@ -382,12 +376,19 @@ def test_project_group_matches_separate_layers(fused_ops) -> None:
         b = torch.randn(n_true, device=DEV).half() if bias else None
         return EXL3Linear(p.trellis, p.suh, p.svh, CB_MUL1, k_true, n_true, bias=b)
 
+    tuning = Tuning.h200()
     same = (layer(576, 576, 4, True), layer(576, 192, 4, True), layer(576, 192, 4, False))
     mixed = (layer(576, 1536, 4, False), layer(576, 1536, 3, False))  # K differs: separate calls
     for layers in (same, same[:2], mixed):
+        kernels = counting_kernels()
+        proj = Projection("test", layers, tuning, _plan_device(), kernels)
+        assert (proj.group_why == []) == (layers is not mixed), proj.group_why
+        launches = 0
         for m in (1, 3, 4, 9):
             x = torch.randn(m, 576, device=DEV).half()
-            got = project_group(x, layers)
+            got = proj.run(x)
+            launches += layers is not mixed and m <= tuning.kernels.fused_linear_max_rows
+            assert kernels.calls.get("group", 0) == launches, f"{len(layers)} layers, m={m}: {kernels.calls}"
             for i, (g, lay) in enumerate(zip(got, layers)):
                 want = lay(x)
                 assert g.shape == want.shape == (m, lay.out_features)
@@ -412,25 +413,40 @@ def test_linear_act(fused_ops, K: int, cb: int, act: str) -> None:
     assert_workspace_clean(fused_ops)
 
 
-def test_gated_mlp_takes_forward_act(fused_ops, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A gated MLP with an EXL3 down projection forms act(gate) * up inside the down launch at decode
-    sizes (no separate act*mul kernel), and matches the two-launch path."""
-    import torch.nn.functional as F
+def test_gated_mlp_forms_the_product_in_down(fused_ops, counting_kernels) -> None:
+    """The plan's gated MLP (:class:`~exl3_core.plan.blocks.GatedMLPRunner`) with an EXL3 down projection forms
+    act(gate) * up inside the down launch at decode sizes (no separate act*mul kernel), and matches the
+    module's own two-launch forward; with the fusion off in the tuning the separate kernel runs."""
+    import dataclasses
 
-    import exl3_core.nn.mlp as mlp_mod
+    from exl3_core.archkit.batch import BatchMeta
+    from exl3_core.nn.mlp import GatedMLP
+    from exl3_core.nn.module import ForwardState
+    from exl3_core.plan.blocks import GatedMLPRunner
     from exl3_core.quant.exl3.linear import EXL3Linear
+    from exl3_core.tuning import FusionTuning, Tuning
 
     def lin(k: int, n: int) -> EXL3Linear:
         t = torch.randint(-32768, 32768, (k // 16, n // 16, 64), dtype=torch.int16)
         return EXL3Linear(t, (rand_scales(k) * 0.05).cpu(), rand_scales(n).cpu(), CB_MUL1, k, n).to(DEV)
 
-    mlp = mlp_mod.GatedMLP(hidden_size=256, intermediate_size=512, act="silu", gate_key="g", up_key="u", down_key="d")
+    mlp = GatedMLP(hidden_size=256, intermediate_size=512, act="silu", gate_key="g", up_key="u", down_key="d")
     mlp.gate, mlp.up, mlp.down = lin(256, 512), lin(256, 512), lin(512, 256)
-    separate = mlp_mod._FUSED_ACT_MUL[F.silu]
-    calls: list[int] = []
-    monkeypatch.setitem(mlp_mod._FUSED_ACT_MUL, F.silu, lambda *a, **kw: calls.append(1) or separate(*a, **kw))
+    products: list[int] = []
+    separate = mlp.act_mul
+    mlp.act_mul = lambda g, u: products.append(1) or separate(g, u)  # type: ignore[method-assign]
     x = xin(2, 256)
-    y = mlp(x)
-    assert not calls, "the separate act*mul kernel ran although the down projection can form the product"
-    y2 = mlp.down(separate(mlp.gate(x), mlp.up(x)))
-    assert y.shape == y2.shape and rel_err(y, y2) < 1e-3
+    state = ForwardState(BatchMeta.full(torch.zeros(1, 2, dtype=torch.long, device=DEV)))
+    want = mlp(x)
+    assert products, "the module's own forward forms the product with its kernel"
+    products.clear()
+    on = counting_kernels()
+    y = GatedMLPRunner(mlp, Tuning.h200(), _plan_device(), on).forward(x, state)
+    assert not products and on.calls.get("act") == 1, \
+        f"the separate act*mul kernel ran although the down projection can form the product: {on.calls}"
+    assert y.shape == want.shape and rel_err(y, want) < 1e-3
+    off = counting_kernels()
+    tuning = dataclasses.replace(Tuning.h200(), fusion=FusionTuning(act_in_down=False))
+    y2 = GatedMLPRunner(mlp, tuning, _plan_device(), off).forward(x, state)
+    assert products and "act" not in off.calls, off.calls
+    assert rel_err(y2, want) < 1e-3

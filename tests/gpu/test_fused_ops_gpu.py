@@ -1,5 +1,6 @@
-"""On CUDA: the fused ops vs their torch references at model sizes, the model's fused path vs its
-unfused path, and split-KV decode attention (also replayed from a CUDA graph at other lengths)."""
+"""On CUDA: the fused ops vs their torch references at model sizes, the execution plan's fused forward and
+the model's own forward with the Triton kernels vs its unfused forward, and split-KV decode attention (also
+replayed from a CUDA graph at other lengths)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -71,20 +72,26 @@ def test_rope_apply(T: int, hq: int, hk: int, d: int, rot: int, interleaved: boo
 def test_model_fused_equals_unfused(hf_arch: str, tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     from exl3_core.archkit import Config, Model
+    from exl3_core.archkit.batch import BatchMeta
+    from exl3_core.plan import ExecutionPlan
     from exl3_core.testing.arch import build_checkpoint, rel_err, tiny_variants
 
     cfg = next(iter(tiny_variants(hf_arch).values()))
     build_checkpoint(hf_arch, cfg, tmp_path / "ckpt", seed=0)
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3)).to(DEV)
     model = Model.from_config(Config.from_directory(tmp_path / "ckpt")).load(device=DEV, dtype=torch.float32)
+    plan = ExecutionPlan(model)
+    assert plan.fused and plan.executor is not None and not plan.executor.chain_why, plan.report()
     with torch.no_grad():
-        fused = model(ids)
+        engine = plan.forward(BatchMeta.full(ids)).view(*ids.shape, -1)  # residual adds inside the norms
+        fused = model(ids)  # the modules' own forward, its norms, RoPE and activations in Triton
         old = ops.set_enabled(False)
         try:
             unfused = model(ids)
         finally:
             ops.set_enabled(old)
     assert rel_err(fused, unfused) < 1e-4
+    assert rel_err(engine, unfused) < 1e-4
 
 
 # -- split-KV decode ------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""ExLlamaV3's own checkpoints through the CUDA engine: every GEMM path (the transposed GEMV at
-m <= 8, the tensor-core GEMM at 9..64 rows, W rebuilt + cuBLAS above) and the graphed generator
-land within 1e-2 relative L2 of the logits ExLlamaV3 computed, or of exl3's CPU reference path.
+"""ExLlamaV3's own checkpoints through the CUDA engine (the execution plan's forward): every GEMM path (the
+transposed GEMV at m <= 8, the tensor-core GEMM at 9..64 rows, W rebuilt + cuBLAS above) and the graphed
+generator land within 1e-2 relative L2 of the logits ExLlamaV3 computed, or of exl3's CPU reference path;
+so does the model's own (reference) forward on CUDA.
 
 The vendored set covers the three codebooks, K = 2..8, mixed K per tensor, tied embeddings, and
 hidden/intermediate sizes that are not multiples of 128 (model_c: 320/480, padded in storage).
@@ -14,6 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from exl3_core import Cache, Config, Generator, Job, Model
+from exl3_core.archkit.batch import BatchMeta
+from exl3_core.plan import ExecutionPlan
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "exl3-golden"
 MODELS = sorted(p.name for p in (GOLDEN / "exl3").iterdir())
@@ -43,11 +46,17 @@ def test_gemm_paths_match_reference_engine(name: str, input_ids: torch.Tensor) -
     model = _model(name, "cuda")
     try:
         ids = input_ids.cuda()
+        plan = ExecutionPlan(model)
+
+        def engine(x: torch.Tensor) -> torch.Tensor:
+            return plan.forward(BatchMeta.full(x)).view(*x.shape, -1)
+
         cases = {
-            "m=128 (both rows packed: W rebuilt, cuBLAS)": (model.forward(ids), ref),
-            "m=64 (one row: tensor-core GEMM)": (torch.cat([model.forward(ids[i:i + 1]) for i in range(2)]), ref),
-            "m=8 (transposed GEMV)": (model.forward(ids[:, :8].contiguous()), ref[:, :8]),
-            "m=1": (model.forward(ids[1:2, :1]), ref[1:2, :1]),
+            "m=128 (both rows packed: W rebuilt, cuBLAS)": (engine(ids), ref),
+            "m=64 (one row: tensor-core GEMM)": (torch.cat([engine(ids[i:i + 1]) for i in range(2)]), ref),
+            "m=8 (transposed GEMV)": (engine(ids[:, :8].contiguous()), ref[:, :8]),
+            "m=1 (decode-size launches)": (engine(ids[1:2, :1]), ref[1:2, :1]),
+            "reference forward, m=128": (model.forward(ids), ref),
         }
         for what, (out, want) in cases.items():
             rel = _rel(out, want)

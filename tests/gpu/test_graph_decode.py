@@ -1,6 +1,8 @@
-"""CUDA-graph decode equals eager decode; device memory is planned, refused and released."""
+"""CUDA-graph decode equals eager decode (the same execution plan's forward); device memory is planned,
+refused and released."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -10,7 +12,9 @@ from exl3_core.archkit.memory import InsufficientDeviceMemory
 from exl3_core.bench.models import bench_plugins, build_model, parse_shape
 from exl3_core.generator import Generator, Job
 from exl3_core.generator.batching import Chunk, build_batch
-from exl3_core.generator.graphs import STAGING_SLOTS, DecodeGraphs, decline_reason
+from exl3_core.generator.graphs import DecodeGraphs, decline_reason
+from exl3_core.plan import ExecutionPlan
+from exl3_core.tuning import FusionTuning, Tuning
 
 SHAPE = "custom(512,1024,3,8,2,2000)"
 
@@ -28,6 +32,7 @@ def model_cache(plugins):
                                page_size=64, plugins=plugins)
     yield model, cache
     model.unload()
+    cache.free()
 
 
 def _run(gen: Generator, prompts: list[list[int]], n: int, logits: bool) -> list[Job]:
@@ -68,7 +73,7 @@ def test_graph_decode_equals_eager(model_cache, batch: int) -> None:
     eager = Generator(model, cache, None, max_batch_size=8, max_seq_len=512)
     eager.graphs = None
     graphed = Generator(model, cache, None, max_batch_size=8, max_seq_len=512)
-    assert graphed.graphs is not None, decline_reason(model, cache)
+    assert graphed.graphs is not None, decline_reason(graphed.plan, cache, graphed.table_width)
     # with logits: the sampler runs on the graph's logits; without: ids come from the graph itself
     for want_logits in (True, False):
         a = _run(eager, prompts, 64, True)
@@ -91,16 +96,17 @@ def test_graph_decode_equals_eager(model_cache, batch: int) -> None:
 
 def test_host_built_inputs_replay_like_eager(model_cache) -> None:
     """Replays fed host-built metadata (packed into a pinned staging slot, one copy each), queued
-    back to back over more steps than there are slots, each equal the eager forward of the same
+    back to back over more steps than there are slots, each equal the plan's eager forward of the same
     step: no slot is rewritten before its copy has run, and every field lands where the graph reads it."""
     model, cache = model_cache
     ps, W = cache.page_size, 4
-    graphs = DecodeGraphs.create(model, cache, W)
-    assert graphs is not None, decline_reason(model, cache)
+    plan = ExecutionPlan(model)
+    graphs = DecodeGraphs.create(plan, cache, W)
+    assert graphs is not None, decline_reason(plan, cache, W)
     g = torch.Generator().manual_seed(11)
     steps, pages = [], []
     try:
-        for _ in range(STAGING_SLOTS + 2):
+        for _ in range(graphs.staging_slots + 2):
             chunks = []
             for _ in range(3):  # bucket 4: one padded row
                 ctx = int(torch.randint(1, 2 * ps - 1, (1,), generator=g))
@@ -114,7 +120,7 @@ def test_host_built_inputs_replay_like_eager(model_cache) -> None:
             steps.append((host, dev))
         got = [graphs.run(host)[0][:3].clone() for host, _ in steps]  # no sync between replays
         for i, ((_, dev), out) in enumerate(zip(steps, got)):
-            ref = model.forward_batch(dev, cache)[:3]
+            ref = plan.forward(dev, cache)[:3]
             err = ((ref.float() - out.float()).abs().max() / ref.float().abs().max()).item()
             assert err < 1e-2, (i, err)
         assert not torch.equal(got[0], got[1])
@@ -124,27 +130,34 @@ def test_host_built_inputs_replay_like_eager(model_cache) -> None:
 
 
 @pytest.mark.parametrize("fold", [True, False])
-def test_carried_ids_replay_like_eager(model_cache, fold: bool) -> None:
+def test_carried_ids_replay_like_eager(model_cache, fold: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A step whose input ids are the step before's greedy ids, in any row order: taken on the device
     inside the graph when the step before was the bucket's other graph, gathered and copied before the
-    replay otherwise (another bucket in between); either way equal to the eager forward fed those ids,
-    and the read-back (on its own stream) equals the replay's argmax. ``fold``: the carry inside the
-    embedding lookup (the standard decoder's ``folds_carry``), or a launch of its own before the forward."""
+    replay otherwise (another bucket in between); either way equal to the plan's eager forward fed those
+    ids, and the read-back (on its own stream) equals the replay's argmax. ``fold``: the plan folds the
+    carry into the step's first launch (the deferred form's embedding lookup), or, with the deferred norms
+    off in its tuning, runs ``ops.carry_ids`` as a launch of its own before the forward."""
+    from exl3_core import ops
+
     model, cache = model_cache
-    cls = type(model)
+    tuning = Tuning.for_device(model.device)
     if not fold:
-        model.__class__ = type("NoFold", (cls,), {"folds_carry": property(lambda self: False)})
-    assert model.folds_carry is fold
-    try:
-        _carried_ids_replay_like_eager(model, cache)
-    finally:
-        model.__class__ = cls
+        tuning = dataclasses.replace(tuning, fusion=FusionTuning(deferred_norm=False))
+    plan = ExecutionPlan(model, tuning)
+    assert plan.executor is not None and (plan.executor.deferred_why == []) is fold, plan.executor.deferred_why
+    separate: list[int] = []
+    real = ops.carry_ids
+    monkeypatch.setattr(ops, "carry_ids", lambda *a, **kw: separate.append(1) or real(*a, **kw))
+    _carried_ids_replay_like_eager(plan, cache)
+    # the captures (and their warm-up runs) took the carry in the lookup, or as its own launch
+    assert bool(separate) is not fold, f"fold={fold}: ops.carry_ids ran {len(separate)} times"
 
 
-def _carried_ids_replay_like_eager(model, cache) -> None:
+def _carried_ids_replay_like_eager(plan: ExecutionPlan, cache) -> None:
+    model = plan.model
     ps, W = cache.page_size, 4
-    graphs = DecodeGraphs.create(model, cache, W)
-    assert graphs is not None, decline_reason(model, cache)
+    graphs = DecodeGraphs.create(plan, cache, W)
+    assert graphs is not None, decline_reason(plan, cache, W)
     g = torch.Generator().manual_seed(5)
     kw = {"page_size": ps, "table_width": W, "scratch_page": cache.scratch_page, "decode": True}
     ctx, pages = [], []
@@ -173,7 +186,7 @@ def _carried_ids_replay_like_eager(model, cache) -> None:
             got = logits[:len(nxt)].clone()
             out = graphs.read_back(packed).wait()[0]
             assert graphs.carried == before + carried, (nxt, carried)
-            ref = model.forward_batch(d, cache)[:len(nxt)]
+            ref = plan.forward(d, cache)[:len(nxt)]
             err = ((ref.float() - got.float()).abs().max() / ref.float().abs().max()).item()
             assert err < 1e-2, (nxt, err)
             assert out[:len(nxt)] == got.argmax(-1).double().tolist()
@@ -185,7 +198,7 @@ def _carried_ids_replay_like_eager(model, cache) -> None:
             token = (int(out[0]) + 1) % 2000  # never the previous argmax: a stale carry would show
             d, _ = build_batch([Chunk([token], ctx[0], pages[0], True)], device=torch.device(model.device), **kw)
             got = graphs.run(d)[0][:1].clone()
-            ref = model.forward_batch(d, cache)[:1]
+            ref = plan.forward(d, cache)[:1]
             err = ((ref.float() - got.float()).abs().max() / ref.float().abs().max()).item()
             assert err < 1e-2, err
             out = [float(got.argmax())]
@@ -201,10 +214,11 @@ def test_capture_graphs_up_front(model_cache) -> None:
     refused while jobs run."""
     model, cache = model_cache
     gen = Generator(model, cache, None, max_batch_size=3, max_seq_len=256)
-    assert gen.graphs is not None, decline_reason(model, cache)
+    assert gen.graphs is not None, decline_reason(gen.plan, cache, gen.table_width)
     assert gen.capture_graphs() == [1, 2, 4]
     captured = dict(gen.graphs._graphs)
-    assert sorted(captured) == [(b, slot) for b in (1, 2, 4) for slot in (0, 1)]  # two graphs per bucket
+    # two graphs per bucket (sequences, 1 token each)
+    assert sorted(captured) == [(b, 1, slot) for b in (1, 2, 4) for slot in (0, 1)]
     jobs = [Job([5, 6, 7], max_new_tokens=n, stop_at_eos=False) for n in (4, 8, 12)]  # 3 -> 2 -> 1 rows
     gen.enqueue(jobs)
     with pytest.raises(RuntimeError, match="capture_graphs"):
@@ -218,11 +232,12 @@ def test_capture_graphs_up_front(model_cache) -> None:
 
 def test_graph_declined_for_unsafe_backend(model_cache) -> None:
     model, cache = model_cache
+    plan = ExecutionPlan(model)
     saved = model.allowed_backends
     try:
         model.allowed_backends = ("torch",)
-        assert "not graph-safe" in (decline_reason(model, cache) or "")
-        assert DecodeGraphs.create(model, cache, 4) is None
+        assert "not graph-safe" in (decline_reason(plan, cache, 4) or "")
+        assert DecodeGraphs.create(plan, cache, 4) is None
     finally:
         model.allowed_backends = saved
 
@@ -248,6 +263,7 @@ def test_no_leak_after_unload(plugins) -> None:
     assert gen.graphs is not None and gen.graphs.replays > 0
     del gen
     model.unload()
+    cache.free()  # the model keeps no reference to its cache: unloading leaves it
     assert _settle() == base
 
 
@@ -261,9 +277,9 @@ def test_refuses_cache_larger_than_free_memory(plugins) -> None:
     model = Model.from_config(Config(src.directory, shape.hf_config(), plugins=plugins))
     free, _ = torch.cuda.mem_get_info()
     tokens = 2 * free // (shape.layers * 2 * shape.kv_heads * shape.dim_head * 2)
-    Cache(model, tokens, page_size=4096, plugins=plugins)
+    cache = Cache(model, tokens, page_size=4096, plugins=plugins)
     base = torch.cuda.memory_allocated()
     with pytest.raises(InsufficientDeviceMemory, match="free") as e:
-        model.load(device="cuda", source=src)
-    assert "GiB" in str(e.value) and not model.loaded
+        model.load(device="cuda", source=src, caches=[cache])
+    assert "GiB" in str(e.value) and not model.loaded and not cache.allocated
     assert torch.cuda.memory_allocated() == base

@@ -1,6 +1,6 @@
-"""On CUDA (the fused residual chain, EXL3 kernels): the last block runs o_proj, its MLP, the final norm
-and the head only on the rows whose logits are asked for; the logits match the full forward's rows and
-every row's keys and values are the same (tests/core/test_last_rows.py has the CPU side)."""
+"""On CUDA (the execution plan's fused residual chain, EXL3 kernels): the last block runs o_proj, its MLP, the
+final norm and the head only on the rows whose logits are asked for; the logits match the full forward's rows
+and every row's keys and values are the same (tests/core/test_last_rows.py has the CPU side)."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +8,7 @@ import torch
 
 from exl3_core.archkit.batch import BatchMeta
 from exl3_core.bench.models import bench_plugins, build_model, parse_shape
+from exl3_core.plan import ExecutionPlan
 
 SHAPE = "custom(512,1024,3,8,2,2000)"
 PAGE = 64
@@ -25,8 +26,14 @@ def test_pruned_last_block_matches_full_forward(lens: list[int]) -> None:
     model, cache = build_model(parse_shape(SHAPE), bpw=4.0, head_bits=6, device="cuda", cache_tokens=4096,
                                page_size=PAGE, plugins=bench_plugins())
     try:
+        plan = ExecutionPlan(model)
+        assert plan.executor is not None and not plan.executor.chain_why and not plan.executor.rows_why
+        # the rows the last block's MLP sees (the plan runs it through its runner, not the module's forward)
+        runner = plan.executor.blocks[-1].mlp_runner
+        assert runner is not None
         seen: list[int] = []
-        model.layers[-1].mlp.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[0]))
+        real = runner.forward
+        runner.forward = lambda x, state: seen.append(x.shape[0]) or real(x, state)  # type: ignore[method-assign]
         g = torch.Generator().manual_seed(1)
         toks = [torch.randint(0, 2000, (n,), generator=g).tolist() for n in lens]
         pages = [cache.allocator.allocate(-(-n // PAGE)) for n in lens]
@@ -37,7 +44,7 @@ def test_pruned_last_block_matches_full_forward(lens: list[int]) -> None:
         def run(li: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
             meta = BatchMeta.from_lists(toks, [0] * len(lens), device="cuda", page_table=table, page_size=PAGE,
                                         logits_indices=li)
-            out = model.forward_batch(meta, cache).clone()
+            out = plan.forward(meta, cache).clone()
             kv = [t.clone() for layer in cache.layers for t in layer.attn_tensors() if t is not None]
             return out, kv
 
@@ -52,3 +59,5 @@ def test_pruned_last_block_matches_full_forward(lens: list[int]) -> None:
             assert torch.equal(a, b)
     finally:
         model.unload()
+        if cache is not None:
+            cache.free()

@@ -1,4 +1,5 @@
-"""CUDA-graph prefill (one fresh sequence padded to a token bucket) equals the eager forward."""
+"""CUDA-graph prefill (one fresh sequence padded to a token bucket) equals the eager forward of the same
+execution plan."""
 from __future__ import annotations
 
 import pytest
@@ -7,13 +8,14 @@ import torch
 from exl3_core.archkit.batch import BatchMeta
 from exl3_core.bench.models import bench_plugins, build_model, parse_shape
 from exl3_core.generator import Generator, Job
-from exl3_core.generator.graphs import PrefillGraphs, decline_reason, prefill_bucket
+from exl3_core.generator.graphs import PrefillGraphs, decline_reason
+from exl3_core.plan import ExecutionPlan
 
 SHAPE = "custom(512,1024,3,8,2,2000)"
 PAGE = 64
 TOL = 1e-2  # fp16 activations; cuBLAS picks other kernels for other row counts (see test_graph_decode)
 # where one side prefilled in bf16 and the other in fp16 (a fresh prompt's replay against a mixed eager
-# step, EXL3_PREFILL_BF16): bf16's rounding, ~8x fp16's (tests/gpu/test_prefill_bf16_gpu.py)
+# step, FusionTuning.prefill_bf16): bf16's rounding, ~8x fp16's (tests/gpu/test_prefill_bf16_gpu.py)
 TOL_BF16 = 3e-2
 
 
@@ -25,12 +27,13 @@ def model_cache():
                                page_size=PAGE, plugins=bench_plugins())
     yield model, cache
     model.unload()
+    cache.free()
 
 
-def _eager(model, cache, ids: list[int], pages: list[int]) -> torch.Tensor:
+def _eager(plan: ExecutionPlan, cache, ids: list[int], pages: list[int]) -> torch.Tensor:
     meta = BatchMeta.from_lists([ids], [0], device="cuda", page_table=torch.tensor([pages], dtype=torch.int32),
                                 page_size=PAGE, logits_indices=torch.tensor([len(ids) - 1], device="cuda"))
-    return model.forward_batch(meta, cache)
+    return plan.forward(meta, cache)
 
 
 def _kv(cache, pages: list[int], n: int) -> list[torch.Tensor]:
@@ -52,18 +55,19 @@ def test_graph_prefill_equals_eager(model_cache, n: int) -> None:
     """Logits of the last token and every real position's cache entries match the eager forward on
     the same pages; two different prompts in one bucket replay with their own inputs."""
     model, cache = model_cache
-    assert decline_reason(model, cache, "prefill") is None
+    plan = ExecutionPlan(model)
     width = 16
-    graphs = PrefillGraphs.create(model, cache, width, 2048)
+    assert decline_reason(plan, cache, width, "prefill") is None
+    graphs = PrefillGraphs.create(plan, cache, width, 2048)
     assert graphs is not None
     bucket = graphs.bucket(n, 0, -(-n // PAGE))
-    assert bucket == prefill_bucket(n, 2048) and bucket is not None and bucket >= n
+    assert bucket == plan.tuning.graphs.prefill_bucket(n, 2048) and bucket is not None and bucket >= n
     g = torch.Generator().manual_seed(n)
     pages = cache.allocator.allocate(-(-n // PAGE))
     try:
         for rep in range(2):
             ids = torch.randint(0, 2000, (n,), generator=g).tolist()
-            ref = _eager(model, cache, ids, pages)
+            ref = _eager(plan, cache, ids, pages)
             kv_ref = _kv(cache, pages, n)
             cache_before = [t.clone() for layer in cache.layers for t in layer.attn_tensors()]
             for layer in cache.layers:
@@ -129,19 +133,20 @@ def test_graph_chunk_after_prefix_equals_eager(model_cache, past: int, n: int) -
     """A chunk after ``past`` cached tokens (paged attention over them) replays like the eager
     forward of the same chunk over the same cache."""
     model, cache = model_cache
+    plan = ExecutionPlan(model)
     width = 16
-    graphs = PrefillGraphs.create(model, cache, width, 2048)
+    graphs = PrefillGraphs.create(plan, cache, width, 2048)
     assert graphs is not None and graphs.bucket(n, past, -(-(past + n) // PAGE)) is not None
     g = torch.Generator().manual_seed(past + n)
     pages = cache.allocator.allocate(-(-(past + n) // PAGE))
     try:
         prefix = torch.randint(0, 2000, (past,), generator=g).tolist()
-        _eager(model, cache, prefix, pages)  # the cached prefix
+        _eager(plan, cache, prefix, pages)  # the cached prefix
         for rep in range(2):
             ids = torch.randint(0, 2000, (n,), generator=g).tolist()
             meta = BatchMeta.from_lists([ids], [past], device="cuda", page_table=torch.tensor([pages], dtype=torch.int32),
                                         page_size=PAGE, logits_indices=torch.tensor([n - 1], device="cuda"))
-            ref = model.forward_batch(meta, cache)
+            ref = plan.forward(meta, cache)
             kv_ref = _kv(cache, pages, past + n)
             slots = torch.tensor([pages[p // PAGE] * PAGE + p % PAGE for p in range(past, past + n)], device="cuda")
             for layer in cache.layers:
@@ -159,7 +164,7 @@ def test_graph_chunk_after_prefix_equals_eager(model_cache, past: int, n: int) -
 
 def test_long_chunks_run_eagerly(model_cache) -> None:
     model, cache = model_cache
-    graphs = PrefillGraphs.create(model, cache, 16, 1024)
+    graphs = PrefillGraphs.create(ExecutionPlan(model), cache, 16, 1024)
     assert graphs is not None
     assert graphs.bucket(100, 0, 2) == 128
     assert graphs.bucket(100, 64, 3) == 128  # after a cached prefix

@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from exl3_core.plan.kernels import LinearKernels
+from exl3_core.plan.linears import Projection
 from exl3_core.quant.exl3 import CB_3INST, CB_MCG, CB_MUL1, cuda_ops
 from exl3_core.quant.exl3.quantize import dequantize_padded
 from exl3_core.quant.exl3.trellis import decode_inner
+from exl3_core.tuning import Tuning
 
 pytestmark = pytest.mark.cuda
 CBS = (CB_3INST, CB_MCG, CB_MUL1)
@@ -191,10 +194,16 @@ def test_into_a_column_block_is_bit_identical(exl3_ops, K: int, cb: int) -> None
         cuda_ops.reconstruct_full_into_cuda(trellis, suh, svh, K, cb, wide[:, :n - 128])
 
 
-def test_project_group_big_m_is_one_gemm_and_matches_the_layers(exl3_ops) -> None:
+def _projection(layers: tuple[torch.nn.Module, ...], kernels: LinearKernels) -> Projection:
+    """The plan's form of linears sharing an input (q/k/v, gate/up), through ``kernels``."""
+    return Projection("test", layers, Tuning.h200(), torch.device("cuda", torch.cuda.current_device()), kernels)
+
+
+def test_projection_big_m_is_one_gemm_and_matches_the_layers(exl3_ops, counting_kernels) -> None:
     """From 65 rows, linears sharing x (q/k/v, gate/up; K and codebook may differ) are rebuilt side
-    by side and multiplied by one GEMM; outputs equal each layer's own exl3_gemm forward."""
-    from exl3_core.quant.exl3.linear import GROUP_GEMM_MIN_ROWS, EXL3Linear, project_group
+    by side and multiplied by one GEMM (the plan's :class:`Projection`); outputs equal each layer's own
+    exl3_gemm forward."""
+    from exl3_core.quant.exl3.linear import REBUILD_MIN_ROWS, EXL3Linear
 
     def layer(k_true: int, n_true: int, K: int, cb: int, bias: bool) -> EXL3Linear:
         k, n = -(-k_true // 128) * 128, -(-n_true // 128) * 128
@@ -203,10 +212,16 @@ def test_project_group_big_m_is_one_gemm_and_matches_the_layers(exl3_ops) -> Non
         return EXL3Linear(rand_trellis(k, n, K).to(DEV), suh.to(DEV), svh.to(DEV), cb, k_true, n_true, bias=b)
 
     qkv = (layer(576, 576, 4, CB_MUL1, True), layer(576, 192, 3, CB_MCG, False), layer(576, 192, 4, CB_MUL1, True))
-    for m in (GROUP_GEMM_MIN_ROWS, 300):
+    kernels = counting_kernels()
+    proj = _projection(qkv, kernels)
+    assert proj.rebuild_why == [], proj.rebuild_why
+    for m in (REBUILD_MIN_ROWS, 300):
         for dtype in (torch.float16, torch.bfloat16):
             x = torch.randn(m, 576, device=DEV).to(dtype)
-            got = project_group(x, qkv)
+            before = kernels.calls.get("rebuild_gemm", 0)
+            got = proj.run(x)
+            assert kernels.calls.get("rebuild_gemm", 0) == before + 1, "not one rebuilt-W GEMM for the group"
+            assert kernels.rebuild_dtypes[-1] == dtype
             for i, (g, lay) in enumerate(zip(got, qkv)):
                 want = lay(x)
                 assert g.dtype == dtype and g.shape == want.shape == (m, lay.out_features)
@@ -215,24 +230,28 @@ def test_project_group_big_m_is_one_gemm_and_matches_the_layers(exl3_ops) -> Non
                 assert rel_err(g, want) < (2e-3 if dtype == torch.float16 else 8e-3), f"m={m} {dtype} output {i}"
 
 
-def test_project_group_calls_hooked_layers_one_by_one(exl3_ops) -> None:
+def test_projection_calls_hooked_layers_one_by_one(exl3_ops, counting_kernels) -> None:
     """Forward hooks (the converter's input capture) must see every layer's input: with a hook on
-    any layer, project_group calls each layer instead of one grouped launch, at any row count."""
-    from exl3_core.quant.exl3.linear import EXL3Linear, project_group
+    any layer, the plan's Projection calls each layer instead of one grouped launch, at any row count."""
+    from exl3_core.quant.exl3.linear import EXL3Linear
 
     lays = []
     for n in (256, 128):
         suh, svh = rand_scales(256, n)
         lays.append(EXL3Linear(rand_trellis(256, n, 4).to(DEV), suh.to(DEV), svh.to(DEV), CB_MUL1, 256, n))
+    kernels = counting_kernels()
+    proj = _projection(tuple(lays), kernels)
+    assert proj.group_why == [] and proj.rebuild_why == []
     seen: list[int] = []
     h = lays[1].register_forward_pre_hook(lambda mod, inp: seen.append(inp[0].shape[0]))
     try:
         for m in (1, 300):
             x = torch.randn(m, 256, device=DEV).half()
             seen.clear()
-            got = project_group(x, tuple(lays))
+            got = proj.run(x)
             assert seen == [m]  # the hooked layer's own forward ran, once
             assert all(rel_err(g, lay(x)) < 2e-3 for g, lay in zip(got, lays))
+        assert kernels.calls == {}, f"a grouped launch ran despite the hook: {kernels.calls}"
     finally:
         h.remove()
 

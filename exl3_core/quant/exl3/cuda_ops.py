@@ -8,29 +8,34 @@ The compiled ops live under ``torch.ops.exl3`` when ``exl3_core._C`` was built w
   multiplies by it with one cuBLAS GEMM for m > 64
 * ``reconstruct_full_into(trellis, suh, svh, K, codebook, out)``: the same into a strided fp16 or bf16
   view (bf16: the bf16 prefill's W)
-* ``exl3_gemm(x fp16 [m, k], trellis, suh, svh, codebook) -> fp16 [m, n]`` (spec 4.3, the
+* ``exl3_gemm(x fp16 [m, k], trellis, suh, svh, codebook, launch=[]) -> fp16 [m, n]`` (spec 4.3, the
   ``linear.exl3_matmul`` seam): Hadamard-in, on-the-fly-decode GEMM, Hadamard-out; from 65 rows x may
-  be bf16 (W rebuilt in bf16, a bf16 result)
+  be bf16 (W rebuilt in bf16, a bf16 result); up to 4 rows go to the one-launch kernel, with ``launch``
 * ``exl3_gemm_xh(xh fp16 [m, k], trellis, K, codebook, kt_per_warp=0) -> fp32 [m, n]`` (z = xh @ Ŵ)
 * ``had128(x, pre_scale=None, post_scale=None, out_fp16=True)`` (blockwise H128/sqrt(128))
-* ``exl3_linear(x fp16 [m <= 16, k], trellis, suh, svh, codebook, kt_per_chunk=0) -> fp16 [m, n]``:
+* ``exl3_linear(x fp16 [m <= 16, k], trellis, suh, svh, codebook, kt_per_chunk=0, launch=[]) -> fp16 [m, n]``:
   ``exl3_gemm``'s decode path in one launch (csrc/exl3/exl3_fused.cuh); ``exl3_gemm`` itself
-  routes m <= 16 here
-* ``exl3_linear_group(x, trellis[], suh[], svh[], codebook, kt_per_chunk=0) -> fp16 [m, n_i][]``:
+  routes m <= 4 here
+* ``exl3_linear_group(x, trellis[], suh[], svh[], codebook, kt_per_chunk=0, launch=[]) -> fp16 [m, n_i][]``:
   up to 3 problems sharing x, K and codebook (q/k/v, gate/up) in one launch
-* ``exl3_linear_act(gate, up, trellis, suh, svh, codebook, act) -> fp16 [m, n]``: the linear of
+* ``exl3_linear_act(gate, up, trellis, suh, svh, codebook, act, launch=[]) -> fp16 [m, n]``: the linear of
   ``act(gate) * up``, the product formed in the prologue (a gated MLP's down projection)
 * ``exl3_linear_group_ex(x, trellis[], suh[], svh[], codebook, norm_ss?, norm_w?, eps, offset, rope_cos?,
-  rope_sin?, rope_interleaved, rope_on[], slots?, caches[]) -> fp16 [m, n_i][]``: the group with a
-  deferred RMSNorm in the prologue and q/k/v's RoPE + paged KV write in the epilogue (model code:
-  ``linear.project_group``)
-* ``exl3_linear_residual(x, gate?, act, trellis, suh, svh, codebook, res, ss) -> fp16 [m, n]``:
-  ``res + linear(x)`` (or of ``act(gate) * x``), each row's sum of squares added into ``ss``
-  (model code: ``linear.linear_residual``)
+  rope_sin?, rope_interleaved, rope_on[], slots?, caches[], launch=[]) -> fp16 [m, n_i][]``: the group with
+  a deferred RMSNorm in the prologue and q/k/v's RoPE + paged KV write in the epilogue (the plan's
+  ``Projection``, through ``linear.launch_group_ex``)
+* ``exl3_linear_residual(x, gate?, act, trellis, suh, svh, codebook, res, ss, launch=[]) -> fp16 [m, n]``:
+  ``res + linear(x)`` (or of ``act(gate) * x``), each row's sum of squares added into ``ss`` (the plan's
+  ``ResidualOut``, through ``linear.launch_residual``)
 * ``exl3_linear_workspace(like) -> (z, counters)``: copies of the fused op's per-device workspace,
   all zeros between calls (tests)
 
 The fallbacks run anywhere (CPU included) and compute the same functions in fp32.
+
+``launch`` (the one-launch ops and ``exl3_gemm``) is ``[]`` for the defaults or
+:meth:`LaunchConfig.ints() <exl3_core.kernels.launch.LaunchConfig.ints>`, ``[pdl, predecode,
+predecode_max_kt, xh_min_rows]``: per call, so two plans with different tunings launch with their own.
+The wrappers below pass the running forward's (:func:`exl3_core.kernels.launch.current`) unless given one.
 
 The one-launch ops share a per-device workspace that grows, eagerly, to the widest call so far. A call
 wider than that while a CUDA graph is being captured cannot grow it and silently takes the unfused
@@ -44,6 +49,7 @@ from __future__ import annotations
 import torch
 
 from exl3_core import ext
+from exl3_core.kernels.launch import LaunchConfig, current
 from exl3_core.quant.exl3.hadamard import had_blockwise
 from exl3_core.quant.exl3.trellis import decode_inner, k_from_trellis
 
@@ -67,6 +73,29 @@ def _check(trellis: torch.Tensor, K: int | None, codebook: int, what: str) -> in
         raise ValueError(f"{what}: trellis data is not 16-byte aligned (a view at an odd offset); pass "
                          f"trellis.clone()")
     return found
+
+
+#: the ``launch`` ranges the compiled ops accept (csrc/exl3/exl3_ops.cu, launch_opts): the longest chunk is
+#: at most the kernels' 32 k tiles, the x-once threshold at most the 16 rows of one launch
+PREDECODE_MAX_KT_MAX = 32
+XH_MIN_ROWS_MAX = 16
+
+
+def launch_ints(launch: LaunchConfig | None, what: str) -> list[int]:
+    """The ops' ``launch`` argument for ``launch`` (None: the running forward's), checked here so that a bad
+    value raises a ValueError even where an exception from inside the extension would crash the process."""
+    cfg = current() if launch is None else launch
+    pdl, predecode, max_kt, xh_rows = cfg.ints()
+    if pdl not in (0, 1):
+        raise ValueError(f"{what}: LaunchConfig.pdl={cfg.pdl!r}; expected a bool")
+    if predecode not in (0, 1, 2):
+        raise ValueError(f"{what}: LaunchConfig.predecode={predecode}; expected 0 (off), 1 (on) or 2 (on, early signal)")
+    if not 0 <= max_kt <= PREDECODE_MAX_KT_MAX:
+        raise ValueError(f"{what}: LaunchConfig.predecode_max_kt={max_kt}; expected 0 (the ring's length) to "
+                         f"{PREDECODE_MAX_KT_MAX} k tiles")
+    if not 0 <= xh_rows <= XH_MIN_ROWS_MAX:
+        raise ValueError(f"{what}: LaunchConfig.xh_min_rows={xh_rows}; expected 0 (never) to {XH_MIN_ROWS_MAX} rows")
+    return [pdl, predecode, max_kt, xh_rows]
 
 
 def reconstruct_cuda(trellis: torch.Tensor, K: int | None, codebook: int) -> torch.Tensor:
@@ -177,15 +206,19 @@ def exl3_gemm_xh_cuda(xh: torch.Tensor, trellis: torch.Tensor, codebook: int, kt
 
 
 def exl3_gemm_cuda(
-    x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: int
+    x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: int,
+    launch: LaunchConfig | None = None,
 ) -> torch.Tensor:
-    """``x[..., k] @ W -> [..., n]`` (padded widths, no bias), fp16 out on CUDA, fp32 on the fallback."""
+    """``x[..., k] @ W -> [..., n]`` (padded widths, no bias), fp16 out on CUDA, fp32 on the fallback.
+    ``launch``: the one-launch kernel's options for the few rows the op sends to it (None: the running
+    forward's)."""
     _check(trellis, None, codebook, "exl3_gemm_cuda")
+    ints = launch_ints(launch, "exl3_gemm_cuda")
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[-1] != trellis.shape[0] * 16:
         raise ValueError(f"exl3_gemm_cuda: x has {x2.shape[-1]} features, the trellis {trellis.shape[0] * 16}")
     if _compiled("exl3_gemm", x2, trellis):
-        y = ext.op("exl3_gemm")(x2.to(torch.float16).contiguous(), trellis.contiguous(), suh, svh, codebook)
+        y = ext.op("exl3_gemm")(x2.to(torch.float16).contiguous(), trellis.contiguous(), suh, svh, codebook, ints)
     else:
         xh = had_blockwise(x2.to(torch.float32) * suh.to(torch.float32), dim=-1)
         z = xh @ decode_inner(trellis, k_from_trellis(trellis), codebook).to(torch.float32)
@@ -214,21 +247,25 @@ def _check_problem(x2: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, s
 
 
 def exl3_linear_cuda(
-    x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: int, kt_per_chunk: int = 0
+    x: torch.Tensor, trellis: torch.Tensor, suh: torch.Tensor, svh: torch.Tensor, codebook: int, kt_per_chunk: int = 0,
+    launch: LaunchConfig | None = None,
 ) -> torch.Tensor:
     """``x[..., k] @ W -> [..., n]`` (spec 4.3, padded widths, no bias) in one kernel launch.
 
     On CUDA with the op built and at most 16 rows: ``exl3::exl3_linear`` (fp16 out). More rows go
     through :func:`exl3_gemm_cuda`; without the op, the fp32 torch reference. ``kt_per_chunk``
-    (k tiles per block, rounded up to a multiple of 8; 0 = one wave) is for tests and benchmarks.
+    (k tiles per block; 0 = one wave) is for tests and benchmarks; ``launch``: PDL, pre-decoding and the
+    x-once threshold (None: the running forward's, :func:`exl3_core.kernels.launch.current`).
     """
     _check(trellis, None, codebook, "exl3_linear_cuda")
+    ints = launch_ints(launch, "exl3_linear_cuda")
     x2 = x.reshape(-1, x.shape[-1])
     _check_problem(x2, trellis, suh, svh, "exl3_linear_cuda")
     if x2.shape[0] <= FUSED_MAX_M and _compiled("exl3_linear", x2, trellis, suh, svh):
-        y = ext.op("exl3_linear")(x2.to(torch.float16).contiguous(), trellis.contiguous(), suh, svh, codebook, kt_per_chunk)
+        y = ext.op("exl3_linear")(x2.to(torch.float16).contiguous(), trellis.contiguous(), suh, svh, codebook,
+                                  kt_per_chunk, ints)
     elif _compiled("exl3_gemm", x2, trellis):
-        y = ext.op("exl3_gemm")(x2.to(torch.float16).contiguous(), trellis.contiguous(), suh, svh, codebook)
+        y = ext.op("exl3_gemm")(x2.to(torch.float16).contiguous(), trellis.contiguous(), suh, svh, codebook, ints)
     else:
         y = _fallback_linear(x2, trellis, suh, svh, codebook)
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -241,12 +278,14 @@ def exl3_linear_group_cuda(
     svh: list[torch.Tensor],
     codebook: int,
     kt_per_chunk: int = 0,
+    launch: LaunchConfig | None = None,
 ) -> list[torch.Tensor]:
     """Up to 3 linears sharing the input ``x[..., k]`` (same K and codebook; n may differ) in one launch.
 
-    Same contract per problem as :func:`exl3_linear_cuda`; returns ``[..., n_i]`` per problem.
+    Same contract per problem (and ``launch``) as :func:`exl3_linear_cuda`; returns ``[..., n_i]`` per problem.
     """
     what = "exl3_linear_group_cuda"
+    ints = launch_ints(launch, what)
     if not 1 <= len(trellis) <= FUSED_MAX_PROBLEMS or len(suh) != len(trellis) or len(svh) != len(trellis):
         raise ValueError(
             f"{what}: takes 1..{FUSED_MAX_PROBLEMS} problems with one suh and one svh each, got "
@@ -260,8 +299,8 @@ def exl3_linear_group_cuda(
     if x2.shape[0] <= FUSED_MAX_M and _compiled("exl3_linear_group", x2, *trellis, *suh, *svh):
         ys = ext.op("exl3_linear_group")(
             x2.to(torch.float16).contiguous(), [t.contiguous() for t in trellis], list(suh), list(svh), codebook,
-            kt_per_chunk,
+            kt_per_chunk, ints,
         )
     else:
-        ys = [exl3_linear_cuda(x2, t, su, sv, codebook) for t, su, sv in zip(trellis, suh, svh)]
+        ys = [exl3_linear_cuda(x2, t, su, sv, codebook, launch=launch) for t, su, sv in zip(trellis, suh, svh)]
     return [y.reshape(*x.shape[:-1], y.shape[-1]) for y in ys]

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from exl3_core import ext
+from exl3_core.kernels import launch as _launch
 from exl3_core.kernels.codes import ACT_CODES
 from exl3_core.quant.exl3 import codebook as _cb
 from exl3_core.quant.exl3.cuda_ops import reconstruct_full_into_cuda
@@ -251,20 +252,26 @@ def exl3_matmul(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
     """Op-dispatch seam for ``x[..., k] @ W -> [..., n]`` (padded widths, no bias).
 
     On CUDA with the compiled op present it calls
-    ``torch.ops.exl3.exl3_gemm(x2d fp16 [m, k] contiguous, trellis, suh, svh, codebook: int) -> fp16 [m, n]``
-    (K from the trellis' last dim; bf16 in and out for a bf16 ``x`` from :data:`REBUILD_MIN_ROWS` rows);
-    otherwise the fp32 torch reference. The result's dtype is the path's (fp16, bf16 or fp32); the caller casts.
+    ``torch.ops.exl3.exl3_gemm(x2d fp16 [m, k] contiguous, trellis, suh, svh, codebook: int, launch) -> fp16 [m, n]``
+    (K from the trellis' last dim; bf16 in and out for a bf16 ``x`` from :data:`REBUILD_MIN_ROWS` rows; ``launch``:
+    the running forward's :class:`~exl3_core.kernels.launch.LaunchConfig`, for the few rows it sends to the
+    one-launch kernel); otherwise the fp32 torch reference. The result's dtype is the path's (fp16, bf16 or
+    fp32); the caller casts.
     """
     if x.is_cuda and ext.has_op("exl3_gemm"):
         bf16 = x.dtype == torch.bfloat16 and x.numel() // max(x.shape[-1], 1) >= REBUILD_MIN_ROWS \
             and layer.padded_in_features % 128 == 0 and layer.trellis.shape[1] % 8 == 0
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16 if bf16 else torch.float16).contiguous()
-        y = ext.op("exl3_gemm")(x2, layer.trellis, layer.suh, layer.svh, layer.codebook)
+        y = ext.op("exl3_gemm")(x2, layer.trellis, layer.suh, layer.svh, layer.codebook, _launch.current().ints())
         return y.reshape(*x.shape[:-1], y.shape[-1])
     return exl3_matmul_reference(x, layer)
 
 
 # -- the compiled one-launch kernels ---------------------------------------------------------------
+# Each ``launch_*`` passes the launch options of the forward running in this context
+# (:func:`exl3_core.kernels.launch.current`, set by the execution plan from its tuning) as the op's
+# trailing ``launch`` argument: PDL, pre-decoding and the x-once threshold are per call, not per process.
+
 #: the most rows the one-launch kernels take
 LAUNCH_MAX_ROWS = 8
 
@@ -315,7 +322,8 @@ def launch_outputs(lins: Sequence[EXL3Linear], ys: Sequence[torch.Tensor], lead:
 def launch_group(x2: torch.Tensor, lins: Sequence[EXL3Linear]) -> list[torch.Tensor]:
     """``[x2 @ W_i]`` (padded widths, no bias) for 2-3 linears on ``x2 [m <= 8, k_pad]`` in one launch."""
     return ext.op("exl3_linear_group")(x2.to(torch.float16).contiguous(), [m.trellis for m in lins],
-                                       [m.suh for m in lins], [m.svh for m in lins], lins[0].codebook, 0)
+                                       [m.suh for m in lins], [m.svh for m in lins], lins[0].codebook, 0,
+                                       _launch.current().ints())
 
 
 @dataclass(frozen=True)
@@ -352,13 +360,15 @@ def launch_group_ex(h2: torch.Tensor, lins: Sequence[EXL3Linear], norm: NormProl
     return ext.op("exl3_linear_group_ex")(
         h2.contiguous(), [m.trellis for m in lins], [m.suh for m in lins], [m.svh for m in lins], lins[0].codebook,
         norm.ss if norm is not None else None, norm.weight if norm is not None else None,
-        float(norm.eps) if norm is not None else 0.0, float(norm.offset) if norm is not None else 0.0, *rope)
+        float(norm.eps) if norm is not None else 0.0, float(norm.offset) if norm is not None else 0.0, *rope,
+        _launch.current().ints())
 
 
 def launch_act(layer: EXL3Linear, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
     """``layer(act(gate) * up)`` (padded output, no bias) with the product formed in the launch's prologue;
     ``gate``/``up`` fp16 ``[m <= 8, k_pad]``."""
-    return ext.op("exl3_linear_act")(gate, up, layer.trellis, layer.suh, layer.svh, layer.codebook, ACT_CODES[act])
+    return ext.op("exl3_linear_act")(gate, up, layer.trellis, layer.suh, layer.svh, layer.codebook, ACT_CODES[act],
+                                     _launch.current().ints())
 
 
 def launch_residual(layer: EXL3Linear, x: torch.Tensor, residual: torch.Tensor, ss: torch.Tensor,
@@ -372,7 +382,7 @@ def launch_residual(layer: EXL3Linear, x: torch.Tensor, residual: torch.Tensor, 
     code = ACT_CODES[act] if gate is not None and act is not None else 0
     g = gate.reshape(rows, -1) if gate is not None else None
     y = ext.op("exl3_linear_residual")(x.reshape(rows, -1), g, code, layer.trellis, layer.suh, layer.svh,
-                                       layer.codebook, residual.reshape(rows, -1), ss)
+                                       layer.codebook, residual.reshape(rows, -1), ss, _launch.current().ints())
     return y.reshape(residual.shape)
 
 
