@@ -65,6 +65,11 @@ class KernelTuning:
                              f"linear takes 1..8 rows")
         if self.predecode not in (0, 1, 2):
             raise ValueError(f"KernelTuning.predecode={self.predecode}: want 0 (off), 1 (on) or 2 (on, early signal)")
+        if not 0 <= self.predecode_max_kt <= 32:
+            raise ValueError(f"KernelTuning.predecode_max_kt={self.predecode_max_kt}: want 0 (the ring's length) "
+                             f"to 32 k tiles")
+        if not 0 <= self.xh_min_rows <= 16:
+            raise ValueError(f"KernelTuning.xh_min_rows={self.xh_min_rows}: want 0 (never) to 16 rows")
 
 
 #: token buckets of graphed prefill chunks (a chunk runs padded to the smallest that holds it)

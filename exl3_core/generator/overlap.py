@@ -19,8 +19,8 @@ host in advance. :class:`DecodePipeline` then
 A job that ends by length after step t (``max_new_tokens``, ``max_seq_len``) is known to end and
 gets no speculative row. Anything else (a queued job that could be admitted, a prefilling job,
 a job that is not plain greedy, too few free pages) drains the pipeline: the in-flight step is
-finished normally and the generator continues with its plain step. ``EXL3_OVERLAP_DECODE=0``
-(``settings.get().overlap_decode``) turns the loop off.
+finished normally and the generator continues with its plain step. ``Generator(overlap_decode=False)``
+(or the tuning's ``graphs.overlap_decode``) turns the loop off.
 
 On CUDA the step's metadata is built on the host and copied asynchronously. A replayed graph packs
 it into one pinned buffer, copied on a staging stream while the step before runs; the ids come from
