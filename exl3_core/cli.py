@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from exl3_core import threads
+
+    threads.prepare_env()
     logging.basicConfig(level=getattr(logging, settings.get().log_level, logging.WARNING),
                         format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
@@ -105,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        threads.configure()
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130

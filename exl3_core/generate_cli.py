@@ -112,7 +112,9 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     _, last = s.stream(s.prompt_ids(messages, prompt), sys.stdout)
     sys.stdout.write("\n")
     if args.stats:
-        print(f"load {t_load:.2f} s; " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+        import torch
+
+        print(f"load {t_load:.2f} s; threads {torch.get_num_threads()}; " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                                  for k, v in last.items() if k not in ("job", "text", "token_ids",
                                                                                        "full_completion")),
               file=sys.stderr)
