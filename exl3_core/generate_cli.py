@@ -153,8 +153,12 @@ def add_cli(sub: Any) -> None:
     c.set_defaults(func=_chat_cmd)
 
 
+#: what :class:`Session` streams with until a command chooses (``exl3 serve`` samples per request)
+LIBRARY_GREEDY = Sampling(0.0, 0, 1.0, 0.0, 1.0, "library default")
+
+
 class Session:
-    """Model, cache, tokenizer and generator for one CLI run."""
+    """Model, cache, tokenizer and generator for one CLI run (``generate``, ``chat``, ``serve``)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         from exl3_core import Cache, Config, Generator, Model, Tokenizer
@@ -167,7 +171,7 @@ class Session:
 
             model_dir = default_model_dir(progress=True)
         self.config = Config.from_directory(model_dir)
-        self.sampling = choose_sampling(args, Path(self.config.directory))
+        self.sampling = LIBRARY_GREEDY
         self.model = Model.from_config(self.config)
         attention = [a.strip() for a in args.attention.split(",")] if args.attention else None
         self.cache = Cache(self.model, max_num_tokens=args.cache_tokens)  # allocated by load()
@@ -246,6 +250,7 @@ def _generate_cmd(args: argparse.Namespace) -> int:
     prompt = _read_prompt(args)  # before loading anything: a missing prompt fails at once
     t0 = time.perf_counter()
     s = Session(args)
+    s.sampling = choose_sampling(args, Path(s.config.directory))
     t_load = time.perf_counter() - t0
     messages = None if args.raw else ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": prompt}]
@@ -267,6 +272,7 @@ def _generate_cmd(args: argparse.Namespace) -> int:
 
 def _chat_cmd(args: argparse.Namespace) -> int:
     s = Session(args)
+    s.sampling = choose_sampling(args, Path(s.config.directory))
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     if interactive:
