@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         sub.print_usage(sys.stderr)
         print(f"{sub.prog}: error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # noqa: BLE001 - the command line reports every failure as one line
+    except Exception as e:  # the command line reports every failure as one line
         if debug:
             raise
         print(f"exl3: error: {_one_line(e)}", file=sys.stderr)

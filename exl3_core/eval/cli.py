@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -98,11 +97,11 @@ def _kld(args: argparse.Namespace) -> int:
 
 def _plot(args: argparse.Namespace) -> int:
     from exl3_core.eval.kld import kl_divergence
-    from exl3_core.eval.plot import Point, _pyplot, model_bpw, render
+    from exl3_core.eval.plot import Point, model_bpw, pyplot, render
     from exl3_core.eval.ppl import perplexity
     from exl3_core.progress import write
 
-    _pyplot()  # without matplotlib, say so before minutes of evaluation
+    pyplot()  # without matplotlib, say so before minutes of evaluation
     device = _device(args)
     ref = load_model(args.ref, device) if args.ref else None
     points, ref_ppl = [], None

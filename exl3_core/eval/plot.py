@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -58,7 +59,8 @@ def model_bpw(directory: str | Path) -> float:
 PLOT_EXTRA_HINT = "pip install 'exl3-core[plot]' (or: pip install matplotlib)"
 
 
-def _pyplot():  # noqa: ANN202 - matplotlib.pyplot, typed by matplotlib itself
+def pyplot() -> ModuleType:
+    """``matplotlib.pyplot`` on the file-only Agg backend; ImportError naming the ``plot`` extra without it."""
     try:
         import matplotlib  # type: ignore[import-not-found]
     except ImportError:
@@ -76,7 +78,7 @@ def render(points: Sequence[Point], out: str | Path, *, title: str = "", referen
     if not pts:
         raise ValueError("nothing to plot: no models were given")
     out = Path(out)
-    plt = _pyplot()
+    plt = pyplot()
     n_panels = 2 if any(p.kld is not None for p in pts) else 1
     fig, axes = plt.subplots(1, n_panels, figsize=(5 * n_panels, 4), squeeze=False)
     try:

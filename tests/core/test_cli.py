@@ -24,7 +24,7 @@ def exl3(*args: str, stdin: str | None = "", timeout: float = 120) -> subprocess
     env = {**os.environ, "EXL3_DISABLE_PLUGINS": "broken"}
     env.pop("EXL3_LOG_LEVEL", None)  # DEBUG would re-raise with a traceback
     return subprocess.run([sys.executable, "-m", "exl3_core", *args], capture_output=True, text=True, env=env,
-                          input=stdin, timeout=timeout)
+                          input=stdin, timeout=timeout, check=False)
 
 
 def _parsers(p: argparse.ArgumentParser, path: str = "exl3") -> list[tuple[str, argparse.ArgumentParser]]:

@@ -131,7 +131,7 @@ def test_convert_bar_shows_sub_steps_and_tensors(tmp_path: Path, clean_settings:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-    from convert_tiny import build_tiny  # noqa: PLC0415
+    from convert_tiny import build_tiny
 
     from exl3_core.convert.pipeline import convert
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,8 @@ from exl3_core import threads
 def _child(code: str, **env: str | None) -> str:
     e = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "EXL3_NUM_THREADS")}
     e.update({k: v for k, v in env.items() if v is not None})
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120,
+                         check=False)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 
@@ -48,7 +50,7 @@ def test_physical_cores_counts_sibling_sets() -> None:
     sets = set()
     for c in cpus:
         path = f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list"
-        sets.add(open(path).read().strip() if os.path.exists(path) else c)
+        sets.add(Path(path).read_text().strip() if os.path.exists(path) else c)
     limit = threads._cgroup_cpu_limit()
     assert threads.physical_cores() == (min(len(sets), limit) if limit else len(sets))
     assert 1 <= threads.physical_cores() <= len(cpus)
