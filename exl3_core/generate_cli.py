@@ -91,8 +91,9 @@ def choose_sampling(args: argparse.Namespace, model_dir: Path) -> Sampling:
     explicit = {k: getattr(args, k) for k in ("temperature", "top_k", "top_p", "min_p")
                 if getattr(args, k) is not None}
     if args.greedy:
-        if any(k != "temperature" or v != 0.0 for k, v in explicit.items()):
-            raise UsageError(f"--greedy contradicts --{next(iter(explicit)).replace('_', '-')}; give one or the other")
+        clash = [k for k, v in explicit.items() if k != "temperature" or v != 0.0]
+        if clash:
+            raise UsageError(f"--greedy contradicts --{clash[0].replace('_', '-')}; give one or the other")
         return Sampling(0.0, 0, 1.0, 0.0, args.repetition_penalty or 1.0, "--greedy")
     base = model_sampling(model_dir) or Sampling(
         DEFAULT_SAMPLING["temperature"], int(DEFAULT_SAMPLING["top_k"]), DEFAULT_SAMPLING["top_p"],

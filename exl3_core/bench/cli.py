@@ -67,7 +67,7 @@ def _bench_cmd(args: argparse.Namespace) -> int:
                            "to run it on the CPU anyway (minutes per figure at the default shapes)")
     device = resolve_device(args.device)
     shape = parse_shape(args.shape)
-    with Progress(0, "bench", unit="step") as bar:
+    with Progress(0, "bench", unit="step", heartbeat_s=1.0) as bar:
         res = run_bench(shape, bpw=args.bpw, head_bits=args.head_bits or None, codebook=args.codebook,
                         device=device, contexts=contexts, batches=batches, prefill_tokens=prefill,
                         prefill_past=args.prefill_past, new_tokens=args.new_tokens, profile=args.profile,

@@ -338,7 +338,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
     n_steps = 1 + len(contexts) + len(batches) + len(prefills) * (2 if prefill_past else 1) + int(profile)
     done = 0
 
-    def step(what: str) -> None:
+    def next_step(what: str) -> None:
         nonlocal done
         if progress is not None:
             progress(done, n_steps, what)
@@ -361,7 +361,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
     need = pages(max(contexts) + new_tokens + 8) + max(batches, default=1) * pages(min(contexts) + new_tokens + 8)
     cache_tokens = 2 * ps * (need + pages(longest + prefill_past))
     t0 = time.perf_counter()
-    step("building the random-weight model")
+    next_step("building the random-weight model")
     model, cache = build_model(shape, bpw=bpw, head_bits=head_bits, codebook=codebook, device=dev,
                                cache_tokens=cache_tokens)
     out["build_seconds"] = time.perf_counter() - t0
@@ -374,7 +374,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
     elem = torch.empty((), dtype=model.dtype).element_size()
     decode: list[dict[str, Any]] = []
     for ctx in contexts:
-        step(f"decode b=1 ctx={ctx}")
+        next_step(f"decode b=1 ctx={ctx}")
         r = bench_decode(model, cache, batch=1, ctx=ctx, new_tokens=new_tokens)
         step = graph_step_time(model, cache, batch=1, ctx=ctx)
         r["graph_step_ms"] = None if step is None else step * 1e3
@@ -384,7 +384,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
         ceiling = combine_ceilings(ceilings + _ceiling_samples(model), log)
     out["decode_ceiling"] = ceiling
     for b in batches:
-        step(f"decode b={b} ctx={min(contexts)}")
+        next_step(f"decode b={b} ctx={min(contexts)}")
         r = bench_decode(model, cache, batch=b, ctx=min(contexts), new_tokens=new_tokens)
         step = graph_step_time(model, cache, batch=b, ctx=min(contexts)) if b <= 32 else None
         r["graph_step_ms"] = None if step is None else step * 1e3
@@ -412,7 +412,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
         out["prefills"] = []
         for n in prefills:
             for past in (0, prefill_past) if prefill_past else (0,):
-                step(f"prefill {n} tokens" + (f" after {past}" if past else ""))
+                next_step(f"prefill {n} tokens" + (f" after {past}" if past else ""))
                 p = bench_prefill(model, cache, tokens=n, past=past)
                 out["prefills"].append(p)
                 if n == longest and not past:
@@ -422,7 +422,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
                 after = f" after {past} cached" if past else ""
                 log(f"prefill {n} tokens{after} ({p['path']}): {p['tok_s']:.0f} tok/s ({p['seconds'] * 1e3:.2f} ms){extra}")
     if profile:
-        step("profile")
+        next_step("profile")
         out["profile_b1"] = profile_decode(model, cache, ctx=min(contexts))
         log(out["profile_b1"])
     if progress is not None:

@@ -24,7 +24,7 @@ def _device(args: argparse.Namespace) -> str:
 def _bar(label: str) -> Any:
     from exl3_core.progress import Progress
 
-    return Progress(0, label, unit="window")
+    return Progress(0, label, unit="window", heartbeat_s=1.0)
 
 
 def eval_ids(model_dir: str, text_file: str | None, ids_file: str | None, vocab_size: int | None = None) -> torch.Tensor:

@@ -147,3 +147,15 @@ def test_convert_bar_shows_sub_steps_and_tensors(tmp_path: Path, clean_settings:
     final = [s for s in screen if s.startswith("quantizing src")][-1]
     n = re.search(r"(\d+)/(\d+)", final)
     assert n is not None and n.group(1) == n.group(2) and int(n.group(2)) > 0
+
+
+def test_bench_reports_each_step() -> None:
+    from exl3_core.bench.models import parse_shape
+    from exl3_core.bench.run import run_bench
+
+    seen: list[tuple[int, int, str]] = []
+    run_bench(parse_shape("custom(256,512,2,4,2,512)"), device="cpu", contexts=(8, 12), batches=(2,),
+              prefill_tokens=(8,), new_tokens=2, log=lambda s: None, progress=lambda *a: seen.append(a))
+    assert [s[0] for s in seen] == list(range(len(seen))) and {s[1] for s in seen} == {len(seen) - 1}
+    assert [s[2] for s in seen] == ["building the random-weight model", "decode b=1 ctx=8", "decode b=1 ctx=12",
+                                    "decode b=2 ctx=8", "prefill 8 tokens", "done"]
