@@ -1,9 +1,16 @@
-"""A tiny, dependency-free progress reporter.
+"""Progress bars for exl3's long steps (model load, GGUF import, conversion, evaluation, benchmarks).
 
-:class:`Progress` draws a one-line bar on stderr when stderr is a TTY and
-``settings.get().no_progress`` is false, and stays silent otherwise (logs, pipes, CI). A user
-callback ``callback(done, total, what)`` replaces the bar entirely: an application with its own UI
-gets the numbers and exl3 draws nothing.
+The bars are tqdm's; this module only adapts them to exl3's conventions:
+
+* a bar is drawn on stderr only when stderr is a terminal and ``EXL3_NO_PROGRESS`` is not set;
+* a user callback ``callback(done, total, what)`` replaces the bar (an application with its own UI
+  gets the numbers and exl3 draws nothing), and a :class:`Progress` is itself such a callable;
+* lines printed while a bar is up go through :func:`write` (or the logging handler
+  :class:`AboveBars`), which prints them above the bar instead of into it.
+
+tqdm rather than rich: it is already installed with exl3's own dependencies (gguf, transformers),
+it redraws only from the thread that reports progress (rich's live display runs a refresh thread
+that competes with the work on small CPU machines), and ``tqdm.write`` keeps log lines off the bar.
 
 Usage::
 
@@ -11,18 +18,17 @@ Usage::
         for t in tensors:
             ...
             bar.advance(t.nbytes, what=name)
-
-A :class:`Progress` is itself a ``(done, total, what)`` callable, so it can be handed to any API
-that takes a progress callback.
 """
 from __future__ import annotations
 
-import shutil
+import logging
 import sys
-import time
+import threading
 from collections.abc import Callable
 from types import TracebackType
 from typing import TextIO
+
+from tqdm import tqdm
 
 ProgressCallback = Callable[[int, int, str], None]
 
@@ -30,39 +36,49 @@ ProgressCallback = Callable[[int, int, str], None]
 _MIN_REDRAW_S = 0.1
 
 
-def _fmt(n: float, unit: str) -> str:
-    if unit != "B":
-        return f"{int(n)}{unit}"
-    for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or suffix == "TiB":
-            return f"{n:.0f} {suffix}" if suffix == "B" else f"{n:.1f} {suffix}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _bar_enabled(stream: TextIO) -> bool:
-    # Imported lazily so this module stays importable (and cheap) on its own.
-    from exl3_core import settings
+def bars_enabled(stream: TextIO | None = None) -> bool:
+    """True when a bar would be drawn on ``stream`` (default stderr): a terminal, and not silenced
+    by ``EXL3_NO_PROGRESS``."""
+    from exl3_core import settings  # lazily: this module stays cheap to import
 
     if settings.get().no_progress:
         return False
-    isatty = getattr(stream, "isatty", None)
+    s = stream if stream is not None else sys.stderr
+    isatty = getattr(s, "isatty", None)
     try:
         return bool(isatty and isatty())
     except ValueError:  # closed stream
         return False
 
 
+def write(line: str, stream: TextIO | None = None) -> None:
+    """Print ``line`` to ``stream`` (default stderr) above any bar that is up, not into it."""
+    tqdm.write(line, file=stream if stream is not None else sys.stderr)
+
+
+class AboveBars(logging.StreamHandler):  # type: ignore[type-arg]
+    """A logging handler whose records are printed with :func:`write`, above any active bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            write(self.format(record), self.stream)
+        except Exception:  # noqa: BLE001 - logging's own contract: report, never raise
+            self.handleError(record)
+
+
 class Progress:
     """Progress over ``total`` units (bytes when ``unit="B"``).
 
-    :param total: amount of work; 0 is allowed (the bar then shows 100% at once).
-    :param what: label shown before the bar; :meth:`advance` may replace it per step.
+    :param total: amount of work; 0 is allowed.
+    :param what: the bar's title; :meth:`advance`, :meth:`update` and :meth:`step` show their
+        ``what`` (the current item or sub-step) after the counts.
     :param callback: if given, called as ``callback(done, total, what)`` on every update and no bar
         is drawn.
-    :param unit: ``"B"`` formats amounts as KiB/MiB/GiB; anything else is appended to integers.
+    :param unit: ``"B"`` shows amounts in KiB/MiB/GiB; anything else names the counted things.
     :param stream: where the bar goes (default ``sys.stderr``).
-    :param enabled: force the bar on/off; ``None`` decides from TTY-ness and settings.
+    :param enabled: force the bar on/off; ``None`` decides from :func:`bars_enabled`.
+    :param heartbeat_s: redraw the bar this often even when nothing is reported, so that its elapsed
+        time keeps moving through a step that takes minutes (one quantized tensor on a CPU); None: no.
     """
 
     def __init__(
@@ -74,22 +90,32 @@ class Progress:
         unit: str = "",
         stream: TextIO | None = None,
         enabled: bool | None = None,
+        heartbeat_s: float | None = None,
     ) -> None:
         self.total = max(int(total), 0)
         self.done = 0
-        self.what = what
-        self.unit = unit
+        self.what = ""
         self._callback = callback
-        self._stream = stream if stream is not None else sys.stderr
-        self._draw = False if callback is not None else (
-            _bar_enabled(self._stream) if enabled is None else enabled
-        )
-        self._last_draw = 0.0
-        self._drawn = False
-        self._closed = False
-        self._t0 = time.monotonic()
+        self._stream = stream
+        draw = False if callback is not None else (bars_enabled(stream) if enabled is None else enabled)
+        self._bar: tqdm | None = None  # type: ignore[type-arg]
+        if draw:
+            self._bar = tqdm(total=self.total, desc=what or None, unit=unit.strip() or "it",
+                             unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000,
+                             file=stream if stream is not None else sys.stderr, dynamic_ncols=True,
+                             mininterval=_MIN_REDRAW_S, leave=True)
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
+        if self._bar is not None and heartbeat_s is not None:
+            self._ticker = threading.Thread(target=self._tick, args=(heartbeat_s,), daemon=True,
+                                            name="exl3-progress")
+            self._ticker.start()
 
-    # -- reporting --------------------------------------------------------------------------------
+    def _tick(self, period: float) -> None:
+        while not self._stop.wait(period):
+            bar = self._bar
+            if bar is not None:
+                bar.refresh()
 
     def advance(self, n: int = 1, what: str | None = None) -> None:
         """Add ``n`` to the amount done."""
@@ -97,55 +123,47 @@ class Progress:
 
     def update(self, done: int, what: str | None = None) -> None:
         """Set the amount done (clamped to ``total`` when ``total`` is known)."""
-        self.done = min(int(done), self.total) if self.total else int(done)
+        done = min(int(done), self.total) if self.total else int(done)
+        step, self.done = done - self.done, done
         if what is not None:
             self.what = what
         if self._callback is not None:
             self._callback(self.done, self.total, self.what)
-        elif self._draw:
-            now = time.monotonic()
-            if now - self._last_draw >= _MIN_REDRAW_S or self.done >= self.total:
-                self._last_draw = now
-                self._render()
+        elif self._bar is not None:
+            if what is not None:
+                self._bar.set_postfix_str(what, refresh=False)
+            self._bar.update(step)
+
+    def step(self, what: str) -> None:
+        """Show what is being done now without counting anything (a sub-step of a long unit)."""
+        self.what = what
+        if self._callback is not None:
+            self._callback(self.done, self.total, what)
+        elif self._bar is not None:
+            self._bar.set_postfix_str(what)  # redraws now: elapsed time and the sub-step move
+
+    def write(self, line: str) -> None:
+        """Print ``line`` above this bar (stderr when no bar is drawn)."""
+        write(line, self._stream)
 
     def __call__(self, done: int, total: int, what: str) -> None:
         """Callback form: lets a :class:`Progress` stand in for a user ``(done, total, what)`` callable."""
-        self.total = max(int(total), 0)
+        total = max(int(total), 0)
+        if total != self.total:
+            self.total = total
+            if self._bar is not None:
+                self._bar.total = total
         self.update(done, what)
 
-    def _render(self) -> None:
-        width = shutil.get_terminal_size((80, 24)).columns
-        frac = 1.0 if self.total == 0 else self.done / self.total
-        amounts = f"{_fmt(self.done, self.unit)}/{_fmt(self.total, self.unit)}"
-        elapsed = time.monotonic() - self._t0
-        rate = f" {_fmt(self.done / elapsed, self.unit)}/s" if self.unit == "B" and elapsed > 0.5 else ""
-        tail = f" {frac * 100:3.0f}% {amounts}{rate}"
-        label = self.what[: max(width // 3, 0)]
-        bar_w = max(width - len(label) - len(tail) - 4, 5)
-        filled = int(bar_w * frac)
-        line = f"{label} [{'#' * filled}{'.' * (bar_w - filled)}]{tail}"
-        try:
-            # \r + clear-to-end keeps one line however long the previous label was.
-            self._stream.write("\r" + line[: width - 1] + "\x1b[K")
-            self._stream.flush()
-            self._drawn = True
-        except (OSError, ValueError):
-            self._draw = False  # stream went away: stop drawing rather than break the caller
-
-    # -- lifetime ---------------------------------------------------------------------------------
-
     def close(self) -> None:
-        """Finish the bar line (idempotent). Nothing is printed if nothing was drawn."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._draw and self._drawn:
-            self._render()
-            try:
-                self._stream.write("\n")
-                self._stream.flush()
-            except (OSError, ValueError):
-                pass
+        """Finish the bar (idempotent)."""
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join()
+            self._ticker = None
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
     def __enter__(self) -> Progress:
         return self

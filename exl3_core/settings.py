@@ -15,7 +15,7 @@ itself is tuned (fusions, launch options, graph buckets) is typed in :mod:`exl3_
 | ``EXL3_CACHE_DIR`` | where exl3 keeps imported models (default ``~/.cache/exl3``, or ``$XDG_CACHE_HOME/exl3``) |
 | ``EXL3_DEFAULT_MODEL`` | model directory used when ``--model`` is not given |
 | ``EXL3_DISABLE_EXT`` | ``1``: never load the compiled extension (pure torch everywhere) |
-| ``EXL3_NUM_THREADS`` | CPU threads for the compiled CPU ops (0 = torch's default) |
+| ``EXL3_NUM_THREADS`` | CPU threads of the ``exl3`` commands' torch pool and the compiled CPU ops (0: one per physical core, or ``OMP_NUM_THREADS`` when set; exl3_core/threads.py) |
 | ``EXL3_PAGE_SIZE`` | KV-cache page size in tokens (default 256) |
 | ``EXL3_CUDA_GRAPHS`` | ``0`` disables CUDA graphs (decode steps and prefill chunks), e.g. to debug a kernel or read a profile op by op |
 | ``EXL3_API_KEY`` | the key ``exl3 serve`` requires from clients (``Authorization: Bearer KEY``) when ``--api-key`` is not given; unset: no key |

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
+import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +19,37 @@ if not torch.cuda.is_available():
 
 TESTS = Path(__file__).resolve().parent
 DATA = TESTS / "data"
+
+
+def _fake_install(root: Path, dist: str, version: str, entry_points: str) -> None:
+    """A dist-info folder under ``root``: what importlib.metadata finds for an installed distribution."""
+    info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+    (info / "entry_points.txt").write_text(entry_points)
+
+
+#: the session's fake installation of tests/plugins/exl3_dummy_arch (see pytest_configure)
+_DUMMY_ROOT: Path | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Install the dummy architecture plugin (tests/plugins/exl3_dummy_arch) for the tests alone: a
+    dist-info with its entry point in a temporary folder on ``sys.path`` (and on PYTHONPATH, for the
+    tests' subprocesses), the package source beside it. scripts/install.sh does not install it, so no
+    user's registry or ``exl3 plugins`` holds a fake architecture. Done before collection, so that
+    every plugin set a test module builds sees it."""
+    global _DUMMY_ROOT
+    _DUMMY_ROOT = Path(tempfile.mkdtemp(prefix="exl3-test-plugins-"))
+    _fake_install(_DUMMY_ROOT, "exl3-dummy-arch", "0.0.1", "[exl3]\ndummy = exl3_dummy_arch\n")
+    paths = [str(_DUMMY_ROOT), str(TESTS / "plugins" / "exl3_dummy_arch" / "src")]
+    sys.path[:0] = paths
+    os.environ["PYTHONPATH"] = os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _DUMMY_ROOT is not None:
+        shutil.rmtree(_DUMMY_ROOT, ignore_errors=True)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -51,10 +85,7 @@ def broken_plugin(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, 
     this test only: a dist-info with its entry point in a temporary directory on ``sys.path``, the
     package source beside it. Returns the environment a subprocess needs to see it too. (It is not
     installed by scripts/install.sh, so users' ``exl3`` commands never warn about it.)"""
-    dist = tmp_path / "exl3_broken_plugin-0.0.1.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: exl3-broken-plugin\nVersion: 0.0.1\n")
-    (dist / "entry_points.txt").write_text("[exl3]\nbroken = exl3_broken_plugin\n")
+    _fake_install(tmp_path, "exl3-broken-plugin", "0.0.1", "[exl3]\nbroken = exl3_broken_plugin\n")
     src = TESTS / "plugins" / "exl3_broken_plugin" / "src"
     for d in (str(src), str(tmp_path)):
         monkeypatch.syspath_prepend(d)

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from exl3_core.cli import UsageError, bounded_float, nonneg_int, positive_int, resolve_device
+
 
 def add_cli(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -17,47 +19,64 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--shape", default="1b",
                    help="a named shape (see exl3_core/data/bench_shapes.json: 1b, 8b and aliases) or "
                         "custom(hidden,intermediate,layers,heads,kv_heads,vocab[,head_dim])")
-    p.add_argument("--bpw", type=float, default=4.0, help="bits per weight of the decoder layers (1-8)")
-    p.add_argument("--head-bits", type=int, default=6, help="bits per weight of the output head (0 = dense fp16)")
-    p.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1"])
-    p.add_argument("--device", default=None, help="torch device (default cuda when present)")
+    p.add_argument("--bpw", type=bounded_float(1.0, 8.0), default=4.0, help="bits per weight of the decoder layers "
+                                                                           "(1-8)")
+    p.add_argument("--head-bits", type=nonneg_int, default=6, help="bits per weight of the output head (0 = dense "
+                                                                   "fp16)")
+    p.add_argument("--codebook", default="mcg", choices=["3inst", "mcg", "mul1"], help="trellis codebook")
+    p.add_argument("--device", default=None,
+                   help="torch device (default: cuda:0; without CUDA the bench refuses to run unless --device cpu "
+                        "is given, as it measures GPU speed)")
     p.add_argument("--contexts", default="256,4096", help="b=1 decode contexts, comma-separated")
     p.add_argument("--batches", default="8,32", help="decode batch sizes at the smallest context")
     p.add_argument("--prefill", default="2048",
                    help="prefill lengths, comma-separated (0 or empty = skip); the longest is the headline figure")
-    p.add_argument("--prefill-past", type=int, default=0,
+    p.add_argument("--prefill-past", type=nonneg_int, default=0,
                    help="also time each prefill length as a chunk after this many cached tokens (a prefix-cache hit)")
-    p.add_argument("--new-tokens", type=int, default=128, help="decode tokens timed per run")
+    p.add_argument("--new-tokens", type=positive_int, default=128, help="decode tokens timed per run")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of eager b=1 decode steps")
     p.add_argument("--vs-transformers", action="store_true", help="also time the shape in bf16 through transformers")
     p.add_argument("--ceiling-lib", type=Path, default=None, metavar="SO",
                    help="the bench extension with the decode-only ceiling kernel (python bench/ext/build.py writes "
                         "bench/ext/build/exl3_bench.so, the default in a source checkout); without it the ceiling "
                         "is left out")
-    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write every figure to this JSON file")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT",
+                   help="write every figure to this JSON file (default: none)")
     p.set_defaults(func=_bench_cmd)
 
 
 def _ints(text: str, opt: str) -> tuple[int, ...]:
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
+        vals = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"{opt} {text!r}: expected comma-separated integers") from None
+        raise UsageError(f"{opt} {text!r}: expected comma-separated integers") from None
+    if any(v < 0 for v in vals):
+        raise UsageError(f"{opt} {text!r}: lengths and batch sizes cannot be negative")
+    return vals
 
 
 def _bench_cmd(args: argparse.Namespace) -> int:
+    import torch
+
     from exl3_core.bench.models import parse_shape
     from exl3_core.bench.run import run_bench
+    from exl3_core.progress import Progress
 
-    shape = parse_shape(args.shape)
     contexts = _ints(args.contexts, "--contexts")
-    if not contexts:
-        raise ValueError("--contexts needs at least one context length")
-    res = run_bench(shape, bpw=args.bpw, head_bits=args.head_bits or None, codebook=args.codebook,
-                    device=args.device, contexts=contexts, batches=_ints(args.batches, "--batches"),
-                    prefill_tokens=_ints(args.prefill, "--prefill"), prefill_past=args.prefill_past,
-                    new_tokens=args.new_tokens, profile=args.profile,
-                    vs_transformers=args.vs_transformers, ceiling_lib=args.ceiling_lib)
+    if not contexts or 0 in contexts:
+        raise UsageError("--contexts needs at least one context length, each > 0")
+    batches, prefill = _ints(args.batches, "--batches"), _ints(args.prefill, "--prefill")
+    if args.device is None and not torch.cuda.is_available():
+        raise RuntimeError("exl3 bench measures GPU speed and no CUDA device is available here; pass --device cpu "
+                           "to run it on the CPU anyway (minutes per figure at the default shapes)")
+    device = resolve_device(args.device)
+    shape = parse_shape(args.shape)
+    with Progress(0, "bench", unit="step", heartbeat_s=1.0) as bar:
+        res = run_bench(shape, bpw=args.bpw, head_bits=args.head_bits or None, codebook=args.codebook,
+                        device=device, contexts=contexts, batches=batches, prefill_tokens=prefill,
+                        prefill_past=args.prefill_past, new_tokens=args.new_tokens, profile=args.profile,
+                        vs_transformers=args.vs_transformers, ceiling_lib=args.ceiling_lib, log=bar.write,
+                        progress=bar)
     if args.json is not None:
         args.json.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
     return 0

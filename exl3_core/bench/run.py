@@ -357,11 +357,22 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
               batches: tuple[int, ...] = (8, 32), prefill_tokens: int | tuple[int, ...] = 2048, prefill_past: int = 0,
               new_tokens: int = 128,
               profile: bool = False, vs_transformers: bool = False, ceiling_lib: Path | None = None,
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+              log: Callable[[str], None] = print,
+              progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
     """Every figure of the module docstring as one dict (see ``exl3 bench --help``); ``ceiling_lib``: the
-    bench extension's library (:func:`decode_only_op`)."""
+    bench extension's library (:func:`decode_only_op`).
+
+    :param progress: called as ``progress(steps_done, steps, next_step)`` before each long step."""
     prefills = tuple(t for t in ((prefill_tokens,) if isinstance(prefill_tokens, int) else prefill_tokens) if t > 0)
     longest = max(prefills, default=0)
+    n_steps = 1 + len(contexts) + len(batches) + len(prefills) * (2 if prefill_past else 1) + int(profile)
+    done = 0
+
+    def next_step(what: str) -> None:
+        nonlocal done
+        if progress is not None:
+            progress(done, n_steps, what)
+        done += 1
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     # the ceiling kernel first: a --ceiling-lib that does not exist fails before any work
     op = decode_only_op(ceiling_lib) if dev.type == "cuda" or ceiling_lib is not None else None
@@ -384,6 +395,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
     need = pages(max(contexts) + new_tokens + 8) + max(batches, default=1) * pages(min(contexts) + new_tokens + 8)
     cache_tokens = 2 * ps * (need + pages(longest + prefill_past))
     t0 = time.perf_counter()
+    next_step("building the random-weight model")
     model, cache = build_model(shape, bpw=bpw, head_bits=head_bits, codebook=codebook, device=dev,
                                cache_tokens=cache_tokens)
     out["build_seconds"] = time.perf_counter() - t0
@@ -396,6 +408,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
     elem = torch.empty((), dtype=model.dtype).element_size()
     decode: list[dict[str, Any]] = []
     for ctx in contexts:
+        next_step(f"decode b=1 ctx={ctx}")
         r = bench_decode(model, cache, batch=1, ctx=ctx, new_tokens=new_tokens)
         step = graph_step_time(model, cache, batch=1, ctx=ctx)
         r["graph_step_ms"] = None if step is None else step * 1e3
@@ -405,6 +418,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
         ceiling = combine_ceilings(ceilings + _ceiling_samples(model, op), log)
     out["decode_ceiling"] = ceiling
     for b in batches:
+        next_step(f"decode b={b} ctx={min(contexts)}")
         r = bench_decode(model, cache, batch=b, ctx=min(contexts), new_tokens=new_tokens)
         step = graph_step_time(model, cache, batch=b, ctx=min(contexts)) if b <= 32 else None
         r["graph_step_ms"] = None if step is None else step * 1e3
@@ -432,6 +446,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
         out["prefills"] = []
         for n in prefills:
             for past in (0, prefill_past) if prefill_past else (0,):
+                next_step(f"prefill {n} tokens" + (f" after {past}" if past else ""))
                 p = bench_prefill(model, cache, tokens=n, past=past)
                 out["prefills"].append(p)
                 if n == longest and not past:
@@ -441,8 +456,11 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
                 after = f" after {past} cached" if past else ""
                 log(f"prefill {n} tokens{after} ({p['path']}): {p['tok_s']:.0f} tok/s ({p['seconds'] * 1e3:.2f} ms){extra}")
     if profile:
+        next_step("profile")
         out["profile_b1"] = profile_decode(model, cache, ctx=min(contexts))
         log(out["profile_b1"])
+    if progress is not None:
+        progress(n_steps, n_steps, "done")
     model.unload()
     if vs_transformers:
         from exl3_core.bench.hf import transformers_decode

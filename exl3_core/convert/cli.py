@@ -4,17 +4,24 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from exl3_core.cli import bounded_float, positive_int
+
 
 def _run(args: argparse.Namespace) -> int:
+    from exl3_core.cli import UsageError, resolve_device
     from exl3_core.convert.pipeline import convert
+    from exl3_core.progress import write
 
+    if args.refit_propagate > 0 and not args.refit_scales:
+        raise UsageError("--refit-propagate only applies with --refit-scales")
+    device = resolve_device(args.device)
     res = convert(args.input, args.output, args.bits, head_bits=args.head_bits, codebook=args.codebook,
-                  out_scales=args.out_scales, cal_rows=args.cal_rows, cal_cols=args.cal_cols, device=args.device,
+                  out_scales=args.out_scales, cal_rows=args.cal_rows, cal_cols=args.cal_cols, device=device,
                   shard_mib=args.shard_size, work_dir=args.work_dir, resume=args.resume, seed=args.seed,
                   text=args.cal_text, cal_random=args.cal_random, propagate=args.propagate,
                   refit_scales=args.refit_scales, refit_propagate=args.refit_propagate, tf32=args.tf32,
                   sequential=args.sequential, refit_final=args.refit_final,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress, report=write)
     return 0 if res.completed else 1
 
 
@@ -25,33 +32,35 @@ def add_cli(subparsers: Any) -> None:
                     "directory after every module; rerun with --resume after an interruption.")
     p.add_argument("-i", "--input", required=True, help="source model directory (HF safetensors)")
     p.add_argument("-o", "--output", required=True, help="output directory")
-    p.add_argument("-b", "--bits", type=float, required=True, help="target bits per weight (1..8, fractional ok)")
-    p.add_argument("--head-bits", type=int, default=6, help="bits of the output head (1..8, 16 = unquantized; "
-                                                            "default 6)")
-    p.add_argument("--codebook", choices=("mul1", "mcg", "3inst"), default="mul1", help="trellis codebook")
+    p.add_argument("-b", "--bits", type=bounded_float(1.0, 8.0), required=True, help="target bits per weight (1..8, fractional ok)")
+    p.add_argument("--head-bits", type=int, default=6, choices=(*range(1, 9), 16), metavar="{1..8,16}",
+                   help="bits of the output head (16 = unquantized; default 6)")
+    p.add_argument("--codebook", choices=("mul1", "mcg", "3inst"), default="mul1", help="trellis codebook "
+                                                                                       "(default: mul1)")
     p.add_argument("--out-scales", choices=("always", "never", "auto"), default="always",
                    help="output-channel scales (default always)")
     p.add_argument("-w", "--work-dir", default=None, help="checkpoint directory (default OUTPUT.work, removed "
                                                           "after success)")
     p.add_argument("-r", "--resume", action="store_true", help="continue the interrupted job in the work directory")
-    p.add_argument("--cal-rows", type=int, default=250, help="calibration rows (default 250)")
-    p.add_argument("--cal-cols", type=int, default=2048, help="tokens per calibration row (default 2048)")
+    p.add_argument("--cal-rows", type=positive_int, default=250, help="calibration rows (default 250)")
+    p.add_argument("--cal-cols", type=positive_int, default=2048, help="tokens per calibration row (default 2048)")
     p.add_argument("--cal-text", default=None, help="calibration text file (default: built-in Python docs text)")
-    p.add_argument("--cal-random", type=float, default=20 / 135,
-                   help="share of uniform-random token rows in the calibration (default 20/135; 1 = no text)")
-    p.add_argument("--propagate", type=float, default=None,
+    p.add_argument("--cal-random", type=bounded_float(0.0, 1.0), default=20 / 135,
+                   help="share of the calibration rows that are uniform-random tokens instead of text, 0..1 "
+                        "(default: 0.148, i.e. 20 of every 135 rows, the reference quantizer's mix; 1 = no text)")
+    p.add_argument("--propagate", type=bounded_float(0.0, 1.0), default=None,
                    help="error-propagation strength 0..1: aim each layer partly at the unquantized model's "
                         "output (default: 0.5 below 2.5 bpw, where it measured better, else 0)")
     p.add_argument("--refit-scales", action=argparse.BooleanOptionalAction, default=False,
                    help="after LDLQ, refit the stored fp16 scales in closed form for the final codes (format "
                         "unchanged; default off)")
-    p.add_argument("--refit-propagate", type=float, default=0.0,
+    p.add_argument("--refit-propagate", type=bounded_float(0.0, 1.0), default=0.0,
                    help="with --refit-scales: aim the refit at the error-propagated target of this strength "
                         "0..1 (the output error including the quantized inputs; default 0)")
     p.add_argument("--sequential", action=argparse.BooleanOptionalAction, default=False,
                    help="quantize a block's input groups in forward order, each from a Hessian captured with "
                         "the earlier groups already quantized (one extra calibration pass per group)")
-    p.add_argument("--refit-final", type=float, default=None, metavar="BETA",
+    p.add_argument("--refit-final", type=bounded_float(0.0, 1.0), default=None, metavar="BETA",
                    help="after quantizing, refit every stored fp16 scale for the final codes from the finished "
                         "model's inputs, aiming at the error-propagated target of strength BETA 0..1 (three extra "
                         "calibration passes; format unchanged; 0 = off; default: 0.5 on CUDA below 3.5 bpw, "
@@ -59,8 +68,9 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                    help="on CUDA, TF32 tensor cores for the fp32 calibration matmuls (default on; --no-tf32 for "
                         "exact fp32)")
-    p.add_argument("--device", default="cpu", help="device for the forward passes, e.g. cpu or cuda:0")
-    p.add_argument("--shard-size", type=int, default=8192, help="maximum shard size in MiB (default 8192)")
+    p.add_argument("--device", default="cpu", help="device that quantizes and runs the calibration passes, e.g. "
+                                                   "cpu or cuda:0 (default: cpu)")
+    p.add_argument("--shard-size", type=positive_int, default=8192, help="maximum shard size in MiB (default 8192)")
     p.add_argument("--seed", type=int, default=0, help="RNG seed: random calibration rows and the quantizer sign patterns (default 0)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (the per-tensor log lines stay)")
     p.set_defaults(func=_run)

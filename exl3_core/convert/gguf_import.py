@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -448,18 +447,14 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
 
 def cli_import_gguf(args: argparse.Namespace) -> int:
     """Handler for ``exl3 import-gguf``; returns the exit status."""
-    from exl3_core import settings
-
-    show = not settings.get().no_progress and sys.stderr.isatty()
-
-    def bar(done: int, total: int, name: str) -> None:
-        print(f"\r[{done}/{total}] {name:<40}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+    from exl3_core.progress import Progress
+    from exl3_core.progress import write as progress_write
 
     try:
-        out = import_gguf(args.file, args.output, dtype=args.dtype, progress=bar if show else None,
-                          overwrite=args.overwrite)
+        with Progress(0, f"importing {Path(args.file).name}", unit="tensor") as bar:
+            out = import_gguf(args.file, args.output, dtype=args.dtype, progress=bar, overwrite=args.overwrite)
     except (ValueError, LookupError, OSError) as e:
-        print(f"exl3 import-gguf: error: {e}", file=sys.stderr)
+        progress_write(f"exl3 import-gguf: error: {e}")
         return 1
     print(out)
     return 0

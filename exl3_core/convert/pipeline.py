@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -45,6 +44,7 @@ from exl3_core.convert.stages import (
     source_fingerprint,
 )
 from exl3_core.convert.workdir import Job, ResumeError, StatesCommitter, WorkDir
+from exl3_core.progress import write as progress_write
 from exl3_core.quant.exl3.allocation import AllocItem, allocate_bits, average_bits
 from exl3_core.quant.exl3.hessian import HessianAccumulator, HessianInfo, padded_size
 from exl3_core.quant.exl3.linear import EXL3Linear
@@ -266,7 +266,7 @@ class Converter:
         args.validate()
         self.on_quantized = on_quantized
         self.args = args
-        self.report = report or (lambda s: print(s, file=sys.stderr, flush=True))
+        self.report = report or progress_write  # above the progress bar, never into it
         self.progress = progress
         self.in_dir = Path(args.in_dir).expanduser()
         self.out_dir = Path(args.out_dir).expanduser()
@@ -347,6 +347,8 @@ class Converter:
             K = bits[s.key]
             if K == 16:
                 s.quantize = False  # --head-bits 16: stored dense (spec 1.6)
+                if bar is not None:
+                    bar.advance(1, s.key)
                 continue
             w = s.module.weight
             assert isinstance(w, torch.Tensor), f"{s.key}: a linear without a weight tensor"
@@ -365,9 +367,14 @@ class Converter:
                       refit_scales=self.args.refit_scales, refit_target=aim)
 
             def job(w: torch.Tensor = w, h: HessianInfo | None = hinfos.get(s.group or s.key),
-                    kw: dict[str, Any] = kw) -> tuple[QuantizedLinear, float]:
+                    kw: dict[str, Any] = kw, key: str = s.key) -> tuple[QuantizedLinear, float]:
                 t0 = time.monotonic()
-                return quantize_linear(w, h, **kw), time.monotonic() - t0
+                if bar is not None:
+                    bar.step(f"{key}: quantizing")
+                q = quantize_linear(w, h, **kw)
+                if bar is not None:
+                    bar.advance(1, key)  # here, not after the stage's jobs: on a CPU they run one by one
+                return q, time.monotonic() - t0
 
             jobs.append((s, job))
         # on a GPU the stage's linears are quantized side by side (bit-identical: concurrent.py)
@@ -377,8 +384,6 @@ class Converter:
             if self.on_quantized is not None:
                 self.on_quantized(s.key, q)
             self.report(f"    {s.key:<52} {q.summary()}  {secs:5.1f} s")
-            if bar is not None:
-                bar.advance(1, s.key)
         return out
 
     def _quantize_sequential(self, st: Stage, qslots: list[LinearSlot], order: list[str],
@@ -425,6 +430,8 @@ class Converter:
         crosses: dict[str, CrossAccumulator] = {}
         accumulators: dict[str, HessianAccumulator] = {}
         fp_outs: list[torch.Tensor] = []
+        if bar is not None and qslots:
+            bar.step(f"{st.name}: calibration pass")
         if qslots and st.kind == "head":
             acc = accumulators[qslots[0].key] = HessianAccumulator(qslots[0].in_features, name=f"{st.name} input")
             for c in chunks:
@@ -489,6 +496,8 @@ class Converter:
                                       ids[:n_metric, :HEAD_METRIC_COLS]).cpu()
                 metrics = error_metrics(y, ref)
         else:
+            if bar is not None:
+                bar.step(f"{st.name}: forward pass")
             new_x = advance_states(self.model, st, x, ids, chunks, dev, self._home)
             if x_fp is not None:  # advance the unquantized model's states too
                 if not fp_outs:
@@ -536,7 +545,7 @@ class Converter:
         if self.progress:
             from exl3_core.progress import Progress
 
-            bar = Progress(n_lin, f"quantizing {self.in_dir.name}", unit=" tensors")
+            bar = Progress(n_lin, f"quantizing {self.in_dir.name}", unit="tensor", heartbeat_s=1.0)
         try:
             with _tf32(self.args.tf32 and self.device.type == "cuda"):
                 self._run_stages(todo, x, ids, job, bar, _stop_after_module)

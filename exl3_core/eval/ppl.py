@@ -14,6 +14,8 @@ import torch
 
 #: anything mapping ``input_ids [B, S]`` to logits ``[B, S, vocab]`` (an exl3 Model, a wrapped HF model)
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
+#: ``progress(done, total, what)``, e.g. an :class:`exl3_core.progress.Progress`
+ProgressFn = Callable[[int, int, str], None]
 
 
 @dataclass(frozen=True)
@@ -56,13 +58,17 @@ def nll_sum(logits: torch.Tensor, ids: torch.Tensor) -> tuple[float, int]:
 
 
 def perplexity(model: LogitsFn, ids: torch.Tensor, ctx: int = 512, rows: int | None = None,
-               batch: int = 1) -> PPLResult:
-    """Perplexity of ``model`` on the 1-D token ids ``ids``, windows of ``ctx`` (at most ``rows`` of them)."""
+               batch: int = 1, progress: ProgressFn | None = None) -> PPLResult:
+    """Perplexity of ``model`` on the 1-D token ids ``ids``, windows of ``ctx`` (at most ``rows`` of them).
+
+    :param progress: called as ``progress(windows_done, windows, "windows")`` after each batch."""
     windows = make_windows(ids, ctx, rows)
     total, count = 0.0, 0
     for w, logits in batched_logits(model, windows, batch):
         s, n = nll_sum(logits, w)
         total += s
         count += n
+        if progress is not None:
+            progress(count // (ctx - 1), windows.shape[0], "windows")
     nll = total / count
     return PPLResult(ppl=math.exp(nll), nll=nll, tokens=count, windows=windows.shape[0])

