@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from exl3_core.cli import UsageError, bounded_float, nonneg_float, nonneg_int, positive_float, positive_int
 
-#: sampling when neither the user nor the model says otherwise (llama.cpp's CLI and ollama use these)
+#: sampling when neither the user nor the model says otherwise (llama.cpp's CLI uses these too)
 DEFAULT_SAMPLING: dict[str, float] = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 #: generation_config.json keys that are sampling settings, with their value when a model sets others only
 _GEN_KEYS: dict[str, float] = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
