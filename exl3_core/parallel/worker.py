@@ -36,6 +36,15 @@ from exl3_core.plugins import load_plugins
 from exl3_core.plugins.registry import resolve_ref
 
 
+#: this process's rank in its tensor-parallel group (set as a worker starts; rank 0 is every other process)
+_rank = 0
+
+
+def worker_rank() -> int:
+    """This process's rank in its tensor-parallel group: a worker's own, 0 in any other process."""
+    return _rank
+
+
 def _die_with_parent() -> None:
     """On Linux, have the kernel kill this process when rank 0's process dies (no orphaned workers)."""
     if not sys.platform.startswith("linux"):
@@ -159,6 +168,8 @@ def _send(conn: Connection, msg: object) -> None:
 
 def worker_main(boot: WorkerBoot, conn: Connection) -> None:
     """The process entry point (torch.multiprocessing spawn target)."""
+    global _rank
+    _rank = boot.rank
     _die_with_parent()
     torch.set_num_threads(boot.threads)
     try:
@@ -185,3 +196,7 @@ def worker_main(boot: WorkerBoot, conn: Connection) -> None:
             except Exception:  # noqa: BLE001 - exiting anyway
                 pass
         comm.shutdown()
+        conn.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # the interpreter's own teardown (torch's) takes seconds and holds nothing we need
