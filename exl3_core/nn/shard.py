@@ -110,9 +110,9 @@ def block_split(n: int, world: int, granularity: int = 1, what: str = "features"
         raise ValueError(f"block_split: {n} {what} over {world} ranks in blocks of {granularity}")
     blocks = -(-n // granularity)
     if blocks < world:
-        unit = f"{granularity}-feature blocks" if granularity > 1 else "features"
-        raise ValueError(f"{n} {what} make only {blocks} {unit}, fewer than tensor_parallel_size={world}: some "
-                         f"rank would hold none; use fewer ranks")
+        count = f"{n} {what} make only {blocks} blocks of {granularity}," if granularity > 1 else f"{n} {what} are"
+        raise ValueError(f"{count} fewer than tensor_parallel_size={world}: some rank would hold none; use fewer "
+                         f"ranks")
     base, extra = divmod(blocks, world)
     out, start = [], 0
     for r in range(world):

@@ -10,6 +10,7 @@ aborts the communicator), which :class:`GroupComm` reports as a :class:`Parallel
 from __future__ import annotations
 
 import datetime
+import re
 from typing import Any
 
 import torch
@@ -17,6 +18,12 @@ import torch.distributed as dist
 
 from exl3_core.archkit.batch import BatchMeta
 from exl3_core.parallel.protocol import MetaHeader, ParallelError
+
+
+def short_error(e: BaseException) -> str:
+    """A collective's error without the backend's source location and advice boilerplate."""
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", str(e)).strip()
+    return text.split(". This is typically caused by")[0]
 
 
 def backend_for(device: torch.device) -> str:
@@ -61,7 +68,7 @@ class GroupComm:
         try:
             work.wait()
         except RuntimeError as e:
-            raise ParallelError(f"tensor-parallel {what} failed on rank {self.rank} of {self.world}: {e}") from e
+            raise ParallelError(f"the {what} on rank {self.rank} of {self.world} failed: {short_error(e)}") from e
 
     # -- Communicator ---------------------------------------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:

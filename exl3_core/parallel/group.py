@@ -201,33 +201,39 @@ class WorkerGroup:
                 self.check()
 
     def _reports(self, grace: float) -> list[str]:
-        """Errors the workers sent before exiting (waiting up to ``grace`` seconds for them)."""
+        """What each worker says about a failure: the error it sent before exiting, or how it ended (waiting up
+        to ``grace`` seconds for workers still running to send theirs)."""
         out: list[str] = []
         deadline = time.monotonic() + grace
         for r, (c, p) in enumerate(zip(self.conns, self.procs), 1):
-            while True:
+            said = None
+            while said is None:
                 try:
                     if not c.poll(max(0.0, min(deadline - time.monotonic(), 0.2))):
                         if p.is_alive() and time.monotonic() < deadline:
                             continue
                         break
                     msg = c.recv()
-                except (OSError, EOFError):
+                except (OSError, EOFError):  # its end closed: it is exiting, let it finish to tell how
+                    p.join(max(0.0, deadline - time.monotonic()))
                     break
                 if isinstance(msg, Fatal):
-                    out.append(f"rank {r}: {msg.error}")
-                    break
+                    said = msg.error
+            if said is not None:
+                out.append(f"rank {r}: {said}")
+            elif not p.is_alive():
+                out.append(f"worker rank {r} (pid {p.pid}) {_describe_exit(p.exitcode)}")
         return out
 
     # -- failure and shutdown -------------------------------------------------------------------------------------
     def fail(self, reason: str, grace: float = 2.0) -> str:
-        """Mark the group failed for good (the first reason stays), gather what the workers reported, stop
-        them. Returns the full reason."""
+        """Mark the group failed for good (the first failure stays), gather what the workers reported (dead
+        workers first: they are the usual cause), stop them. Returns the full reason."""
         with self.lock:
             if self.failure is not None:
                 return self.failure
-            reports = self._reports(grace)
-            self.failure = reason + ("".join(f"; {r}" for r in reports) if reports else "")
+            reports = [r for r in self._reports(grace) if r not in reason]
+            self.failure = "; ".join([*reports, reason]) if reports else reason
             self._kill_all()
             return self.failure
 

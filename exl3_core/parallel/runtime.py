@@ -116,8 +116,10 @@ class ParallelModel:
             try:
                 comm.broadcast_(pack_meta(meta, comm.device))
                 logits = comm.gather_logits(local(meta, cache, comm), self.vocab_shares)
-            except BaseException as e:
-                why = self.group.fail(f"a step failed on rank 0 ({type(e).__name__}: {e})")
+            except ParallelError as e:  # a collective failed: the workers' reports say why
+                raise ParallelError(f"tensor-parallel step failed: {self.group.fail(str(e))}") from e
+            except BaseException as e:  # rank 0's share raised: the workers wait in a collective for good
+                why = self.group.fail(f"rank 0 raised {type(e).__name__}: {e}")
                 raise ParallelError(f"tensor-parallel step failed: {why}") from e
         assert logits is not None
         return logits

@@ -89,6 +89,8 @@ def test_ranks_give_the_single_process_logits(arch: str, fmt: str, world: int, e
         for got, want in zip(_steps(model, ragged), want_steps, strict=True):
             assert got.shape == want.shape
             assert float((got - want).abs().max()) <= TOL
+        decline = ExecutionPlan(model).graph_decline(Cache(model, 4 * PAGE, page_size=PAGE), "decode", [])
+        assert decline is not None and decline.startswith("tensor parallel")
         report = model.memory_report()
         assert len(report["ranks"]) == world
         assert all(r["allocated"]["weights"] > 0 for r in report["ranks"])
