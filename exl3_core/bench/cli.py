@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from exl3_core.parallel.cli import add_parallel_args, parallel_load_kwargs
+
 
 def add_cli(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -35,6 +37,7 @@ def add_cli(subparsers: Any) -> None:
                         "bench/ext/build/exl3_bench.so, the default in a source checkout); without it the ceiling "
                         "is left out")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write every figure to this JSON file")
+    add_parallel_args(p)
     p.set_defaults(func=_bench_cmd)
 
 
@@ -57,7 +60,8 @@ def _bench_cmd(args: argparse.Namespace) -> int:
                     device=args.device, contexts=contexts, batches=_ints(args.batches, "--batches"),
                     prefill_tokens=_ints(args.prefill, "--prefill"), prefill_past=args.prefill_past,
                     new_tokens=args.new_tokens, profile=args.profile,
-                    vs_transformers=args.vs_transformers, ceiling_lib=args.ceiling_lib)
+                    vs_transformers=args.vs_transformers, ceiling_lib=args.ceiling_lib,
+                    parallel=parallel_load_kwargs(args))
     if args.json is not None:
         args.json.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
     return 0

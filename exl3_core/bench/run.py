@@ -357,9 +357,10 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
               batches: tuple[int, ...] = (8, 32), prefill_tokens: int | tuple[int, ...] = 2048, prefill_past: int = 0,
               new_tokens: int = 128,
               profile: bool = False, vs_transformers: bool = False, ceiling_lib: Path | None = None,
-              log: Callable[[str], None] = print) -> dict[str, Any]:
+              log: Callable[[str], None] = print, parallel: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every figure of the module docstring as one dict (see ``exl3 bench --help``); ``ceiling_lib``: the
-    bench extension's library (:func:`decode_only_op`)."""
+    bench extension's library (:func:`decode_only_op`); ``parallel``: tensor-parallel ``model.load`` arguments
+    (``tensor_parallel_size``, ``expert_parallel``; the per-rank figures, weight bytes and ceilings, are rank 0's)."""
     prefills = tuple(t for t in ((prefill_tokens,) if isinstance(prefill_tokens, int) else prefill_tokens) if t > 0)
     longest = max(prefills, default=0)
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -385,7 +386,8 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
     cache_tokens = 2 * ps * (need + pages(longest + prefill_past))
     t0 = time.perf_counter()
     model, cache = build_model(shape, bpw=bpw, head_bits=head_bits, codebook=codebook, device=dev,
-                               cache_tokens=cache_tokens)
+                               cache_tokens=cache_tokens, parallel=parallel)
+    out["parallel"] = dict(parallel or {})
     out["build_seconds"] = time.perf_counter() - t0
     out["memory"] = model.memory_report()
     wbytes = weight_bytes_per_token(model)
