@@ -57,7 +57,8 @@ class GroupComm:
         if backend_for(device) == "nccl":
             torch.cuda.set_device(device)
             opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = step
+            opts.is_high_priority_stream = False
+            opts._timeout = step  # the watchdog aborts a collective that waits longer, so nothing hangs
             pg: Any = dist.ProcessGroupNCCL(prefix, rank, world, opts)
         else:
             pg = dist.ProcessGroupGloo(prefix, rank, world, datetime.timedelta(seconds=connect_timeout))

@@ -122,6 +122,10 @@ class ExecutionPlan:
         changed = self.tuning.describe()
         if changed:
             head.kind += " (" + ", ".join(changed) + ")"
+        runtime = self.model.parallel if isinstance(self.model, Model) else None
+        if runtime is not None:
+            head.decisions.append(decide(f"each step drives {runtime.world} tensor-parallel ranks (this plan runs "
+                                         f"rank 0's share; the logits are gathered)", []))
         if self.executor is None:
             head.decisions.append(decide("the plan's forward", self.reference_why))
             return [head]
