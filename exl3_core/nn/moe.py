@@ -241,7 +241,7 @@ class MoE(Module):
 
         :raises ValueError: naming the counts when some rank would get no expert (or no feature block)."""
         assert self.experts is not None, f"{self.prefix}: MoE is not loaded"
-        experts = list(self.experts)
+        experts: list[GatedExpert] = list(self.experts)  # type: ignore[arg-type]
         if expert_parallel:
             first, stop = block_split(len(experts), world, 1, f"experts of {self.prefix}")[rank]
             self.attach_loaded("experts", torch.nn.ModuleList(experts[first:stop]))

@@ -127,8 +127,11 @@ class ModuleSharder(Protocol):
     memory plan's dry run): cut the module's loaded weights to one rank's share, so a rank never holds more
     than one module's full weights at a time. ``rank``/``world`` name the share."""
 
-    rank: int
-    world: int
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world(self) -> int: ...
 
     def shard_module(self, module: torch.nn.Module) -> None:
         """Replace ``module``'s loaded weights by this rank's share (nothing for replicated modules).

@@ -21,7 +21,7 @@ _LAZY = {
     "RankSharder": "exl3_core.parallel.sharding",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = ["ParallelError", "RankSharder", "WorkerGroup"]
 
 
 def __getattr__(name: str) -> Any:

@@ -28,7 +28,17 @@ import torch.multiprocessing as mp
 
 from exl3_core import settings
 from exl3_core.parallel.comm import GroupComm, backend_for
-from exl3_core.parallel.protocol import Answer, Command, Done, Fatal, Hello, ParallelError, Ready, Stop, WorkerBoot
+from exl3_core.parallel.protocol import (
+    Answer,
+    Command,
+    Done,
+    Fatal,
+    Hello,
+    ParallelError,
+    Ready,
+    Stop,
+    WorkerBoot,
+)
 from exl3_core.parallel.worker import worker_main
 
 #: seconds a starting worker may take to import torch and exl3 and join the group
@@ -266,12 +276,6 @@ class WorkerGroup:
         if self.comm is not None:
             self.comm.shutdown()
             self.comm = None
-
-    def __enter__(self) -> WorkerGroup:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "failed" if self.failure else "closed" if self.closed else "running"

@@ -23,7 +23,13 @@ from exl3_core.cache.layer import CacheLayers
 from exl3_core.parallel.comm import GroupComm, meta_header, pack_meta
 from exl3_core.parallel.group import WorkerGroup
 from exl3_core.parallel.protocol import (
-    CacheSpec, CopyPage, Forward, FreeCache, NewCache, ParallelError, UnloadModel,
+    CacheSpec,
+    CopyPage,
+    Forward,
+    FreeCache,
+    NewCache,
+    ParallelError,
+    UnloadModel,
 )
 from exl3_core.plan.plan import ExecutionPlan
 from exl3_core.tuning import Tuning

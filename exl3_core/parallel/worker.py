@@ -27,14 +27,25 @@ from exl3_core.archkit.model import Model
 from exl3_core.cache.cache import Cache
 from exl3_core.parallel.comm import GroupComm, unpack_meta
 from exl3_core.parallel.protocol import (
-    CacheSpec, CopyPage, Done, Fatal, Forward, FreeCache, Hello, LoadModel, NewCache, PluginRecipe, Ready, Stop,
-    UnloadModel, WorkerBoot,
+    CacheSpec,
+    CopyPage,
+    Done,
+    Fatal,
+    Forward,
+    FreeCache,
+    Hello,
+    LoadModel,
+    NewCache,
+    PluginRecipe,
+    Ready,
+    Stop,
+    UnloadModel,
+    WorkerBoot,
 )
 from exl3_core.parallel.sharding import RankSharder, rank_geometry
 from exl3_core.plan.plan import ExecutionPlan
 from exl3_core.plugins import load_plugins
 from exl3_core.plugins.registry import resolve_ref
-
 
 #: this process's rank in its tensor-parallel group (set as a worker starts; rank 0 is every other process)
 _rank = 0
@@ -193,7 +204,7 @@ def worker_main(boot: WorkerBoot, conn: Connection) -> None:
         for model_id in list(state.models):
             try:
                 state.unload(model_id)
-            except Exception:  # noqa: BLE001 - exiting anyway
+            except Exception:  # noqa: BLE001, S110 - exiting anyway: nothing to report it to
                 pass
         comm.shutdown()
         conn.close()

@@ -32,7 +32,10 @@ def exl3_tensors(key: str, in_features: int, out_features: int, bits: int, g: to
     activations of order one."""
     k, n = _padded(in_features), _padded(out_features)
     scale = in_features ** -0.25
-    sign = lambda size: ((torch.randint(0, 2, (size,), generator=g) * 2 - 1) * scale).to(torch.float16)  # noqa: E731
+
+    def sign(size: int) -> torch.Tensor:
+        return ((torch.randint(0, 2, (size,), generator=g) * 2 - 1) * scale).to(torch.float16)
+
     return {f"{key}.trellis": torch.randint(-32768, 32768, (k // 16, n // 16, 16 * bits), generator=g,
                                             dtype=torch.int32).to(torch.int16),
             f"{key}.suh": sign(k), f"{key}.svh": sign(n), f"{key}.mcg": torch.tensor(MCG_MARKER, dtype=torch.int32)}

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ARCHS, alive
+
 from exl3_core import settings
 from exl3_core.archkit import Config, Model
 from exl3_core.devmem import InsufficientDeviceMemory

@@ -3,6 +3,7 @@ as threads), the metadata's wire form, the rules' refusals, and ``tensor_paralle
 path in this process alone)."""
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import threading
 
@@ -30,7 +31,7 @@ from exl3_core.plugins import load_plugins
 def test_block_split_covers_every_feature_once(n: int, world: int, g: int) -> None:
     shares = block_split(n, world, g)
     assert shares[0][0] == 0 and shares[-1][1] == n
-    assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(shares))
     assert all(a % g == 0 and b > a for a, b in shares)
     sizes = [-(-(b - a) // g) for a, b in shares]  # blocks per rank, as even as they go
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
