@@ -76,6 +76,10 @@ class ParallelModel:
         known = self._caches.get(cache)
         if known is not None:
             return known
+        if tuple(cache.geometry) != tuple(self.model.cache_geometry()):
+            raise ValueError(f"this Cache was planned for other heads ({list(cache.geometry)[:1]}...) than rank 0's share "
+                             f"of {type(self.model).__name__} ({list(self.model.cache_geometry())[:1]}...): it was built "
+                             f"before the tensor-parallel load; pass it to load(caches=[...]) or build it after loading")
         if cache_id is None:
             cache_id = self.group.new_id()
             self.group.send(NewCache(self.model_id, cache_spec(cache, cache_id)))

@@ -73,3 +73,20 @@ def test_page_copies_reach_every_rank(checkpoints: dict, cpu_groups) -> None:
         torch.testing.assert_close(steps[1], steps[0], rtol=0, atol=0)
     finally:
         model.unload()
+
+
+def test_a_cache_planned_for_the_whole_model_is_refused(checkpoints: dict, cpu_groups) -> None:
+    """A cache built before the load (for every KV head) and not handed to it cannot serve rank 0's share."""
+    model = Model.from_config(Config.from_directory(checkpoints[("llama", "dense")]))
+    early = Cache(model, max_num_tokens=4 * PAGE, page_size=PAGE)
+    model.load(parallel_group=cpu_groups(2))
+    try:
+        early.allocate(model.device, model.dtype)
+        meta = BatchMeta.from_lists([[1, 2, 3]], [0], page_table=torch.tensor([[0]], dtype=torch.int32),
+                                    page_size=PAGE)
+        with pytest.raises(ValueError, match="built before the tensor-parallel load"):
+            ExecutionPlan(model).forward(meta, early)
+        assert model.parallel is not None and model.parallel.group.failure is None  # type: ignore[attr-defined]
+        assert model.forward(torch.tensor([[1, 2, 3]])).shape == (1, 3, 512)
+    finally:
+        model.unload()
