@@ -6,8 +6,8 @@ ranks meet in the collectives. The pipes also carry the workers' answers and, fr
 on, its error. Nothing waits without a bound: replies and collectives have the group's timeout
 (``EXL3_TP_TIMEOUT``; loads ``EXL3_TP_LOAD_TIMEOUT``), and a worker that died is noticed before each
 command. A group that failed once stays failed: every later request raises :class:`ParallelError` with the
-first failure's reason, and its workers are stopped. Workers never outlive rank 0: they exit when their
-pipe closes, and on Linux the kernel kills them when rank 0 dies.
+first failure's reason, and its workers are stopped. Workers never outlive rank 0: each watches rank 0's
+process and exits when it is gone, however it ended.
 """
 from __future__ import annotations
 
@@ -131,7 +131,8 @@ class WorkerGroup:
         threads = max(1, (os.cpu_count() or 1) // self.world) if self.devices[0].type == "cpu" else 1
         for r in range(1, self.world):
             boot = WorkerBoot(rank=r, devices=tuple(str(d) for d in self.devices), port=store.port,
-                              timeout=self.timeout, startup_timeout=STARTUP_TIMEOUT, threads=threads)
+                              timeout=self.timeout, startup_timeout=STARTUP_TIMEOUT, threads=threads,
+                              parent_pid=os.getpid())
             parent, child = ctx.Pipe(duplex=True)
             p = ctx.Process(target=worker_main, args=(boot, child), name=f"exl3-tp-rank{r}", daemon=True)
             p.start()
@@ -230,7 +231,7 @@ class WorkerGroup:
                 if isinstance(msg, Fatal):
                     said = msg.error
             if said is not None:
-                out.append(f"rank {r}: {said}")
+                out.append(said)  # a worker's report names its rank and device
             elif not p.is_alive():
                 out.append(f"worker rank {r} (pid {p.pid}) {_describe_exit(p.exitcode)}")
         return out

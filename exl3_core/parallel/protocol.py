@@ -23,7 +23,7 @@ class ParallelError(RuntimeError):
 @dataclass(frozen=True)
 class WorkerBoot:
     """What a worker process starts from: its rank, every rank's device, the rendezvous store's port on this
-    host, the collective and start-up timeouts (seconds) and its CPU thread count."""
+    host, the collective and start-up timeouts (seconds), its CPU thread count and rank 0's process id."""
 
     rank: int
     devices: tuple[str, ...]
@@ -31,6 +31,7 @@ class WorkerBoot:
     timeout: float
     startup_timeout: float
     threads: int
+    parent_pid: int
 
 
 # -- what a worker rebuilds a model from ----------------------------------------------------------------------

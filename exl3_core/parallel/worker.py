@@ -9,12 +9,13 @@ exits, and rank 0 fails the group. It exits when its pipe closes (rank 0 gone) o
 """
 from __future__ import annotations
 
-import ctypes
 import datetime
 import importlib
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Any
@@ -56,15 +57,17 @@ def worker_rank() -> int:
     return _rank
 
 
-def _die_with_parent() -> None:
-    """On Linux, have the kernel kill this process when rank 0's process dies (no orphaned workers)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _leave_with_parent(parent_pid: int) -> None:
+    """Exit as soon as rank 0's process is gone, however it ended (a thread watches: the main thread may be
+    blocked in a collective). The kernel's parent-death signal would not do: it follows the thread that
+    started the worker, which may end long before rank 0 does."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exl3-tp-parent-watch", daemon=True).start()
 
 
 def _error_text(e: BaseException) -> str:
@@ -181,7 +184,9 @@ def worker_main(boot: WorkerBoot, conn: Connection) -> None:
     """The process entry point (torch.multiprocessing spawn target)."""
     global _rank
     _rank = boot.rank
-    _die_with_parent()
+    _leave_with_parent(boot.parent_pid)
+    # Ctrl-C in a terminal reaches every process of the foreground group; rank 0 alone decides what it stops
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(boot.threads)
     try:
         device = torch.device(boot.devices[boot.rank])
@@ -195,7 +200,7 @@ def worker_main(boot: WorkerBoot, conn: Connection) -> None:
                                  connect_timeout=boot.startup_timeout)
         conn.send(Ready())
     except BaseException as e:  # noqa: BLE001 - reported to rank 0, which fails the start
-        _send(conn, Fatal(_error_text(e)))
+        _send(conn, Fatal(f"rank {boot.rank} ({boot.devices[boot.rank]}): {_error_text(e)}"))
         return
     state = WorkerState(boot, comm)
     try:

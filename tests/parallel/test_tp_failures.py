@@ -7,6 +7,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,11 +18,15 @@ from conftest import ARCHS, alive
 
 from exl3_core import settings
 from exl3_core.archkit import Config, Model
+from exl3_core.archkit.batch import BatchMeta
 from exl3_core.devmem import InsufficientDeviceMemory
 from exl3_core.parallel import ParallelError, WorkerGroup
 from exl3_core.parallel import memory as tp_memory
+from exl3_core.parallel.comm import meta_header
+from exl3_core.parallel.protocol import Forward
 from exl3_core.testing.arch import build_checkpoint, tiny_variants
 from exl3_core.testing.parallel import RankFailingSource
+from exl3_core.tuning import Tuning
 
 
 def _model(checkpoints: dict, arch: str = "llama", fmt: str = "dense") -> Model:
@@ -151,3 +157,46 @@ def test_a_worker_that_stops_answering_times_out(checkpoints: dict) -> None:
     finally:
         group.close()
     assert _children() == before
+
+
+def test_a_worker_whose_step_raises_is_reported_with_its_error(checkpoints: dict) -> None:
+    """A worker that cannot run a step says why before it leaves; the next step reports it (here the step names
+    a cache the worker does not have, so only the worker fails)."""
+    before = _children()
+    group = WorkerGroup(["cpu", "cpu"], timeout=10)
+    try:
+        model = _model(checkpoints)
+        model.load(parallel_group=group)
+        meta = BatchMeta.full(torch.tensor([[1, 2, 3]]))
+        group.send(Forward(model.parallel.model_id, 12345, meta_header(meta), Tuning.generic()))  # type: ignore[union-attr]
+        with pytest.raises(ParallelError, match=r"rank 1 \(cpu\) failed a step: KeyError: \(\d+, 12345\)"):
+            model.forward(torch.tensor([[1, 2, 3]]))
+        model.unload()
+    finally:
+        group.close()
+    assert _children() == before
+
+
+def test_workers_leave_when_rank_0_dies(tmp_path: Path) -> None:
+    """Rank 0 killed outright (no clean-up runs): its workers notice and exit."""
+    script = tmp_path / "rank0.py"
+    script.write_text("import sys\n"
+                      "from exl3_core.parallel import WorkerGroup\n"
+                      "if __name__ == '__main__':\n"
+                      "    g = WorkerGroup(['cpu', 'cpu'])\n"
+                      "    print(*g.pids(), flush=True)\n"
+                      "    sys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        (pid,) = [int(p) for p in proc.stdout.readline().split()]
+        assert alive(pid)
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 10
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not alive(pid), "a worker outlived rank 0"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
