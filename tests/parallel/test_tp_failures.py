@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ARCHS, alive
+from tp_support import ARCHS, alive
 
 from exl3_core import settings
 from exl3_core.archkit import Config, Model

@@ -23,10 +23,8 @@ LENS = tuple(sum(s[b] for s in SCHEDULE) for b in range(2))
 CASES = [
     ("llama", "dense", 2, False), ("llama", "dense", 4, False), ("llama", "exl3", 2, False),
     ("llama", "exl3", 4, False),
-    ("qwen3moe", "dense", 2, False), ("qwen3moe", "dense", 4, True), ("qwen3moe", "exl3", 2, True),
-    ("qwen3moe", "exl3", 4, False),
-    ("deepseekv3", "dense", 2, True), ("deepseekv3", "dense", 4, False), ("deepseekv3", "exl3", 2, False),
-    ("deepseekv3", "exl3", 4, True),
+    *[(arch, fmt, world, ep) for arch in ("qwen3moe", "deepseekv3") for fmt in ("dense", "exl3") for world in (2, 4)
+      for ep in (False, True)],
 ]
 
 
