@@ -121,31 +121,41 @@ def load_parallel(model: Model, *, device: str | torch.device | None, devices: S
             if close is not None:
                 close()
     check_shares(shares, str(model.config.directory))
-    for c in caches:
-        c.reshape(rank_geometry(model, 0, world))
     sharder = RankSharder(0, world, expert_parallel)
     attn = tuple(attention) if attention is not None else None
-    if world == 1:
-        return model.load(device=devs[0], dtype=dtype, progressbar=progressbar, attention=attn, source=source,
-                          caches=caches, shard=sharder)
-    owns = group is None
-    g = group if group is not None else WorkerGroup(devs)
+    planned = [c.geometry for c in caches]
+    for c in caches:
+        c.reshape(rank_geometry(model, 0, world))
     try:
-        return _load_ranks(model, g, owns, dtype, progressbar, attn, source, caches, expert_parallel, sharder)
+        if world == 1:
+            return model.load(device=devs[0], dtype=dtype, progressbar=progressbar, attention=attn, source=source,
+                              caches=caches, shard=sharder)
+        # what the workers need is checked before any of them starts
+        recipe = ModelRecipe(f"{type(model).__module__}:{type(model).__qualname__}", model.config.directory,
+                             model.config.raw, PluginRecipe.of(model.plugins))
+        shipped = _shippable(source)
+        owns = group is None
+        g = group if group is not None else WorkerGroup(devs)
+        try:
+            return _load_ranks(model, g, owns, recipe, shipped, dtype, progressbar, attn, source, caches,
+                               expert_parallel, sharder)
+        except BaseException:
+            if owns:
+                g.close()
+            raise
     except BaseException:
-        if owns:
-            g.close()
+        for c, geo in zip(caches, planned):  # all or nothing: the caches are as they were given
+            if not c.allocated:
+                c.reshape(geo)
         raise
 
 
-def _load_ranks(model: Model, g: WorkerGroup, owns: bool, dtype: torch.dtype, progressbar: bool,
-                attention: tuple[str, ...] | None, source: Any, caches: Sequence[Cache], expert_parallel: bool,
-                sharder: RankSharder) -> Model:
+def _load_ranks(model: Model, g: WorkerGroup, owns: bool, recipe: ModelRecipe, shipped: Any, dtype: torch.dtype,
+                progressbar: bool, attention: tuple[str, ...] | None, source: Any, caches: Sequence[Cache],
+                expert_parallel: bool, sharder: RankSharder) -> Model:
     model_id = g.new_id()
-    recipe = ModelRecipe(f"{type(model).__module__}:{type(model).__qualname__}", model.config.directory,
-                         model.config.raw, PluginRecipe.of(model.plugins))
     ids = [g.new_id() for _ in caches]
-    g.send(LoadModel(model_id, recipe, _shippable(source), dtype, attention, expert_parallel,
+    g.send(LoadModel(model_id, recipe, shipped, dtype, attention, expert_parallel,
                      tuple(cache_spec(c, i) for c, i in zip(caches, ids))))
     mine: BaseException | None = None
     try:
@@ -166,6 +176,8 @@ def _load_ranks(model: Model, g: WorkerGroup, owns: bool, dtype: torch.dtype, pr
     except BaseException:
         if model.loaded:
             model.unload()
+        for c in caches:  # rank 0 allocated them with its share; they were unallocated when given
+            c.free()
         raise
     runtime = ParallelModel(model, g, model_id, owns, [d.report or {} for d in answers])  # type: ignore[arg-type]
     for c, i in zip(caches, ids):

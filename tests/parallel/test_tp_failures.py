@@ -19,6 +19,7 @@ from tp_support import ARCHS, alive
 from exl3_core import settings
 from exl3_core.archkit import Config, Model
 from exl3_core.archkit.batch import BatchMeta
+from exl3_core.cache import Cache
 from exl3_core.devmem import InsufficientDeviceMemory
 from exl3_core.parallel import ParallelError, WorkerGroup
 from exl3_core.parallel import memory as tp_memory
@@ -95,10 +96,13 @@ def test_a_rank_that_cannot_allocate_is_named_and_the_group_stays_usable(checkpo
     directory = checkpoints[("llama", "dense")]
     model = _model(checkpoints)
     source = RankFailingSource(directory, rank=1, tensor="model.layers.1.mlp.down_proj.weight")
+    cache = Cache(model, max_num_tokens=64, page_size=16)
+    planned = cache.geometry
     with pytest.raises(ParallelError, match=r"rank 1 \(cpu\): OutOfMemoryError: could not allocate "
                                             r"model\.layers\.1\.mlp\.down_proj\.weight"):
-        model.load(parallel_group=group, source=source)
+        model.load(parallel_group=group, source=source, caches=[cache])
     assert not model.loaded and model.parallel is None
+    assert not cache.allocated and cache.geometry == planned, "a failed load leaves the caches as they were given"
     assert group.failure is None
     model.load(parallel_group=group)  # the same group loads the model once the source is sound
     try:
