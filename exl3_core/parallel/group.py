@@ -20,6 +20,7 @@ import time
 import weakref
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -109,11 +110,12 @@ class WorkerGroup:
         self.closed = False
         self.lock = threading.RLock()
         self._next_id = 0
-        self.procs: list[Any] = []
+        self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
         self.comm: GroupComm | None = None
         if self.backend == "nccl":
-            # NVLink SHARP multicast is off: it needs fabric resources the lent machines do not grant
+            # NVLink SHARP multicast stays off: it needs multicast resources from the fabric manager that many
+            # hosts do not grant, and NCCL then fails as the communicator starts
             os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         try:
             self._start()
@@ -139,12 +141,13 @@ class WorkerGroup:
             child.close()
             self.procs.append(p)
             self.conns.append(parent)
+        deadline = time.monotonic() + STARTUP_TIMEOUT
         for r in range(1, self.world):
-            self._expect(r, Hello, STARTUP_TIMEOUT, "start")
+            self._expect(r, Hello, deadline, "start")
         self.comm = GroupComm.connect(store, 0, self.world, self.devices[0], timeout=self.timeout,
                                       connect_timeout=STARTUP_TIMEOUT)
         for r in range(1, self.world):
-            self._expect(r, Ready, STARTUP_TIMEOUT, "join the process group")
+            self._expect(r, Ready, deadline + STARTUP_TIMEOUT, "join the process group")
 
     # -- talking to the workers -----------------------------------------------------------------------------------
     def new_id(self) -> int:
@@ -154,7 +157,7 @@ class WorkerGroup:
 
     def pids(self) -> list[int]:
         """The workers' process ids, by rank (rank 1 first)."""
-        return [p.pid for p in self.procs]
+        return [p.pid for p in self.procs if p.pid is not None]  # every started process has one
 
     def check(self) -> None:
         """Raise if the group failed or a worker is gone (the group is then failed for good)."""
@@ -180,16 +183,17 @@ class WorkerGroup:
                     self.check()
 
     def collect(self, what: str, timeout: float) -> list[Done]:
-        """Every worker's :class:`Done` for the last command (rank 1 first)."""
-        return [self._expect(r, Done, timeout, what) for r in range(1, self.world)]
-
-    def _expect(self, rank: int, kind: type, timeout: float, what: str) -> Any:
-        conn, proc = self.conns[rank - 1], self.procs[rank - 1]
+        """Every worker's :class:`Done` for the last command (rank 1 first), all within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
+        return [self._expect(r, Done, deadline, what) for r in range(1, self.world)]
+
+    def _expect(self, rank: int, kind: type, deadline: float, what: str) -> Any:
+        """The next answer of worker ``rank``, which must be a ``kind``, by the monotonic time ``deadline``."""
+        conn, proc = self.conns[rank - 1], self.procs[rank - 1]
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                self.fail(f"worker rank {rank} did not {what} within {timeout:.0f} s")
+                self.fail(f"worker rank {rank} did not {what} in time")
                 self.check()
             try:
                 ready = conn.poll(min(left, 0.5))
