@@ -10,6 +10,7 @@ aborts the communicator), which :class:`GroupComm` reports as a :class:`Parallel
 from __future__ import annotations
 
 import datetime
+import os
 import re
 from typing import Any
 
@@ -41,11 +42,13 @@ class GroupComm:
     :param device: this rank's device (where its tensors live).
     """
 
-    def __init__(self, pg: Any, rank: int, world: int, device: torch.device) -> None:
+    def __init__(self, pg: Any, rank: int, world: int, device: torch.device, timeout: float) -> None:
         self.pg = pg
         self.rank = rank
         self.world = world
         self.device = device
+        #: seconds a collective may take
+        self.timeout = timeout
 
     @classmethod
     def connect(cls, store: dist.Store, rank: int, world: int, device: torch.device, *, timeout: float,
@@ -55,6 +58,8 @@ class GroupComm:
         prefix = dist.PrefixStore("exl3-tp", store)
         step = datetime.timedelta(seconds=timeout)
         if backend_for(device) == "nccl":
+            # a failed collective aborts the communicator and raises here; the default tears the process down
+            os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
             torch.cuda.set_device(device)
             opts = dist.ProcessGroupNCCL.Options()
             opts.is_high_priority_stream = False
@@ -63,11 +68,17 @@ class GroupComm:
         else:
             pg = dist.ProcessGroupGloo(prefix, rank, world, datetime.timedelta(seconds=connect_timeout))
             pg.set_timeout(step)
-        return cls(pg, rank, world, device)
+        return cls(pg, rank, world, device, timeout)
 
-    def _wait(self, work: Any, what: str) -> None:
+    def _wait(self, work: Any, what: str, bounded: bool = False) -> None:
+        """Wait for ``work``: on NCCL the stream waits and the host goes on, unless ``bounded``: then the host
+        blocks until it is done, at most the group's timeout (the step's last collective does, so a step
+        never hands out logits of a collective the watchdog aborted)."""
         try:
-            work.wait()
+            if bounded:
+                work.wait(datetime.timedelta(seconds=self.timeout))
+            else:
+                work.wait()
         except RuntimeError as e:
             raise ParallelError(f"the {what} on rank {self.rank} of {self.world} failed: {short_error(e)}") from e
 
@@ -99,7 +110,7 @@ class GroupComm:
         opts.rootRank = 0
         if self.rank == 0:
             parts = [torch.empty_like(mine) for _ in range(self.world)]
-            self._wait(self.pg.gather([parts], [mine], opts), "logits gather")
+            self._wait(self.pg.gather([parts], [mine], opts), "logits gather", bounded=True)
             return torch.cat([p[:, : b - a] for p, (a, b) in zip(parts, shares)], dim=1)
         self._wait(self.pg.gather([], [mine], opts), "logits gather")
         return None
