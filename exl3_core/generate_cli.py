@@ -106,6 +106,7 @@ def choose_sampling(args: argparse.Namespace, model_dir: Path) -> Sampling:
     if explicit or args.repetition_penalty is not None:
         out = replace(out, source=f"options over {base.source}")
     return out
+from exl3_core.parallel.cli import add_parallel_args, parallel_load_kwargs
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -134,6 +135,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system prompt (chat template) (default: none)")
     p.add_argument("--attention", default=None, help="comma-separated attention backends to try, in order "
                                                      "(default: by priority; `exl3 plugins` lists them)")
+    add_parallel_args(p)
 
 
 def add_cli(sub: Any) -> None:
@@ -177,7 +179,8 @@ class Session:
         attention = [a.strip() for a in args.attention.split(",")] if args.attention else None
         self.cache = Cache(self.model, max_num_tokens=args.cache_tokens)
         # the cache counts in the load's memory check and is allocated with the weights
-        self.model.load(device=device, progressbar=True, attention=attention, caches=[self.cache])
+        self.model.load(device=device, progressbar=True, attention=attention, caches=[self.cache],
+                        **parallel_load_kwargs(args))
         self.tokenizer = Tokenizer.from_config(self.config)
         self.generator = Generator(model=self.model, cache=self.cache, tokenizer=self.tokenizer)
         self.args = args

@@ -19,6 +19,8 @@ itself is tuned (fusions, launch options, graph buckets) is typed in :mod:`exl3_
 | ``EXL3_PAGE_SIZE`` | KV-cache page size in tokens (default 256) |
 | ``EXL3_CUDA_GRAPHS`` | ``0`` disables CUDA graphs (decode steps and prefill chunks), e.g. to debug a kernel or read a profile op by op |
 | ``EXL3_API_KEY`` | the key ``exl3 serve`` requires from clients (``Authorization: Bearer KEY``) when ``--api-key`` is not given; unset: no key |
+| ``EXL3_TP_TIMEOUT`` | seconds a tensor-parallel collective or a worker's reply may take before the group is declared broken (default 300) |
+| ``EXL3_TP_LOAD_TIMEOUT`` | seconds tensor-parallel workers may take to load their shares of a model (default 3600) |
 | ``EXL3_LOG_LEVEL`` | log level for the ``exl3`` logger (default ``WARNING``) |
 | ``EXL3_NO_PROGRESS`` | ``1``: never draw progress bars |
 """
@@ -72,6 +74,8 @@ class Settings:
     page_size: int = 256
     cuda_graphs: bool = True
     api_key: str | None = None
+    tp_timeout: int = 300
+    tp_load_timeout: int = 3600
     log_level: str = "WARNING"
     no_progress: bool = False
 
@@ -93,6 +97,11 @@ class Settings:
         page_size = _int("PAGE_SIZE", g("PAGE_SIZE"), 256)
         if page_size <= 0 or page_size % 16:
             raise ValueError(f"{PREFIX}PAGE_SIZE={page_size} must be a positive multiple of 16")
+        tp_timeout = _int("TP_TIMEOUT", g("TP_TIMEOUT"), 300)
+        tp_load_timeout = _int("TP_LOAD_TIMEOUT", g("TP_LOAD_TIMEOUT"), 3600)
+        if tp_timeout <= 0 or tp_load_timeout <= 0:
+            raise ValueError(f"{PREFIX}TP_TIMEOUT={tp_timeout} and {PREFIX}TP_LOAD_TIMEOUT={tp_load_timeout} must be "
+                             f"positive numbers of seconds")
         dm = g("DEFAULT_MODEL")
         return cls(
             plugins=_list(g("PLUGINS")),
@@ -107,6 +116,8 @@ class Settings:
             page_size=page_size,
             cuda_graphs=flag("CUDA_GRAPHS", True),
             api_key=(g("API_KEY") or "").strip() or None,
+            tp_timeout=tp_timeout,
+            tp_load_timeout=tp_load_timeout,
             log_level=(g("LOG_LEVEL") or "WARNING").upper(),
             no_progress=flag("NO_PROGRESS"),
         )

@@ -17,11 +17,12 @@ from exl3_core.archkit.model import Model
 from exl3_core.cache.layer import CacheLayers
 from exl3_core.nn.attention import Attention
 from exl3_core.nn.embedding import Embedding
-from exl3_core.nn.linear import DenseLinear
+from exl3_core.nn.linear import DenseLinear, shard_granularity, shard_linear
 from exl3_core.nn.mlp import GatedMLP
 from exl3_core.nn.module import ForwardState, LoadContext, Module, WeightError
 from exl3_core.nn.norm import RMSNorm
 from exl3_core.nn.rope import RotaryEmbedding
+from exl3_core.nn.shard import LinearShard, block_split
 
 
 class StandardDecoderConfig:
@@ -137,6 +138,8 @@ class Head(Module):
         self.tied = tied
         self._embedding = [embedding]  # a list: not registered twice as a child
         self.declare_slots("linear")
+        #: this rank's vocabulary ``(start, stop)`` under tensor parallelism (None: all of it)
+        self.vocab_range: tuple[int, int] | None = None
 
     def load_weights(self, ctx: LoadContext) -> None:
         has_own = f"{self.key}.weight" in ctx.names or f"{self.key}.trellis" in ctx.names
@@ -147,6 +150,21 @@ class Head(Module):
         if emb is None:
             raise WeightError(f"{self.key}: tied to {self._embedding[0].key} which is not loaded yet")
         self.attach_loaded("linear", DenseLinear(emb, None, self.hidden_size, self.vocab_size, key=self.key))
+
+    def unload_weights(self) -> None:
+        super().unload_weights()
+        self.vocab_range = None
+
+    def vocab_shares(self, world: int) -> list[tuple[int, int]]:
+        """Every rank's vocabulary range (whole 128-row blocks for an EXL3 head; the last rank's may be shorter)."""
+        return block_split(self.vocab_size, world, shard_granularity(self.linear), f"vocabulary rows of {self.key}")
+
+    def apply_shard(self, rank: int, world: int) -> None:
+        """Keep ``rank``'s slice of the vocabulary (a column cut): its logits are that slice's, and the tensor-
+        parallel runtime gathers the slices. Call after loading."""
+        start, stop = self.vocab_shares(world)[rank]
+        self.attach_loaded("linear", shard_linear(self.linear, LinearShard("column", rank, world, start, stop)))
+        self.vocab_range = (start, stop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
@@ -218,7 +236,10 @@ class StandardDecoder(Model):
     def forward_batch(self, meta: BatchMeta, cache: CacheLayers | None = None, *,
                       fp32_logits: bool = True) -> torch.Tensor:
         """The reference forward: embedding, blocks, final norm, head (see :meth:`Model.forward_batch`).
-        The engine runs the same maths through :class:`exl3_core.plan.ExecutionPlan`."""
+        The engine runs the same maths through :class:`exl3_core.plan.ExecutionPlan`. Loaded over several
+        ranks, every rank runs its share and the logits come back whole."""
+        if self.parallel is not None:
+            return self.parallel.forward(meta, cache, fp32_logits=fp32_logits)
         state = ForwardState(meta, cache, self.allowed_backends, self.plugins)
         x = self.embed(meta.input_ids)
         for block in self.layers:

@@ -20,6 +20,7 @@ from exl3_core.devmem import InsufficientDeviceMemory, fmt_bytes, free_bytes
 
 if TYPE_CHECKING:
     from exl3_core.cache.cache import Cache
+    from exl3_core.nn.shard import ModuleSharder
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def weight_bytes_required(model: Any, source: Any, dtype: torch.dtype) -> int:
-    """Bytes the weights of ``model`` will take on the device when loaded from ``source`` at ``dtype``.
+def weight_bytes_required(model: Any, source: Any, dtype: torch.dtype, shard: ModuleSharder | None = None) -> int:
+    """Bytes the weights of ``model`` will take on the device when loaded from ``source`` at ``dtype`` (one
+    rank's share with ``shard``: each module is cut as the load will cut it).
 
     The model must not be loaded (the dry run fills and then empties its module slots).
     """
@@ -90,6 +92,8 @@ def weight_bytes_required(model: Any, source: Any, dtype: torch.dtype) -> int:
     try:
         for m in modules:
             m.load_weights(ctx)
+            if shard is not None:
+                shard.shard_module(m)
         total = 0
         for t in _unique_tensors(model):
             if id(t) in before:
@@ -107,12 +111,13 @@ def cache_bytes_required(caches: Sequence[Cache], dtype: torch.dtype) -> int:
 
 
 def plan_load(model: Any, source: Any, device: torch.device, dtype: torch.dtype,
-              caches: Sequence[Cache] = ()) -> dict[str, int]:
+              caches: Sequence[Cache] = (), shard: ModuleSharder | None = None) -> dict[str, int]:
     """``{"weights", "caches", "total"}`` bytes, plus ``"free"``/``"device_total"`` on CUDA.
 
     :raises InsufficientDeviceMemory: on CUDA, when ``total`` exceeds the free device memory.
     """
-    plan = {"weights": weight_bytes_required(model, source, dtype), "caches": cache_bytes_required(caches, dtype)}
+    plan = {"weights": weight_bytes_required(model, source, dtype, shard),
+            "caches": cache_bytes_required(caches, dtype)}
     plan["total"] = plan["weights"] + plan["caches"]
     info = free_bytes(device)
     if info is not None:
@@ -166,14 +171,14 @@ def load_report(model: Any, plan: dict[str, int] | None, device: torch.device,
 
 
 def checked_plan(model: Any, source: Any, device: torch.device, dtype: torch.dtype,
-                 caches: Sequence[Cache] = ()) -> dict[str, int] | None:
+                 caches: Sequence[Cache] = (), shard: ModuleSharder | None = None) -> dict[str, int] | None:
     """:func:`plan_load`, except that a module the dry run cannot handle skips the plan (logged).
 
     Only :class:`InsufficientDeviceMemory` propagates: an architecture whose loader inspects tensor
     values must still load, just without the up-front check.
     """
     try:
-        return plan_load(model, source, device, dtype, caches)
+        return plan_load(model, source, device, dtype, caches, shard)
     except InsufficientDeviceMemory:
         raise
     except Exception as e:  # noqa: BLE001 - the plan is advisory for such modules

@@ -12,14 +12,18 @@ tensors), then :meth:`Model.load` reads every weight. Two forward entry points:
 
 A model reports the geometry its cache needs (:meth:`Model.cache_geometry`); caches are built from
 it and hold no reference to the model.
+
+Loaded with ``tensor_parallel_size=N`` (or ``devices=[...]``), the model in the calling process is rank 0
+of N: it holds its share of every layer and drives the other ranks' worker processes through
+:attr:`Model.parallel` (see :mod:`exl3_core.parallel`).
 """
 from __future__ import annotations
 
 import gc
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -27,10 +31,43 @@ from exl3_core.archkit.batch import BatchMeta
 from exl3_core.archkit.config import Config
 from exl3_core.cache.geometry import CacheUser, LayerGeometry
 from exl3_core.cache.layer import CacheLayers
-from exl3_core.nn.module import LoadContext, Module, TensorSource
+from exl3_core.nn.module import Communicator, LoadContext, Module, TensorSource
+from exl3_core.nn.shard import ModuleSharder
 
 if TYPE_CHECKING:
     from exl3_core.cache.cache import Cache
+    from exl3_core.tuning import Tuning
+
+#: one rank's forward of a step: its logits slice (the head's dtype), reductions through the communicator
+LocalForward = Callable[[BatchMeta, "CacheLayers | None", Communicator], torch.Tensor]
+
+#: the tensor-parallel loader, named rather than imported: it sits above the model (it builds execution
+#: plans and starts worker processes), so the model reaches it the way plugins' specs are reached
+PARALLEL_LOADER = "exl3_core.parallel.loader:load_parallel"
+
+
+@runtime_checkable
+class ParallelRuntime(Protocol):
+    """The ranks a model was loaded over, as the calling process (rank 0) drives them each step."""
+
+    #: number of ranks (this process included)
+    world: int
+
+    def forward(self, meta: BatchMeta, cache: CacheLayers | None = None, *, fp32_logits: bool = True) -> torch.Tensor:
+        """The whole model's logits for ``meta`` (every rank runs its share)."""
+        ...
+
+    def run(self, meta: BatchMeta, cache: CacheLayers | None, local: LocalForward, tuning: Tuning) -> torch.Tensor:
+        """Every rank runs one step, rank 0 through ``local``; the gathered logits, in the head's dtype."""
+        ...
+
+    def close(self) -> None:
+        """Drop every rank's share (and stop the workers the load started)."""
+        ...
+
+    def rank_reports(self) -> list[dict[str, Any]]:
+        """Each other rank's memory report (as :meth:`Model.memory_report`), by rank."""
+        ...
 
 
 def _open_source(directory: Path) -> TensorSource:
@@ -67,6 +104,8 @@ class Model(torch.nn.Module):
         self.allowed_backends: tuple[str, ...] | None = None
         #: counts loads: what was built from loaded modules (an execution plan) is current while it holds
         self.load_generation = 0
+        #: the other ranks when loaded with tensor parallelism (None: this process holds the whole model)
+        self.parallel: ParallelRuntime | None = None
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -113,7 +152,10 @@ class Model(torch.nn.Module):
 
     def load(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
              progressbar: bool = False, attention: list[str] | tuple[str, ...] | None = None,
-             source: TensorSource | None = None, caches: Sequence[Cache] = ()) -> Model:
+             source: TensorSource | None = None, caches: Sequence[Cache] = (), *,
+             tensor_parallel_size: int | None = None, devices: Sequence[str | torch.device] | None = None,
+             expert_parallel: bool = False, parallel_group: Any = None,
+             shard: ModuleSharder | None = None) -> Model:
         """Read every weight from ``config.directory`` onto ``device``. All or nothing.
 
         :param device: default ``"cpu"``.
@@ -124,9 +166,30 @@ class Model(torch.nn.Module):
         :param source: read tensors from here instead of the directory's safetensors files.
         :param caches: caches built for this model and not yet allocated: counted in the memory check
             and allocated on ``device`` after the weights (the model keeps no reference to them).
+        :param tensor_parallel_size: split the model over this many ranks (devices ``device``'s index onwards:
+            ``"cuda"`` = cuda:0..N-1; ``"cpu"``: N processes on the CPU); this process is rank 0 and starts
+            the others (:mod:`exl3_core.parallel`). 1 runs the sharded path in this process alone.
+        :param devices: one device per rank instead (``tensor_parallel_size`` = its length).
+        :param expert_parallel: mixture-of-experts layers divide their experts among the ranks instead of
+            splitting every expert.
+        :param parallel_group: a :class:`exl3_core.parallel.WorkerGroup` to load into (its devices, its
+            workers; it outlives the model), instead of starting workers.
+        :param shard: load one rank's share: each module is cut by ``shard`` as soon as it is loaded (the
+            tensor-parallel loader passes it; the memory check counts the share).
         :raises exl3_core.nn.WeightError, exl3_core.loader.LoaderError: naming the tensor (and file);
             nothing loaded by this call stays on the device then.
+        :raises exl3_core.parallel.ParallelError: a rank could not load its share (naming the rank).
         """
+        if tensor_parallel_size is not None or devices is not None or expert_parallel or parallel_group is not None:
+            if shard is not None:
+                raise ValueError("Model.load: shard= is one rank's load; it cannot be combined with "
+                                 "tensor_parallel_size/devices/parallel_group")
+            from exl3_core.plugins.registry import resolve_ref
+
+            load_parallel = resolve_ref(PARALLEL_LOADER, what="the tensor-parallel loader")
+            return load_parallel(self, device=device, devices=devices, tensor_parallel_size=tensor_parallel_size,  # type: ignore[no-any-return]
+                                 expert_parallel=expert_parallel, group=parallel_group, dtype=dtype,
+                                 progressbar=progressbar, attention=attention, source=source, caches=caches)
         dev = torch.device(device if device is not None else "cpu")
         if dtype is None:
             dtype = torch.float32 if dev.type == "cpu" else torch.float16
@@ -150,10 +213,12 @@ class Model(torch.nn.Module):
         try:
             from exl3_core.archkit.memory import checked_plan
 
-            plan = checked_plan(self, src, dev, dtype, caches)  # refuses before any allocation when it won't fit
+            plan = checked_plan(self, src, dev, dtype, caches, shard)  # refuses before any allocation if it won't fit
             ctx = LoadContext(src, dev, dtype)
             for m in modules:
                 m.load_weights(ctx)
+                if shard is not None:
+                    shard.shard_module(m)
                 if bar is not None:
                     bar.advance(1)
             self.after_load()
@@ -189,14 +254,21 @@ class Model(torch.nn.Module):
         report = self.__dict__.get("_memory_report")
         if report is None or not self.loaded:
             raise RuntimeError(f"{type(self).__name__} is not loaded; call .load() first")
-        return dict(report)
+        out = dict(report)
+        if self.parallel is not None:
+            out["ranks"] = [dict(report), *self.parallel.rank_reports()]
+        return out
 
     def after_load(self) -> None:
         """Hook run once every module is loaded (tie weights, fuse projections ...)."""
 
     def unload(self) -> None:
-        """Drop every weight; the module tree stays so :meth:`load` can run again."""
+        """Drop every weight (every rank's, when loaded over several); the module tree stays so :meth:`load`
+        can run again."""
         dev = self._device
+        if self.parallel is not None:
+            runtime, self.parallel = self.parallel, None
+            runtime.close()
         for m in self.exl3_modules():
             m.unload_weights()
         self._device = self._dtype = None

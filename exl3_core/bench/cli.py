@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from exl3_core.cli import UsageError, bounded_float, nonneg_int, positive_int, resolve_device
+from exl3_core.parallel.cli import add_parallel_args, parallel_load_kwargs
 
 
 def add_cli(subparsers: Any) -> None:
@@ -42,6 +43,7 @@ def add_cli(subparsers: Any) -> None:
                         "is left out")
     p.add_argument("--json", type=Path, default=None, metavar="OUT",
                    help="write every figure to this JSON file (default: none)")
+    add_parallel_args(p)
     p.set_defaults(func=_bench_cmd)
 
 
@@ -76,7 +78,7 @@ def _bench_cmd(args: argparse.Namespace) -> int:
                         device=device, contexts=contexts, batches=batches, prefill_tokens=prefill,
                         prefill_past=args.prefill_past, new_tokens=args.new_tokens, profile=args.profile,
                         vs_transformers=args.vs_transformers, ceiling_lib=args.ceiling_lib, log=bar.write,
-                        progress=bar)
+                        progress=bar, parallel=parallel_load_kwargs(args))
     if args.json is not None:
         args.json.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
     return 0

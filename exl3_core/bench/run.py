@@ -358,9 +358,11 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
               new_tokens: int = 128,
               profile: bool = False, vs_transformers: bool = False, ceiling_lib: Path | None = None,
               log: Callable[[str], None] = print,
-              progress: Callable[[int, int, str], None] | None = None) -> dict[str, Any]:
+              progress: Callable[[int, int, str], None] | None = None,
+              parallel: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every figure of the module docstring as one dict (see ``exl3 bench --help``); ``ceiling_lib``: the
-    bench extension's library (:func:`decode_only_op`).
+    bench extension's library (:func:`decode_only_op`); ``parallel``: tensor-parallel ``model.load`` arguments
+    (``tensor_parallel_size``, ``expert_parallel``; the per-rank figures, weight bytes and ceilings, are rank 0's).
 
     :param progress: called as ``progress(steps_done, steps, next_step)`` before each long step."""
     prefills = tuple(t for t in ((prefill_tokens,) if isinstance(prefill_tokens, int) else prefill_tokens) if t > 0)
@@ -397,7 +399,8 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
     t0 = time.perf_counter()
     next_step("building the random-weight model")
     model, cache = build_model(shape, bpw=bpw, head_bits=head_bits, codebook=codebook, device=dev,
-                               cache_tokens=cache_tokens)
+                               cache_tokens=cache_tokens, parallel=parallel)
+    out["parallel"] = dict(parallel or {})
     out["build_seconds"] = time.perf_counter() - t0
     out["memory"] = model.memory_report()
     wbytes = weight_bytes_per_token(model)

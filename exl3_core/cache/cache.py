@@ -8,7 +8,7 @@ The allocator never hands out the scratch page.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -87,6 +87,9 @@ class Cache:
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
         self.allocator = PageAllocator(self.num_pages, self.page_size)
+        #: called with ``(src, dst)`` after each :meth:`copy_page` (a tensor-parallel model's other ranks copy
+        #: their share of the page too)
+        self.page_copy_listeners: list[Callable[[int, int], None]] = []
         if device is None and dtype is None and getattr(model, "loaded", False):
             device, dtype = model.device, model.dtype  # type: ignore[union-attr]
         if device is not None or dtype is not None:
@@ -117,6 +120,19 @@ class Cache:
                            head_dim=g.head_dim, head_dim_v=g.head_dim_v, dtype=dtype, device=dev, **self._layer_kwargs)
                        for cls, g in zip(self._types, self.geometry)]
         self.device, self.dtype = dev, dtype
+
+    def reshape(self, geometry: Sequence[LayerGeometry]) -> None:
+        """Plan this (unallocated) cache for other layer geometry of the same kinds: one tensor-parallel rank's
+        share of the KV heads.
+
+        :raises ValueError: when allocated, or when the layer count or kinds differ."""
+        geo = tuple(geometry)
+        if self.layers:
+            raise ValueError("Cache.reshape: the cache is allocated; free() it first")
+        if [g.kind for g in geo] != [g.kind for g in self.geometry]:
+            raise ValueError(f"Cache.reshape: layer kinds {[g.kind for g in geo]} differ from the cache's "
+                             f"{[g.kind for g in self.geometry]}")
+        self.geometry = geo
 
     def free(self) -> None:
         """Release the storage and forget every page; :meth:`allocate` brings it back empty."""
@@ -152,6 +168,18 @@ class Cache:
     def copy_page(self, src: int, dst: int) -> None:
         for layer in self.layers:
             layer.copy_page(src, dst)
+        for listener in self.page_copy_listeners:
+            listener(src, dst)
+
+    @property
+    def plugins(self) -> Plugins:
+        """The plugin set the layer types resolve from."""
+        return self._plugins
+
+    @property
+    def layer_kwargs(self) -> dict[str, Any]:
+        """The options every layer was built with (e.g. a quantized variant's bits)."""
+        return dict(self._layer_kwargs)
 
     def max_pages_per_seq(self, max_seq_len: int | None = None) -> int:
         """Page-table width for sequences up to ``max_seq_len`` tokens (default: the whole cache)."""

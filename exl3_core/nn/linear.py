@@ -145,6 +145,13 @@ def make_linear(key: str, in_features: int, out_features: int, *, bias: bool | N
     return DenseLinear(w, b, in_features, out_features, key=key)
 
 
+def shard_granularity(*linears: torch.nn.Module) -> int:
+    """The feature multiple at which ``linears`` can be cut: 128 where one is EXL3 (its blocks), else 1."""
+    from exl3_core.quant.exl3.linear import EXL3Linear
+
+    return PAD if any(isinstance(m, EXL3Linear) for m in linears) else 1
+
+
 def shard_linear(linear: torch.nn.Module, shard: LinearShard) -> torch.nn.Module:
     """The part of ``linear`` that ``shard`` names, as a new linear of the same type (weights sliced, not
     copied where a view will do). A row shard keeps the bias on rank 0 only (it is added once, after the

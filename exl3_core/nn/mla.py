@@ -21,9 +21,11 @@ from exl3_core.archkit.config import RopeSettings
 from exl3_core.attention.dispatch import get_dispatcher
 from exl3_core.attention.spec import AttnArgs, AttnSpec, CallShape, device_cc, sm_count
 from exl3_core.cache.geometry import LayerGeometry
+from exl3_core.nn.linear import shard_linear
 from exl3_core.nn.module import ForwardState, LoadContext, Module
 from exl3_core.nn.norm import RMSNorm
 from exl3_core.nn.rope import RotaryEmbedding
+from exl3_core.nn.shard import HeadShard, LinearShard
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -106,6 +108,8 @@ class LatentAttention(Module):
         self.keys = {k: f"{prefix}.{v}" for k, v in {**self.KEYS, **(keys or {})}.items()}
         #: index into ``cache.layers``; assigned by the model in attention-layer order
         self.cache_index: int | None = None
+        #: this rank's query heads under tensor parallelism (None: all); the latent is every rank's
+        self.shard: HeadShard | None = None
         self.q_a_norm: RMSNorm | None = None
         if q_lora_rank is not None:
             self.q_a_norm = RMSNorm(self.keys["q_a_norm"], q_lora_rank, latent_norm_eps)
@@ -135,6 +139,11 @@ class LatentAttention(Module):
         return self.kv_lora_rank + self.rope_dim
 
     @property
+    def local_heads(self) -> int:
+        """The query heads this module computes (all of them unless sharded)."""
+        return self.num_heads if self.shard is None else self.shard.num_q_heads
+
+    @property
     def head_dim_v(self) -> int:
         return self.kv_lora_rank
 
@@ -152,14 +161,36 @@ class LatentAttention(Module):
         self.attach_loaded("kv_b_proj", ctx.linear(k["kv_b_proj"], self.kv_lora_rank,  # type: ignore[arg-type]
                                                    H * (self.nope_dim + self.v_head_dim), bias=False))
         self.attach_loaded("o_proj", ctx.linear(k["o_proj"], H * self.v_head_dim, h, bias=self.bias))  # type: ignore[arg-type]
+        self.shard = None
         self.absorb(ctx.dtype, ctx.device)
+        self._specs.clear()
+
+    def apply_shard(self, shard: HeadShard) -> None:
+        """Keep only ``shard``'s query heads: their rows of the query and ``kv_b_proj`` (column cuts), their
+        inputs of o_proj (a row cut, whose partial sums :meth:`forward` reduces). The latent's down-projection
+        and the cache row stay whole on every rank. Call after loading."""
+        r, w, a, b = shard.rank, shard.world, shard.q_start, shard.q_stop
+        qk, kvb, v = self.nope_dim + self.rope_dim, self.nope_dim + self.v_head_dim, self.v_head_dim
+
+        def cut(name: str, kind: str, per_head: int) -> None:
+            m = getattr(self, name)
+            if m is not None:
+                self.attach_loaded(name, shard_linear(m, LinearShard(kind, r, w, a * per_head, b * per_head)))  # type: ignore[arg-type]
+
+        cut("q_proj", "column", qk)
+        cut("q_b_proj", "column", qk)
+        cut("kv_b_proj", "column", kvb)
+        cut("o_proj", "row", v)
+        self.shard = shard
+        assert self.kv_b_proj is not None and self.w_uk is not None
+        self.absorb(self.w_uk.dtype, self.w_uk.device)
         self._specs.clear()
 
     def absorb(self, dtype: torch.dtype, device: torch.device | str) -> None:
         """Materialise ``W_uk``/``W_uv`` from ``kv_b_proj`` for ``dtype`` activations. Done once per
         load, so a quantized ``kv_b_proj`` is reconstructed once, never per token."""
         assert self.kv_b_proj is not None, f"{self.prefix}: not loaded"
-        H, L, n, v = self.num_heads, self.kv_lora_rank, self.nope_dim, self.v_head_dim
+        H, L, n, v = self.local_heads, self.kv_lora_rank, self.nope_dim, self.v_head_dim
         w = dense_weight(self.kv_b_proj, L, dtype, device).view(L, H, n + v)
         self.w_uk = w[..., :n].permute(1, 2, 0).contiguous().to(dtype)  # [H, n, L]
         self.w_uv = w[..., n:].permute(1, 0, 2).contiguous().to(dtype)  # [H, L, v]
@@ -172,7 +203,7 @@ class LatentAttention(Module):
         spec = self._specs.get(key)
         if spec is None:
             spec = self._specs[key] = AttnSpec(
-                head_dim=self.head_dim, num_q_heads=self.num_heads, num_kv_heads=1, dtype=dtype, cache=cache_view,
+                head_dim=self.head_dim, num_q_heads=self.local_heads, num_kv_heads=1, dtype=dtype, cache=cache_view,
                 phase=shape.phase, causal=True, varlen=True, device_type=device.type,
                 device_cc=device_cc(device), head_dim_v=self.kv_lora_rank, max_keys=shape.max_keys,
                 num_seqs=shape.num_seqs, q_per_seq=shape.q_per_seq, sm_count=sm_count(device))
@@ -187,7 +218,7 @@ class LatentAttention(Module):
         else:
             assert self.q_a_norm is not None and self.q_a_proj is not None and self.q_b_proj is not None
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
-        q_nope, q_rope = q.view(T, self.num_heads, self.nope_dim + self.rope_dim).split(
+        q_nope, q_rope = q.view(T, self.local_heads, self.nope_dim + self.rope_dim).split(
             [self.nope_dim, self.rope_dim], dim=-1)
         assert self.kv_a_proj is not None
         latent, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -233,12 +264,18 @@ class LatentAttention(Module):
         if rows is not None:
             o_latent, T = o_latent.index_select(0, rows), rows.shape[0]
         o = torch.einsum("thl,hlv->thv", o_latent.to(dt), self.w_uv)
-        return self.o_proj(o.reshape(T, self.num_heads * self.v_head_dim))
+        return self.project_out(o.reshape(T, self.local_heads * self.v_head_dim), state)
+
+    def project_out(self, o: torch.Tensor, state: ForwardState) -> torch.Tensor:
+        """o_proj, summed over the tensor-parallel group when this rank holds a share of the heads."""
+        assert self.o_proj is not None
+        y = self.o_proj(o)
+        return state.all_reduce(y) if self.shard is not None else y
 
     def forward_expanded(self, x: torch.Tensor, state: ForwardState) -> torch.Tensor:
         """Cache-less textbook form (per-head keys and values through ``kv_b_proj``): a test oracle."""
         meta = state.meta
-        T, H = x.shape[0], self.num_heads
+        T, H = x.shape[0], self.local_heads
         assert self.kv_b_proj is not None and self.o_proj is not None
         q_nope, q_rope, kv = self.project(x, state)
         kvb = self.kv_b_proj(kv[:, 0, : self.kv_lora_rank]).view(T, H, self.nope_dim + self.v_head_dim)
@@ -251,7 +288,7 @@ class LatentAttention(Module):
                         max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=self.scale,
                         k=k, v=v.contiguous())
         o = get_dispatcher(state.plugins).select(spec, state.allowed_backends).forward(args)
-        return self.o_proj(o.reshape(T, H * self.v_head_dim))
+        return self.project_out(o.reshape(T, H * self.v_head_dim), state)
 
     def extra_repr(self) -> str:
         return f"{self.prefix}: heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, " \

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from exl3_core import ops
-from exl3_core.nn.linear import shard_linear
+from exl3_core.nn.linear import shard_granularity, shard_linear
 from exl3_core.nn.module import ForwardState, LoadContext, Module
-from exl3_core.nn.shard import LinearShard, even_split
+from exl3_core.nn.shard import LinearShard, block_split
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -77,9 +77,11 @@ class GatedMLP(Module):
         return state.all_reduce(y) if state is not None and self.down.shard is not None else y
 
     def apply_shard(self, rank: int, world: int) -> None:
-        """Keep ``rank``'s share of the intermediate features: gate/up cut by output, down by input (a
-        partial sum that :meth:`forward` reduces). Call after loading, before attaching adapters."""
-        start, stop = even_split(self.intermediate_size, rank, world)
+        """Keep ``rank``'s share of the intermediate features (whole 128-feature blocks for EXL3 linears, as
+        evenly as they go): gate/up cut by output, down by input (a partial sum that :meth:`forward` reduces).
+        Call after loading, before attaching adapters."""
+        g = shard_granularity(self.gate, self.up, self.down)
+        start, stop = block_split(self.intermediate_size, world, g, f"intermediate features of {self.keys[2]}")[rank]
         self.attach_loaded("gate", shard_linear(self.gate, LinearShard("column", rank, world, start, stop)))
         self.attach_loaded("up", shard_linear(self.up, LinearShard("column", rank, world, start, stop)))
         self.attach_loaded("down", shard_linear(self.down, LinearShard("row", rank, world, start, stop)))
@@ -117,3 +119,11 @@ class MLP(Module):
     def forward(self, x: torch.Tensor, state: ForwardState | None = None) -> torch.Tensor:
         y = self.down(self.act(self.up(x)))
         return state.all_reduce(y) if state is not None and self.down.shard is not None else y
+
+    def apply_shard(self, rank: int, world: int) -> None:
+        """Keep ``rank``'s share of the intermediate features: up cut by output, down by input (reduced in
+        :meth:`forward`)."""
+        g = shard_granularity(self.up, self.down)
+        start, stop = block_split(self.intermediate_size, world, g, f"intermediate features of {self.keys[1]}")[rank]
+        self.attach_loaded("up", shard_linear(self.up, LinearShard("column", rank, world, start, stop)))
+        self.attach_loaded("down", shard_linear(self.down, LinearShard("row", rank, world, start, stop)))

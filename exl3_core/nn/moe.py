@@ -21,9 +21,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from exl3_core.nn.linear import make_linear
+from exl3_core.nn.linear import make_linear, shard_granularity, shard_linear
 from exl3_core.nn.mlp import Activation, GatedMLP, activation
 from exl3_core.nn.module import ForwardState, LoadContext, Module, WeightError
+from exl3_core.nn.shard import LinearShard, block_split
 
 Scoring = Literal["softmax", "sigmoid"]
 GroupScore = Literal["max", "top2_sum"]
@@ -112,6 +113,18 @@ def _choose(scores: torch.Tensor, cfg: RoutingConfig, correction_bias: torch.Ten
     return torch.topk(choice, cfg.top_k, dim=-1, sorted=False).indices
 
 
+@dataclass(frozen=True)
+class ExpertShard:
+    """A rank's share of a MoE layer: with ``expert_parallel``, the whole experts ``first:stop``; else a slice
+    of every expert's intermediate features (``first:stop`` of them)."""
+
+    rank: int
+    world: int
+    expert_parallel: bool
+    first: int
+    stop: int
+
+
 @functools.cache
 def grouped_gemm_works(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``F.grouped_mm`` runs (and is right) for ``dtype`` on ``device``; probed once."""
@@ -196,6 +209,8 @@ class MoE(Module):
         self.declare_slots("router", "experts", "shared_gate")
         #: ``[T, k]`` expert ids to use instead of the router's choice (see :func:`pin_routing`)
         self.pinned_ids: torch.Tensor | None = None
+        #: this rank's share under tensor or expert parallelism (None: the whole layer)
+        self.shard: ExpertShard | None = None
         #: stack dense experts at load for the grouped-GEMM path (False: always the sliced path)
         self.grouped_gemm = True
         self.gate_up_t: torch.Tensor | None
@@ -215,7 +230,33 @@ class MoE(Module):
         if self.shared_gate_key is not None:
             self.attach_loaded("shared_gate", ctx.linear(self.shared_gate_key, H, 1, bias=False))  # type: ignore[arg-type]
         self.attach_loaded("experts", torch.nn.ModuleList(self._load_experts(ctx, H, I, E)))
+        self.shard = None
         self._stack_dense_experts()
+
+    def apply_shard(self, rank: int, world: int, expert_parallel: bool = False) -> None:
+        """Keep ``rank``'s share: with ``expert_parallel`` its run of whole experts (as evenly as they divide),
+        else a slice of every expert's intermediate features (gate/up cut by output, down by input). The
+        router stays whole on every rank, so every rank routes alike; the shared experts (a gated MLP) cut
+        themselves. Each rank's output is a partial sum that :meth:`forward` reduces. Call after loading.
+
+        :raises ValueError: naming the counts when some rank would get no expert (or no feature block)."""
+        assert self.experts is not None, f"{self.prefix}: MoE is not loaded"
+        experts: list[GatedExpert] = list(self.experts)  # type: ignore[arg-type]
+        if expert_parallel:
+            first, stop = block_split(len(experts), world, 1, f"experts of {self.prefix}")[rank]
+            self.attach_loaded("experts", torch.nn.ModuleList(experts[first:stop]))
+            self.gate_up_t = self.down_t = None  # a share of the experts runs the sliced path
+        else:
+            g = shard_granularity(experts[0].gate, experts[0].up, experts[0].down)
+            first, stop = block_split(self.intermediate_size, world, g,
+                                      f"expert intermediate features of {self.prefix}")[rank]
+            col, row = LinearShard("column", rank, world, first, stop), LinearShard("row", rank, world, first, stop)
+            self.attach_loaded("experts", torch.nn.ModuleList(
+                GatedExpert(shard_linear(ex.gate, col), shard_linear(ex.up, col), shard_linear(ex.down, row), ex.act)
+                for ex in experts))
+        self.shard = ExpertShard(rank, world, expert_parallel, first, stop)
+        if not expert_parallel:
+            self._stack_dense_experts()
 
     def _stack_dense_experts(self) -> None:
         """Dense experts: stack their weights for the sync-free grouped-GEMM path.
@@ -234,7 +275,7 @@ class MoE(Module):
         w = lins[0][0].weight
         if not grouped_gemm_works(w.device, w.dtype):
             return
-        I = self.intermediate_size
+        I = lins[0][0].out_features  # this rank's share of the features when sharded
         gate_up = torch.stack([torch.cat([g.weight, u.weight]) for g, u, _ in lins])  # [E, 2I, H]
         down = torch.stack([d.weight for _, _, d in lins])  # [E, H, I]
         for e, (g, u, d) in enumerate(lins):
@@ -279,17 +320,21 @@ class MoE(Module):
         weights, ids = self.select(x)
         y = self.run_experts(x, weights, ids)
         if self.shared is not None:
-            s = self.shared(x).float()
+            s = self.shared(x).float()  # without the state: its partial sum joins this layer's one reduction
             if self.shared_gate is not None:
                 s = s * torch.sigmoid(self.shared_gate(x).float())
             y = y + s
-        return y.to(x.dtype).reshape(shape)
+        y = y.to(x.dtype)
+        if self.shard is not None and state is not None:
+            y = state.all_reduce(y)
+        return y.reshape(shape)
 
     def graph_capturable(self) -> str | None:
         """None when a forward can be captured in a CUDA graph, else why not (the sliced expert
         path reads per-expert row counts back to the host)."""
         if self.gate_up_t is None or self.down_t is None:
-            return f"{self.prefix}: quantized or unstacked experts take the sliced path (one host read per forward)"
+            return f"{self.prefix}: quantized, unstacked or expert-parallel experts take the sliced path (one host " \
+                   f"read per forward)"
         return None
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -306,15 +351,19 @@ class MoE(Module):
             # grouped GEMM over device-side offsets: fixed shapes, no host read (graph-capturable)
             offs = counts.cumsum(0).to(torch.int32)
             gu = F.grouped_mm(rows, self.gate_up_t, offs=offs)
-            gate, up = gu.split(self.intermediate_size, dim=-1)
+            gate, up = gu.split(self.gate_up_t.shape[-1] // 2, dim=-1)  # this rank's features
             out = F.grouped_mm(self.act(gate) * up, self.down_t, offs=offs)
         else:
             bounds = counts.cumsum(0).cpu().tolist()  # the one host read: slice bounds per expert
-            out = torch.empty((T * k, x.shape[-1]), dtype=x.dtype, device=x.device)
+            # expert parallel: this rank holds experts first:first+len(experts); others' rows stay zero
+            first = self.shard.first if self.shard is not None and self.shard.expert_parallel else 0
+            local = range(first, first + len(self.experts))
+            alloc = torch.zeros if len(local) < len(bounds) else torch.empty
+            out = alloc((T * k, x.shape[-1]), dtype=x.dtype, device=x.device)
             start = 0
             for e, end in enumerate(bounds):
-                if end > start:
-                    out[start:end] = self.experts[e](rows[start:end])
+                if end > start and e in local:
+                    out[start:end] = self.experts[e - first](rows[start:end])
                 start = end
         w = weights.reshape(-1).index_select(0, order)
         y = torch.zeros((T, x.shape[-1]), dtype=torch.float32, device=x.device)

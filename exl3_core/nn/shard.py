@@ -14,7 +14,10 @@ path runs, and is tested, on one device too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 ShardKind = Literal["column", "row"]
 
@@ -94,3 +97,44 @@ def even_split(n: int, rank: int, world: int, granularity: int = 1) -> tuple[int
                          f"blocks")
     per = n // world
     return rank * per, (rank + 1) * per
+
+
+def block_split(n: int, world: int, granularity: int = 1, what: str = "features") -> list[tuple[int, int]]:
+    """Every rank's ``(start, stop)`` share of ``n`` features, cut at multiples of ``granularity`` (the last
+    share may end at ``n``): whole blocks dealt out as evenly as they go, the first ranks taking one more
+    where they do not divide. Row and column cuts add up for any shares, so uneven ones are exact too.
+
+    :raises ValueError: naming ``what`` and the counts when some rank would get no block at all.
+    """
+    if world < 1 or n < 1 or granularity < 1:
+        raise ValueError(f"block_split: {n} {what} over {world} ranks in blocks of {granularity}")
+    blocks = -(-n // granularity)
+    if blocks < world:
+        count = f"{n} {what} make only {blocks} blocks of {granularity}," if granularity > 1 else f"{n} {what} are"
+        raise ValueError(f"{count} fewer than tensor_parallel_size={world}: some rank would hold none; use fewer "
+                         f"ranks")
+    base, extra = divmod(blocks, world)
+    out, start = [], 0
+    for r in range(world):
+        stop = start + base + (1 if r < extra else 0)
+        out.append((start * granularity, min(stop * granularity, n)))
+        start = stop
+    return out
+
+
+class ModuleSharder(Protocol):
+    """What :meth:`exl3_core.archkit.model.Model.load` applies to each module right after it loads (and to the
+    memory plan's dry run): cut the module's loaded weights to one rank's share, so a rank never holds more
+    than one module's full weights at a time. ``rank``/``world`` name the share."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world(self) -> int: ...
+
+    def shard_module(self, module: torch.nn.Module) -> None:
+        """Replace ``module``'s loaded weights by this rank's share (nothing for replicated modules).
+
+        :raises ValueError, TypeError: naming the module when its weights cannot be cut this way."""
+        ...

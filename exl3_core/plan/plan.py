@@ -100,7 +100,14 @@ class ExecutionPlan:
             raise RuntimeError(f"this ExecutionPlan was built for an earlier load of {type(self.model).__name__}; "
                                f"build a new one after (re)loading the model")
         with launch_config(self.launch):
-            if self.executor is not None:
+            runtime = self.model.parallel if isinstance(self.model, Model) else None
+            if runtime is not None and self.executor is not None:
+                # every rank runs this step; rank 0's share through this plan, the ids carried in first
+                if carry is not None:
+                    ops.carry_ids(meta.input_ids, *carry)
+                executor = self.executor
+                logits = runtime.run(meta, cache, lambda m, c, group: executor.forward(m, c, None, group), self.tuning)
+            elif self.executor is not None:
                 logits = self.executor.forward(meta, cache, carry, comm)
             else:
                 if carry is not None:
@@ -115,6 +122,10 @@ class ExecutionPlan:
         changed = self.tuning.describe()
         if changed:
             head.kind += " (" + ", ".join(changed) + ")"
+        runtime = self.model.parallel if isinstance(self.model, Model) else None
+        if runtime is not None:
+            head.decisions.append(decide(f"each step drives {runtime.world} tensor-parallel ranks (this plan runs "
+                                         f"rank 0's share; the logits are gathered)", []))
         if self.executor is None:
             head.decisions.append(decide("the plan's forward", self.reference_why))
             return [head]
@@ -176,6 +187,8 @@ class ExecutionPlan:
             return "CUDA graphs off (EXL3_CUDA_GRAPHS=0 or the tuning)"
         if phase == "prefill" and g.prefill_max_tokens <= 0:
             return "prefill graphs off (the tuning's prefill_max_tokens is 0)"
+        if isinstance(self.model, Model) and self.model.parallel is not None:
+            return "tensor parallel: the other ranks run each step eagerly, so rank 0 alone cannot capture it"
         if self.device.type != "cuda" or not torch.cuda.is_available():
             return f"model is on {self.device}, not CUDA"
         if not isinstance(self.model, Model):

@@ -14,6 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from exl3_core.parallel.cli import add_parallel_args, parallel_load_kwargs
+
 log = logging.getLogger("exl3.server")
 
 
@@ -36,6 +38,7 @@ def add_cli(sub: Any) -> None:
                    help="most requests generating at once; more wait in the queue (default 16)")
     p.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: the folder name)")
     p.add_argument("--attention", default=None, help="comma-separated attention backends to try, in order")
+    add_parallel_args(p)
     p.add_argument("--max-request-bytes", type=int, default=16 * 1024 * 1024, metavar="BYTES",
                    help="largest accepted request body in bytes (default 16 MiB; larger bodies get 413)")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
@@ -59,6 +62,7 @@ def server_options(args: argparse.Namespace) -> Any:
         raise ValueError(f"--request-timeout {args.request_timeout} must be >= 0 (0: no limit)")
     if key is not None and not key.strip():
         raise ValueError("--api-key / EXL3_API_KEY is empty; give a non-empty key or leave it unset")
+    parallel_load_kwargs(args)  # its errors too, before the model loads
     return ServerOptions(api_key=key, max_request_bytes=args.max_request_bytes,
                          request_timeout=args.request_timeout or None, cors_origins=tuple(args.cors_origin))
 

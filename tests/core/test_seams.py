@@ -254,8 +254,11 @@ def test_shard_errors_name_the_counts() -> None:
     s = head_shard(8, 2, 3, 4)  # more ranks than KV heads: each rank holds its query heads' KV head
     assert (s.q_start, s.q_stop, s.kv_start, s.kv_stop) == (6, 8, 1, 2)
     model = _model("custom(128,384,1,4,2,300)")
-    with pytest.raises(ValueError, match="multiples of 128"):
-        model.layers[0].mlp.apply_shard(0, 2)  # 384 intermediate features over 2 ranks: 192 each
+    with pytest.raises(ValueError, match="3 blocks of 128, fewer than tensor_parallel_size=4"):
+        model.layers[0].mlp.apply_shard(0, 4)  # 384 EXL3 features are three 128-feature blocks: one rank has none
+    mlp = model.layers[0].mlp
+    mlp.apply_shard(1, 2)  # three blocks over two ranks: 256 and 128 features
+    assert (mlp.gate.shard.start, mlp.gate.shard.stop, mlp.down.in_features) == (256, 384, 128)
 
 
 # -- multi-token decode ---------------------------------------------------------------------------------------
