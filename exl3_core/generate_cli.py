@@ -18,6 +18,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from exl3_core.cli import UsageError, bounded_float, nonneg_float, nonneg_int, positive_float, positive_int
+from exl3_core.parallel.cli import add_parallel_args, parallel_load_kwargs
 
 #: sampling when neither the user nor the model says otherwise (llama.cpp's CLI uses these too)
 DEFAULT_SAMPLING: dict[str, float] = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
@@ -106,7 +107,6 @@ def choose_sampling(args: argparse.Namespace, model_dir: Path) -> Sampling:
     if explicit or args.repetition_penalty is not None:
         out = replace(out, source=f"options over {base.source}")
     return out
-from exl3_core.parallel.cli import add_parallel_args, parallel_load_kwargs
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
