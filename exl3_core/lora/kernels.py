@@ -74,7 +74,7 @@ def _expand_kernel(XA, BT, SLOTS, LOCAL, SCALE, NACT, Y, OUT,
     rank_ok = rr < RANK
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     n_act = tl.load(NACT)
-    for u in range(0, n_act):
+    for u in range(n_act):
         slot = tl.load(SLOTS + u)
         s = tl.load(SCALE + slot)
         if s != 0.0:

@@ -150,7 +150,7 @@ def read_adapter(folder: str | os.PathLike[str], linears: Mapping[str, LinearSha
     try:
         with SafetensorsCollection(file) as st:
             pairs: dict[str, dict[str, str]] = {}
-            for name in st.keys():
+            for name in st:
                 split = _split(name)
                 if split is None:
                     raise LoraError(f"{file}: tensor {name!r} is not a LoRA weight (expected "

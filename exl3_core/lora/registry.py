@@ -87,7 +87,7 @@ class LoraSet:
     :param dtype: the model's dtype (adapter weights are stored in it).
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: LoraModel, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -125,9 +125,9 @@ class LoraSet:
                 for key, groups in m.fused_adapter_params().items():
                     if not groups:
                         continue
-                    out.append(FusedParam(key, tuple(tuple(str(getattr(lin, "key")) for lin in g) for g in groups),
-                                          int(getattr(groups[0][0], "in_features")),
-                                          tuple(int(getattr(lin, "out_features")) for lin in groups[0])))
+                    out.append(FusedParam(key, tuple(tuple(_key(lin) for lin in g) for g in groups),
+                                          _shape(groups[0][0]).in_features,
+                                          tuple(_shape(lin).out_features for lin in groups[0])))
         return out
 
     # -- load / unload ----------------------------------------------------------------------------------
@@ -148,8 +148,7 @@ class LoraSet:
             raise LoraError(f"an adapter named {name!r} is loaded already (from {self.adapters[name].path}); "
                             f"unload it first or choose another name")
         linears = self.linears()
-        shapes = {k: LinearShape(int(getattr(m, "in_features")), int(getattr(m, "out_features")))
-                  for k, m in linears.items()}
+        shapes = {k: _shape(m) for k, m in linears.items()}
         what = str(getattr(getattr(self.model, "config", None), "directory", "this model"))
         weights = read_adapter(folder, shapes, self.refusals(linears), self.fused(), what=f"the model at {what}")
         slot = self._free_slot()
@@ -196,8 +195,8 @@ class LoraSet:
                 continue
             if ad is None:
                 lin = linears[key]
-                ad = LoraLinear(key, int(getattr(lin, "in_features")), int(getattr(lin, "out_features")), stack,
-                                selection)
+                shape = _shape(lin)
+                ad = LoraLinear(key, shape.in_features, shape.out_features, stack, selection)
                 attach_adapter(lin, ad)
                 self.attached[key] = ad
             else:
@@ -288,6 +287,29 @@ def _merge_into(w: torch.Tensor, e: StackEntry, weight: float, chunk: int = 4096
         w[r0:r0 + chunk] = (w[r0:r0 + chunk].float() + (b @ a) * (e.scale * weight)).to(w.dtype)
 
 
+def _shape(lin: torch.nn.Module) -> LinearShape:
+    assert isinstance(lin, LinearBase)
+    return LinearShape(lin.in_features, lin.out_features)
+
+
+def _key(lin: torch.nn.Module) -> str:
+    assert isinstance(lin, LinearBase)
+    return lin.key
+
+
+@runtime_checkable
+class LoraModel(Protocol):
+    """What an adapter set needs of its model: a loaded module tree on one device, in one dtype."""
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def modules(self) -> Iterator[torch.nn.Module]: ...
+
+
 def attached(model: torch.nn.Module) -> LoraSet | None:
     """The model's adapter set, or None when no adapter was ever loaded on its current load."""
     s = model.__dict__.get("_lora_set")
@@ -298,8 +320,8 @@ def lora_set(model: torch.nn.Module) -> LoraSet:
     """The model's adapter set, created on first use (the model must be loaded)."""
     s = attached(model)
     if s is None:
-        device, dtype = getattr(model, "device"), getattr(model, "dtype")
-        s = LoraSet(model, torch.device(device), dtype)
+        assert isinstance(model, LoraModel), f"{type(model).__name__} is not a loaded model"
+        s = LoraSet(model, torch.device(model.device), model.dtype)
         model.__dict__["_lora_set"] = s
     return s
 

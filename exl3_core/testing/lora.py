@@ -33,7 +33,7 @@ def random_pair(n_in: int, n_out: int, r: int, scale: float, g: torch.Generator,
     return a, b
 
 
-def peft_adapter(hf_model: torch.nn.Module, directory: Path, *, r: int, alpha: float = 16.0, rslora: bool = False,
+def peft_adapter(hf_model: torch.nn.Module | None, directory: Path, *, r: int, alpha: float = 16.0, rslora: bool = False,
                  targets: Sequence[str] = PROJECTIONS, seed: int = 0, name: str = "default",
                  base: Any = None) -> Any:
     """Wrap ``hf_model`` with a random PEFT LoRA (every ``lora_A``/``lora_B`` drawn by :func:`random_pair`),
