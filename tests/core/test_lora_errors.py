@@ -75,7 +75,7 @@ def test_adapter_for_another_base(base: tuple[Model, dict], tmp_path: Path) -> N
     model, linears = base
     other = {k: (i * 2, o * 2) for k, (i, o) in linears.items()}
     random_adapter(tmp_path / "other", other, r=4, seed=4)
-    first = sorted(k for k in linears if k.endswith("_proj"))[0]
+    first = min(k for k in linears if k.endswith("_proj"))
     _fails(model, tmp_path / "other", "adapter_model.safetensors", f"{first}.lora_A.weight", "another base model")
 
 
@@ -134,13 +134,13 @@ def test_corrupt_safetensors(base: tuple[Model, dict], good: Path, tmp_path: Pat
     _fails(model, bad_json, "adapter_config.json", "JSON")
 
     def nan(t: dict) -> None:
-        k = sorted(t)[-1]
+        k = max(t)
         t[k][0, 0] = float("nan")
 
     nan_dir = _edit(good, tmp_path / "nan", nan)
     from safetensors.torch import load_file
 
-    last = sorted(load_file(str(good / "adapter_model.safetensors")))[-1]
+    last = max(load_file(str(good / "adapter_model.safetensors")))
     _fails(model, nan_dir, last, "NaN")
 
 
@@ -173,11 +173,11 @@ def test_failure_after_a_loaded_adapter_keeps_it(base: tuple[Model, dict], good:
         with_good = model.forward(ids, loras={"good": 1.0})
 
         def late(t: dict) -> None:
-            k = sorted(t)[-1]
+            k = max(t)
             t[k] = torch.cat([t[k], t[k][:1]])
 
         bad = _edit(good, tmp_path / "late", late)
-        _fails(model, bad, sorted(linears)[-1])
+        _fails(model, bad, max(linears))
         assert torch.equal(model.forward(ids, loras={"good": 1.0}), with_good)
         with pytest.raises(LoraError, match="no LoRA adapter named 'bad' is loaded"):
             model.forward(ids, loras={"bad": 1.0})
