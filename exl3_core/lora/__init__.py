@@ -9,9 +9,9 @@ chosen per row of every step.
 """
 from __future__ import annotations
 
-from exl3_core.lora.config import AdapterConfig, LoraError, read_config
+from exl3_core.lora.config import AdapterConfig, LoraError, check_choice, read_config
 from exl3_core.lora.peft_io import AdapterWeights, read_adapter
-from exl3_core.lora.registry import LoraSet, attached, check_choice, lora_set
+from exl3_core.lora.registry import LoraSet, attached, lora_set
 
 __all__ = ["AdapterConfig", "AdapterWeights", "LoraError", "LoraSet", "attached", "check_choice", "lora_set",
            "read_adapter", "read_config"]

@@ -84,6 +84,24 @@ class AdapterConfig:
         return any(key == name or key.endswith("." + name) for name in self.target_parameters)
 
 
+def check_choice(loras: object, what: str = "loras") -> dict[str, float]:
+    """``loras`` as a ``{name: weight}`` dict (None: empty).
+
+    :raises TypeError, ValueError: naming ``what``, for anything but names mapped to finite numbers."""
+    if loras is None:
+        return {}
+    if not isinstance(loras, Mapping):
+        raise TypeError(f"{what}={loras!r}: expected a mapping of adapter names to weights, e.g. {{'name': 1.0}}")
+    out: dict[str, float] = {}
+    for k, v in loras.items():
+        if not isinstance(k, str) or not k:
+            raise TypeError(f"{what}: adapter name {k!r} is not a non-empty string")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{what}[{k!r}] = {v!r}: the weight must be a finite number (1.0: as trained)")
+        out[k] = float(v)
+    return out
+
+
 def _num(cfg: Mapping[str, Any], name: str, path: Path, kind: type, default: Any = None) -> Any:
     v = cfg.get(name, default)
     if v is None or isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and v != int(v)):

@@ -12,8 +12,8 @@ the set's :class:`~exl3_core.lora.selection.Selection`.
 """
 from __future__ import annotations
 
+import itertools
 import logging
-import math
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -24,7 +24,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from exl3_core.lora.config import LoraError
+from exl3_core.lora.config import LoraError, check_choice
 from exl3_core.lora.linear import ADAPTER_NAME, LoraLinear, LoraStack, StackEntry
 from exl3_core.lora.peft_io import AdapterWeights, FusedParam, LinearShape, read_adapter
 from exl3_core.lora.selection import RowGroup, Selection
@@ -52,31 +52,19 @@ class FusedTargets(Protocol):
     def fused_adapter_params(self) -> dict[str, tuple[tuple[torch.nn.Module, ...], ...]]: ...
 
 
+_UIDS = itertools.count(1)
+
+
 @dataclass(frozen=True)
 class LoadedAdapter:
+    """One load of an adapter (``uid`` tells it apart from a later load under the same name)."""
+
     name: str
     slot: int
     path: Path
     rank: int
     modules: tuple[str, ...]
-
-
-def check_choice(loras: object, what: str = "loras") -> dict[str, float]:
-    """``loras`` as a ``{name: weight}`` dict (None: empty).
-
-    :raises TypeError, ValueError: naming ``what``, for anything but names mapped to finite numbers."""
-    if loras is None:
-        return {}
-    if not isinstance(loras, Mapping):
-        raise TypeError(f"{what}={loras!r}: expected a mapping of adapter names to weights, e.g. {{'name': 1.0}}")
-    out: dict[str, float] = {}
-    for k, v in loras.items():
-        if not isinstance(k, str) or not k:
-            raise TypeError(f"{what}: adapter name {k!r} is not a non-empty string")
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ValueError(f"{what}[{k!r}] = {v!r}: the weight must be a finite number (1.0: as trained)")
-        out[k] = float(v)
-    return out
+    uid: int = 0
 
 
 class LoraSet:
@@ -158,7 +146,7 @@ class LoraSet:
         stacks = self._stacks_with(weights, slot, capacity)  # every allocation happens here
         self._commit(stacks, linears, capacity)
         self.adapters[name] = LoadedAdapter(name, slot, folder, max(d.rank for d in weights.modules.values()),
-                                            tuple(sorted(weights.modules)))
+                                            tuple(sorted(weights.modules)), next(_UIDS))
         log.info("LoRA %s loaded from %s: %d linears, rank %d", name, folder, len(weights.modules),
                  self.adapters[name].rank)
         return name
