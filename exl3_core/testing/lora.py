@@ -24,12 +24,12 @@ def lora_scale(r: int, alpha: float, rslora: bool) -> float:
 
 
 def random_pair(n_in: int, n_out: int, r: int, scale: float, g: torch.Generator,
-                rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                rows: int | None = None, gain: float = DELTA_GAIN) -> tuple[torch.Tensor, torch.Tensor]:
     """``(A [rows, in], B [out, rows])`` fp32 (``rows``: default ``r``; PEFT stacks ``r`` per expert for fused expert
-    tensors) with ``scale * B A x`` of rank ``r`` about :data:`DELTA_GAIN` times a unit-gain projection."""
+    tensors) with ``scale * B A x`` of rank ``r`` about ``gain`` times a unit-gain projection."""
     n = r if rows is None else rows
     a = torch.randn(n, n_in, generator=g) / math.sqrt(n_in)
-    b = torch.randn(n_out, n, generator=g) * (DELTA_GAIN / (scale * math.sqrt(r)))
+    b = torch.randn(n_out, n, generator=g) * (gain / (scale * math.sqrt(r)))
     return a, b
 
 
@@ -80,7 +80,8 @@ def write_adapter(directory: Path, tensors: Mapping[str, torch.Tensor], config: 
 
 def random_adapter(directory: Path, linears: Mapping[str, tuple[int, int]], *, r: int, alpha: float = 16.0,
                    rslora: bool = False, seed: int = 0, dtype: torch.dtype = torch.float32,
-                   targets: Sequence[str] = PROJECTIONS) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                   targets: Sequence[str] = PROJECTIONS,
+                   gain: float = DELTA_GAIN) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Write a random adapter on the linears ``{key: (in, out)}`` whose key ends in one of ``targets``;
     returns ``{key: (A, B)}`` (fp32) for a reference computation."""
     g = torch.Generator().manual_seed(seed)
@@ -91,7 +92,7 @@ def random_adapter(directory: Path, linears: Mapping[str, tuple[int, int]], *, r
         if key.split(".")[-1] not in targets:
             continue
         n_in, n_out = linears[key]
-        a, b = random_pair(n_in, n_out, r, scale, g)
+        a, b = random_pair(n_in, n_out, r, scale, g, gain=gain)
         pairs[key] = (a.to(dtype).float(), b.to(dtype).float())
         tensors[f"base_model.model.{key}.lora_A.weight"] = a.to(dtype)
         tensors[f"base_model.model.{key}.lora_B.weight"] = b.to(dtype)
