@@ -39,9 +39,9 @@ from exl3_core.cache.pages import CacheExhausted, chain_hash, page_hashes
 from exl3_core.generator.batching import Chunk, build_batch, meta_to_device
 from exl3_core.generator.graphs import DecodeGraphs, PrefillGraphs
 from exl3_core.generator.job import Job
+from exl3_core.generator.loras import StepLoras
 from exl3_core.generator.overlap import DecodePipeline
 from exl3_core.generator.stop import HeldText, TextStream
-from exl3_core.generator.loras import StepLoras
 from exl3_core.generator.types import BatchModel, Result
 from exl3_core.plan.plan import ExecutionPlan
 from exl3_core.sampling.sampler import sample

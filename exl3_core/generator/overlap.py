@@ -42,8 +42,8 @@ from exl3_core.cache.cache import Cache
 from exl3_core.generator.batching import Chunk, HostRead, build_batch, gather_rows, meta_to_device
 from exl3_core.generator.graphs import DecodeGraphs
 from exl3_core.generator.job import Job
-from exl3_core.generator.types import Result
 from exl3_core.generator.loras import StepLoras
+from exl3_core.generator.types import Result
 from exl3_core.plan.plan import ExecutionPlan
 
 
