@@ -25,6 +25,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system", default=None, help="system prompt (chat template)")
     p.add_argument("--attention", default=None, help="comma-separated attention backends to try, in order")
+    from exl3_core.lora.cli import add_argument
+
+    add_argument(p)  # --lora DIR[:WEIGHT]
 
 
 def add_cli(sub: Any) -> None:
@@ -73,6 +76,10 @@ class Session:
         # the cache counts in the load's memory check and is allocated with the weights
         self.model.load(device=device, progressbar=True, attention=attention, caches=[self.cache])
         self.tokenizer = Tokenizer.from_config(self.config)
+        from exl3_core.lora.cli import load_all
+
+        #: the adapters every reply uses ({} without --lora)
+        self.loras = load_all(self.model, getattr(args, "lora", None) or [])  # a hand-built Namespace may lack it
         self.generator = Generator(model=self.model, cache=self.cache, tokenizer=self.tokenizer)
         self.args = args
 
@@ -87,7 +94,8 @@ class Session:
     def stream(self, ids: Any, out: TextIO) -> tuple[str, dict[str, Any]]:
         from exl3_core.generator import Job
 
-        job = Job(ids, max_new_tokens=self.args.max_new_tokens, sampler=_sampler(self.args), seed=self.args.seed)
+        job = Job(ids, max_new_tokens=self.args.max_new_tokens, sampler=_sampler(self.args), seed=self.args.seed,
+                  loras=self.loras or None)
         self.generator.enqueue(job)
         text, last = [], {}
         while self.generator.num_remaining():
