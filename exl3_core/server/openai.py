@@ -48,9 +48,9 @@ from exl3_core.cache.pages import CacheExhausted
 from exl3_core.filters.base import Filter
 from exl3_core.generator import AsyncGenerator, AsyncJob, Generator, Job
 from exl3_core.generator.generator import Result
+from exl3_core.lora.config import LoraError
 from exl3_core.sampling import Sampler, SamplerValueError
 from exl3_core.server.asgi import APIKeyMiddleware, EventStreamResponse, read_body, wait_disconnect
-from exl3_core.lora.config import LoraError
 from exl3_core.server.errors import APIError
 from exl3_core.server.loras import ServedLoras
 from exl3_core.server.metrics import MetricsMiddleware, ServerMetrics

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
-from smol_gguf import imported_model  # noqa: E402
+from smol_gguf import imported_model
 
-from exl3_core import Cache, Config, Generator, Job, Model  # noqa: E402
-from exl3_core.testing.arch import rel_err  # noqa: E402
-from exl3_core.testing.lora import peft_adapter  # noqa: E402
+from exl3_core import Cache, Config, Generator, Job, Model
+from exl3_core.testing.arch import rel_err
+from exl3_core.testing.lora import peft_adapter
 
 pytest.importorskip("peft")
 

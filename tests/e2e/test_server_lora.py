@@ -14,16 +14,16 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from server_support import VOCAB, request, served  # noqa: E402
+from server_support import VOCAB, request, served
 
-from exl3_core.archkit.config import Config  # noqa: E402
-from exl3_core.archkit.model import Model  # noqa: E402
-from exl3_core.cache import Cache  # noqa: E402
-from exl3_core.generator import Generator, Job  # noqa: E402
-from exl3_core.generator.toy import ByteTokenizer  # noqa: E402
-from exl3_core.server.openai import OpenAIApp  # noqa: E402
-from exl3_core.testing.arch import build_checkpoint, tiny_variants  # noqa: E402
-from exl3_core.testing.lora import random_adapter  # noqa: E402
+from exl3_core.archkit.config import Config
+from exl3_core.archkit.model import Model
+from exl3_core.cache import Cache
+from exl3_core.generator import Generator, Job
+from exl3_core.generator.toy import ByteTokenizer
+from exl3_core.server.openai import OpenAIApp
+from exl3_core.testing.arch import build_checkpoint, tiny_variants
+from exl3_core.testing.lora import random_adapter
 
 PROMPT = [5, 17, 33, 2, 99, 140, 7, 61]
 NEW = 6
@@ -112,7 +112,7 @@ def test_unloading_an_adapter_ends_only_its_requests(served_lora: tuple[int, Ope
     try:
         assert [m.id for m in _client(port).models.list().data] == ["tiny", "tiny:ad"]
         status, body, _ = request(port, "POST", "/v1/completions", {"model": "tiny:other", "prompt": PROMPT})
-        assert status == 404
+        assert status == 404 and body["error"]["code"] == "model_not_found"
         assert _complete(port, model="tiny:ad").choices[0].text == refs["ad@0.5"]
     finally:
         gen.load_lora(Path(str(app.generator.model.config.directory) + "_other"), "other")
