@@ -31,11 +31,11 @@ def models(tmp_path_factory: pytest.TempPathFactory):
     ours = Model.from_config(Config.from_directory(d))
     ours.load("cpu", dtype=torch.float32)
     ours.load_lora(folder, name="smol")
-    return ref, ours
+    return ref, ours, folder
 
 
 def test_logits_match_transformers_peft_fp32(models) -> None:
-    ref, ours = models
+    ref, ours, _ = models
     ids = torch.randint(0, 49152, (1, 64), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = ref(ids).logits
@@ -47,7 +47,7 @@ def test_logits_match_transformers_peft_fp32(models) -> None:
 
 
 def test_same_greedy_tokens_through_the_generator(models) -> None:
-    ref, ours = models
+    ref, ours, _ = models
     prompt = torch.randint(0, 49152, (1, 24), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         want = ref.generate(input_ids=prompt, max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, 24:]
@@ -59,3 +59,22 @@ def test_same_greedy_tokens_through_the_generator(models) -> None:
         for r in gen.iterate():
             toks += r["token_ids"]
     assert toks == want.tolist()
+
+
+def test_generate_command_applies_the_adapter(models, capsys: pytest.CaptureFixture[str]) -> None:
+    """``exl3 generate --lora DIR:WEIGHT`` prints what the generator gives a job with that adapter and weight."""
+    from exl3_core import Tokenizer
+    from exl3_core.cli import main
+
+    _, ours, folder = models
+    prompt = "The tide came in and"
+    tok = Tokenizer.from_config(ours.config)
+    gen = Generator(model=ours, cache=Cache(ours, max_num_tokens=512), tokenizer=tok)
+    want = gen.generate(prompt, max_new_tokens=8, loras={"smol": 0.5})
+    assert want != gen.generate(prompt, max_new_tokens=8), "weight 0.5 changes nothing here"
+    rc = main(["generate", prompt, "-m", str(ours.config.directory), "--device", "cpu", "--raw", "--max-new-tokens",
+               "8", "--lora", f"{folder}:0.5"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out == want + "\n"
+    rc = main(["generate", prompt, "-m", str(ours.config.directory), "--device", "cpu", "--lora", str(folder / "nope")])
+    assert rc == 1 and "nope" in capsys.readouterr().err
