@@ -10,6 +10,8 @@ PIP="$PY -m pip install --disable-pip-version-check -q"
 $PIP "torch==2.13.0" || $PIP "torch>=2.6"
 $PIP setuptools wheel hatchling editables pluggy "pydantic>=2.5" safetensors tokenizers jinja2 numpy gguf \
      pytest "transformers>=4.45" accelerate jsonschema "triton; platform_system == 'Linux'"
+# the LoRA tests' reference (transformers + PEFT)
+$PIP "peft>=0.17"
 # exl3 serve (the core's "server" extra) and the official OpenAI client its tests talk through
 $PIP "fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" "openai>=1.40" httpx
 # core (editable) then its compiled CPU/CUDA ops in place; the build is optional at run time
