@@ -174,3 +174,21 @@ def test_fused_decode_steps_mix_adapters(tmp_path: Path, monkeypatch: pytest.Mon
     bare = _decode_steps(reference, model, Cache(model, 16 * PAGE, page_size=PAGE), prompts, [None] * 3, 2)
     assert not torch.allclose(bare[-1][0], ref[-1][0], atol=5e-2), "adapter a has no visible effect"
     assert torch.allclose(bare[-1][1], ref[-1][1], atol=1e-3), "the base sequence picked up an adapter"
+
+
+def test_bench_lora_command(tmp_path: Path) -> None:
+    """``exl3 bench --lora`` end to end on a tiny shape (the figures mean something on a GPU only)."""
+    import json
+
+    from exl3_core.cli import main
+
+    out = tmp_path / "lora.json"
+    rc = main(["bench", "--lora", "--shape", "custom(256,256,1,4,2,300)", "--device", "cpu", "--lora-rank", "4",
+               "--lora-adapters", "2", "--lora-batch", "3", "--contexts", "16", "--new-tokens", "3",
+               "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["rank"] == 4 and r["adapters"] == 2 and r["batch"] == 3
+    for key in ("b1", "batch_figures"):
+        assert r[key]["none"]["tok_s"] > 0 and r[key]["lora"]["tok_s"] > 0
+        assert r[key]["ratio"] == pytest.approx(r[key]["lora"]["tok_s"] / r[key]["none"]["tok_s"])
