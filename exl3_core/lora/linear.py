@@ -144,18 +144,55 @@ class LoraLinear:
             o = self.add_delta(y.contiguous(), x, torch.empty_like(y.contiguous()))
             return out.copy_(o)
         if ops.fused_enabled(x2) and y2.stride(-1) == 1 and o2.stride(-1) == 1:
+            if self._skip(x2):
+                return out if out is y else out.copy_(y)
             from exl3_core.lora.kernels import lora_add
 
-            rows, n = self._rows(x2)
-            if rows is None:
-                self.selection.ensure(n, _capturing(x2))
-            lora_add(x2, y2, o2, self.stack, self.selection, rows)
+            lora_add(x2, y2, o2, self.stack, self.selection, self._kernel_rows(x2))
             return out
         d = self._delta2(x2)
         if d is None:
             return out if out is y else out.copy_(y)
         o2.copy_((y2.float() + d).to(out.dtype))
         return out
+
+    def _skip(self, x2: torch.Tensor) -> bool:
+        """No adapter is active (known on the host outside a graph capture): nothing to launch."""
+        return not _capturing(x2) and self.selection.n_active == 0
+
+    def _kernel_rows(self, x2: torch.Tensor) -> torch.Tensor | None:
+        rows, n = self._rows(x2)
+        if rows is None:
+            self.selection.ensure(n, _capturing(x2))
+        return rows
+
+    def add_group(self, members: Sequence[object], ys: Sequence[torch.Tensor], x: torch.Tensor) -> bool:
+        """The deltas of LoRA adapters on linears reading ``x`` (q/k/v, gate/up) in one launch pair: the Triton
+        path with one selection and weight dtype, outputs with unit last strides; else False (one by one)."""
+        from exl3_core.lora.kernels import MAX_GROUP, lora_add_group
+
+        x2 = x.reshape(-1, self.in_features)
+        if not ops.fused_enabled(x2) or not 1 <= len(members) <= MAX_GROUP:
+            return False
+        lins: list[LoraLinear] = []
+        for m in members:
+            if not (isinstance(m, LoraLinear) and m.selection is self.selection and m.in_features == self.in_features
+                    and m.stack.a.dtype == self.stack.a.dtype):
+                return False
+            lins.append(m)
+        y2s = []
+        for y, m in zip(ys, lins):
+            try:
+                y2 = y.view(-1, m.out_features)
+            except RuntimeError:
+                return False
+            if y2.stride(-1) != 1 or y2.dtype != ys[0].dtype:
+                return False
+            y2s.append(y2)
+        if self._skip(x2):
+            return True
+        lora_add_group(x2, y2s, y2s, [m.stack for m in lins], self.selection, self._kernel_rows(x2))
+        return True
 
     def __repr__(self) -> str:
         return (f"LoraLinear({self.key}: {len(self.stack.entries)} adapter(s), rank {self.stack.rank}, "

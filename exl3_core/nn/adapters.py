@@ -14,7 +14,7 @@ rows routed to them) says which ones with :func:`row_map`, and adapters read :fu
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
@@ -42,6 +42,28 @@ class FusedAdapter(LinearAdapter, Protocol):
         """``out = y + delta(x)`` summed in fp32 and rounded once to ``out``'s dtype, as :func:`adapted`
         does; ``out`` may be ``y`` (in place). Returns ``out``."""
         ...
+
+
+@runtime_checkable
+class GroupAdapter(FusedAdapter, Protocol):
+    """An adapter that can add its delta together with those of adapters on other linears reading the same input
+    (q/k/v, gate/up) in fewer launches than one by one."""
+
+    def add_group(self, members: Sequence[LinearAdapter], ys: Sequence[torch.Tensor], x: torch.Tensor) -> bool:
+        """Add the deltas of ``members`` (one per linear reading ``x``, this adapter among them) into ``ys`` (their
+        outputs, owned) in place; False, with nothing done, where it cannot."""
+        ...
+
+
+def adapted_group(ys: list[torch.Tensor], x: torch.Tensor, layers: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
+    """``[adapted(y, x, layer.adapters, owned=True)]`` for linears reading the same ``x``, in one group call where
+    each linear carries one :class:`GroupAdapter` that takes the group."""
+    ads: list[tuple[LinearAdapter, ...]] = [getattr(m, "adapters", ()) for m in layers]
+    if len(ys) > 1 and all(len(a) == 1 for a in ads):
+        first = ads[0][0]
+        if isinstance(first, GroupAdapter) and first.add_group([a[0] for a in ads], ys, x):
+            return ys
+    return [adapted(y, x, a, owned=True) for y, a in zip(ys, ads)]
 
 
 def adapted(y: torch.Tensor, x: torch.Tensor, adapters: tuple[LinearAdapter, ...], *,

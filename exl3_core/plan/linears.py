@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from exl3_core import ops
-from exl3_core.nn.adapters import adapted
+from exl3_core.nn.adapters import adapted, adapted_group
 from exl3_core.nn.norm import RMSNorm
 from exl3_core.plan.kernels import LinearKernels
 from exl3_core.plan.report import Decision, decide
@@ -158,7 +158,7 @@ class Projection:
     def _finish(self, ys: list[torch.Tensor], like: torch.Tensor, x: torch.Tensor | None) -> list[torch.Tensor]:
         out = launch_outputs(self._lins(), ys, tuple(like.shape[:-1]), like.dtype)
         if self.has_adapters and x is not None:
-            out = [adapted(y, x, getattr(m, "adapters", ()), owned=True) for y, m in zip(out, self.layers)]
+            out = adapted_group(out, x, self.layers)
         return out
 
 

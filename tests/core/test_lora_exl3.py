@@ -82,6 +82,30 @@ def test_kernels_equal_torch_form(dtype: torch.dtype, rows: int) -> None:
     assert torch.equal(out3, y)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_group_kernels_equal_one_by_one(dtype: torch.dtype) -> None:
+    """q/k/v-like linears (one input, three widths, each with its own adapters and ranks) in one launch pair."""
+    from exl3_core.lora.kernels import lora_add_group
+
+    g = torch.Generator().manual_seed(7)
+    n_in, cap, rows = 64, 4, 9
+    sel = Selection(torch.device("cpu"), cap, rows=rows)
+    sel.fill([({0: 1.0, 1: 0.5}, 4), ({2: -1.0}, rows - 4)])
+    lins = []
+    for n_out, spec in ((96, ((0, 8), (2, 1))), (32, ((1, 16),)), (48, ((0, 4), (1, 2), (2, 32)))):
+        entries = [StackEntry(s, torch.randn(r, n_in, generator=g) / 8, torch.randn(r, n_out, generator=g) / 4, 0.5 + s)
+                   for s, r in spec]
+        lins.append(LoraLinear(f"l{n_out}", n_in, n_out, LoraStack.build(entries, cap, torch.device("cpu"), dtype), sel))
+    x = torch.randn(rows, n_in, generator=g).to(dtype)
+    ys = [torch.randn(rows, m.out_features, generator=g).to(dtype) for m in lins]
+    refs = [(y.float() + m.delta(x)).to(dtype) for y, m in zip(ys, lins)]
+    outs = [y.clone() for y in ys]
+    lora_add_group(x, outs, outs, [m.stack for m in lins], sel, None)
+    for o, r in zip(outs, refs):
+        assert rel_err(o, r) < (1e-5 if dtype == torch.float32 else 2e-3)
+    assert lins[0].add_group(lins, ys, x) is False, "the group form ran without the fused path"
+
+
 # -- EXL3 bases ------------------------------------------------------------------------------------------------
 def _dequantized_twin(model: torch.nn.Module) -> None:
     """Replace every EXL3 linear of ``model`` by a dense linear holding its dequantized weight (fp32)."""
@@ -154,21 +178,22 @@ def test_fused_decode_steps_mix_adapters(tmp_path: Path, monkeypatch: pytest.Mon
             return model.forward_batch(meta, cache)
 
     ref = _decode_steps(reference, model, Cache(model, 16 * PAGE, page_size=PAGE), prompts, choices, 2)
-    calls = {"n": 0}
-    real = lora_kernels.lora_add
+    calls: dict[int, int] = {}
+    real = lora_kernels.lora_add_group
 
-    def counted(*a: object, **k: object) -> None:
-        calls["n"] += 1
-        real(*a, **k)  # type: ignore[arg-type]
+    def counted(x2: torch.Tensor, ys: list, *a: object) -> None:
+        calls[len(ys)] = calls.get(len(ys), 0) + 1
+        real(x2, ys, *a)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(lora_kernels, "lora_add", counted)
+    monkeypatch.setattr(lora_kernels, "lora_add_group", counted)
     monkeypatch.setattr(ops, "fused_enabled", lambda t: True)
     kernels = EmulatedKernels()
     plan = ExecutionPlan(model, kernels=kernels)
     got = _decode_steps(plan.forward, model, Cache(model, 16 * PAGE, page_size=PAGE), prompts, choices, 2)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
-    assert calls["n"] >= 3 * 7, "the LoRA kernels did not run for every adapted linear"
+    # per decode step of the one layer: q/k/v in one launch pair, gate/up in one, o and down one each
+    assert calls.get(3, 0) >= 2 and calls.get(2, 0) >= 2 and calls.get(1, 0) >= 2 * 2, calls
     assert kernels.calls.get("residual_gated", 0) >= 2, "down lost its fused launch (one per decode step)"
     monkeypatch.setattr(ops, "fused_enabled", lambda t: False)
     bare = _decode_steps(reference, model, Cache(model, 16 * PAGE, page_size=PAGE), prompts, [None] * 3, 2)
