@@ -60,7 +60,10 @@ class Session:
         import torch
 
         from exl3_core import Cache, Config, Generator, Model, Tokenizer
+        from exl3_core.lora.cli import check_folders, load_all
 
+        lora_specs = getattr(args, "lora", None) or []  # a hand-built Namespace may lack it
+        check_folders(lora_specs)
         model_dir = args.model
         if model_dir is None:
             from exl3_core.convert.default_model import default_model_dir
@@ -76,10 +79,8 @@ class Session:
         # the cache counts in the load's memory check and is allocated with the weights
         self.model.load(device=device, progressbar=True, attention=attention, caches=[self.cache])
         self.tokenizer = Tokenizer.from_config(self.config)
-        from exl3_core.lora.cli import load_all
-
         #: the adapters every reply uses ({} without --lora)
-        self.loras = load_all(self.model, getattr(args, "lora", None) or [])  # a hand-built Namespace may lack it
+        self.loras = load_all(self.model, lora_specs)
         self.generator = Generator(model=self.model, cache=self.cache, tokenizer=self.tokenizer)
         self.args = args
 

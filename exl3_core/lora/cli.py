@@ -39,6 +39,19 @@ class LoraLoader(Protocol):
     def load_lora(self, path: str | Path, name: str | None = None) -> str: ...
 
 
+def check_folders(specs: Sequence[tuple[Path, float]]) -> None:
+    """Read each ``--lora`` folder's config before the (slow) model load, so a wrong path fails at once.
+
+    :raises LoraError: naming the folder or file."""
+    from exl3_core.lora.config import WEIGHTS_FILE, LoraError, read_config
+
+    for folder, _ in specs:
+        if not folder.is_dir():
+            raise LoraError(f"--lora {folder}: no such adapter folder (expected a PEFT LoRA folder with "
+                            f"adapter_config.json and {WEIGHTS_FILE})")
+        read_config(folder)
+
+
 def load_all(model: LoraLoader, specs: Sequence[tuple[Path, float]]) -> dict[str, float]:
     """Load every ``--lora`` adapter onto ``model``; returns the job choice ``{name: weight}`` (names from the
     folders, made unique)."""
