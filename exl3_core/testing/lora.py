@@ -41,9 +41,12 @@ def peft_adapter(hf_model: torch.nn.Module | None, directory: Path, *, r: int, a
     add the adapter to (as ``name``) instead of wrapping ``hf_model``."""
     from peft import LoraConfig, get_peft_model
 
-    cfg = LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=list(targets), lora_dropout=0.0,
-                     init_lora_weights=False)
+    # PEFT annotates lora_alpha as int but takes any number (its scale is alpha / r)
+    cfg = LoraConfig(r=r, lora_alpha=alpha, use_rslora=rslora,  # type: ignore[arg-type]
+                     target_modules=list(targets), lora_dropout=0.0, init_lora_weights=False)
     if base is None:
+        if hf_model is None:
+            raise ValueError("peft_adapter: give the transformers model to wrap, or base= (a PEFT model)")
         model = get_peft_model(hf_model, cfg, adapter_name=name)
     else:
         model = base
