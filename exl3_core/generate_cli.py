@@ -136,6 +136,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default=None, help="comma-separated attention backends to try, in order "
                                                      "(default: by priority; `exl3 plugins` lists them)")
     add_parallel_args(p)
+    from exl3_core.lora.cli import add_argument
+
+    add_argument(p)  # --lora DIR[:WEIGHT]
 
 
 def add_cli(sub: Any) -> None:
@@ -166,8 +169,11 @@ class Session:
     def __init__(self, args: argparse.Namespace) -> None:
         from exl3_core import Cache, Config, Generator, Model, Tokenizer
         from exl3_core.cli import resolve_device
+        from exl3_core.lora.cli import check_folders, load_all
 
         device = resolve_device(args.device)  # before any loading: a bad device fails at once
+        lora_specs = getattr(args, "lora", None) or []  # a hand-built Namespace may lack it
+        check_folders(lora_specs)
         model_dir = args.model
         if model_dir is None:
             from exl3_core.convert.default_model import default_model_dir
@@ -182,6 +188,8 @@ class Session:
         self.model.load(device=device, progressbar=True, attention=attention, caches=[self.cache],
                         **parallel_load_kwargs(args))
         self.tokenizer = Tokenizer.from_config(self.config)
+        #: the adapters every reply uses ({} without --lora)
+        self.loras = load_all(self.model, lora_specs)
         self.generator = Generator(model=self.model, cache=self.cache, tokenizer=self.tokenizer)
         self.args = args
 
@@ -200,7 +208,8 @@ class Session:
         and cancels the job; a second Ctrl-C before that step ends interrupts at once."""
         from exl3_core.generator import Job
 
-        job = Job(ids, max_new_tokens=self.args.max_new_tokens, sampler=self.sampling.sampler(), seed=self.args.seed)
+        job = Job(ids, max_new_tokens=self.args.max_new_tokens, sampler=self.sampling.sampler(), seed=self.args.seed,
+                  loras=self.loras or None)
         self.generator.enqueue(job)
         text: list[str] = []
         last: dict[str, Any] = {}

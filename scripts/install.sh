@@ -21,6 +21,8 @@ else
 fi
 $PIP setuptools wheel hatchling editables pluggy "pydantic>=2.5" safetensors tokenizers jinja2 numpy gguf tqdm \
      pytest "transformers>=4.45" accelerate jsonschema matplotlib "triton; platform_system == 'Linux'"
+# the LoRA tests' reference (transformers + PEFT)
+$PIP "peft>=0.17"
 # exl3 serve (the core's "server" extra) and the official OpenAI client its tests talk through
 $PIP "fastapi>=0.110" "uvicorn>=0.29" "prometheus-client>=0.20" "openai>=1.40" httpx
 # core (editable) then its compiled CPU/CUDA ops in place; the build is optional at run time

@@ -169,6 +169,10 @@ class Head(Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x)
 
+    def adapter_refusals(self) -> dict[str, str]:
+        """The head runs on the rows that want logits alone (and may be the embedding itself): no adapters."""
+        return {self.key: "adapters on the output head are not supported"}
+
 
 class StandardDecoder(Model):
     """embedding -> blocks -> final norm -> head, with per-layer hooks for attention and MLP."""

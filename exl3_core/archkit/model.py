@@ -263,8 +263,11 @@ class Model(torch.nn.Module):
         """Hook run once every module is loaded (tie weights, fuse projections ...)."""
 
     def unload(self) -> None:
-        """Drop every weight (every rank's, when loaded over several); the module tree stays so :meth:`load`
-        can run again."""
+        """Drop every weight (every rank's, when loaded over several) and every LoRA adapter; the module tree
+        stays so :meth:`load` can run again."""
+        from exl3_core.lora.registry import forget
+
+        forget(self)
         dev = self._device
         if self.parallel is not None:
             runtime, self.parallel = self.parallel, None
@@ -292,13 +295,57 @@ class Model(torch.nn.Module):
         """What each cache layer stores (kind, KV heads, key and value widths), from the config alone."""
         return tuple(m.cache_geometry() for m in self.attention_layers())
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """Full cache-less forward: ``input_ids [B, S]`` -> fp32 logits ``[B, S, vocab]``."""
+    def forward(self, input_ids: torch.Tensor, loras: Any = None) -> torch.Tensor:  # type: ignore[override]
+        """Full cache-less forward: ``input_ids [B, S]`` -> fp32 logits ``[B, S, vocab]``.
+
+        :param loras: LoRA adapters to apply, ``{name: weight}`` for every sequence or a list of one such
+            mapping (or None) per sequence; None: the base model (see :meth:`load_lora`).
+        """
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape {list(input_ids.shape)}")
         B, S = input_ids.shape
         meta = BatchMeta.full(input_ids.to(self.device))
-        return self.forward_batch(meta).view(B, S, -1)
+        from exl3_core.lora.registry import attached, lora_set
+
+        adapters = lora_set(self) if loras is not None else attached(self)
+        if adapters is None:
+            return self.forward_batch(meta).view(B, S, -1)
+        with adapters.using(loras, S, B):
+            return self.forward_batch(meta).view(B, S, -1)
+
+    # -- LoRA -----------------------------------------------------------------------------------
+    def load_lora(self, path: str | Path, name: str | None = None) -> str:
+        """Attach the PEFT LoRA adapter in folder ``path`` as ``name`` (default: the folder's name) beside the
+        base weights, which stay as they are; several may be loaded, and each forward or job chooses
+        (``loras={name: weight}``). Returns the name.
+
+        :raises exl3_core.lora.LoraError: naming the file and tensor; nothing is attached then.
+        """
+        from exl3_core.lora.registry import lora_set
+
+        return lora_set(self).load(path, name)
+
+    def unload_lora(self, name: str) -> None:
+        """Detach LoRA adapter ``name`` (jobs still naming it end with an error)."""
+        from exl3_core.lora.registry import lora_set
+
+        lora_set(self).unload(name)
+
+    def merge_lora(self, name: str, weight: float = 1.0) -> None:
+        """Fold LoRA adapter ``name`` into the dense linears it targets (then unloaded: every forward has it).
+
+        :raises exl3_core.lora.LoraError: for EXL3-quantized targets (convert with ``exl3 convert --lora``).
+        """
+        from exl3_core.lora.registry import lora_set
+
+        lora_set(self).merge(name, weight)
+
+    def lora_names(self) -> list[str]:
+        """The LoRA adapters loaded now."""
+        from exl3_core.lora.registry import attached
+
+        s = attached(self)
+        return s.names() if s is not None else []
 
     def forward_batch(self, meta: BatchMeta, cache: CacheLayers | None = None, *,
                       fp32_logits: bool = True) -> torch.Tensor:

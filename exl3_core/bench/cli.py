@@ -41,6 +41,12 @@ def add_cli(subparsers: Any) -> None:
                    help="the bench extension with the decode-only ceiling kernel (python bench/ext/build.py writes "
                         "bench/ext/build/exl3_bench.so, the default in a source checkout); without it the ceiling "
                         "is left out")
+    p.add_argument("--lora", action="store_true",
+                   help="instead: decode with random LoRA adapters on all 7 projections against none (b=1 with one "
+                        "adapter; b=--lora-batch with --lora-adapters different ones), see exl3_core/lora/bench.py")
+    p.add_argument("--lora-rank", type=int, default=16, help="rank of the --lora adapters (default 16)")
+    p.add_argument("--lora-adapters", type=int, default=8, help="different adapters in the --lora batch (default 8)")
+    p.add_argument("--lora-batch", type=int, default=32, help="batch of the --lora mixed run (default 32)")
     p.add_argument("--json", type=Path, default=None, metavar="OUT",
                    help="write every figure to this JSON file (default: none)")
     add_parallel_args(p)
@@ -73,6 +79,15 @@ def _bench_cmd(args: argparse.Namespace) -> int:
                            "to run it on the CPU anyway (minutes per figure at the default shapes)")
     device = resolve_device(args.device)
     shape = parse_shape(args.shape)
+    if args.lora:
+        from exl3_core.lora.bench import run_lora_bench
+
+        res = run_lora_bench(shape, rank=args.lora_rank, adapters=args.lora_adapters, batch=args.lora_batch,
+                             ctx=min(contexts), bpw=args.bpw, head_bits=args.head_bits or None, codebook=args.codebook,
+                             device=device, new_tokens=args.new_tokens)
+        if args.json is not None:
+            args.json.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
+        return 0
     with Progress(0, "bench", unit="step", heartbeat_s=1.0) as bar:
         res = run_bench(shape, bpw=args.bpw, head_bits=args.head_bits or None, codebook=args.codebook,
                         device=device, contexts=contexts, batches=batches, prefill_tokens=prefill,

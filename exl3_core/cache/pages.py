@@ -40,13 +40,15 @@ def chain_hash(prev: bytes, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def page_hashes(tokens: Sequence[int], page_size: int, max_pages: int | None = None) -> list[bytes]:
-    """Hash chain over the full pages of ``tokens`` (at most ``max_pages`` of them)."""
+def page_hashes(tokens: Sequence[int], page_size: int, max_pages: int | None = None,
+                root: bytes = ROOT_HASH) -> list[bytes]:
+    """Hash chain over the full pages of ``tokens`` (at most ``max_pages`` of them), starting from ``root`` (a
+    chain whose pages hold other keys and values for the same tokens, e.g. under a LoRA adapter, starts elsewhere)."""
     n = len(tokens) // page_size
     if max_pages is not None:
         n = min(n, max_pages)
     out: list[bytes] = []
-    prev = ROOT_HASH
+    prev = root
     for i in range(n):
         prev = chain_hash(prev, tokens[i * page_size:(i + 1) * page_size])
         out.append(prev)

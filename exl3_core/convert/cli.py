@@ -15,13 +15,22 @@ def _run(args: argparse.Namespace) -> int:
     if args.refit_propagate > 0 and not args.refit_scales:
         raise UsageError("--refit-propagate only applies with --refit-scales")
     device = resolve_device(args.device)
-    res = convert(args.input, args.output, args.bits, head_bits=args.head_bits, codebook=args.codebook,
+    source = args.input
+    if args.lora:  # EXL3 weights cannot absorb an adapter later: quantize base and adapter merged
+        from exl3_core.lora.merge import merged_source
+
+        source = merged_source(args.input, args.lora, args.output)
+    res = convert(source, args.output, args.bits, head_bits=args.head_bits, codebook=args.codebook,
                   out_scales=args.out_scales, cal_rows=args.cal_rows, cal_cols=args.cal_cols, device=device,
                   shard_mib=args.shard_size, work_dir=args.work_dir, resume=args.resume, seed=args.seed,
                   text=args.cal_text, cal_random=args.cal_random, propagate=args.propagate,
                   refit_scales=args.refit_scales, refit_propagate=args.refit_propagate, tf32=args.tf32,
                   sequential=args.sequential, refit_final=args.refit_final,
                   progress=not args.no_progress, report=write)
+    if res.completed and source != args.input:
+        import shutil
+
+        shutil.rmtree(source, ignore_errors=True)
     return 0 if res.completed else 1
 
 
@@ -72,5 +81,9 @@ def add_cli(subparsers: Any) -> None:
                                                    "cpu or cuda:0 (default: cpu)")
     p.add_argument("--shard-size", type=positive_int, default=8192, help="maximum shard size in MiB (default 8192)")
     p.add_argument("--seed", type=int, default=0, help="RNG seed: random calibration rows and the quantizer sign patterns (default 0)")
+    p.add_argument("--lora", action="append", default=[], metavar="DIR[:WEIGHT]",
+                   help="merge this PEFT LoRA adapter (times WEIGHT, default 1) into the unquantized model before "
+                        "quantizing (repeatable); the merged copy of the model is written beside OUTPUT and removed "
+                        "when the conversion completes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (the per-tensor log lines stay)")
     p.set_defaults(func=_run)

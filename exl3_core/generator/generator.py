@@ -35,10 +35,11 @@ from typing import Any
 import torch
 
 from exl3_core.cache.cache import Cache
-from exl3_core.cache.pages import ROOT_HASH, CacheExhausted, chain_hash, page_hashes
+from exl3_core.cache.pages import CacheExhausted, chain_hash, page_hashes
 from exl3_core.generator.batching import Chunk, build_batch, meta_to_device
 from exl3_core.generator.graphs import DecodeGraphs, PrefillGraphs
 from exl3_core.generator.job import Job
+from exl3_core.generator.loras import StepLoras
 from exl3_core.generator.overlap import DecodePipeline
 from exl3_core.generator.stop import HeldText, TextStream
 from exl3_core.generator.types import BatchModel, Result
@@ -105,6 +106,9 @@ class Generator:
         #: CUDA-graph runner for a step that is one sequence's prefill chunk (None: eager)
         self.prefill_graphs: PrefillGraphs | None = PrefillGraphs.create(
             self.plan, cache, self.table_width, max_chunk_tokens)
+        #: LoRA adapters: per-job checks, per-step row choices, graphs dropped when adapters change
+        self.loras = StepLoras(model)
+        self.loras.refresh(self)
         if overlap_decode is None:
             overlap_decode = self.tuning.graphs.overlap_decode
         #: one-step-ahead greedy decode loop (None: off)
@@ -139,6 +143,9 @@ class Generator:
                 raise ValueError("stop strings and banned strings need a tokenizer; pass tokenizer= to Generator")
         with self.lock:
             for j in jobs:
+                self.loras.check(j)
+            for j in jobs:
+                self.loras.bind(j)
                 j.status = "queued"
                 j.t_enqueue = time.perf_counter()
                 self.queue.append(j)
@@ -164,6 +171,7 @@ class Generator:
         with self.lock:
             if self.queue or self.active:
                 raise RuntimeError("Generator.capture_graphs: jobs are queued or running; call it before enqueueing")
+            self.loras.refresh(self)
             return self.graphs.capture_buckets(self.max_batch_size) if self.graphs is not None else []
 
     def num_remaining(self) -> int:
@@ -183,6 +191,7 @@ class Generator:
         """
         with self.lock:
             results: list[Result] = []
+            self._sync_loras(results)
             if self.pipeline is not None and self.pipeline.busy and self.pipeline.advance(results):
                 return results
             self._admit(results)
@@ -227,6 +236,27 @@ class Generator:
                 for i in range(len(jobs))]
         return outs[0] if single else outs
 
+    def load_lora(self, path: str, name: str | None = None) -> str:
+        """``model.load_lora`` between two steps (safe while another thread iterates); running jobs go on."""
+        with self.lock:
+            return self.model.load_lora(path, name)  # type: ignore[attr-defined,no-any-return]
+
+    def unload_lora(self, name: str) -> None:
+        """``model.unload_lora`` between two steps; jobs naming the adapter end with an error at the next step."""
+        with self.lock:
+            self.model.unload_lora(name)  # type: ignore[attr-defined]
+
+    def _sync_loras(self, results: list[Result]) -> None:
+        """Adapters loaded or unloaded since the last step: graphs captured with the old ones are dropped, and
+        jobs naming an adapter no longer loaded end with an error (the others go on)."""
+        self.loras.refresh(self)
+        for job, err in self.loras.unloaded([*self.queue, *self.active]):
+            if job in self.queue:
+                self.queue.remove(job)
+            elif self.pipeline is not None:
+                self.pipeline.forget(job)
+            self._fail(job, err, results)
+
     # -- admission and pages -------------------------------------------------------------------
     def _admit(self, results: list[Result]) -> None:
         alloc = self.cache.allocator
@@ -236,7 +266,7 @@ class Generator:
             n = len(job.seq)
             # never share the page holding the last prompt token: it must be run for logits
             if job.prompt_hashes is None:  # computed once, even if the job waits several steps
-                job.prompt_hashes = page_hashes(job.seq, ps, max_pages=(n - 1) // ps)
+                job.prompt_hashes = page_hashes(job.seq, ps, max_pages=(n - 1) // ps, root=job.hash_root)
             hashes = job.prompt_hashes
             matched = alloc.match_prefix(hashes)
             try:
@@ -272,7 +302,7 @@ class Generator:
         ps = self.page_size
         alloc = self.cache.allocator
         for i in range(len(job.hashes), job.cached // ps):
-            prev = job.hashes[-1] if job.hashes else ROOT_HASH
+            prev = job.hashes[-1] if job.hashes else job.hash_root
             h = chain_hash(prev, job.seq[i * ps:(i + 1) * ps])
             job.pages[i] = alloc.register(job.pages[i], h)
             job.hashes.append(h)
@@ -360,6 +390,8 @@ class Generator:
         if not decode and len(work) == 1 and self._prefill_replays(first):
             assert self.prefill_graphs is not None
             try:
+                T = self.prefill_graphs.bucket(len(first.tokens), first.past, len(first.pages))
+                self.loras.select([(work[0][0], T or len(first.tokens))], 0)
                 logits = self.prefill_graphs.run(first.tokens, first.pages, first.past)  # padded to a bucket
                 rows = [0] if first.want_logits else []
             except RuntimeError as e:  # a capture the model's ops do not support: prefill eagerly from now on
@@ -371,6 +403,7 @@ class Generator:
             meta, rows = build_batch([c for _, c in work], page_size=self.page_size, table_width=self.table_width,
                                      scratch_page=self.cache.scratch_page,
                                      device=torch.device("cpu") if graphs is not None else self.device, decode=decode)
+            self.loras.select([(j, len(c.tokens)) for j, c in work], meta.input_ids.shape[0])
             if graphs is not None and graphs.accepts(meta):
                 logits, packed = graphs.run(meta)
             else:

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from exl3_core.cache.pages import ROOT_HASH
 from exl3_core.filters.base import Filter
+from exl3_core.lora.config import check_choice
 from exl3_core.sampling.sampler import Sampler, resolve_sampler
 
 
@@ -29,12 +31,15 @@ class Job:
     :param return_logits: report each sampled token's raw logits row (``float32 [V]``, on CPU).
     :param return_probs: report each sampled token's probability under the final distribution.
     :param identifier: anything; returned with every result of this job.
+    :param loras: LoRA adapters loaded on the model to run this job with, ``{name: weight}`` (the weighted sum
+        of their deltas; 1.0: as trained); None: the base model.
     """
 
     def __init__(self, input_ids: torch.Tensor | Sequence[int], *, max_new_tokens: int = 256, sampler: Any = None,
                  seed: int | None = None, stop_conditions: Sequence[int | str] = (), stop_at_eos: bool = True,
                  banned_strings: Sequence[str] = (), filters: Sequence[Filter] = (), return_logits: bool = False,
-                 return_probs: bool = False, identifier: Any = None, plugins: Any = None) -> None:
+                 return_probs: bool = False, identifier: Any = None, plugins: Any = None,
+                 loras: Mapping[str, float] | None = None) -> None:
         ids = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else [int(t) for t in input_ids]
         if not ids:
             raise ValueError("Job: input_ids is empty; a prompt needs at least one token (e.g. BOS)")
@@ -62,6 +67,9 @@ class Job:
         self.return_logits = return_logits
         self.return_probs = return_probs
         self.identifier = identifier
+        self.loras: dict[str, float] = check_choice(loras, "Job: loras")
+        self.lora_uids: dict[str, int] = {}  # which load of each adapter the job runs with (set at enqueue)
+        self.hash_root = ROOT_HASH  # prefix-cache chain root (salted with the adapters at enqueue)
         self.status = "new"  # new -> queued -> active -> done | cancelled
         self.error: BaseException | None = None
         self._init_state()

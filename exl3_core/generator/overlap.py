@@ -42,6 +42,7 @@ from exl3_core.cache.cache import Cache
 from exl3_core.generator.batching import Chunk, HostRead, build_batch, gather_rows, meta_to_device
 from exl3_core.generator.graphs import DecodeGraphs
 from exl3_core.generator.job import Job
+from exl3_core.generator.loras import StepLoras
 from exl3_core.generator.types import Result
 from exl3_core.plan.plan import ExecutionPlan
 
@@ -61,6 +62,7 @@ class PipelineHost(Protocol):
     device: torch.device
     forward_calls: int
     tokens_computed: int
+    loras: StepLoras
 
     def _ensure_pages(self, job: Job, upto: int) -> None: ...
 
@@ -198,6 +200,7 @@ class DecodePipeline:
         chunks = [Chunk([0 if r.spec else r.job.seq[-1]], r.job.cached, r.job.pages, True) for r in rows]
         meta, _ = build_batch(chunks, page_size=g.page_size, table_width=g.table_width,
                               scratch_page=g.cache.scratch_page, device=torch.device("cpu"), decode=True)
+        g.loras.select([(r.job, 1) for r in rows], meta.input_ids.shape[0])
         if g.graphs is not None and g.graphs.accepts(meta):
             # the host-built meta goes in one pinned copy; the ids stay on the device (in the graph
             # when the previous step was the bucket's other graph)

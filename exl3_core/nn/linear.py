@@ -75,7 +75,7 @@ class DenseLinear(torch.nn.Module):
         self.shard: LinearShard | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return adapted(F.linear(x, self.weight, self.bias), x, self.adapters)
+        return adapted(F.linear(x, self.weight, self.bias), x, self.adapters, owned=True)
 
     def extra_repr(self) -> str:
         return f"{self.key}: in={self.in_features}, out={self.out_features}, bias={self.bias is not None}, " \

@@ -22,6 +22,7 @@ from exl3_core.attention.dispatch import get_dispatcher
 from exl3_core.attention.spec import AttnArgs, AttnSpec, CallShape, device_cc, sm_count
 from exl3_core.cache.geometry import LayerGeometry
 from exl3_core.nn.linear import shard_linear
+from exl3_core.nn.adapters import row_map
 from exl3_core.nn.module import ForwardState, LoadContext, Module
 from exl3_core.nn.norm import RMSNorm
 from exl3_core.nn.rope import RotaryEmbedding
@@ -186,6 +187,14 @@ class LatentAttention(Module):
         self.absorb(self.w_uk.dtype, self.w_uk.device)
         self._specs.clear()
 
+    def adapter_refusals(self) -> dict[str, str]:
+        """Linears of this module that cannot carry an adapter (key -> why): ``kv_b_proj`` is folded into
+        ``W_uk``/``W_uv`` at load and never runs as a linear, so a delta on it would never be added."""
+        if self.kv_b_proj is None:
+            return {}
+        return {str(getattr(self.kv_b_proj, "key", "kv_b_proj")): "it is absorbed into the attention's latent "
+                "projections at load and never runs as a linear"}
+
     def absorb(self, dtype: torch.dtype, device: torch.device | str) -> None:
         """Materialise ``W_uk``/``W_uv`` from ``kv_b_proj`` for ``dtype`` activations. Done once per
         load, so a quantized ``kv_b_proj`` is reconstructed once, never per token."""
@@ -264,7 +273,8 @@ class LatentAttention(Module):
         if rows is not None:
             o_latent, T = o_latent.index_select(0, rows), rows.shape[0]
         o = torch.einsum("thl,hlv->thv", o_latent.to(dt), self.w_uv)
-        return self.project_out(o.reshape(T, self.local_heads * self.v_head_dim), state)
+        with row_map(rows):  # o_proj's input rows are the step's rows ``rows``
+            return self.project_out(o.reshape(T, self.local_heads * self.v_head_dim), state)
 
     def project_out(self, o: torch.Tensor, state: ForwardState) -> torch.Tensor:
         """o_proj, summed over the tensor-parallel group when this rank holds a share of the heads."""

@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from exl3_core.nn.adapters import row_map
 from exl3_core.nn.linear import make_linear, shard_granularity, shard_linear
 from exl3_core.nn.mlp import Activation, GatedMLP, activation
 from exl3_core.nn.module import ForwardState, LoadContext, Module, WeightError
@@ -335,7 +336,24 @@ class MoE(Module):
         if self.gate_up_t is None or self.down_t is None:
             return f"{self.prefix}: quantized, unstacked or expert-parallel experts take the sliced path (one host " \
                    f"read per forward)"
+        if self.experts_adapted():
+            return f"{self.prefix}: experts with adapters take the sliced path (one host read per forward)"
         return None
+
+    def fused_adapter_params(self) -> dict[str, tuple[tuple[torch.nn.Module, ...], ...]]:
+        """The fused 3-D expert parameters of transformers' layout that a PEFT adapter may target
+        (``target_parameters``): parameter path -> per expert, the linears holding its output rows in order
+        (``gate_up_proj [E, 2I, H]``: gate rows first, then up; ``down_proj [E, H, I]``)."""
+        if self.experts is None:
+            return {}
+        ek = self.experts_key
+        return {f"{ek}.gate_up_proj": tuple((ex.gate, ex.up) for ex in self.experts),
+                f"{ek}.down_proj": tuple((ex.down,) for ex in self.experts)}
+
+    def experts_adapted(self) -> bool:
+        """Whether any expert's linear carries an adapter (the stacked grouped GEMM would leave its delta out)."""
+        assert self.experts is not None
+        return any(getattr(m, "adapters", ()) for ex in self.experts for m in (ex.gate, ex.up, ex.down))
 
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Weighted sum of each token's selected experts, fp32 ``[T, H]``."""
@@ -347,7 +365,8 @@ class MoE(Module):
         token = order // k
         rows = x.index_select(0, token)
         counts = torch.bincount(flat, minlength=self.routing.num_experts)
-        if self.gate_up_t is not None and self.down_t is not None and rows.dtype == self.gate_up_t.dtype:
+        if (self.gate_up_t is not None and self.down_t is not None and rows.dtype == self.gate_up_t.dtype
+                and not self.experts_adapted()):
             # grouped GEMM over device-side offsets: fixed shapes, no host read (graph-capturable)
             offs = counts.cumsum(0).to(torch.int32)
             gu = F.grouped_mm(rows, self.gate_up_t, offs=offs)
@@ -363,7 +382,8 @@ class MoE(Module):
             start = 0
             for e, end in enumerate(bounds):
                 if end > start and e in local:
-                    out[start:end] = self.experts[e - first](rows[start:end])
+                    with row_map(token[start:end]):  # the expert's input rows are these tokens' rows
+                        out[start:end] = self.experts[e - first](rows[start:end])
                 start = end
         w = weights.reshape(-1).index_select(0, order)
         y = torch.zeros((T, x.shape[-1]), dtype=torch.float32, device=x.device)

@@ -13,6 +13,7 @@ import torch
 from exl3_core import ops
 from exl3_core.archkit.decoder import DecoderBlock
 from exl3_core.cache.layer import CacheLayer
+from exl3_core.nn.adapters import row_map
 from exl3_core.nn.attention import Attention
 from exl3_core.nn.mla import LatentAttention
 from exl3_core.nn.mlp import FUSED_ACT_NAMES, GatedMLP
@@ -87,6 +88,8 @@ class AttentionRunner:
         meta, attn = state.meta, self.attn
         if self.epilogue_why or layer is None or meta.slot_mapping is None or attn.rope is None:
             return None
+        if self.qkv.has_adapters:  # attached after the plan was built: the delta must join before RoPE
+            return None
         h = x.h if isinstance(x, DeferredNorm) else x
         if not self.qkv.launchable(h, no_bias=True):
             return None
@@ -128,7 +131,10 @@ class AttentionRunner:
     def forward(self, x: torch.Tensor, state: ForwardState, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The module's output; with ``rows`` only those rows' (every row still attends and is stored)."""
         o = self.attend(x, state)
-        return self.attn.project_out(o if rows is None else o.index_select(0, rows), state)
+        if rows is None:
+            return self.attn.project_out(o, state)
+        with row_map(rows):  # o_proj's input rows are the step's rows ``rows``
+            return self.attn.project_out(o.index_select(0, rows), state)
 
     def forward_residual(self, x: torch.Tensor | DeferredNorm, state: ForwardState, residual: torch.Tensor,
                          ss: torch.Tensor) -> torch.Tensor:
@@ -258,7 +264,8 @@ class BlockRunner:
         b = self.block
         assert isinstance(b, DecoderBlock)
         x = x.index_select(0, rows) + self._attn(b.attn_norm(x), state, rows)
-        return x + self._mlp(b.mlp_norm(x), state)
+        with row_map(rows):
+            return x + self._mlp(b.mlp_norm(x), state)
 
     def chain(self, x: torch.Tensor, pending: torch.Tensor | None, state: ForwardState,
               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -275,7 +282,8 @@ class BlockRunner:
         else:
             a, x = self._attn(normed, state, rows), x.index_select(0, rows)
         normed, x = b.mlp_norm.forward_residual(a, x)
-        return x, self._mlp(normed, state)
+        with row_map(rows):
+            return x, self._mlp(normed, state)
 
     def deferred(self, h: torch.Tensor, ss_in: torch.Tensor | None, state: ForwardState, ss_attn: torch.Tensor,
                  ss_mlp: torch.Tensor) -> torch.Tensor:

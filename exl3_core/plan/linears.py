@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from exl3_core import ops
-from exl3_core.nn.adapters import adapted
+from exl3_core.nn.adapters import adapted, adapted_group
 from exl3_core.nn.norm import RMSNorm
 from exl3_core.plan.kernels import LinearKernels
 from exl3_core.plan.report import Decision, decide
@@ -81,7 +81,6 @@ class Projection:
         self.device = device
         self.kernels = kernels
         self.max_rows = tuning.kernels.fused_linear_max_rows
-        self.has_adapters = any(getattr(m, "adapters", ()) for m in layers)
         allowed = tuning.fusion.grouped_projections
         #: [] when 1-3 EXL3 linears can run in one launch at decode sizes (with a norm prologue)
         self.launch_why = kernels.unavailable(device, "group_ex") + launch_unsupported(layers)
@@ -95,6 +94,11 @@ class Projection:
         if not allowed:
             rebuild.append("grouped projections off in the tuning")
         self.rebuild_why = rebuild
+
+    @property
+    def has_adapters(self) -> bool:
+        """Whether any of the linears carries an adapter now (adapters come and go after the plan is built)."""
+        return any(getattr(m, "adapters", ()) for m in self.layers)
 
     def decisions(self) -> list[Decision]:
         return [decide(f"{self.name}: one launch", self.group_why, f"steps of 1-{self.max_rows} rows"),
@@ -154,7 +158,7 @@ class Projection:
     def _finish(self, ys: list[torch.Tensor], like: torch.Tensor, x: torch.Tensor | None) -> list[torch.Tensor]:
         out = launch_outputs(self._lins(), ys, tuple(like.shape[:-1]), like.dtype)
         if self.has_adapters and x is not None:
-            out = [adapted(y, x, getattr(m, "adapters", ())) for y, m in zip(out, self.layers)]
+            out = adapted_group(out, x, self.layers)
         return out
 
 
@@ -228,7 +232,7 @@ class ResidualOut:
                 y = y + m.bias.to(y.dtype)
             y = y[:, : m.out_features].reshape(*up.shape[:-1], m.out_features)
             if m.adapters:
-                y = adapted(y, act_mul(gate, up), m.adapters)
+                y = adapted(y, act_mul(gate, up), m.adapters, owned=True)
             return y
         return m(act_mul(gate, up))
 

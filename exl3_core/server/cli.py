@@ -47,7 +47,17 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser pages from ORIGIN (e.g. http://localhost:3000, or * for any) to call the "
                         "API; repeat for several. Default: no CORS headers")
+    p.add_argument("--lora", action="append", default=[], type=_lora_spec, metavar="DIR[:WEIGHT]",
+                   help="load a PEFT LoRA adapter (repeatable); a request uses it with \"model\": \"NAME:ADAPTER\" "
+                        "(at WEIGHT, default 1) or the extension field \"loras\": {\"ADAPTER\": weight}; ADAPTER is "
+                        "the folder's name, and /v1/models lists NAME:ADAPTER")
     p.set_defaults(func=_serve_cmd)
+
+
+def _lora_spec(text: str) -> Any:
+    from exl3_core.lora.cli import parse_spec
+
+    return parse_spec(text)
 
 
 def server_options(args: argparse.Namespace) -> Any:
@@ -82,7 +92,7 @@ def build_app(args: argparse.Namespace) -> Any:
     name = args.model_name or Path(s.config.directory).name
     ctx = s.config.raw.get("max_position_embeddings")
     return OpenAIApp(gen, s.tokenizer, model_id=name, max_context=ctx if isinstance(ctx, int) else None,
-                     options=options)
+                     options=options, lora_weights=s.loras)
 
 
 async def serve(app: Any, host: str, port: int, *, stop: asyncio.Event | None = None, access_log: bool = True) -> None:

@@ -15,8 +15,9 @@ proves it cannot fit the context is refused before it is tokenized at all (see
 Supported request fields: ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``top_k`` and ``min_p`` (extensions), ``repetition_penalty`` (extension),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``stop``, ``seed``, ``n`` (1 only),
-``stream``, ``stream_options.include_usage``, ``ignore_eos`` (extension) and ``response_format``
-(``json_object`` / ``json_schema`` through the ``llguidance`` filter plugin). Fields that would
+``stream``, ``stream_options.include_usage``, ``ignore_eos`` (extension), ``response_format``
+(``json_object`` / ``json_schema`` through the ``llguidance`` filter plugin), and LoRA adapters through
+``model`` (``"BASE:ADAPTER"``) and ``loras`` (extension; see :mod:`exl3_core.server.loras`). Fields that would
 change the answer but are not implemented (``logprobs``, ``tools``, ``echo``, ``suffix``, n > 1, ...)
 are refused with 400 rather than ignored; unknown fields are refused as OpenAI refuses them.
 """
@@ -47,9 +48,11 @@ from exl3_core.cache.pages import CacheExhausted
 from exl3_core.filters.base import Filter
 from exl3_core.generator import AsyncGenerator, AsyncJob, Generator, Job
 from exl3_core.generator.generator import Result
+from exl3_core.lora.config import LoraError
 from exl3_core.sampling import Sampler, SamplerValueError
 from exl3_core.server.asgi import APIKeyMiddleware, EventStreamResponse, read_body, wait_disconnect
 from exl3_core.server.errors import APIError
+from exl3_core.server.loras import ServedLoras
 from exl3_core.server.metrics import MetricsMiddleware, ServerMetrics
 from exl3_core.server.schemas import (
     MAX_STOP_STRINGS,
@@ -202,17 +205,20 @@ class OpenAIApp:
     :param max_context: longest prompt + completion (default: the generator's ``max_seq_len``).
     :param plugins: plugin set providing the ``llguidance`` filter (default: the global one).
     :param options: HTTP-level settings (API key, body limit, timeout, CORS).
+    :param lora_weights: the weight of each LoRA adapter when a request names it in ``model`` (default 1.0).
     """
 
     def __init__(self, generator: Generator, tokenizer: PromptTokenizer | None = None, *, model_id: str = "exl3",
                  max_context: int | None = None, plugins: Plugins | None = None,
-                 options: ServerOptions | None = None) -> None:
+                 options: ServerOptions | None = None, lora_weights: Mapping[str, float] | None = None) -> None:
         self.generator = generator
         tok = tokenizer if tokenizer is not None else generator.tokenizer
         if tok is None:
             raise ValueError("OpenAIApp needs a tokenizer: pass tokenizer= or build the Generator with one")
         self.tokenizer: PromptTokenizer = tok
         self.model_id = model_id
+        #: the LoRA adapters requests may choose
+        self.loras = ServedLoras(model_id, generator.model, lora_weights)
         self.max_context = min(generator.max_seq_len, max_context or generator.max_seq_len)
         self.options = options or ServerOptions()
         self._plugins = plugins
@@ -297,17 +303,18 @@ class OpenAIApp:
         return APIError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
     # -- simple routes ----------------------------------------------------------------------------
-    def _model_card(self) -> ModelCard:
-        return ModelCard(id=self.model_id, created=self.created, max_model_len=self.max_context)
+    def _model_card(self, name: str | None = None) -> ModelCard:
+        return ModelCard(id=name or self.model_id, created=self.created, max_model_len=self.max_context)
 
     async def _models(self) -> Response:
-        return _json(ModelList(data=[self._model_card()]))
+        return _json(ModelList(data=[self._model_card(), *(self._model_card(n) for n in self.loras.model_ids())]))
 
     async def _model(self, name: str) -> Response:
-        if name != self.model_id:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
+        if name != self.model_id and name not in self.loras.model_ids():
+            raise APIError(404, f"The model '{name}' does not exist; this server serves "
+                                f"{', '.join([self.model_id, *self.loras.model_ids()])}",
                            code="model_not_found", param="model")
-        return _json(self._model_card())
+        return _json(self._model_card(name))
 
     async def _health(self) -> Response:
         s = self.agen.stats
@@ -421,6 +428,7 @@ class OpenAIApp:
             req = await self._offload(_parse, CompletionRequest, body)
         refuse_unsupported(req)
         p = _params(req)
+        loras = self.loras.choice(req.model, req.loras)
         if isinstance(req, ChatCompletionRequest):
             ids = await self._offload(self._chat_prompt, req)
         else:
@@ -435,13 +443,14 @@ class OpenAIApp:
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             job = Job(ids, max_new_tokens=p.max_tokens or room, sampler=p.sampler, seed=p.seed,
-                      stop_conditions=p.stop, stop_at_eos=not p.ignore_eos, filters=filters, identifier=rid)
+                      stop_conditions=p.stop, stop_at_eos=not p.ignore_eos, filters=filters, identifier=rid,
+                      loras=loras)
             aj = await self.agen.submit(job)
         except SamplerValueError as e:
             raise APIError(400, f"invalid sampling parameters: {e}", param="logit_bias") from None
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
-        meta = _Meta(rid, int(time.time()), self.model_id, chat, p.include_usage, t0, deadline)
+        meta = _Meta(rid, int(time.time()), self.loras.response_model(req.model), chat, p.include_usage, t0, deadline)
         headers = {"X-Request-Id": rid}
         try:
             if p.stream:
@@ -551,6 +560,8 @@ class OpenAIApp:
         if last.get("eos_reason") == "cancelled":
             return APIError(503, "the server is shutting down; the request was cancelled", code="server_shutting_down")
         err = last.get("error")
+        if isinstance(err, LoraError):
+            return APIError(404, f"the request's LoRA adapter is gone: {err}", code="model_not_found", param="model")
         if isinstance(err, CacheExhausted):
             return APIError(503, f"the server's cache is full ({err}); retry later or with a shorter request",
                             code="cache_exhausted")

@@ -79,6 +79,7 @@ class _GenerationRequest(_Strict):
     stream_options: StreamOptions | None = None
     ignore_eos: bool | None = False
     response_format: ResponseFormat | None = None
+    loras: dict[str, float] | None = None  # extension: LoRA adapters and weights (exl3_core/server/loras.py)
     # accepted, no effect on the answer
     user: str | None = None
     metadata: dict[str, str] | None = None

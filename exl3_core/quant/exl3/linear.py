@@ -225,7 +225,7 @@ class EXL3Linear(torch.nn.Module):
         if self.adapters:
             from exl3_core.nn.adapters import adapted
 
-            y = adapted(y, x[..., : self.in_features], self.adapters)
+            y = adapted(y, x[..., : self.in_features], self.adapters, owned=True)
         return y
 
     def extra_repr(self) -> str:

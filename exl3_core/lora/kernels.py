@@ -1,0 +1,174 @@
+"""Triton kernels of the per-row LoRA delta (the torch form is :meth:`LoraLinear._delta2`).
+
+Two launches per group of 1-3 adapted linears that read the same input (q/k/v, gate/up, or one linear),
+both reading the step's choice from the device (the active-slot count too, as a loop bound), so one
+captured graph serves every mix of adapters:
+
+* **shrink**, grid ``(row blocks, slot capacity, linears)``: program ``(m, u, g)`` computes
+  ``xa[rows, g, u, :] = coef[rows, u] * scale_g[slot_u] * (x[rows] A_g[slot_u]ᵀ)`` for the active entry ``u``
+  (programs past the active count, or whose adapter does not target linear ``g``, do nothing);
+* **expand**, grid ``(row blocks, output blocks of every linear)``: ``out_g = y_g + sum_u xa[rows, g, u, :]
+  Bᵀ_g[slot_u]`` over the active entries, accumulated in fp32 and rounded once (``out_g`` may be ``y_g``).
+
+Each adapter's weights are read once per row block, whatever mix of adapters the rows use. Products
+take the weights' dtype on the tensor cores (fp32 weights: exact fp32 products), accumulate in fp32.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from exl3_core.lora.linear import LoraStack
+from exl3_core.lora.selection import Selection
+
+#: linears one launch pair serves
+MAX_GROUP = 3
+
+
+# scalars that differ per member are picked at run time: never specialized (a 1 would become a constant)
+@triton.jit(do_not_specialize=["RK0", "RK1", "RK2", "sas0", "sas1", "sas2", "sar0", "sar1", "sar2"])
+def _shrink_kernel(X, A0, A1, A2, L0, L1, L2, S0, S1, S2, SLOTS, COEF, ROWMAP, NACT, XA,
+                   R, K, RK0, RK1, RK2, sas0, sas1, sas2, sar0, sar1, sar2, stride_x, stride_coef, U,
+                   NUM: tl.constexpr, HAS_MAP: tl.constexpr, IEEE: tl.constexpr,
+                   BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+    pid_m = tl.program_id(0)
+    u = tl.program_id(1)
+    g = tl.program_id(2)
+    n_act = tl.load(NACT)
+    if u < n_act:
+        slot = tl.load(SLOTS + u)
+        A, LOC, SC, RANK, s_as, s_ar = A0, L0, S0, RK0, sas0, sar0
+        if NUM > 1:  # noqa: SIM102 - a compile-time test around a run-time one (Triton has no mixed `and`)
+            if g == 1:
+                A, LOC, SC, RANK, s_as, s_ar = A1, L1, S1, RK1, sas1, sar1
+        if NUM > 2:  # noqa: SIM102 - as above
+            if g == 2:
+                A, LOC, SC, RANK, s_as, s_ar = A2, L2, S2, RK2, sas2, sar2
+        s = tl.load(SC + slot)
+        if s != 0.0:
+            loc = tl.load(LOC + slot).to(tl.int64)
+            rows = pid_m * BM + tl.arange(0, BM)
+            rmask = rows < R
+            rr = tl.arange(0, BR)
+            rank_ok = rr < RANK
+            acc = tl.zeros((BM, BR), dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                kk = k0 + tl.arange(0, BK)
+                kmask = kk < K
+                x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + kk[None, :],
+                            mask=rmask[:, None] & kmask[None, :], other=0.0)
+                a = tl.load(A + loc * s_as + rr[:, None] * s_ar + kk[None, :],
+                            mask=rank_ok[:, None] & kmask[None, :], other=0.0)
+                if IEEE:
+                    acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+                else:
+                    acc += tl.dot(x.to(a.dtype), tl.trans(a))
+            if HAS_MAP:
+                crow = tl.load(ROWMAP + rows, mask=rmask, other=0)
+            else:
+                crow = rows
+            c = tl.load(COEF + crow.to(tl.int64) * stride_coef + u, mask=rmask, other=0.0)
+            acc = acc * (c * s)[:, None]
+            tl.store(XA + ((rows[:, None].to(tl.int64) * NUM + g) * U + u) * BR + rr[None, :], acc,
+                     mask=rmask[:, None])
+
+
+@triton.jit(do_not_specialize=["N0", "N1", "N2", "NB0", "NB1", "RK0", "RK1", "RK2", "sbs0", "sbs1", "sbs2", "sbr0",
+                               "sbr1", "sbr2", "sy0", "sy1", "sy2", "so0", "so1", "so2"])
+def _expand_kernel(XA, B0, B1, B2, L0, L1, L2, S0, S1, S2, Y0, Y1, Y2, O0, O1, O2, SLOTS, NACT,
+                   R, N0, N1, N2, NB0, NB1, RK0, RK1, RK2, sbs0, sbs1, sbs2, sbr0, sbr1, sbr2,
+                   sy0, sy1, sy2, so0, so1, so2, U,
+                   NUM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    g = pid_n * 0
+    nb = pid_n
+    BT, LOC, SC, Y, OUT, N, RANK, s_bs, s_br, s_y, s_o = B0, L0, S0, Y0, O0, N0, RK0, sbs0, sbr0, sy0, so0
+    if NUM > 1:  # noqa: SIM102 - a compile-time test around a run-time one (Triton has no mixed `and`)
+        if pid_n >= NB0:
+            g, nb = g + 1, pid_n - NB0
+            BT, LOC, SC, Y, OUT, N, RANK, s_bs, s_br, s_y, s_o = B1, L1, S1, Y1, O1, N1, RK1, sbs1, sbr1, sy1, so1
+    if NUM > 2:  # noqa: SIM102 - as above
+        if pid_n >= NB0 + NB1:
+            g, nb = g + 1, pid_n - NB0 - NB1
+            BT, LOC, SC, Y, OUT, N, RANK, s_bs, s_br, s_y, s_o = B2, L2, S2, Y2, O2, N2, RK2, sbs2, sbr2, sy2, so2
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = nb * BN + tl.arange(0, BN)
+    rmask = rows < R
+    cmask = cols < N
+    rr = tl.arange(0, BR)
+    rank_ok = rr < RANK
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    n_act = tl.load(NACT)
+    for u in range(n_act):
+        slot = tl.load(SLOTS + u)
+        s = tl.load(SC + slot)
+        if s != 0.0:
+            loc = tl.load(LOC + slot).to(tl.int64)
+            xa = tl.load(XA + ((rows[:, None].to(tl.int64) * NUM + g) * U + u) * BR + rr[None, :],
+                         mask=rmask[:, None], other=0.0)
+            bt = tl.load(BT + loc * s_bs + rr[:, None] * s_br + cols[None, :],
+                         mask=rank_ok[:, None] & cmask[None, :], other=0.0)
+            if IEEE:
+                acc += tl.dot(xa, bt.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(xa.to(bt.dtype), bt)
+    m = rmask[:, None] & cmask[None, :]
+    y = tl.load(Y + rows[:, None].to(tl.int64) * s_y + cols[None, :], mask=m, other=0.0)
+    tl.store(OUT + rows[:, None].to(tl.int64) * s_o + cols[None, :], (y.to(tl.float32) + acc).to(OUT.dtype.element_ty),
+             mask=m)
+
+
+def _block_rank(rank: int) -> int:
+    return max(16, triton.next_power_of_2(rank))
+
+
+def lora_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                   stacks: Sequence[LoraStack], sel: Selection, rows: torch.Tensor | None) -> None:
+    """For each linear ``g`` of a group reading ``x2 [n, in]``: ``outs[g] = ys[g] + delta_g(x2)`` (``[n, out_g]``,
+    unit last strides, one dtype; ``outs[g]`` may be ``ys[g]``). ``rows``: the step rows of ``x2``'s rows (None:
+    ``0..n-1``). 1 to :data:`MAX_GROUP` linears, two launches."""
+    num = len(stacks)
+    if not 1 <= num <= MAX_GROUP or len(ys) != num or len(outs) != num:
+        raise ValueError(f"lora_add_group: {num} stacks, {len(ys)} outputs, {len(outs)} targets (1 to {MAX_GROUP})")
+    n, k = x2.shape
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    U = sel.capacity
+    br = _block_rank(max(s.rank for s in stacks))
+    bm = 16 if n <= 16 else (32 if n <= 64 else 64)
+    ieee = stacks[0].a.dtype == torch.float32
+    xa = torch.empty((n, num, U, br), dtype=torch.float32, device=x2.device)
+
+    def pad(items: list) -> list:  # unused members repeat the first (never read: NUM says how many are real)
+        return items + [items[0]] * (MAX_GROUP - len(items))
+
+    a = pad([s.a for s in stacks])
+    bt = pad([s.bt for s in stacks])
+    loc = pad([s.local for s in stacks])
+    sc = pad([s.scale for s in stacks])
+    rk = pad([s.rank for s in stacks])
+    rowmap = rows if rows is not None else sel.slots  # any tensor: unread without HAS_MAP
+    bk = 64 if br <= 32 else 32
+    _shrink_kernel[(triton.cdiv(n, bm), U, num)](
+        x2, *a, *loc, *sc, sel.slots, sel.coef, rowmap, sel.active, xa,
+        n, k, *rk, *pad([s.a.stride(0) for s in stacks]), *pad([s.a.stride(1) for s in stacks]),
+        x2.stride(0), sel.coef.stride(0), U,
+        NUM=num, HAS_MAP=rows is not None, IEEE=ieee, BM=bm, BR=br, BK=bk)
+    bn = 64 if br <= 32 else 32
+    widths = [y.shape[1] for y in ys]
+    blocks = [triton.cdiv(w, bn) for w in widths]
+    _expand_kernel[(triton.cdiv(n, bm), sum(blocks))](
+        xa, *bt, *loc, *sc, *pad(list(ys)), *pad(list(outs)), sel.slots, sel.active,
+        n, *pad(widths), *(pad(blocks)[:2]), *rk, *pad([s.bt.stride(0) for s in stacks]),
+        *pad([s.bt.stride(1) for s in stacks]), *pad([y.stride(0) for y in ys]), *pad([o.stride(0) for o in outs]), U,
+        NUM=num, IEEE=ieee, BM=bm, BN=bn, BR=br)
+
+
+def lora_add(x2: torch.Tensor, y2: torch.Tensor, out2: torch.Tensor, stack: LoraStack, sel: Selection,
+             rows: torch.Tensor | None) -> None:
+    """``out2 = y2 + delta(x2)`` for one linear (see :func:`lora_add_group`)."""
+    lora_add_group(x2, [y2], [out2], [stack], sel, rows)
