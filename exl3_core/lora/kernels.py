@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from exl3_core.lora.linear import LoraStack
 from exl3_core.lora.selection import Selection
+from exl3_core.lora.stack import LoraStack
 
 #: linears one launch pair serves
 MAX_GROUP = 3

@@ -25,9 +25,10 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from exl3_core.lora.config import LoraError, check_choice
-from exl3_core.lora.linear import ADAPTER_NAME, LoraLinear, LoraStack, StackEntry
+from exl3_core.lora.linear import ADAPTER_NAME, LoraLinear
 from exl3_core.lora.peft_io import AdapterWeights, FusedParam, LinearShape, read_adapter
 from exl3_core.lora.selection import RowGroup, Selection
+from exl3_core.lora.stack import LoraStack, StackEntry
 from exl3_core.nn.adapters import attach_adapter, detach_adapter
 from exl3_core.nn.linear import DenseLinear, LinearBase
 

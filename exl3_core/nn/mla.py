@@ -21,8 +21,8 @@ from exl3_core.archkit.config import RopeSettings
 from exl3_core.attention.dispatch import get_dispatcher
 from exl3_core.attention.spec import AttnArgs, AttnSpec, CallShape, device_cc, sm_count
 from exl3_core.cache.geometry import LayerGeometry
-from exl3_core.nn.linear import shard_linear
 from exl3_core.nn.adapters import row_map
+from exl3_core.nn.linear import shard_linear
 from exl3_core.nn.module import ForwardState, LoadContext, Module
 from exl3_core.nn.norm import RMSNorm
 from exl3_core.nn.rope import RotaryEmbedding

@@ -19,8 +19,9 @@ from exl3_core.archkit.batch import BatchMeta
 from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.cache import Cache
 from exl3_core.lora import LoraError, lora_set
-from exl3_core.lora.linear import LoraLinear, LoraStack, StackEntry
+from exl3_core.lora.linear import LoraLinear
 from exl3_core.lora.selection import Selection
+from exl3_core.lora.stack import LoraStack, StackEntry
 from exl3_core.nn.adapters import row_map
 from exl3_core.nn.linear import DenseLinear
 from exl3_core.plan import ExecutionPlan

@@ -73,7 +73,7 @@ def test_generate_command_applies_the_adapter(models, capsys: pytest.CaptureFixt
     want = gen.generate(prompt, max_new_tokens=8, loras={"smol": 0.5})
     assert want != gen.generate(prompt, max_new_tokens=8), "weight 0.5 changes nothing here"
     rc = main(["generate", prompt, "-m", str(ours.config.directory), "--device", "cpu", "--raw", "--max-new-tokens",
-               "8", "--lora", f"{folder}:0.5"])
+               "8", "--greedy", "--lora", f"{folder}:0.5"])
     out = capsys.readouterr().out
     assert rc == 0 and out == want + "\n"
     rc = main(["generate", prompt, "-m", str(ours.config.directory), "--device", "cpu", "--lora", str(folder / "nope")])

@@ -18,8 +18,9 @@ import torch
 
 from exl3_core.bench.models import bench_plugins, build_model, parse_shape
 from exl3_core.generator import Generator, Job
-from exl3_core.lora.linear import LoraLinear, LoraStack, StackEntry
+from exl3_core.lora.linear import LoraLinear
 from exl3_core.lora.selection import Selection
+from exl3_core.lora.stack import LoraStack, StackEntry
 from exl3_core.nn.adapters import row_map
 from exl3_core.quant.exl3.linear import EXL3Linear
 from exl3_core.testing.arch import rel_err
