@@ -437,6 +437,7 @@ class Speculator:
                 for r, toks in bans:
                     allowed[r, toks] = False
                 x = x.masked_fill(~allowed.to(dev), float("-inf"))
+            masked = x
             W = max(j.sampler.history_window() for j in jobs)
             history = None
             if W > 0:
@@ -468,6 +469,12 @@ class Speculator:
                 tokens.append(drafts[s][:m] + [int(host[s][1])])
                 oks.append(bool(host[s][2]))
                 probs.append(host[s][3:3 + m + 1])
+            for s, j in enumerate(jobs):
+                if j.return_probs and j.sampler.is_greedy:  # as a plain step reports them: the masked logits' softmax
+                    r = torch.tensor([s * n + i for i in range(len(tokens[s]))], device=dev)
+                    pr = torch.softmax(masked.index_select(0, r), -1).gather(
+                        1, torch.tensor(tokens[s], device=dev)[:, None])
+                    probs[s] = pr.squeeze(1).tolist()
             raw_rows = raw.view(S, n, V).cpu() if any(j.return_logits for j in jobs) else None
         for s, job in enumerate(jobs):
             m = len(tokens[s]) - 1
