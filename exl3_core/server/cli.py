@@ -44,6 +44,9 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser pages from ORIGIN (e.g. http://localhost:3000, or * for any) to call the "
                         "API; repeat for several. Default: no CORS headers")
+    from exl3_core.generate_cli import add_draft_args
+
+    add_draft_args(p)
     p.set_defaults(func=_serve_cmd)
 
 
@@ -73,7 +76,7 @@ def build_app(args: argparse.Namespace) -> Any:
         raise ValueError(f"--max-batch {args.max_batch} must be at least 1")
     options = server_options(args)
     s = Session(args)
-    gen = Generator(s.model, s.cache, s.tokenizer, max_batch_size=args.max_batch)
+    gen = Generator(s.model, s.cache, s.tokenizer, max_batch_size=args.max_batch, **s.speculation)
     gen.capture_graphs()  # every decode bucket now: no request waits for a capture later
     name = args.model_name or Path(s.config.directory).name
     ctx = s.config.raw.get("max_position_embeddings")
@@ -104,6 +107,8 @@ SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 
 
 def _serve_cmd(args: argparse.Namespace) -> int:
+    from exl3_core.generate_cli import DraftArgs
+
     missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         print(f"exl3 serve: missing {', '.join(missing)}; install the server extra: pip install 'exl3-core[server]' "
@@ -115,6 +120,7 @@ def _serve_cmd(args: argparse.Namespace) -> int:
         logging.getLogger(name).setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     try:
         server_options(args)  # option errors before the model loads
+        DraftArgs.parse(args)
     except ValueError as e:
         print(f"exl3 serve: {e}", file=sys.stderr)
         return 2
