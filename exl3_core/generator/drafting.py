@@ -336,6 +336,7 @@ class ModelDrafter:
         ids = torch.empty((B, K), dtype=torch.int64, device=dev)
         q = None
         cur: torch.Tensor | None = None
+        forced = self._forced(jobs, K)
         for i in range(K):
             if i == 0:
                 chunks = [Chunk(j.seq[-2:], len(j.seq) - 2, self._seqs[j].pages, True) for j in jobs]
@@ -352,6 +353,14 @@ class ModelDrafter:
                     q = torch.zeros((B, K, x.shape[-1]), dtype=torch.float32, device=dev)
                 q[sampled_idx, i] = torch.softmax(x, -1)
                 nxt.index_copy_(0, sampled_idx, draw(x, uniforms[:, i]))
+            if forced is not None:
+                nxt = forced[:, i]
             ids[:, i] = nxt
             cur = nxt
         return ids, q
+
+    def _forced(self, jobs: list[Job], K: int) -> torch.Tensor | None:
+        """Tokens ``[B, K]`` (device) to propose instead of the draft's own picks, fed to its later steps as a
+        real draft's would be; None: the draft's picks. A benchmark's stand-in draft overrides this to set
+        the acceptance rate while paying every forward (exl3_core.bench.spec)."""
+        return None
