@@ -26,7 +26,7 @@ import torch
 from exl3_core.bench.models import BenchShape, build_model, shape_dict
 from exl3_core.bench.run import _sync, time_median
 from exl3_core.generator.batching import Chunk, build_batch
-from exl3_core.generator.draft_policy import expected_tokens, ideal_speedup
+from exl3_core.generator.draft_policy import DraftLength, expected_tokens, ideal_speedup
 from exl3_core.generator.drafting import ModelDrafter
 from exl3_core.generator.job import Job
 from exl3_core.generator.speculative import SpecStats
@@ -149,28 +149,29 @@ def run_spec_bench(shape: BenchShape, draft_shape: BenchShape, *, alphas: tuple[
     prompts = [torch.randint(0, shape.vocab, (ctx,), generator=g).tolist() for _ in range(batch)]
     max_seq = ctx + new_tokens + max(ks) + 8
 
-    def generator(k: int, spec: bool, dyn: bool = False) -> Any:
-        kw: dict[str, Any] = {}
-        if spec:
-            kw = {"draft_model": draft, "draft_cache": dcache, "num_draft_tokens": k, "dynamic_draft": dyn}
-        return Generator(target, cache, None, max_batch_size=batch, max_seq_len=max_seq, **kw)
-
-    plain = generator(1, False)
+    plain = Generator(target, cache, None, max_batch_size=batch, max_seq_len=max_seq)
     _decode_tokens(plain, [p[:64] for p in prompts], 4)  # warm-up: compiles, captures
     plain.capture_graphs()
     base, ref = _decode_tokens(plain, prompts, new_tokens)
     out["plain_tok_s"] = base
     log(f"plain decode b={batch} ctx={ctx}: {base:.1f} tok/s")
+    # one speculative generator for every run (its graphs captured once): each run sets the draft length
+    # policy and the oracle's alpha
+    gen = Generator(target, cache, None, max_batch_size=batch, max_seq_len=max_seq, draft_model=draft,
+                    draft_cache=dcache, num_draft_tokens=max(ks), dynamic_draft=False)
+    assert gen.spec is not None
+    oracle = OracleDrafter(draft, dcache, max_seq_len=gen.max_seq_len, alpha=0.0, reference=ref, vocab=shape.vocab,
+                           seed=seed + 7)
+    gen.spec.drafter = oracle
+    gen.capture_graphs()
+    _decode_tokens(gen, [p[:64] for p in prompts], 4)  # warm-up of the eager parts (draft catch-up)
     out["alphas"] = []
     for a in alphas:
+        oracle.alpha = a
         row: dict[str, Any] = {"alpha": a, "runs": []}
         runs = [(k, False) for k in ks] + ([(max(ks), True)] if dynamic else [])
         for k, dyn in runs:
-            gen = generator(k, True, dyn)
-            assert gen.spec is not None
-            gen.spec.drafter = OracleDrafter(draft, dcache, max_seq_len=gen.max_seq_len, alpha=a, reference=ref,
-                                             vocab=shape.vocab, seed=seed + 7)
-            _decode_tokens(gen, [p[:64] for p in prompts], min(new_tokens, 3 * k + 4))  # warm-up: captures
+            gen.spec.length = DraftLength(k, dynamic=dyn, draft_cost=c)
             gen.spec.stats = SpecStats()
             tok_s, got = _decode_tokens(gen, prompts, new_tokens)
             st = gen.spec.stats

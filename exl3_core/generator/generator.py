@@ -181,11 +181,14 @@ class Generator:
         """Capture the decode graph of every batch bucket this generator can step (up to
         ``max_batch_size``) now, rather than at each bucket's first step. A capture costs a few
         hundred ms (seconds where a new shape compiles Triton kernels), so a server does this at
-        start-up and no step stalls later when its batch grows or shrinks past a bucket. Returns the
-        captured buckets ([] when decode runs eagerly). Only while no job is running."""
+        start-up and no step stalls later when its batch grows or shrinks past a bucket. With speculative
+        decoding the verification and draft steps' buckets are captured too. Returns the captured
+        (one-token) buckets ([] when decode runs eagerly). Only while no job is running."""
         with self.lock:
             if self.queue or self.active:
                 raise RuntimeError("Generator.capture_graphs: jobs are queued or running; call it before enqueueing")
+            if self.spec is not None:
+                self.spec.capture_graphs(self.max_batch_size)
             return self.graphs.capture_buckets(self.max_batch_size) if self.graphs is not None else []
 
     def num_remaining(self) -> int:

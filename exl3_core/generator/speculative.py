@@ -279,6 +279,17 @@ class Speculator:
         self.drafter.release(job)
         self.length.forget(job)
 
+    def capture_graphs(self, max_batch: int) -> None:
+        """Capture the verification graphs of every draft length (k + 1 rows per sequence) and, with a draft
+        model, its two step shapes, for every batch bucket up to ``max_batch`` (see
+        :meth:`Generator.capture_graphs <exl3_core.generator.Generator.capture_graphs>`)."""
+        if self.host.graphs is not None:
+            for k in range(1, self.length.max_k + 1):
+                self.host.graphs.capture_buckets(max_batch, k + 1)
+        if isinstance(self.drafter, ModelDrafter) and self.drafter.graphs is not None:
+            self.drafter.graphs.capture_buckets(max_batch, 2)
+            self.drafter.graphs.capture_buckets(max_batch, 1)
+
     def wants_step(self) -> bool:
         """Whether the next decode step should be speculative (asked by the overlapped plain loop before
         each step it launches; a False answer counts as one plain step)."""
@@ -372,8 +383,9 @@ class Speculator:
         meta, _ = build_batch(chunks, page_size=h.page_size, table_width=h.table_width,
                               scratch_page=h.cache.scratch_page,
                               device=torch.device("cpu") if graphs is not None else h.device, decode=True)
+        packed: torch.Tensor | None = None  # a replayed graph's greedy ids and ok flags per row
         if graphs is not None and graphs.accepts(meta):
-            logits, _ = graphs.run(meta)
+            logits, packed = graphs.run(meta)
         else:
             if graphs is not None:
                 meta = meta_to_device(meta, h.device)
@@ -389,7 +401,7 @@ class Speculator:
             rows = torch.tensor([b * n for b in plain], dtype=torch.int64, device=logits.device)
             h._sample_and_process(pj, logits.index_select(0, rows).float(), masks, results)
         if spec:
-            self._accept_drafts([jobs[b] for b in spec], [drafts[b] for b in spec], K, logits,
+            self._accept_drafts([jobs[b] for b in spec], [drafts[b] for b in spec], K, logits, packed,
                                 [b for b in spec], prop, drafting, results)
         # pages the verification rows wrote past each job's tokens hold nothing: back to the free list
         ps = h.page_size
@@ -402,21 +414,26 @@ class Speculator:
         self._record_times(B, K, prop, clock, t0)
 
     def _accept_drafts(self, jobs: list[Job], drafts: list[list[int]], K: int, logits: torch.Tensor,
-                       batch_rows: list[int], prop: Proposal, drafting: list[int], results: list[Result]) -> None:
+                       packed: torch.Tensor | None, batch_rows: list[int], prop: Proposal, drafting: list[int],
+                       results: list[Result]) -> None:
         h = self.host
         S = len(jobs)
         n = K + 1
         dev = logits.device
-        rows = torch.tensor([b * n + i for b in batch_rows for i in range(n)], dtype=torch.int64, device=dev)
-        raw = logits.index_select(0, rows).float()  # [S * n, V]
-        V = raw.shape[-1]
+        row_list = [b * n + i for b in batch_rows for i in range(n)]
+        rows = torch.tensor(row_list, dtype=torch.int64, device=dev)
         lens = [len(d) for d in drafts]
         fast = all(j.sampler.is_greedy and not j.return_probs and not j.return_logits
                    and not any(j.ban_at.get(len(j.seq) + i) for i in range(n)) for j in jobs)
         if fast:
-            # greedy without bans: the drafts equal to the target's argmax, then the argmax
-            packed = torch.stack([raw.argmax(-1).double(),
-                                  (torch.isfinite(raw).any(-1) & ~torch.isnan(raw).any(-1)).double()])
+            # greedy without bans: the drafts equal to the target's argmax, then the argmax (a replayed graph
+            # computed both already: no float copy of the logits rows)
+            if packed is None:
+                raw = logits.index_select(0, rows).float()
+                packed = torch.stack([raw.argmax(-1).double(),
+                                      (torch.isfinite(raw).any(-1) & ~torch.isnan(raw).any(-1)).double()])
+            else:
+                packed = packed.index_select(1, rows)
             host = packed.cpu().tolist()  # the step's one device->host read
             tokens, oks, probs = [], [], []
             for s in range(S):
@@ -429,6 +446,8 @@ class Speculator:
                 probs.append([None] * (m + 1))
             raw_rows = None
         else:
+            raw = logits.index_select(0, rows).float()  # [S * n, V]
+            V = raw.shape[-1]
             x = raw
             bans = [(r, sorted(b)) for s, j in enumerate(jobs) for i in range(n)
                     if (b := j.ban_at.get(len(j.seq) + i)) for r in [s * n + i]]
