@@ -333,6 +333,15 @@ class ModelDrafter:
         sampled_idx = torch.tensor(sampled, dtype=torch.int64, device=dev)
         uniforms = (torch.stack([torch.rand(K, generator=jobs[b].rng, device=dev) if jobs[b].rng is not None
                                  else torch.rand(K, device=dev) for b in sampled]) if sampled else None)
+        # penalties see the sequence and the drafts before each position, as the target's will
+        W = max((s.history_window() for s in samplers), default=0)
+        base = None
+        if W:
+            base = torch.full((len(sampled), W), -1, dtype=torch.int64)
+            for r, b in enumerate(sampled):
+                tail = jobs[b].seq[-W:]
+                base[r, W - len(tail):] = torch.tensor(tail)
+            base = base.to(dev, non_blocking=True)
         ids = torch.empty((B, K), dtype=torch.int64, device=dev)
         q = None
         cur: torch.Tensor | None = None
@@ -348,7 +357,10 @@ class ModelDrafter:
             nxt = logits.argmax(-1)
             if sampled:
                 assert uniforms is not None
-                x = final_logits(logits.index_select(0, sampled_idx), samplers)
+                hist = None
+                if base is not None:
+                    hist = torch.cat([base[:, i:], ids.index_select(0, sampled_idx)[:, :i]], 1) if i else base
+                x = final_logits(logits.index_select(0, sampled_idx), samplers, history=hist)
                 if q is None:
                     q = torch.zeros((B, K, x.shape[-1]), dtype=torch.float32, device=dev)
                 q[sampled_idx, i] = torch.softmax(x, -1)

@@ -316,9 +316,7 @@ class Speculator:
             return False
         ks = self._fit_pages(jobs, ks)
         if not any(ks) and not timed:
-            self.length.note_step(False)
-            self.stats.plain_steps += 1
-            return False
+            return self._plain(jobs)
         clock = _Clock(self.host.device)
         t0 = time.perf_counter()
         clock.mark()
@@ -330,12 +328,28 @@ class Speculator:
         clock.mark()
         K = max((len(d) for d in drafts), default=0)
         if K == 0 and not timed:
-            self.length.note_step(False)
-            self.stats.plain_steps += 1
-            return False
+            return self._plain(jobs)
         self.length.note_step(K > 0)
         self._verify(jobs, drafts, K, prop, drafting, results, clock, t0)
         return True
+
+    def _plain(self, jobs: list[Job]) -> bool:
+        """Leave the step to the generator's plain loop, without the pages reserved for verification rows."""
+        self._trim_pages(jobs)
+        self.length.note_step(False)
+        self.stats.plain_steps += 1
+        return False
+
+    def _trim_pages(self, jobs: list[Job]) -> None:
+        """Release each active job's pages past the one its next token goes to (only verification rows wrote
+        there: they hold nothing)."""
+        ps = self.host.page_size
+        for j in jobs:
+            if j.status == "active":
+                keep = math.ceil((j.cached + 1) / ps)
+                if len(j.pages) > keep:
+                    self.host.cache.allocator.release(j.pages[keep:])
+                    del j.pages[keep:]
 
     # -- internals -----------------------------------------------------------------------------
     def _caps(self, jobs: list[Job]) -> list[int]:
@@ -403,14 +417,7 @@ class Speculator:
         if spec:
             self._accept_drafts([jobs[b] for b in spec], [drafts[b] for b in spec], K, logits, packed,
                                 [b for b in spec], prop, drafting, results)
-        # pages the verification rows wrote past each job's tokens hold nothing: back to the free list
-        ps = h.page_size
-        for j in jobs:
-            if j.status == "active":
-                keep = math.ceil((j.cached + 1) / ps)
-                if len(j.pages) > keep:
-                    h.cache.allocator.release(j.pages[keep:])
-                    del j.pages[keep:]
+        self._trim_pages(jobs)
         self._record_times(B, K, prop, clock, t0)
 
     def _accept_drafts(self, jobs: list[Job], drafts: list[list[int]], K: int, logits: torch.Tensor,

@@ -506,3 +506,38 @@ def test_bad_draft_configurations_fail_at_construction(target, plugins) -> None:
         gen(ngram_draft_tokens=-1)
     assert gen(draft_model=small, draft_cache=dcache(small)).spec is not None
     assert gen().spec is None
+
+
+def test_self_draft_of_sampled_jobs_with_penalties_is_accepted(target, plugins) -> None:
+    """A model drafting for itself with the job's own sampler, penalties included (their history holds the
+    drafts before each position): q equals p, so (almost) every draft is accepted."""
+    gen = make(target, plugins, draft=target, num_draft_tokens=4, dynamic_draft=False)
+    sampler = Sampler.build(temperature=0.9, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.2)
+    jobs = [Job(p, max_new_tokens=30, sampler=sampler, seed=i, identifier=i, stop_at_eos=False)
+            for i, p in enumerate(prompts(4, seed=5))]
+    drive(gen, jobs)
+    check_clean(gen)
+    s = gen.spec.stats
+    assert s.drafted > 50 and s.accepted >= 0.97 * s.drafted
+
+
+def test_a_full_draft_cache_skips_drafts_not_jobs(target, plugins) -> None:
+    """With almost every draft-cache page taken, jobs draft when pages are free and decode plainly otherwise:
+    the same greedy tokens as without drafts, fewer drafts than with a free draft cache."""
+    ps = prompts(6, seed=6)
+
+    def run(gen: Generator) -> dict:
+        out = drive(gen, [Job(p, max_new_tokens=20, identifier=i, stop_at_eos=False) for i, p in enumerate(ps)])
+        return {i: out[i][0] for i in out}
+
+    gen_kw = {"draft": target, "num_draft_tokens": 3, "dynamic_draft": False}
+    plain = run(make(target, plugins))
+    free = make(target, plugins, **gen_kw)
+    assert run(free) == plain
+    tight = make(target, plugins, **gen_kw)
+    dc = tight.spec.drafter.cache
+    held = dc.allocator.allocate(dc.num_pages - 12)  # room for about two sequences' drafts
+    assert run(tight) == plain
+    dc.allocator.release(held)
+    check_clean(tight)
+    assert 0 < tight.spec.stats.drafted < free.spec.stats.drafted
