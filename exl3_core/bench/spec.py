@@ -11,7 +11,7 @@ c = draft step time / target step time, both measured (a replayed decode step on
 what binds: the target's step at k + 1 rows per sequence (verification), and the host time per speculative
 step that neither forward accounts for. A last run per alpha leaves the draft length to the dynamic policy.
 
-``--ngram-bench`` adds prompt lookup on the real default model (SmolLM2-135M-Instruct): a chat prompt that
+``--ngram-bench`` adds prompt lookup on the real default model (the embedded one): a chat prompt that
 asks for a paragraph to be rewritten with one word changed (copy-heavy), greedy, at batch 1 and 16, against
 the plain generator.
 """
