@@ -232,7 +232,7 @@ def run_ngram_bench(*, batches: tuple[int, ...] = (1, 16), new_tokens: int = 128
     prompt = tok.encode(text, add_bos=False)[0].tolist()
     out: dict[str, Any] = {"prompt_tokens": len(prompt), "new_tokens": new_tokens, "k": k, "runs": []}
     for b in batches:
-        res = {}
+        res: dict[str, tuple[float, dict[int, list[int]], dict[str, float] | None]] = {}
         for name, kw in (("plain", {}), ("ngram", {"ngram_draft_tokens": k})):
             gen = Generator(model, cache, tok, max_batch_size=b, **kw)
             _decode_tokens(gen, [prompt] * b, 8)
@@ -240,11 +240,12 @@ def run_ngram_bench(*, batches: tuple[int, ...] = (1, 16), new_tokens: int = 128
             tok_s, got = _decode_tokens(gen, [prompt] * b, new_tokens)
             res[name] = (tok_s, got, gen.spec.stats.as_dict() if gen.spec is not None else None)
         same = res["plain"][1] == res["ngram"][1]
-        r = {"batch": b, "plain_tok_s": res["plain"][0], "ngram_tok_s": res["ngram"][0],
-             "speedup": res["ngram"][0] / res["plain"][0], "same_tokens": same, "ngram_stats": res["ngram"][2]}
+        stats = res["ngram"][2] or {}
+        r: dict[str, Any] = {"batch": b, "plain_tok_s": res["plain"][0], "ngram_tok_s": res["ngram"][0],
+             "speedup": res["ngram"][0] / res["plain"][0], "same_tokens": same, "ngram_stats": stats}
         out["runs"].append(r)
         log(f"n-gram b={b}: {r['ngram_tok_s']:.1f} tok/s vs plain {r['plain_tok_s']:.1f}: x{r['speedup']:.2f}; "
-            f"acceptance {r['ngram_stats']['acceptance_rate']:.2f}; same tokens: {same}")
+            f"acceptance {stats.get('acceptance_rate', 0.0):.2f}; same tokens: {same}")
     out["sample"] = tok.decode(torch.tensor(res["plain"][1][0][:80]))
     model.unload()
     return out

@@ -497,8 +497,8 @@ class Speculator:
                 probs.append(host[s][3:3 + m + 1])
             for s, j in enumerate(jobs):
                 if j.return_probs and j.sampler.is_greedy:  # as a plain step reports them: the masked logits' softmax
-                    r = torch.tensor([s * n + i for i in range(len(tokens[s]))], device=dev)
-                    pr = torch.softmax(masked.index_select(0, r), -1).gather(
+                    sel = torch.tensor([s * n + i for i in range(len(tokens[s]))], device=dev)
+                    pr = torch.softmax(masked.index_select(0, sel), -1).gather(
                         1, torch.tensor(tokens[s], device=dev)[:, None])
                     probs[s] = pr.squeeze(1).tolist()
             raw_rows = raw.view(S, n, V).cpu() if any(j.return_logits for j in jobs) else None

@@ -168,7 +168,7 @@ class MarkovModel:
     def cache_geometry(self) -> tuple[LayerGeometry, ...]:
         return (LayerGeometry("kv", 1, 8, 8),)
 
-    def forward_batch(self, meta: BatchMeta, cache=None, *, fp32_logits: bool = True) -> torch.Tensor:  # noqa: ANN001
+    def forward_batch(self, meta: BatchMeta, cache=None, *, fp32_logits: bool = True) -> torch.Tensor:
         ids = meta.input_ids if meta.logits_indices is None else meta.input_ids[meta.logits_indices]
         return self.table[ids].clone()
 
@@ -240,7 +240,7 @@ def drive(gen: Generator, jobs: list[Job], *, arrivals: dict[int, list[Job]] | N
     return {k: (toks.get(k, []), final.get(k)) for k in set(toks) | set(final)}
 
 
-def make(model, plugins, *, tokens: int = 8192, page_size: int = 16, draft=None, draft_tokens: int | None = None,  # noqa: ANN001
+def make(model, plugins, *, tokens: int = 8192, page_size: int = 16, draft=None, draft_tokens: int | None = None,
          **kw) -> Generator:
     cache = Cache(model, tokens, page_size=page_size, plugins=plugins)
     if draft is not None:
@@ -326,7 +326,7 @@ def test_deterministic_samplers_and_text_rules_match_the_plain_generator(plugins
         {"stop_conditions": [stop]},
     ]
     for case in cases:
-        def run(**kw) -> dict:
+        def run(case: dict = case, **kw) -> dict:
             gen = make(model, plugins, **kw)
             jobs = [Job(base_prompt, max_new_tokens=40, identifier=0, stop_at_eos=False, **case),
                     Job(base_prompt[5:], max_new_tokens=33, identifier=1, stop_at_eos=False, **case)]
@@ -476,10 +476,10 @@ def test_bad_draft_configurations_fail_at_construction(target, plugins) -> None:
     tok = ByteTokenizer(V)
     small = toy(2)
 
-    def gen(**kw):  # noqa: ANN202
+    def gen(**kw):
         return Generator(target, cache, tok, plugins=plugins, **kw)
 
-    def dcache(m, n: int = 1024) -> Cache:  # noqa: ANN001
+    def dcache(m, n: int = 1024) -> Cache:
         return Cache(m, n, page_size=16, plugins=plugins)
 
     with pytest.raises(ValueError, match="num_draft_tokens=0 must be an integer >= 1"):

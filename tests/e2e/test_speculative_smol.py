@@ -13,10 +13,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
-from smol_gguf import imported_model  # noqa: E402
+from smol_gguf import imported_model
 
-from exl3_core import Cache, Config, Generator, Job, Model, Tokenizer  # noqa: E402
-from exl3_core.generator.toy import ToyModel  # noqa: E402
+from exl3_core import Cache, Config, Generator, Job, Model, Tokenizer
+from exl3_core.generator.toy import ToyModel
 
 PROMPTS = [
     "The capital of France is",

@@ -24,7 +24,7 @@ TOL = 1e-2
 
 
 @pytest.fixture(scope="module")
-def models():  # noqa: ANN201
+def models():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     plugins = bench_plugins()
