@@ -40,19 +40,29 @@ from exl3_core.sampling.sampler import draw, final_logits
 
 @dataclass
 class Proposal:
-    """Drafted tokens of the jobs one :meth:`Drafter.propose` call was given, in their order.
+    """Drafted tokens of the jobs one :meth:`Drafter.propose` call was given, in their order: on the host
+    (``tokens``), or on the device only (``ids`` and ``lens``), read with the verification's result.
 
     :param tokens: per job, its drafted ids (fewer than asked, or none, where the drafter has none).
-    :param q: float32 ``[B, K, V]`` on the device: row ``b, i`` is the distribution ``tokens[b][i]`` was
+    :param ids: int64 ``[B, K]`` on the device: row b's first ``lens[b]`` entries are job b's drafts.
+    :param lens: drafts per job, with ``ids``.
+    :param q: float32 ``[B, K, V]`` on the device: row ``b, i`` is the distribution draft i of job b was
         drawn from; None: every proposal is a point mass (greedy drafts, n-gram lookups).
     :param forwards: draft-model forwards run for it (the cost model divides its time by them).
-    :param seconds: time the drafting took (host clock; on CUDA the speculator times the device itself).
     """
 
-    tokens: list[list[int]]
+    tokens: list[list[int]] | None
+    ids: torch.Tensor | None = None
+    lens: list[int] | None = None
     q: torch.Tensor | None = None
     forwards: int = 0
-    seconds: float = 0.0
+
+    def count(self, b: int) -> int:
+        """Drafts of job b."""
+        if self.tokens is not None:
+            return len(self.tokens[b])
+        assert self.lens is not None
+        return self.lens[b]
 
 
 class Drafter(Protocol):
@@ -69,8 +79,9 @@ class Drafter(Protocol):
         """Up to ``ks[b]`` draft tokens after each job's sequence (every ``ks[b] >= 1``)."""
         ...
 
-    def commit(self, job: Job) -> None:
-        """After a verification of ``job``'s drafts: keep what its sequence still agrees with."""
+    def commit(self, job: Job, drafted: list[int]) -> None:
+        """After the verification of ``drafted`` (``job``'s drafts, as proposed): keep what its sequence still
+        agrees with."""
         ...
 
     def release(self, job: Job) -> None:
@@ -163,7 +174,7 @@ class NgramDrafter:
     def propose(self, jobs: list[Job], ks: list[int]) -> Proposal:
         return Proposal([self.lookup(j, k) for j, k in zip(jobs, ks)])
 
-    def commit(self, job: Job) -> None:
+    def commit(self, job: Job, drafted: list[int]) -> None:
         pass  # the index follows job.seq on its own
 
     def release(self, job: Job) -> None:
@@ -177,6 +188,7 @@ class _DraftSeq:
     pages: list[int]
     rollbacks: int  # job.rollbacks when ``tokens`` was last checked against job.seq
     drafted_from: int = 0  # len(job.seq) at the latest proposal
+    pending: int = 0  # draft length of a proposal not yet committed
 
 
 class ModelDrafter:
@@ -225,10 +237,14 @@ class ModelDrafter:
     def available(self, job: Job, k: int) -> int:
         return k if len(job.seq) >= 2 else 0  # the first draft step reads the last two tokens
 
-    def commit(self, job: Job) -> None:
+    def commit(self, job: Job, drafted: list[int]) -> None:
         st = self._seqs.get(job)
         if st is None:
             return
+        # the draft steps' inputs after the two last tokens: the drafts but the last (fewer than the draft
+        # computed where the job drafted fewer: its cache holds more, but what is not listed counts as stale)
+        st.tokens += drafted[:st.pending - 1]
+        st.pending = 0
         if st.rollbacks != job.rollbacks:
             self._truncate(st, common_prefix(st.tokens, job.seq))
             st.rollbacks = job.rollbacks
@@ -260,26 +276,27 @@ class ModelDrafter:
             except CacheExhausted:
                 continue  # the draft cache is full: this job goes without drafts this step
             keep.append(b)
-        out: list[list[int]] = [[] for _ in jobs]
+        lens = [0] * len(jobs)
         if not keep or K < 1:
-            return Proposal(out)
+            return Proposal(None, torch.zeros((len(jobs), max(K, 0)), dtype=torch.int64, device=self.device), lens)
         djobs = [jobs[b] for b in keep]
         forwards = self._catch_up(djobs)
         ids, q = self._draft(djobs, K)
         forwards += K
-        host = ids.tolist()  # the drafting's one device->host read
-        for i, b in enumerate(keep):
+        for b in keep:
             job = jobs[b]
             st = self._seqs[job]
             L = len(job.seq)
-            st.tokens[L - 2:] = job.seq[L - 2:] + host[i][:K - 1]  # the inputs of the draft steps
-            st.drafted_from = L
-            out[b] = host[i][:ks[b]]
+            st.tokens[L - 2:] = job.seq[L - 2:]  # the first draft step's inputs; commit() adds the rest
+            st.drafted_from, st.pending = L, K
+            lens[b] = ks[b]
+        idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
+        full = torch.zeros((len(jobs), K), dtype=torch.int64, device=self.device).index_copy_(0, idx, ids)
         full_q = None
         if q is not None:
-            full_q = torch.zeros((len(jobs), K, q.shape[-1]), dtype=q.dtype, device=q.device)
-            full_q.index_copy_(0, torch.tensor(keep, dtype=torch.int64, device=q.device), q)
-        return Proposal(out, full_q, forwards)
+            full_q = torch.zeros((len(jobs), K, q.shape[-1]), dtype=q.dtype, device=q.device).index_copy_(0, idx, q)
+        # no read here: the drafts reach the host with the verification's result (one sync per step)
+        return Proposal(None, full, lens, full_q, forwards)
 
     def _catch_up(self, jobs: list[Job]) -> int:
         """Prefill what each job's draft state lacks up to its third-to-last token; returns forwards run."""

@@ -42,7 +42,7 @@ import torch
 from exl3_core.cache.cache import Cache
 from exl3_core.generator.batching import Chunk, build_batch, meta_to_device
 from exl3_core.generator.draft_policy import DraftLength
-from exl3_core.generator.drafting import Drafter, ModelDrafter, NgramDrafter, Proposal
+from exl3_core.generator.drafting import Drafter, ModelDrafter, NgramDrafter
 from exl3_core.generator.graphs import DecodeGraphs
 from exl3_core.generator.job import Job
 from exl3_core.generator.types import BatchModel, Result
@@ -156,6 +156,17 @@ class SpecStats:
                 "accepted_draft_tokens": self.accepted,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "draft_forwards": self.draft_forwards}
+
+
+@dataclass
+class _StepDrafts:
+    """The drafts of every job of one step, on the host or on the device only."""
+
+    lens: list[int]  # drafts per job (0: the job does not draft)
+    host: list[list[int]] | None  # per job, when known on the host
+    ids: torch.Tensor | None  # int64 [B, K] on the device otherwise (row b's first lens[b] entries)
+    q: torch.Tensor | None  # float32 [B, K, V]: what sampled drafts were drawn from (None: point masses)
+    forwards: int  # draft-model forwards it took
 
 
 class _Clock:
@@ -321,17 +332,38 @@ class Speculator:
         t0 = time.perf_counter()
         clock.mark()
         drafting = [b for b, k in enumerate(ks) if k > 0]
-        prop = self.drafter.propose([jobs[b] for b in drafting], [ks[b] for b in drafting]) if drafting else Proposal([])
-        drafts: list[list[int]] = [[] for _ in jobs]
-        for i, b in enumerate(drafting):
-            drafts[b] = prop.tokens[i][:ks[b]]
+        dr = self._propose(jobs, ks, drafting)
         clock.mark()
-        K = max((len(d) for d in drafts), default=0)
+        K = max(dr.lens, default=0)
         if K == 0 and not timed:
             return self._plain(jobs)
         self.length.note_step(K > 0)
-        self._verify(jobs, drafts, K, prop, drafting, results, clock, t0)
+        self._verify(jobs, dr, K, results, clock, t0)
         return True
+
+    def _propose(self, jobs: list[Job], ks: list[int], drafting: list[int]) -> _StepDrafts:
+        """The drafts of every job of the step (none for those not in ``drafting``)."""
+        B = len(jobs)
+        lens = [0] * B
+        if not drafting:
+            return _StepDrafts(lens, [[] for _ in jobs], None, None, 0)
+        prop = self.drafter.propose([jobs[b] for b in drafting], [ks[b] for b in drafting])
+        for i, b in enumerate(drafting):
+            lens[b] = min(prop.count(i), ks[b])
+        K = max(lens)
+        if prop.tokens is not None:
+            host: list[list[int]] = [[] for _ in jobs]
+            for i, b in enumerate(drafting):
+                host[b] = prop.tokens[i][:lens[b]]
+            return _StepDrafts(lens, host, None, None, prop.forwards)
+        assert prop.ids is not None
+        dev = prop.ids.device
+        idx = torch.tensor(drafting, dtype=torch.int64, device=dev)
+        ids = torch.zeros((B, K), dtype=torch.int64, device=dev).index_copy_(0, idx, prop.ids[:, :K])
+        q = None
+        if prop.q is not None:
+            q = torch.zeros((B, K, prop.q.shape[-1]), dtype=prop.q.dtype, device=dev).index_copy_(0, idx, prop.q[:, :K])
+        return _StepDrafts(lens, None, ids, q, prop.forwards)
 
     def _plain(self, jobs: list[Job]) -> bool:
         """Leave the step to the generator's plain loop, without the pages reserved for verification rows."""
@@ -381,28 +413,35 @@ class Speculator:
                 j.pages += h.cache.allocator.allocate(need)
         return [min(k, K) for k in ks]
 
-    def _verify(self, jobs: list[Job], drafts: list[list[int]], K: int, prop: Proposal, drafting: list[int],
-                results: list[Result], clock: _Clock, t0: float) -> None:
+    def _verify(self, jobs: list[Job], dr: _StepDrafts, K: int, results: list[Result], clock: _Clock,
+                t0: float) -> None:
         h = self.host
         B = len(jobs)
         n = K + 1
         chunks = []
-        for j, d in zip(jobs, drafts):
+        for b, j in enumerate(jobs):
+            d = dr.host[b] if dr.host is not None else []  # device drafts: placeholders, replaced below
             fill = d[-1] if d else j.seq[-1]
             chunks.append(Chunk([j.seq[-1]] + d + [fill] * (K - len(d)), j.cached, j.pages, True))
-        plain = [b for b in range(B) if not drafts[b]]
-        spec = [b for b in range(B) if drafts[b]]
+        plain = [b for b in range(B) if not dr.lens[b]]
+        spec = [b for b in range(B) if dr.lens[b]]
         masks = h._start_masks([jobs[b] for b in plain])
         graphs = h.graphs
         meta, _ = build_batch(chunks, page_size=h.page_size, table_width=h.table_width,
                               scratch_page=h.cache.scratch_page,
                               device=torch.device("cpu") if graphs is not None else h.device, decode=True)
+        ids = None
+        if dr.ids is not None and K:  # the input ids on the device: each job's pending token, then its drafts
+            last = torch.tensor([[j.seq[-1]] for j in jobs], dtype=torch.int64).to(dr.ids.device, non_blocking=True)
+            ids = torch.cat([last, dr.ids], 1).view(-1)
         packed: torch.Tensor | None = None  # a replayed graph's greedy ids and ok flags per row
         if graphs is not None and graphs.accepts(meta):
-            logits, packed = graphs.run(meta)
+            logits, packed = graphs.run(meta, ids)
         else:
             if graphs is not None:
                 meta = meta_to_device(meta, h.device)
+            if ids is not None:
+                meta.input_ids[:ids.shape[0]].copy_(ids)
             logits = h.plan.forward(meta, h.cache)
         clock.mark()
         h.forward_calls += 1
@@ -415,21 +454,25 @@ class Speculator:
             rows = torch.tensor([b * n for b in plain], dtype=torch.int64, device=logits.device)
             h._sample_and_process(pj, logits.index_select(0, rows).float(), masks, results)
         if spec:
-            self._accept_drafts([jobs[b] for b in spec], [drafts[b] for b in spec], K, logits, packed,
-                                [b for b in spec], prop, drafting, results)
+            self._accept_drafts(jobs, spec, dr, K, logits, packed, results)
         self._trim_pages(jobs)
-        self._record_times(B, K, prop, clock, t0)
+        self._record_times(B, K, dr.forwards, clock, t0)
 
-    def _accept_drafts(self, jobs: list[Job], drafts: list[list[int]], K: int, logits: torch.Tensor,
-                       packed: torch.Tensor | None, batch_rows: list[int], prop: Proposal, drafting: list[int],
-                       results: list[Result]) -> None:
+    def _accept_drafts(self, all_jobs: list[Job], batch_rows: list[int], dr: _StepDrafts, K: int,
+                       logits: torch.Tensor, packed: torch.Tensor | None, results: list[Result]) -> None:
+        """Acceptance and commits for the drafting jobs ``all_jobs[b]``, b in ``batch_rows``."""
         h = self.host
+        jobs = [all_jobs[b] for b in batch_rows]
         S = len(jobs)
         n = K + 1
         dev = logits.device
         row_list = [b * n + i for b in batch_rows for i in range(n)]
         rows = torch.tensor(row_list, dtype=torch.int64, device=dev)
-        lens = [len(d) for d in drafts]
+        lens = [dr.lens[b] for b in batch_rows]
+        drafts = [dr.host[b] for b in batch_rows] if dr.host is not None else None
+        d_dev = None
+        if dr.ids is not None:
+            d_dev = dr.ids.index_select(0, torch.tensor(batch_rows, dtype=torch.int64, device=dr.ids.device)).to(dev)
         fast = all(j.sampler.is_greedy and not j.return_probs and not j.return_logits
                    and not any(j.ban_at.get(len(j.seq) + i) for i in range(n)) for j in jobs)
         if fast:
@@ -441,7 +484,13 @@ class Speculator:
                                       (torch.isfinite(raw).any(-1) & ~torch.isnan(raw).any(-1)).double()])
             else:
                 packed = packed.index_select(1, rows)
-            host = packed.cpu().tolist()  # the step's one device->host read
+            if drafts is None:
+                assert d_dev is not None
+                host = torch.cat([packed, d_dev.double().view(1, -1).expand(2, -1)], 1).cpu().tolist()
+                flat = [int(t) for t in host[0][S * n:]]
+                drafts = [flat[s * K:s * K + lens[s]] for s in range(S)]
+            else:
+                host = packed.cpu().tolist()  # the step's one device->host read
             tokens, oks, probs = [], [], []
             for s in range(S):
                 am = host[0][s * n:(s + 1) * n]
@@ -464,6 +513,10 @@ class Speculator:
                     allowed[r, toks] = False
                 x = x.masked_fill(~allowed.to(dev), float("-inf"))
             masked = x
+            if drafts is None:  # sampled jobs: the drafts' history and the host's commits need them now
+                assert d_dev is not None
+                rows_d = d_dev.tolist()
+                drafts = [rows_d[s][:lens[s]] for s in range(S)]
             W = max(j.sampler.history_window() for j in jobs)
             history = None
             if W > 0:
@@ -477,9 +530,8 @@ class Speculator:
             x = final_logits(x, [j.sampler for j in jobs for _ in range(n)], history=history).view(S, n, V)
             d = torch.tensor([dd + [0] * (K - len(dd)) for dd in drafts], dtype=torch.int64).to(dev)
             q = None
-            if prop.q is not None:
-                pos = {b: i for i, b in enumerate(drafting)}
-                q = prop.q.index_select(0, torch.tensor([pos[b] for b in batch_rows], device=prop.q.device)).to(dev)
+            if dr.q is not None:
+                q = dr.q.index_select(0, torch.tensor(batch_rows, dtype=torch.int64, device=dr.q.device)).to(dev)
                 greedy = torch.tensor([j.sampler.is_greedy for j in jobs], device=dev)
                 if bool(greedy.any()):  # greedy drafts are point masses
                     one = torch.zeros_like(q).scatter_(2, d[..., None], 1.0)
@@ -521,7 +573,7 @@ class Speculator:
                 continue
             self._commit(job, tokens[s], probs[s], raw_rows[s] if raw_rows is not None else None, results)
             if job.status == "active":
-                self.drafter.commit(job)
+                self.drafter.commit(job, drafts[s])
         self.stats.steps += 1
 
     def _commit(self, job: Job, tokens: list[int], probs: list[Any], raw: torch.Tensor | None,
@@ -542,17 +594,20 @@ class Speculator:
                 h._fail(job, e, results)
                 return
 
-    def _record_times(self, B: int, K: int, prop: Proposal, clock: _Clock, t0: float) -> None:
+    def _record_times(self, B: int, K: int, forwards: int, clock: _Clock, t0: float) -> None:
         verify = clock.seconds(1, 2)
         self.length.record_target(B, K + 1, verify)
         if K == 0:
             self.stats.timed_plain_steps += 1
             return
         draft = clock.seconds(0, 1)
-        if prop.forwards:
-            self.stats.draft_forwards += prop.forwards
-            self.length.record_draft(B, draft / prop.forwards)
-        self.length.record_host(time.perf_counter() - t0 - verify - draft)
+        wall = time.perf_counter() - t0
+        if forwards:
+            self.stats.draft_forwards += forwards
+            self.length.record_draft(B, draft / forwards)
+            self.length.record_host(wall - verify - draft)
+        else:  # a lookup on the host: its time is host work
+            self.length.record_host(wall - verify)
 
 
 def _param_ratio(draft: Any, model: Any) -> float:
