@@ -25,7 +25,7 @@ import torch
 
 from exl3_core.bench.models import BenchShape, build_model, shape_dict
 from exl3_core.bench.run import _sync, time_median
-from exl3_core.generator.batching import Chunk, build_batch
+from exl3_core.generator.batching import Chunk, build_batch, to_device_async
 from exl3_core.generator.draft_policy import DraftLength, expected_tokens, ideal_speedup
 from exl3_core.generator.drafting import ModelDrafter
 from exl3_core.generator.job import Job
@@ -57,7 +57,7 @@ class OracleDrafter(ModelDrafter):
             for i in range(K):
                 want = ref[done + i] if done + i < len(ref) else 0
                 out[b, i] = want if bool(hit[b, i]) else (want + int(shift[b, i])) % self.vocab
-        return out.to(self.device, non_blocking=True)
+        return to_device_async(out, self.device)
 
 
 def _decode_tokens(gen: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, dict[int, list[int]]]:

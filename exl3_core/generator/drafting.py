@@ -30,7 +30,7 @@ import torch
 
 from exl3_core.cache.cache import Cache
 from exl3_core.cache.pages import CacheExhausted
-from exl3_core.generator.batching import Chunk, build_batch, meta_to_device
+from exl3_core.generator.batching import Chunk, build_batch, meta_to_device, to_device_async
 from exl3_core.generator.graphs import DecodeGraphs
 from exl3_core.generator.job import Job
 from exl3_core.generator.types import BatchModel
@@ -290,7 +290,7 @@ class ModelDrafter:
             st.tokens[L - 2:] = job.seq[L - 2:]  # the first draft step's inputs; commit() adds the rest
             st.drafted_from, st.pending = L, K
             lens[b] = ks[b]
-        idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
+        idx = to_device_async(torch.tensor(keep, dtype=torch.int64), self.device)
         full = torch.zeros((len(jobs), K), dtype=torch.int64, device=self.device).index_copy_(0, idx, ids)
         full_q = None
         if q is not None:
@@ -347,7 +347,7 @@ class ModelDrafter:
         dev = self.device
         sampled = [b for b, j in enumerate(jobs) if not j.sampler.is_greedy]
         samplers = [jobs[b].sampler for b in sampled]
-        sampled_idx = torch.tensor(sampled, dtype=torch.int64, device=dev)
+        sampled_idx = to_device_async(torch.tensor(sampled, dtype=torch.int64), dev)
         uniforms = (torch.stack([torch.rand(K, generator=jobs[b].rng, device=dev) if jobs[b].rng is not None
                                  else torch.rand(K, device=dev) for b in sampled]) if sampled else None)
         # penalties see the sequence and the drafts before each position, as the target's will
@@ -358,7 +358,7 @@ class ModelDrafter:
             for r, b in enumerate(sampled):
                 tail = jobs[b].seq[-W:]
                 base[r, W - len(tail):] = torch.tensor(tail)
-            base = base.to(dev, non_blocking=True)
+            base = to_device_async(base, dev)
         ids = torch.empty((B, K), dtype=torch.int64, device=dev)
         q = None
         cur: torch.Tensor | None = None

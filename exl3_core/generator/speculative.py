@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import torch
 
 from exl3_core.cache.cache import Cache
-from exl3_core.generator.batching import Chunk, build_batch, meta_to_device
+from exl3_core.generator.batching import Chunk, build_batch, meta_to_device, to_device_async
 from exl3_core.generator.draft_policy import DraftLength
 from exl3_core.generator.drafting import Drafter, ModelDrafter, NgramDrafter
 from exl3_core.generator.graphs import DecodeGraphs
@@ -189,6 +189,12 @@ class _Clock:
             self.marks[b].synchronize()
             return float(self.marks[a].elapsed_time(self.marks[b])) / 1e3
         return float(self.marks[b] - self.marks[a])
+
+
+def _ids(values: list[int], device: torch.device) -> torch.Tensor:
+    """int64 tensor of ``values`` on ``device``, copied asynchronously: a plain host-to-device copy would wait
+    for every kernel queued before it (the draft steps, the verification)."""
+    return to_device_async(torch.tensor(values, dtype=torch.int64), device)
 
 
 def _vocab(obj: Any) -> int | None:
@@ -358,7 +364,7 @@ class Speculator:
             return _StepDrafts(lens, host, None, None, prop.forwards)
         assert prop.ids is not None
         dev = prop.ids.device
-        idx = torch.tensor(drafting, dtype=torch.int64, device=dev)
+        idx = _ids(drafting, dev)
         ids = torch.zeros((B, K), dtype=torch.int64, device=dev).index_copy_(0, idx, prop.ids[:, :K])
         q = None
         if prop.q is not None:
@@ -432,7 +438,7 @@ class Speculator:
                               device=torch.device("cpu") if graphs is not None else h.device, decode=True)
         ids = None
         if dr.ids is not None and K:  # the input ids on the device: each job's pending token, then its drafts
-            last = torch.tensor([[j.seq[-1]] for j in jobs], dtype=torch.int64).to(dr.ids.device, non_blocking=True)
+            last = _ids([j.seq[-1] for j in jobs], dr.ids.device)[:, None]
             ids = torch.cat([last, dr.ids], 1).view(-1)
         packed: torch.Tensor | None = None  # a replayed graph's greedy ids and ok flags per row
         if graphs is not None and graphs.accepts(meta):
@@ -451,7 +457,7 @@ class Speculator:
             for j in pj:
                 j.cached += 1
                 h._register_pages(j)
-            rows = torch.tensor([b * n for b in plain], dtype=torch.int64, device=logits.device)
+            rows = _ids([b * n for b in plain], logits.device)
             h._sample_and_process(pj, logits.index_select(0, rows).float(), masks, results)
         if spec:
             self._accept_drafts(jobs, spec, dr, K, logits, packed, results)
@@ -467,12 +473,12 @@ class Speculator:
         n = K + 1
         dev = logits.device
         row_list = [b * n + i for b in batch_rows for i in range(n)]
-        rows = torch.tensor(row_list, dtype=torch.int64, device=dev)
+        rows = _ids(row_list, dev)
         lens = [dr.lens[b] for b in batch_rows]
         drafts = [dr.host[b] for b in batch_rows] if dr.host is not None else None
         d_dev = None
         if dr.ids is not None:
-            d_dev = dr.ids.index_select(0, torch.tensor(batch_rows, dtype=torch.int64, device=dr.ids.device)).to(dev)
+            d_dev = dr.ids.index_select(0, _ids(batch_rows, dr.ids.device)).to(dev)
         fast = all(j.sampler.is_greedy and not j.return_probs and not j.return_logits
                    and not any(j.ban_at.get(len(j.seq) + i) for i in range(n)) for j in jobs)
         if fast:
@@ -528,17 +534,17 @@ class Speculator:
                             hist[s * n + i, W - len(tail):] = torch.tensor(tail)
                 history = hist.to(dev)
             x = final_logits(x, [j.sampler for j in jobs for _ in range(n)], history=history).view(S, n, V)
-            d = torch.tensor([dd + [0] * (K - len(dd)) for dd in drafts], dtype=torch.int64).to(dev)
+            d = _ids([t for dd in drafts for t in dd + [0] * (K - len(dd))], dev).view(S, K)
             q = None
             if dr.q is not None:
-                q = dr.q.index_select(0, torch.tensor(batch_rows, dtype=torch.int64, device=dr.q.device)).to(dev)
-                greedy = torch.tensor([j.sampler.is_greedy for j in jobs], device=dev)
+                q = dr.q.index_select(0, _ids(batch_rows, dr.q.device)).to(dev)
+                greedy = _ids([int(j.sampler.is_greedy) for j in jobs], dev).bool()
                 if bool(greedy.any()):  # greedy drafts are point masses
                     one = torch.zeros_like(q).scatter_(2, d[..., None], 1.0)
                     q = torch.where(greedy[:, None, None], one, q)
             u = torch.stack([torch.rand(2 * n, generator=j.rng, device=dev) if j.rng is not None
                              else torch.rand(2 * n, device=dev) for j in jobs])
-            v = speculative_rule(x, d, torch.tensor(lens, dtype=torch.int64, device=dev), q, u[:, :K], u[:, n:])
+            v = speculative_rule(x, d, _ids(lens, dev), q, u[:, :K], u[:, n:])
             host = torch.cat([v.accepted.double()[:, None], v.token.double()[:, None], v.ok.double()[:, None],
                               v.probs.double()], 1).cpu().tolist()  # the step's one device->host read
             tokens, oks, probs = [], [], []
@@ -549,9 +555,9 @@ class Speculator:
                 probs.append(host[s][3:3 + m + 1])
             for s, j in enumerate(jobs):
                 if j.return_probs and j.sampler.is_greedy:  # as a plain step reports them: the masked logits' softmax
-                    sel = torch.tensor([s * n + i for i in range(len(tokens[s]))], device=dev)
+                    sel = _ids([s * n + i for i in range(len(tokens[s]))], dev)
                     pr = torch.softmax(masked.index_select(0, sel), -1).gather(
-                        1, torch.tensor(tokens[s], device=dev)[:, None])
+                        1, _ids(tokens[s], dev)[:, None])
                     probs[s] = pr.squeeze(1).tolist()
             raw_rows = raw.view(S, n, V).cpu() if any(j.return_logits for j in jobs) else None
         for s, job in enumerate(jobs):

@@ -166,16 +166,16 @@ def final_logits(logits: torch.Tensor, samplers: Sequence[Sampler], *,
         groups.setdefault(s.signature, []).append(b)
     for sig, rows_list in groups.items():
         whole = len(rows_list) == B
-        rows = torch.tensor(rows_list, dtype=torch.int64, device=dev)
-        x = out if whole else out.index_select(0, rows)
+        rows = None if whole else torch.tensor(rows_list, dtype=torch.int64).to(dev, non_blocking=True)
+        x = out if rows is None else out.index_select(0, rows)
         if sig:
             ctx = StepContext(vocab_size=V, history=None if history is None else
-                              (history if whole else history.index_select(0, rows.to(history.device))))
+                              (history if rows is None else history.index_select(0, rows.to(history.device))))
             for i, cls in enumerate(sig):
                 x = cls.apply(x, cls.batch_params([samplers[b].steps[i] for b in rows_list], dev), ctx)
         else:
             x = Greedy.apply(x, None, StepContext(vocab_size=V))
-        if whole:
+        if rows is None:
             out = x
         else:
             out.index_copy_(0, rows, x)
