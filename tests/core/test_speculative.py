@@ -13,6 +13,7 @@ import torch
 from exl3_core.archkit.batch import BatchMeta
 from exl3_core.cache import Cache
 from exl3_core.cache.geometry import LayerGeometry
+from exl3_core.filters import Filter
 from exl3_core.generator import Generator, Job
 from exl3_core.generator.draft_policy import DraftLength, expected_tokens, ideal_speedup
 from exl3_core.generator.drafting import NgramDrafter
@@ -541,3 +542,58 @@ def test_a_full_draft_cache_skips_drafts_not_jobs(target, plugins) -> None:
     dc.allocator.release(held)
     check_clean(tight)
     assert 0 < tight.spec.stats.drafted < free.spec.stats.drafted
+
+
+class EvenTokens(Filter):
+    """Allows even token ids only; records what it is fed (as a boolean mask)."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.seen: list[int] = []
+
+    def reset(self) -> None:
+        self.seen = []
+
+    def accept_token(self, token: int) -> None:
+        assert token % 2 == 0
+        self.seen.append(token)
+
+    def get_next_logit_mask(self) -> torch.Tensor:
+        return torch.arange(self.vocab) % 2 == 0
+
+    def is_completed(self) -> bool:
+        return False
+
+
+def test_filtered_jobs_decode_plainly_beside_drafting_jobs(target, plugins) -> None:
+    """A job with a filter does not draft (its mask depends on every committed token) but runs in the same
+    verification steps: its filter is fed exactly its tokens, in order, and every job equals the plain run."""
+    ps = prompts(3, seed=9)
+
+    def run(**kw) -> tuple[dict, EvenTokens]:
+        f = EvenTokens(V)
+        gen = make(target, plugins, **kw)
+        jobs = [Job(ps[0], max_new_tokens=25, identifier=0, filters=[f], stop_at_eos=False),
+                Job(ps[1], max_new_tokens=25, identifier=1, stop_at_eos=False),
+                Job(ps[2], max_new_tokens=25, identifier=2, stop_at_eos=False)]
+        out = drive(gen, jobs)
+        check_clean(gen)
+        return out, f
+
+    plain, _ = run()
+    spec, f = run(draft=target, num_draft_tokens=3, dynamic_draft=False)
+    assert {i: spec[i][0] for i in spec} == {i: plain[i][0] for i in plain}
+    assert f.seen == spec[0][0] and all(t % 2 == 0 for t in f.seen)
+    assert spec[0][1]["draft_tokens"] == 0 and spec[1][1]["draft_tokens"] > 0
+
+
+def test_ngram_corpus_drafts_a_known_continuation(target, plugins) -> None:
+    """A corpus holding the greedy continuation: prompt lookup drafts from it and nearly everything is accepted."""
+    p = prompts(1, seed=11)[0][:30]
+    ref = drive(make(target, plugins), [Job(p, max_new_tokens=30, identifier=0, stop_at_eos=False)])[0][0]
+    gen = make(target, plugins, ngram_draft_tokens=6, ngram_corpus=[p[-3:] + ref], dynamic_draft=False)
+    out = drive(gen, [Job(p, max_new_tokens=30, identifier=0, stop_at_eos=False)])
+    assert out[0][0] == ref
+    s = gen.spec.stats
+    assert s.accepted >= 0.8 * s.drafted and s.steps <= 10
