@@ -12,7 +12,8 @@ plain loop cannot be timed step by step), of draft forwards per bucket and of th
 host work. Per sequence it picks the k that maximises expected tokens per unit of cost, then for the
 batch the largest draft length whose predicted throughput beats the plain step's; when none does the
 step is plain ("no draft when it would not pay"). After ``probe_every`` plain steps in a row it
-drafts one token per sequence, so that acceptance and costs keep being measured.
+drafts one token per sequence, so that acceptance and costs keep being measured; each probe that finds
+drafting still not paying doubles the wait before the next (up to 1024 steps).
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ class _Acceptance:
 
 #: weight of a measurement in the running averages of step times
 _EMA = 0.25
+#: most plain steps between two probes
+_MAX_PROBE_INTERVAL = 1024
 #: relative cost of one more verification row per sequence before any is measured (memory-bound decode)
 _ROW_COST_PRIOR = 0.02
 
@@ -57,7 +60,8 @@ class DraftLength:
     :param prior: acceptance assumed for a sequence with no history, with the weight of ``prior_weight``
         observed drafts.
     :param decay: weight of older observations per new one (recent acceptance counts more).
-    :param probe_every: plain decisions in a row after which one token per sequence is drafted anyway.
+    :param probe_every: plain steps in a row after which one token per sequence is drafted anyway (doubling
+        while probes find drafting not paying).
     :param margin: the predicted gain over a plain step a speculative step must reach.
     """
 
@@ -75,6 +79,7 @@ class DraftLength:
         self._t_draft: dict[int, float] = {}  # bucket -> seconds per draft forward
         self._host = 0.0  # seconds of unoverlapped host work per speculative step
         self._plain_streak = 0
+        self._probe_interval = probe_every  # plain steps before the next probe
 
     # -- observations ---------------------------------------------------------------------------
     def alpha(self, job: Job) -> float:
@@ -162,10 +167,18 @@ class DraftLength:
             gain = sum(expected_tokens(a, k) for a, k in zip(alphas, trial)) / (B * cost)
             if gain > best_gain:
                 best_gain, ks = gain, trial
-        if not any(ks) and self._plain_streak >= self.probe_every:  # keep acceptance and costs measured
+        if not any(ks) and self._plain_streak >= self._probe_interval:  # keep acceptance and costs measured
             ks = [min(1, c) for c in caps]
         return ks
 
     def note_step(self, drafted: bool) -> None:
-        """A decode step ran, speculative (``drafted``) or plain: counts the plain ones in a row."""
-        self._plain_streak = 0 if drafted else self._plain_streak + 1
+        """A decode step ran, speculative (``drafted``) or plain: counts the plain ones in a row. A probe that
+        does not lead to drafting doubles the wait for the next one (probes cost where drafting does not pay)."""
+        if not drafted:
+            self._plain_streak += 1
+            return
+        if self._plain_streak >= self._probe_interval:
+            self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_INTERVAL)
+        else:
+            self._probe_interval = self.probe_every
+        self._plain_streak = 0

@@ -442,6 +442,21 @@ def test_dynamic_length_follows_acceptance_and_costs() -> None:
     assert pol.choose(jobs, [6, 6]) == [1, 1]
     pol.note_step(True)
     assert pol.choose(jobs, [6, 6]) == [0, 0]
+    # a probe that did not pay: the next comes after twice as many plain steps
+    for n in range(1, 9):
+        pol.note_step(False)
+        assert pol.choose(jobs, [6, 6]) == ([1, 1] if n == 8 else [0, 0])
+    pol.note_step(True)
+    # once drafting pays again, probes return to their first interval
+    for _ in range(40):  # the running average of the draft's cost follows cheaper measurements
+        pol.record_draft(2, 0.0001)
+    assert any(pol.choose(jobs, [6, 6]))
+    pol.note_step(True)
+    for _ in range(40):
+        pol.record_draft(2, 0.05)
+    for n in range(1, 5):
+        pol.note_step(False)
+        assert pol.choose(jobs, [6, 6]) == ([1, 1] if n == 4 else [0, 0])
     fixed = DraftLength(3, dynamic=False)
     assert fixed.choose(jobs, [6, 1]) == [3, 1]
 
