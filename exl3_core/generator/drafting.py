@@ -196,7 +196,7 @@ class ModelDrafter:
 
     :param model: the draft model (loaded; same vocabulary as the target, checked by the speculator).
     :param cache: its cache (allocated here if it is not yet).
-    :param table_width: page-table width of a sequence (pages of the target's longest sequence).
+    :param max_seq_len: the target's longest sequence (sets the draft's page-table width).
     :param max_chunk_tokens: token budget of one catch-up prefill forward.
     :param plan: the draft's execution plan (default: built here).
     """
@@ -255,10 +255,6 @@ class ModelDrafter:
         st = self._seqs.pop(job, None)
         if st is not None:
             self.cache.allocator.release(st.pages)
-
-    def release_all(self) -> None:
-        for job in list(self._seqs):
-            self.release(job)
 
     # -- drafting ------------------------------------------------------------------------------
     def propose(self, jobs: list[Job], ks: list[int]) -> Proposal:
