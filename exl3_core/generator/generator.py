@@ -18,6 +18,9 @@ When every job decodes greedily with no host-side constraint, steps run one ahea
 (:mod:`exl3_core.generator.overlap`): step t+1 is launched from step t's ids on the device before
 step t's ids are read and handled, which hides this host work behind the device's forward.
 
+With a draft model or n-gram drafting, a decode step may verify drafted tokens instead, several per
+job (:mod:`exl3_core.generator.speculative`); the overlapped loop drains for it.
+
 A failure that concerns one job (cache exhausted while it grows, every token excluded, a filter
 raising) ends that job with ``eos_reason="error"`` and leaves the others running.
 """
