@@ -139,6 +139,42 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     from exl3_core.lora.cli import add_argument
 
     add_argument(p)  # --lora DIR[:WEIGHT]
+    add_draft_args(p)
+
+
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding options (``generate``, ``chat``, ``serve``)."""
+    p.add_argument("--draft-model", type=Path, default=None, metavar="DIR",
+                   help="speculative decoding with this draft model (same tokenizer; its cache is --cache-tokens)")
+    p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
+                   help="most tokens the draft model proposes per step (default 4)")
+    p.add_argument("--ngram-draft", type=int, default=0, metavar="K",
+                   help="speculative decoding without a draft model: up to K tokens continuing an earlier occurrence "
+                        "of the last few tokens in the context (default 0: off)")
+
+
+@dataclass(frozen=True)
+class DraftArgs:
+    """The speculative decoding options of a parsed command line."""
+
+    model: Path | None = None
+    tokens: int = 4
+    ngram: int = 0
+
+    @classmethod
+    def parse(cls, args: argparse.Namespace) -> DraftArgs:
+        """From ``args`` (options a caller's namespace lacks keep their defaults); raises ``ValueError``
+        naming the option before anything loads."""
+        d = cls(getattr(args, "draft_model", None), getattr(args, "draft_tokens", 4), getattr(args, "ngram_draft", 0))
+        if d.tokens < 1:
+            raise ValueError(f"--draft-tokens {d.tokens} must be at least 1")
+        if d.ngram < 0:
+            raise ValueError(f"--ngram-draft {d.ngram} must be >= 0 (0: off)")
+        if d.model is not None and d.ngram:
+            raise ValueError("give --draft-model or --ngram-draft, not both")
+        if d.model is not None and not Path(d.model).is_dir():
+            raise ValueError(f"--draft-model {d.model}: no such folder")
+        return d
 
 
 def add_cli(sub: Any) -> None:
@@ -174,6 +210,7 @@ class Session:
         device = resolve_device(args.device)  # before any loading: a bad device fails at once
         lora_specs = getattr(args, "lora", None) or []  # a hand-built Namespace may lack it
         check_folders(lora_specs)
+        draft = DraftArgs.parse(args)
         model_dir = args.model
         if model_dir is None:
             from exl3_core.convert.default_model import default_model_dir
@@ -190,7 +227,18 @@ class Session:
         self.tokenizer = Tokenizer.from_config(self.config)
         #: the adapters every reply uses ({} without --lora)
         self.loras = load_all(self.model, lora_specs)
-        self.generator = Generator(model=self.model, cache=self.cache, tokenizer=self.tokenizer)
+        #: Generator keyword arguments of the speculative decoding options (empty without them)
+        self.speculation: dict[str, Any] = {}
+        if draft.model is not None:
+            dcfg = Config.from_directory(draft.model)
+            dmodel = Model.from_config(dcfg)
+            dcache = Cache(dmodel, max_num_tokens=args.cache_tokens)
+            dmodel.load(device=device, progressbar=True, attention=attention, caches=[dcache])
+            self.speculation = {"draft_model": dmodel, "draft_cache": dcache, "num_draft_tokens": draft.tokens,
+                                "draft_tokenizer": Tokenizer.from_config(dcfg)}
+        elif draft.ngram:
+            self.speculation = {"ngram_draft_tokens": draft.ngram}
+        self.generator = Generator(model=self.model, cache=self.cache, tokenizer=self.tokenizer, **self.speculation)
         self.args = args
 
     def prompt_ids(self, messages: list[dict[str, str]] | None, raw: str | None) -> Any:

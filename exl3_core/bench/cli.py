@@ -50,6 +50,16 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--json", type=Path, default=None, metavar="OUT",
                    help="write every figure to this JSON file (default: none)")
     add_parallel_args(p)
+    p.add_argument("--draft", default=None, metavar="SHAPE",
+                   help="instead of the figures above: speculative decoding of --shape with a draft of this shape at "
+                        "controlled acceptance rates (--draft-alphas), each draft length of --draft-k, against the "
+                        "ideal speedup (exl3_core/bench/spec.py)")
+    p.add_argument("--draft-alphas", default="0.6,0.8,0.9", help="per-token acceptance rates of the bench draft")
+    p.add_argument("--draft-k", default="1,2,3,4,5,6,8", help="draft lengths to time")
+    p.add_argument("--draft-batch", type=int, default=1, help="sequences decoding at once in the --draft runs")
+    p.add_argument("--ngram-bench", action="store_true",
+                   help="with --draft (or alone): n-gram drafting on the default model rewriting a paragraph, b=1 "
+                        "and b=16, against plain decoding")
     p.set_defaults(func=_bench_cmd)
 
 
@@ -61,6 +71,13 @@ def _ints(text: str, opt: str) -> tuple[int, ...]:
     if any(v < 0 for v in vals):
         raise UsageError(f"{opt} {text!r}: lengths and batch sizes cannot be negative")
     return vals
+
+
+def _floats(text: str, opt: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{opt} {text!r}: expected comma-separated numbers") from None
 
 
 def _bench_cmd(args: argparse.Namespace) -> int:
@@ -87,6 +104,21 @@ def _bench_cmd(args: argparse.Namespace) -> int:
                              device=device, new_tokens=args.new_tokens)
         if args.json is not None:
             args.json.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
+        return 0
+    if args.draft is not None or args.ngram_bench:
+        from exl3_core.bench.spec import run_ngram_bench, run_spec_bench
+
+        out: dict[str, Any] = {}
+        if args.draft is not None:
+            out["draft"] = run_spec_bench(
+                shape, parse_shape(args.draft), alphas=_floats(args.draft_alphas, "--draft-alphas"),
+                ks=_ints(args.draft_k, "--draft-k"), batch=args.draft_batch, ctx=min(contexts),
+                new_tokens=args.new_tokens, bpw=args.bpw, head_bits=args.head_bits or None, codebook=args.codebook,
+                device=device)
+        if args.ngram_bench:
+            out["ngram"] = run_ngram_bench(device=device, new_tokens=args.new_tokens)
+        if args.json is not None:
+            args.json.write_text(json.dumps(out, indent=1, default=str), encoding="utf-8")
         return 0
     with Progress(0, "bench", unit="step", heartbeat_s=1.0) as bar:
         res = run_bench(shape, bpw=args.bpw, head_bits=args.head_bits or None, codebook=args.codebook,

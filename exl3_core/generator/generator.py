@@ -18,6 +18,9 @@ When every job decodes greedily with no host-side constraint, steps run one ahea
 (:mod:`exl3_core.generator.overlap`): step t+1 is launched from step t's ids on the device before
 step t's ids are read and handled, which hides this host work behind the device's forward.
 
+With a draft model or n-gram drafting, a decode step may verify drafted tokens instead, several per
+job (:mod:`exl3_core.generator.speculative`); the overlapped loop drains for it.
+
 A failure that concerns one job (cache exhausted while it grows, every token excluded, a filter
 raising) ends that job with ``eos_reason="error"`` and leaves the others running.
 """
@@ -41,6 +44,7 @@ from exl3_core.generator.graphs import DecodeGraphs, PrefillGraphs
 from exl3_core.generator.job import Job
 from exl3_core.generator.loras import StepLoras
 from exl3_core.generator.overlap import DecodePipeline
+from exl3_core.generator.speculative import Speculator
 from exl3_core.generator.stop import HeldText, TextStream
 from exl3_core.generator.types import BatchModel, Result
 from exl3_core.plan.plan import ExecutionPlan
@@ -68,11 +72,25 @@ class Generator:
     :param overlap_decode: run plain greedy decode one step ahead (see
         :mod:`exl3_core.generator.overlap`); None: the tuning's ``graphs.overlap_decode`` (on).
     :param tuning: what the execution plan and the CUDA graphs may do (default: the device's).
+    :param draft_model: speculative decoding with this draft model (same vocabulary and tokenizer, loaded on
+        the same device; see :mod:`exl3_core.generator.speculative`); needs ``draft_cache``.
+    :param draft_cache: the draft model's :class:`~exl3_core.cache.Cache`, at least as large as ``cache``.
+    :param num_draft_tokens: most tokens drafted per sequence and step (draft model).
+    :param ngram_draft_tokens: speculative decoding without a draft model: up to this many tokens continuing
+        the latest earlier occurrence of the sequence's last n tokens (0: off).
+    :param ngram_corpus: token id sequences the n-gram lookup also searches.
+    :param dynamic_draft: adapt each sequence's draft length to its acceptance and the measured costs (no
+        drafts where they would not pay); False: always the most.
+    :param draft_tokenizer: the draft model's tokenizer, compared with ``tokenizer`` (default
+        ``draft_model.tokenizer`` when present).
     """
 
     def __init__(self, model: BatchModel, cache: Cache, tokenizer: Any = None, *, max_batch_size: int = 64,
                  max_chunk_tokens: int = 2048, max_seq_len: int | None = None, plugins: Any = None,
-                 overlap_decode: bool | None = None, tuning: Tuning | None = None) -> None:
+                 overlap_decode: bool | None = None, tuning: Tuning | None = None,
+                 draft_model: BatchModel | None = None, draft_cache: Cache | None = None, num_draft_tokens: int = 4,
+                 ngram_draft_tokens: int = 0, ngram_corpus: Sequence[Sequence[int]] = (), dynamic_draft: bool = True,
+                 draft_tokenizer: Any = None) -> None:
         if max_batch_size < 1 or max_chunk_tokens < 1:
             raise ValueError(f"Generator: max_batch_size={max_batch_size} and max_chunk_tokens={max_chunk_tokens} "
                              f"must be positive")
@@ -113,6 +131,13 @@ class Generator:
             overlap_decode = self.tuning.graphs.overlap_decode
         #: one-step-ahead greedy decode loop (None: off)
         self.pipeline: DecodePipeline | None = DecodePipeline(self) if overlap_decode else None
+        #: speculative decoding (None: off); ``spec.stats`` counts drafted and accepted tokens
+        self.spec: Speculator | None = Speculator.create(
+            self, model=model, tokenizer=self.tokenizer, draft_model=draft_model, draft_cache=draft_cache,
+            draft_tokenizer=draft_tokenizer, num_draft_tokens=num_draft_tokens, ngram_draft_tokens=ngram_draft_tokens,
+            ngram_corpus=ngram_corpus, dynamic_draft=dynamic_draft, max_chunk_tokens=max_chunk_tokens)
+        if self.spec is not None and self.pipeline is not None:
+            self.pipeline.until = self.spec.wants_step
 
     def _vocab_size(self) -> int | None:
         v = getattr(self.model, "vocab_size", None)
@@ -166,12 +191,15 @@ class Generator:
         """Capture the decode graph of every batch bucket this generator can step (up to
         ``max_batch_size``) now, rather than at each bucket's first step. A capture costs a few
         hundred ms (seconds where a new shape compiles Triton kernels), so a server does this at
-        start-up and no step stalls later when its batch grows or shrinks past a bucket. Returns the
-        captured buckets ([] when decode runs eagerly). Only while no job is running."""
+        start-up and no step stalls later when its batch grows or shrinks past a bucket. With speculative
+        decoding the verification and draft steps' buckets are captured too. Returns the captured
+        (one-token) buckets ([] when decode runs eagerly). Only while no job is running."""
         with self.lock:
             if self.queue or self.active:
                 raise RuntimeError("Generator.capture_graphs: jobs are queued or running; call it before enqueueing")
             self.loras.refresh(self)
+            if self.spec is not None:
+                self.spec.capture_graphs(self.max_batch_size)
             return self.graphs.capture_buckets(self.max_batch_size) if self.graphs is not None else []
 
     def num_remaining(self) -> int:
@@ -327,6 +355,8 @@ class Generator:
             self.active.remove(job)
         self.cache.allocator.release(job.pages)
         job.pages = []
+        if self.spec is not None:
+            self.spec.release(job)
 
     # -- one step -----------------------------------------------------------------------------
     def _schedule(self, results: list[Result]) -> list[tuple[Job, Chunk]]:
@@ -356,6 +386,8 @@ class Generator:
         if not work:
             return
         decode = all(len(c.tokens) == 1 for _, c in work)
+        if decode and self.spec is not None and self.spec.step(work, results):
+            return
         if decode and self.pipeline is not None and self.pipeline.start(work, results):
             return
         for part in self._graph_parts(work, decode):
@@ -552,6 +584,7 @@ class Generator:
     def _rollback(self, job: Job, k: int) -> None:
         """Undo held tokens ``k..`` (a banned string began at token k) and ban that token there."""
         first = job.held.tokens[k][0]
+        job.rollbacks += 1
         n = job.held.drop_tokens(k)
         pos = len(job.seq) - n
         job.ban_at.setdefault(pos, set()).add(first)

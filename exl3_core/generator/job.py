@@ -83,6 +83,9 @@ class Job:
         self.new_tokens = 0
         self.cached_tokens = 0  # prompt tokens served by the prefix cache
         self.ban_at: dict[int, set[int]] = {}  # position -> tokens banned there (banned strings)
+        self.rollbacks = 0  # banned-string rollbacks so far (drafters re-check their copies of seq)
+        self.draft_tokens = 0  # speculative decoding: draft tokens verified for this job
+        self.accepted_draft_tokens = 0  # of which the target accepted
         self.completion = ""
         self.rng: torch.Generator | None = None
         self.stream: Any = None
@@ -103,6 +106,8 @@ class Job:
             "time_queued": (self.t_admit or end) - self.t_enqueue, "time_prefill": prefill, "time_generate": gen,
             "prefill_tokens_per_s": (len(self.prompt) - self.cached_tokens) / prefill if prefill > 0 else 0.0,
             "tokens_per_s": (self.new_tokens - 1) / gen if gen > 0 and self.new_tokens > 1 else 0.0,
+            "draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_draft_tokens,
+            "acceptance_rate": self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0,
         }
 
     def __repr__(self) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -107,6 +108,8 @@ class DecodePipeline:
         self.launches = 0  # steps launched through the pipeline
         self.spec_launches = 0  # of which launched before the previous step was read
         self.discarded = 0  # speculative rows thrown away (their job ended or was cancelled)
+        #: asked before each launch ahead: True drains the loop (the generator's next step is a speculative one)
+        self.until: Callable[[], bool] | None = None
 
     @property
     def busy(self) -> bool:
@@ -170,6 +173,8 @@ class DecodePipeline:
         live = [(i, r) for i, r in enumerate(flight.rows) if r.valid and r.job.status == "active"]
         if len(live) != len(g.active):
             return None  # a job outside this step (prefilling) needs a mixed step
+        if self.until is not None and self.until():
+            return None
         rows: list[_Row] = []
         src: list[int] = []
         for i, r in live:

@@ -23,7 +23,9 @@ class Result(TypedDict, total=False):
     Always present: ``job``, ``identifier``, ``stage``, ``eos``, ``text``, ``token_ids``. With
     ``eos`` True: ``eos_reason`` ("stop_token", "stop_string", "filter", "max_new_tokens",
     "max_seq_len", "error"), ``full_completion`` and the job's stats; ``stop_token`` for a stop
-    token, ``error`` for an error. ``token_probs``/``logits`` when the job asked for them.
+    token, ``error`` for an error. ``token_probs``/``logits`` when the job asked for them. Speculative
+    decoding: ``draft_tokens`` verified for the job, ``accepted_draft_tokens`` of them and their ratio
+    ``acceptance_rate`` (zeros without drafting).
     """
 
     job: Job
@@ -47,3 +49,6 @@ class Result(TypedDict, total=False):
     time_generate: float
     prefill_tokens_per_s: float
     tokens_per_s: float
+    draft_tokens: int
+    accepted_draft_tokens: int
+    acceptance_rate: float

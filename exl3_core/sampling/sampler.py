@@ -151,6 +151,37 @@ def sample(logits: torch.Tensor, samplers: Sequence[Sampler], uniforms: torch.Te
     return SampleOutput(ids, probs, ok)
 
 
+def final_logits(logits: torch.Tensor, samplers: Sequence[Sampler], *,
+                 history: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``[B, V]``: row b of ``logits`` after ``samplers[b]``'s steps, the logits whose softmax
+    :func:`sample` draws from (``-inf``: excluded); a greedy row keeps only its argmax. Speculative
+    decoding needs these whole distributions, not one draw from them."""
+    B, V = logits.shape
+    if len(samplers) != B:
+        raise ValueError(f"final_logits: {B} logit rows but {len(samplers)} samplers")
+    dev = logits.device
+    out = logits.float().clone()
+    groups: dict[tuple[type[SamplingStep], ...], list[int]] = {}
+    for b, s in enumerate(samplers):
+        groups.setdefault(s.signature, []).append(b)
+    for sig, rows_list in groups.items():
+        whole = len(rows_list) == B
+        rows = None if whole else torch.tensor(rows_list, dtype=torch.int64).to(dev, non_blocking=True)
+        x = out if rows is None else out.index_select(0, rows)
+        if sig:
+            ctx = StepContext(vocab_size=V, history=None if history is None else
+                              (history if rows is None else history.index_select(0, rows.to(history.device))))
+            for i, cls in enumerate(sig):
+                x = cls.apply(x, cls.batch_params([samplers[b].steps[i] for b in rows_list], dev), ctx)
+        else:
+            x = Greedy.apply(x, None, StepContext(vocab_size=V))
+        if rows is None:
+            out = x
+        else:
+            out.index_copy_(0, rows, x)
+    return out
+
+
 def resolve_sampler(sampler: Any, plugins: Any = None) -> Sampler:
     """``Sampler`` from a Sampler, a registered preset/step name, a dict of ``Sampler.build`` args,
     or None (greedy)."""

@@ -51,6 +51,9 @@ def add_cli(sub: Any) -> None:
                    help="load a PEFT LoRA adapter (repeatable); a request uses it with \"model\": \"NAME:ADAPTER\" "
                         "(at WEIGHT, default 1) or the extension field \"loras\": {\"ADAPTER\": weight}; ADAPTER is "
                         "the folder's name, and /v1/models lists NAME:ADAPTER")
+    from exl3_core.generate_cli import add_draft_args
+
+    add_draft_args(p)
     p.set_defaults(func=_serve_cmd)
 
 
@@ -87,7 +90,7 @@ def build_app(args: argparse.Namespace) -> Any:
         raise ValueError(f"--max-batch {args.max_batch} must be at least 1")
     options = server_options(args)
     s = Session(args)
-    gen = Generator(s.model, s.cache, s.tokenizer, max_batch_size=args.max_batch)
+    gen = Generator(s.model, s.cache, s.tokenizer, max_batch_size=args.max_batch, **s.speculation)
     gen.capture_graphs()  # every decode bucket now: no request waits for a capture later
     name = args.model_name or Path(s.config.directory).name
     ctx = s.config.raw.get("max_position_embeddings")
@@ -118,6 +121,8 @@ SERVER_MODULES = ("fastapi", "uvicorn", "prometheus_client")
 
 
 def _serve_cmd(args: argparse.Namespace) -> int:
+    from exl3_core.generate_cli import DraftArgs
+
     missing = [m for m in SERVER_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         print(f"exl3 serve: missing {', '.join(missing)}; install the server extra: pip install 'exl3-core[server]' "
@@ -129,6 +134,7 @@ def _serve_cmd(args: argparse.Namespace) -> int:
         logging.getLogger(name).setLevel(min(logging.INFO, logging.getLogger().getEffectiveLevel()))
     try:
         server_options(args)  # option errors before the model loads
+        DraftArgs.parse(args)
     except ValueError as e:
         print(f"exl3 serve: {e}", file=sys.stderr)
         return 2

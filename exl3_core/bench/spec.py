@@ -1,0 +1,251 @@
+"""``exl3 bench --draft SHAPE``: speculative decoding speed at controlled acceptance rates, against its ideal.
+
+A random-weight target (``--shape``) and draft (``--draft``) of one vocabulary are built. The plain generator
+decodes ``batch`` random prompts first: its tokens/s is the baseline and its greedy tokens are the target's
+continuation. The bench draft (:class:`OracleDrafter`) then runs every forward the draft model would (catch-up,
+the two-token step, k - 1 one-token steps, the read of its tokens), but proposes at each position the target's
+continuation with probability alpha and another token otherwise, so each draft is accepted with probability
+alpha while the ones before it were. For each alpha and each k the generator's tokens/s with the draft is
+compared with the baseline and with the ideal speedup [(1 - alpha^(k+1)) / (1 - alpha)] / (k c + 1), where
+c = draft step time / target step time, both measured (a replayed decode step on CUDA). Also measured, to say
+what binds: the target's step at k + 1 rows per sequence (verification), and the host time per speculative
+step that neither forward accounts for. A last run per alpha leaves the draft length to the dynamic policy.
+
+``--ngram-bench`` adds prompt lookup on the real default model (the embedded one): a chat prompt that
+asks for a paragraph to be rewritten with one word changed (copy-heavy), greedy, at batch 1 and 16, against
+the plain generator.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from exl3_core.bench.models import BenchShape, build_model, shape_dict
+from exl3_core.bench.run import _sync, time_median
+from exl3_core.generator.batching import Chunk, build_batch, to_device_async
+from exl3_core.generator.draft_policy import DraftLength, expected_tokens, ideal_speedup
+from exl3_core.generator.drafting import ModelDrafter
+from exl3_core.generator.job import Job
+from exl3_core.generator.speculative import SpecStats
+
+
+class OracleDrafter(ModelDrafter):
+    """The bench draft: the draft model's forwards, the target's continuation with probability ``alpha``.
+
+    :param reference: job identifier -> the target's greedy continuation of that job's prompt.
+    :param vocab: vocabulary size (a rejected proposal is another token of it).
+    """
+
+    def __init__(self, model: Any, cache: Any, *, max_seq_len: int, alpha: float, reference: dict[Any, list[int]],
+                 vocab: int, seed: int = 0) -> None:
+        super().__init__(model, cache, max_seq_len=max_seq_len)
+        self.alpha = alpha
+        self.reference = reference
+        self.vocab = vocab
+        self._rng = torch.Generator().manual_seed(seed)
+
+    def _forced(self, jobs: list[Job], K: int) -> torch.Tensor | None:
+        out = torch.empty((len(jobs), K), dtype=torch.int64)
+        hit = torch.rand((len(jobs), K), generator=self._rng) < self.alpha
+        shift = torch.randint(1, self.vocab, (len(jobs), K), generator=self._rng)
+        for b, job in enumerate(jobs):
+            ref = self.reference[job.identifier]
+            done = len(job.seq) - len(job.prompt)
+            for i in range(K):
+                want = ref[done + i] if done + i < len(ref) else 0
+                out[b, i] = want if bool(hit[b, i]) else (want + int(shift[b, i])) % self.vocab
+        return to_device_async(out, self.device)
+
+
+def _decode_tokens(gen: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, dict[int, list[int]]]:
+    """Tokens/s of the decode phase (from every job's first token to the last) and each job's tokens."""
+    jobs = [Job(p, max_new_tokens=new_tokens + 1, stop_at_eos=False, identifier=i) for i, p in enumerate(prompts)]
+    gen.enqueue(jobs)
+    out: dict[int, list[int]] = {}
+    counted = 0
+    t0 = None
+    while gen.num_remaining():
+        results = gen.iterate()
+        for r in results:
+            out.setdefault(r["identifier"], []).extend(r["token_ids"])
+        if t0 is None:
+            if all(j.new_tokens >= 1 for j in jobs):
+                _sync(gen.device)
+                t0 = time.perf_counter()
+            continue
+        counted += sum(len(r["token_ids"]) for r in results)
+    _sync(gen.device)
+    if t0 is None or counted == 0:
+        raise RuntimeError("bench: the generator produced no decode tokens")
+    return counted / (time.perf_counter() - t0), out
+
+
+def step_time(model: Any, cache: Any, *, batch: int, ctx: int, rows: int) -> float:
+    """Seconds of one decode step of ``batch`` sequences with ``rows`` new tokens each after ``ctx`` cached
+    ones, as the generator runs it (a replayed graph on CUDA, else the eager forward)."""
+    from exl3_core.generator.graphs import DecodeGraphs
+    from exl3_core.plan import ExecutionPlan
+
+    plan = ExecutionPlan(model)
+    ps = cache.page_size
+    each = -(-(ctx + rows) // ps)
+    width = cache.max_pages_per_seq(ctx + rows)
+    pages = cache.allocator.allocate(each * batch)
+    try:
+        chunks = [Chunk([1] * rows, ctx, pages[b * each:(b + 1) * each], True) for b in range(batch)]
+        graphs = DecodeGraphs.create(plan, cache, width)
+        meta, _ = build_batch(chunks, page_size=ps, table_width=width, scratch_page=cache.scratch_page,
+                              device=torch.device("cpu") if graphs is not None else model.device, decode=True)
+        if graphs is not None:
+            n = 8
+            t = time_median(lambda: [graphs.run(meta) for _ in range(n)], model.device, warmup=2, iters=7) / n
+            graphs.reset()
+            return t
+        return time_median(lambda: plan.forward(meta, cache), model.device, warmup=1, iters=3)
+    finally:
+        cache.allocator.release(pages)
+
+
+def run_spec_bench(shape: BenchShape, draft_shape: BenchShape, *, alphas: tuple[float, ...] = (0.6, 0.8, 0.9),
+                   ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 8), batch: int = 1, ctx: int = 256, new_tokens: int = 256,
+                   bpw: float = 4.0, head_bits: int | None = 6, codebook: str = "mcg",
+                   device: str | torch.device | None = None, dynamic: bool = True, seed: int = 0,
+                   log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every figure of the module docstring (the draft-model part) as one dict."""
+    from exl3_core import settings
+    from exl3_core.generator import Generator
+
+    if shape.vocab != draft_shape.vocab:
+        raise ValueError(f"--draft {draft_shape.vocab}-token vocabulary differs from --shape's {shape.vocab}; a draft "
+                         f"shares the target's vocabulary")
+    for a in alphas:
+        if not 0.0 <= a < 1.0:
+            raise ValueError(f"--draft-alphas: {a} is not in [0, 1)")
+    if not ks or min(ks) < 1:
+        raise ValueError(f"--draft-k {ks}: every draft length must be >= 1")
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    ps = settings.get().page_size
+    per_seq = -(-(ctx + new_tokens + max(ks) + 8) // ps) + 1
+    tokens = 2 * ps * per_seq * batch
+    target, cache = build_model(shape, bpw=bpw, head_bits=head_bits, codebook=codebook, device=dev,
+                                cache_tokens=tokens, seed=seed)
+    draft, dcache = build_model(draft_shape, bpw=bpw, head_bits=head_bits, codebook=codebook, device=dev,
+                                cache_tokens=tokens, seed=seed + 1)
+    out: dict[str, Any] = {"shape": shape_dict(shape), "draft_shape": shape_dict(draft_shape), "batch": batch,
+                           "ctx": ctx, "new_tokens": new_tokens,
+                           "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
+    t_target = step_time(target, cache, batch=batch, ctx=ctx, rows=1)
+    t_draft = step_time(draft, dcache, batch=batch, ctx=ctx, rows=1)
+    c = t_draft / t_target
+    verify = {k: step_time(target, cache, batch=batch, ctx=ctx, rows=k + 1) for k in ks}
+    out.update(target_step_ms=t_target * 1e3, draft_step_ms=t_draft * 1e3, c=c,
+               verify_step_ms={str(k + 1): t * 1e3 for k, t in verify.items()})
+    log(f"target step {t_target * 1e3:.3f} ms, draft step {t_draft * 1e3:.3f} ms: c = {c:.3f}; verification at k+1 rows: "
+        + ", ".join(f"{k + 1}: {t * 1e3:.3f} ms" for k, t in verify.items()))
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, shape.vocab, (ctx,), generator=g).tolist() for _ in range(batch)]
+    max_seq = ctx + new_tokens + max(ks) + 8
+
+    plain = Generator(target, cache, None, max_batch_size=batch, max_seq_len=max_seq)
+    _decode_tokens(plain, [p[:64] for p in prompts], 4)  # warm-up: compiles, captures
+    plain.capture_graphs()
+    base, ref = _decode_tokens(plain, prompts, new_tokens)
+    out["plain_tok_s"] = base
+    log(f"plain decode b={batch} ctx={ctx}: {base:.1f} tok/s")
+    # one speculative generator for every run (its graphs captured once): each run sets the draft length
+    # policy and the oracle's alpha
+    gen = Generator(target, cache, None, max_batch_size=batch, max_seq_len=max_seq, draft_model=draft,
+                    draft_cache=dcache, num_draft_tokens=max(ks), dynamic_draft=False)
+    assert gen.spec is not None
+    oracle = OracleDrafter(draft, dcache, max_seq_len=gen.max_seq_len, alpha=0.0, reference=ref, vocab=shape.vocab,
+                           seed=seed + 7)
+    gen.spec.drafter = oracle
+    gen.capture_graphs()
+    _decode_tokens(gen, [p[:64] for p in prompts], 4)  # warm-up of the eager parts (draft catch-up)
+    out["alphas"] = []
+    for a in alphas:
+        oracle.alpha = a
+        row: dict[str, Any] = {"alpha": a, "runs": []}
+        runs = [(k, False) for k in ks] + ([(max(ks), True)] if dynamic else [])
+        for k, dyn in runs:
+            gen.spec.length = DraftLength(k, dynamic=dyn, draft_cost=c)
+            gen.spec.stats = SpecStats()
+            tok_s, got = _decode_tokens(gen, prompts, new_tokens)
+            st = gen.spec.stats
+            wall = new_tokens * batch / tok_s  # seconds of the decode phase
+            steps = st.steps + st.plain_steps + st.timed_plain_steps
+            # fp16 verification rows may break a near tie otherwise than a one-row step; the oracle then
+            # proposes a continuation the target left, and acceptance falls below alpha
+            r = {"k": k, "dynamic": dyn, "tok_s": tok_s, "speedup": tok_s / base, "same_tokens": got == ref,
+                 "acceptance": st.accepted / st.drafted if st.drafted else 0.0,
+                 "tokens_per_step": st.committed / st.steps / batch if st.steps else 0.0,
+                 "spec_steps": st.steps, "plain_steps": st.plain_steps + st.timed_plain_steps}
+            if not dyn:
+                ideal = ideal_speedup(a, k, c)
+                # what a step costs: verification and k draft forwards on the device, the rest on the host
+                device_ms = (verify[k] + k * t_draft) * 1e3
+                r.update(ideal=ideal, fraction_of_ideal=r["speedup"] / ideal,
+                         expected_tokens=expected_tokens(a, k), step_ms=wall / max(steps, 1) * 1e3,
+                         device_ms_per_step=device_ms, host_ms_per_step=wall / max(steps, 1) * 1e3 - device_ms)
+            row["runs"].append(r)
+            log(f"alpha {a:.2f} k={'dyn' if dyn else k}: {tok_s:.1f} tok/s, x{r['speedup']:.2f}"
+                + (f" (ideal x{r['ideal']:.2f}: {100 * r['fraction_of_ideal']:.0f}%; step {r['step_ms']:.2f} ms of which "
+                   f"device {r['device_ms_per_step']:.2f}, host {r['host_ms_per_step']:.2f})" if not dyn else
+                   f" (acceptance {r['acceptance']:.2f}, {r['spec_steps']} speculative / {r['plain_steps']} plain steps)"))
+        fixed = [r for r in row["runs"] if not r["dynamic"]]
+        best = max(fixed, key=lambda r: r["speedup"])
+        best_ideal = max(fixed, key=lambda r: r["ideal"])
+        row.update(best_k=best["k"], best_speedup=best["speedup"], ideal_best_k=best_ideal["k"],
+                   ideal_best=best_ideal["ideal"], fraction_of_best_ideal=best["speedup"] / best_ideal["ideal"])
+        out["alphas"].append(row)
+    target.unload()
+    draft.unload()
+    return out
+
+
+#: the paragraph the n-gram bench asks the model to rewrite (copy-heavy output)
+PARAGRAPH = ("The old lighthouse stood at the edge of the cliff for more than two hundred years. Every night its keeper "
+             "climbed the narrow stairs, lit the great lamp and watched the ships pass safely through the dark water. "
+             "When the storms came, the light was the only thing the sailors could see, and many of them owed their "
+             "lives to the quiet man who never missed a single night.")
+
+
+def run_ngram_bench(*, batches: tuple[int, ...] = (1, 16), new_tokens: int = 128, k: int = 4,
+                    device: str | torch.device | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Prompt lookup on the default model for a rewriting prompt, against the plain generator, per batch size."""
+    from exl3_core import Cache, Config, Generator, Model, Tokenizer
+    from exl3_core.convert.default_model import default_model_dir
+
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    d = default_model_dir(progress=False)
+    cfg = Config.from_directory(d)
+    model = Model.from_config(cfg)
+    tokens = max(batches) * 1024
+    cache = Cache(model, max_num_tokens=tokens)
+    model.load(device=dev, dtype=torch.float16 if dev.type == "cuda" else torch.float32, caches=[cache])
+    tok = Tokenizer.from_config(cfg)
+    text = tok.apply_chat_template([{"role": "user", "content": "Rewrite this paragraph word for word, but say "
+                                     "'tower' instead of 'lighthouse':\n\n" + PARAGRAPH}], add_generation_prompt=True)
+    prompt = tok.encode(text, add_bos=False)[0].tolist()
+    out: dict[str, Any] = {"prompt_tokens": len(prompt), "new_tokens": new_tokens, "k": k, "runs": []}
+    for b in batches:
+        res: dict[str, tuple[float, dict[int, list[int]], dict[str, float] | None]] = {}
+        for name, kw in (("plain", {}), ("ngram", {"ngram_draft_tokens": k})):
+            gen = Generator(model, cache, tok, max_batch_size=b, **kw)
+            _decode_tokens(gen, [prompt] * b, 8)
+            gen.capture_graphs()
+            tok_s, got = _decode_tokens(gen, [prompt] * b, new_tokens)
+            res[name] = (tok_s, got, gen.spec.stats.as_dict() if gen.spec is not None else None)
+        same = res["plain"][1] == res["ngram"][1]
+        stats = res["ngram"][2] or {}
+        r: dict[str, Any] = {"batch": b, "plain_tok_s": res["plain"][0], "ngram_tok_s": res["ngram"][0],
+             "speedup": res["ngram"][0] / res["plain"][0], "same_tokens": same, "ngram_stats": stats}
+        out["runs"].append(r)
+        log(f"n-gram b={b}: {r['ngram_tok_s']:.1f} tok/s vs plain {r['plain_tok_s']:.1f}: x{r['speedup']:.2f}; "
+            f"acceptance {stats.get('acceptance_rate', 0.0):.2f}; same tokens: {same}")
+    out["sample"] = tok.decode(torch.tensor(res["plain"][1][0][:80]))
+    model.unload()
+    return out
