@@ -67,19 +67,19 @@ class Session:
         if device == "cpu":
             torch.set_num_threads(max(1, torch.get_num_threads()))
         self.config = Config.from_directory(model_dir)
+        # before the weights load: a folder without its tokenizer fails in a second, not after minutes
+        self.tokenizer = Tokenizer.from_config(self.config)
         self.model = Model.from_config(self.config)
         attention = [a.strip() for a in args.attention.split(",")] if args.attention else None
         self.cache = Cache(self.model, max_num_tokens=args.cache_tokens)
         # the cache counts in the load's memory check and is allocated with the weights
         self.model.load(device=device, progressbar=True, attention=attention, caches=[self.cache])
-        self.tokenizer = Tokenizer.from_config(self.config)
         self.generator = Generator(model=self.model, cache=self.cache, tokenizer=self.tokenizer)
         self.args = args
 
     def prompt_ids(self, messages: list[dict[str, str]] | None, raw: str | None) -> Any:
         if messages is not None and self.tokenizer.chat_template:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_bos=False)
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True)  # typed <|...|> stays text
         if messages is not None:  # no template: plain concatenation
             raw = "\n".join(m["content"] for m in messages) + "\n"
         return self.tokenizer.encode(raw or "")

@@ -41,7 +41,7 @@ from exl3_core.generator.graphs import DecodeGraphs, PrefillGraphs
 from exl3_core.generator.job import Job
 from exl3_core.generator.overlap import DecodePipeline
 from exl3_core.generator.stop import HeldText, TextStream
-from exl3_core.generator.types import BatchModel, Result
+from exl3_core.generator.types import BatchModel, NumericFault, Result
 from exl3_core.plan.plan import ExecutionPlan
 from exl3_core.sampling.sampler import sample
 from exl3_core.tuning import Tuning
@@ -458,20 +458,27 @@ class Generator:
             else torch.rand((), generator=j.rng, device=self.device) for j in jobs])
         want_probs = any(j.return_probs for j in jobs)
         out = sample(logits, [j.sampler for j in jobs], uniforms, history=history, want_probs=want_probs)
+        # ok row: 1 sampled, 0 every token excluded, -1 the raw logits were NaN/inf (a numeric fault)
+        fault = (raw.isnan() | raw.isposinf()).any(-1) | raw.isneginf().all(-1)
+        ok = torch.where(fault, -1.0, out.ok.double())
         # the step's one device->host read
-        packed = torch.stack([out.ids.double(), out.ok.double()] + ([out.probs.double()] if out.probs is not None else []))
+        packed = torch.stack([out.ids.double(), ok] + ([out.probs.double()] if out.probs is not None else []))
         host = packed.cpu().tolist()
         raw_rows = raw.cpu() if any(j.return_logits for j in jobs) else None
         self._process_sampled(jobs, host, raw_rows, failed, results)
 
     def _process_sampled(self, jobs: list[Job], host: list[list[float]], raw_rows: torch.Tensor | None,
                          failed: dict[int, BaseException], results: list[Result]) -> None:
-        """Per job: ``host[0][i]`` the sampled id, ``host[1][i]`` whether any token was allowed."""
+        """Per job: ``host[0][i]`` the sampled id, ``host[1][i]`` 1 when a token was allowed, 0 when
+        none was, -1 when the logits were NaN/inf (0 too where nothing could exclude a token)."""
         for i, job in enumerate(jobs):
             if job.status != "active":
                 continue
             if i in failed:
                 self._fail(job, failed[i], results)
+            elif host[1][i] < 0 or (not host[1][i] and job.sampler.is_greedy and not job.filters
+                                    and not job.ban_at.get(len(job.seq))):
+                self._fail(job, NumericFault(job.identifier, self.forward_calls, len(job.seq)), results)
             elif not host[1][i]:
                 self._fail(job, RuntimeError(
                     "every token was excluded at this position (sampler truncation, token bans, banned strings and "

@@ -44,6 +44,15 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="allow browser pages from ORIGIN (e.g. http://localhost:3000, or * for any) to call the "
                         "API; repeat for several. Default: no CORS headers")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="also serve requests whose Host header is NAME (a name this server is reached under, e.g. "
+                        "behind a proxy; .example.com for a domain and its subdomains, * for any). Default: the "
+                        "address a request arrived on, and localhost on loopback; other names get 400 (this stops "
+                        "DNS-rebinding web pages)")
+    p.add_argument("--allow-special-tokens", action="store_true",
+                   help="let chat message text that spells a special token (e.g. <|im_start|>) be encoded as that "
+                        "token. Default: it stays text, so a client cannot forge turns; enable for trusted clients "
+                        "only")
     p.set_defaults(func=_serve_cmd)
 
 
@@ -59,8 +68,12 @@ def server_options(args: argparse.Namespace) -> Any:
         raise ValueError(f"--request-timeout {args.request_timeout} must be >= 0 (0: no limit)")
     if key is not None and not key.strip():
         raise ValueError("--api-key / EXL3_API_KEY is empty; give a non-empty key or leave it unset")
+    for h in args.allowed_host:
+        if not h.strip() or any(c in h for c in "/ @"):
+            raise ValueError(f"--allowed-host {h!r} is not a host name (give e.g. myhost.lan, .example.com or *)")
     return ServerOptions(api_key=key, max_request_bytes=args.max_request_bytes,
-                         request_timeout=args.request_timeout or None, cors_origins=tuple(args.cors_origin))
+                         request_timeout=args.request_timeout or None, cors_origins=tuple(args.cors_origin),
+                         allowed_hosts=tuple(args.allowed_host), allow_special_tokens=args.allow_special_tokens)
 
 
 def build_app(args: argparse.Namespace) -> Any:

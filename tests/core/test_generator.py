@@ -301,3 +301,62 @@ def test_no_gc_around_captures() -> None:
         assert not gc.isenabled()  # was off: stays off
     finally:
         gc.enable()
+
+
+def test_logit_bias_plus_inf_through_the_python_api(model, plugins) -> None:
+    gen = make_gen(model, plugins)
+    gen.eos_ids = set()
+    jobs = [Job(rand_prompt(12, s), max_new_tokens=6, sampler={"logit_bias": {5: float("inf")}, **extra}, seed=s,
+                identifier=s) for s, extra in enumerate([{}, {"temperature": 0.0}, {"top_k": 3}])]
+    gen.enqueue(jobs)
+    res = run_all(gen)
+    assert all(res[j.identifier]["all_tokens"] == [5] * 6 for j in jobs), res
+
+
+class FaultyModel(ToyModel):
+    """The toy model whose logits turn NaN (every entry) or +inf (one entry) for the sequences whose
+    first cache page is in ``poisoned_pages``."""
+
+    def __init__(self, value: float, **kw) -> None:
+        super().__init__(**kw)
+        self.value = value
+        self.poisoned_pages: set[int] = set()
+
+    def forward_batch(self, meta: BatchMeta, cache=None, *, fp32_logits: bool = True) -> torch.Tensor:
+        logits = super().forward_batch(meta, cache, fp32_logits=fp32_logits).clone()
+        cu = meta.cu_seqlens_q.tolist()
+        rows = meta.logits_indices.tolist() if meta.logits_indices is not None else list(range(logits.shape[0]))
+        for r, row in enumerate(rows):
+            seq = next(b for b in range(len(cu) - 1) if cu[b] <= row < cu[b + 1])
+            if int(meta.page_table[seq, 0]) in self.poisoned_pages:
+                if self.value != self.value:
+                    logits[r] = self.value
+                else:
+                    logits[r, 7] = self.value
+        return logits
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_nan_or_inf_logits_are_a_numeric_fault_naming_job_and_step(plugins, value: float, sampled: bool) -> None:
+    from exl3_core.generator import NumericFault
+
+    model = FaultyModel(value, vocab_size=264, seed=4)
+    gen = make_gen(model, plugins)
+    gen.eos_ids = set()
+    sampler = {"temperature": 0.8, "top_p": 0.9} if sampled else None
+    bad = Job(rand_prompt(20, 1), max_new_tokens=30, sampler=sampler, seed=1, identifier="bad-job")
+    good = Job(rand_prompt(20, 2), max_new_tokens=30, sampler=sampler, seed=2, identifier="good-job")
+    gen.enqueue([good, bad])
+    for _ in range(4):  # both decode healthily first
+        gen.iterate()
+    assert bad.new_tokens >= 2
+    model.poisoned_pages = {bad.pages[0]}
+    step = gen.forward_calls + 1
+    res = run_all(gen)
+    err = res["bad-job"].get("error")
+    assert isinstance(err, NumericFault), res["bad-job"]
+    assert err.identifier == "bad-job" and err.step >= step and "'bad-job'" in str(err)
+    assert f"step {err.step}" in str(err) and "relax the constraints" not in str(err)
+    assert res["good-job"]["eos_reason"] == "max_new_tokens" and res["good-job"]["new_tokens"] == 30
+    assert gen.cache.allocator.num_live() == 0

@@ -43,3 +43,23 @@ def test_generate_bad_model_dir_is_a_clear_error(tmp_path: Path) -> None:
     out, _ = _run(["generate", "hi", "--model", str(tmp_path / "missing")], tmp_path)
     assert out.returncode == 1
     assert "missing" in out.stderr and "does not exist" in out.stderr
+
+
+def test_missing_tokenizer_is_reported_before_the_model_loads(tmp_path: Path, monkeypatch, capsys) -> None:
+    import exl3_core
+    from exl3_core.cli import main
+
+    src = imported_model()
+    model_dir = tmp_path / "no-tokenizer"
+    model_dir.mkdir()
+    for f in src.iterdir():
+        if f.name != "tokenizer.json":
+            (model_dir / f.name).symlink_to(f)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was built before the tokenizer was checked")
+
+    monkeypatch.setattr(exl3_core.Model, "from_config", refuse)
+    assert main(["generate", "hi", "--model", str(model_dir), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "no tokenizer.json" in err and str(model_dir) in err and "save_pretrained" in err, err

@@ -166,7 +166,8 @@ def test_request_timeout_cancels_the_job() -> None:
         assert h["cancelled_jobs"] == 2 and h["cache"]["pages_in_use"] == 0
         # a body that never finishes arriving is answered 408 once the limit passes
         with socket.create_connection((HOST, port), timeout=10) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"prompt\"")
             got = b""
             while b"\r\n\r\n" not in got:
                 chunk = s.recv(4096)
@@ -181,8 +182,8 @@ def test_slow_partial_connections_do_not_block_others(toy: tuple[int, OpenAIApp]
     try:
         for i in range(8):  # half a request line, half a header block, half a body
             s = socket.create_connection((HOST, port), timeout=10)
-            s.sendall([b"POST /v1/compl", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le",
-                       b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{\"pro"][i % 3])
+            s.sendall([b"POST /v1/compl", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le",
+                       b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 50\r\n\r\n{\"pro"][i % 3])
             socks.append(s)
         t0 = time.perf_counter()
         status, body, _ = request(port, "POST", "/v1/completions", {"prompt": "others", "max_tokens": 4})
