@@ -29,12 +29,15 @@ class Job:
     :param return_logits: report each sampled token's raw logits row (``float32 [V]``, on CPU).
     :param return_probs: report each sampled token's probability under the final distribution.
     :param identifier: anything; returned with every result of this job.
+    :param priority: larger runs first: queued jobs are admitted by priority, then arrival, and when
+        the cache runs out the lowest-priority (then newest) running job is paused first (see
+        :mod:`exl3_core.generator.scheduler`).
     """
 
     def __init__(self, input_ids: torch.Tensor | Sequence[int], *, max_new_tokens: int = 256, sampler: Any = None,
                  seed: int | None = None, stop_conditions: Sequence[int | str] = (), stop_at_eos: bool = True,
                  banned_strings: Sequence[str] = (), filters: Sequence[Filter] = (), return_logits: bool = False,
-                 return_probs: bool = False, identifier: Any = None, plugins: Any = None) -> None:
+                 return_probs: bool = False, identifier: Any = None, plugins: Any = None, priority: int = 0) -> None:
         ids = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else [int(t) for t in input_ids]
         if not ids:
             raise ValueError("Job: input_ids is empty; a prompt needs at least one token (e.g. BOS)")
@@ -62,7 +65,12 @@ class Job:
         self.return_logits = return_logits
         self.return_probs = return_probs
         self.identifier = identifier
-        self.status = "new"  # new -> queued -> active -> done | cancelled
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"Job: priority={priority!r} must be an integer (larger runs first)")
+        self.priority = priority
+        self.arrival = 0  # enqueue order, set by the generator (ties between equal priorities)
+        self.preemptions = 0  # times paused for cache space (recomputed on resume)
+        self.status = "new"  # new -> queued -> active (-> queued when preempted -> active) -> done | cancelled
         self.error: BaseException | None = None
         self._init_state()
 
@@ -71,7 +79,7 @@ class Job:
         self.cached = 0  # tokens of seq whose keys/values are in the cache
         self.pages: list[int] = []
         self.hashes: list[bytes] = []  # hash chain of the full pages registered so far
-        self.prompt_hashes: list[bytes] | None = None  # prefix-cache keys of the prompt's full pages
+        self.prompt_hashes: list[bytes] | None = None  # prefix-cache keys of seq's full pages (until admitted)
         self.new_tokens = 0
         self.cached_tokens = 0  # prompt tokens served by the prefix cache
         self.ban_at: dict[int, set[int]] = {}  # position -> tokens banned there (banned strings)
@@ -95,6 +103,7 @@ class Job:
             "time_queued": (self.t_admit or end) - self.t_enqueue, "time_prefill": prefill, "time_generate": gen,
             "prefill_tokens_per_s": (len(self.prompt) - self.cached_tokens) / prefill if prefill > 0 else 0.0,
             "tokens_per_s": (self.new_tokens - 1) / gen if gen > 0 and self.new_tokens > 1 else 0.0,
+            "preemptions": self.preemptions,
         }
 
     def __repr__(self) -> str:

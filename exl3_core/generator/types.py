@@ -36,8 +36,9 @@ class Result(TypedDict, total=False):
 
     Always present: ``job``, ``identifier``, ``stage``, ``eos``, ``text``, ``token_ids``. With
     ``eos`` True: ``eos_reason`` ("stop_token", "stop_string", "filter", "max_new_tokens",
-    "max_seq_len", "error"), ``full_completion`` and the job's stats; ``stop_token`` for a stop
-    token, ``error`` for an error. ``token_probs``/``logits`` when the job asked for them.
+    "max_seq_len", "error"), ``full_completion`` and the job's stats (``preemptions``: times it was
+    paused for cache space); ``stop_token`` for a stop token, ``error`` for an error.
+    ``token_probs``/``logits`` when the job asked for them.
     """
 
     job: Job
@@ -61,3 +62,4 @@ class Result(TypedDict, total=False):
     time_generate: float
     prefill_tokens_per_s: float
     tokens_per_s: float
+    preemptions: int
