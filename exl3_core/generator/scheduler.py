@@ -23,8 +23,9 @@ prefill chunks. While any job decodes, the budget is ``step_tokens`` (a per-devi
 :func:`default_step_tokens`), small enough that a long prompt is prefilled a slice per step while
 streams keep producing tokens; prefill always gets at least a quarter of it, so prompts progress
 under any decode load. With no stream running, prefill takes up to ``max_chunk_tokens`` per step.
-Prefilling jobs share their part shortest-remaining first, each at most an equal share of what is
-left, so a short prompt is not queued behind a long one and a long one still advances every step.
+Prefilling jobs share their part shortest-remaining first (a short prompt is not queued behind a
+long one), after the most important of them has taken a quarter of it (so a long prompt still
+advances every step, however many short ones arrive).
 """
 from __future__ import annotations
 
@@ -218,10 +219,14 @@ class Scheduler:
         prefilling = [j for j in g.active if not j.prefill_done]
         left = self.budget(len(rows))
         take: dict[Job, int] = {}
-        for i, job in enumerate(sorted(prefilling, key=lambda j: (len(j.seq) - j.cached, importance(j)))):
-            n = min(len(job.seq) - job.cached, -(-left // (len(prefilling) - i)))  # at most an equal share
+        if prefilling:  # the most important prompt advances every step, by a quarter of the budget at least
+            first = min(prefilling, key=importance)
+            take[first] = min(len(first.seq) - first.cached, max(1, left // 4))
+            left -= take[first]
+        for job in sorted(prefilling, key=lambda j: (len(j.seq) - j.cached, importance(j))):  # shortest first
+            n = min(len(job.seq) - job.cached - take.get(job, 0), left)
             if n > 0:
-                take[job] = n
+                take[job] = take.get(job, 0) + n
                 left -= n
         out: list[tuple[Job, Chunk]] = [(j, c) for j, c in rows.items()]
         for job in prefilling:

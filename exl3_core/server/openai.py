@@ -342,7 +342,7 @@ class OpenAIApp:
         return JSONResponse({
             "status": "ok", "model": self.model_id, "active_jobs": s.active_jobs, "queued_jobs": s.queued_jobs,
             "steps": s.steps, "batched_steps": s.batched_steps, "max_batch_seen": s.max_batch,
-            "cancelled_jobs": s.cancelled,
+            "cancelled_jobs": s.cancelled, "preemptions": s.preemptions,
             "cache": {"pages": s.pages, "page_size": s.page_size, "pages_in_use": s.pages_in_use,
                       "pages_cached": s.pages_cached},
         })

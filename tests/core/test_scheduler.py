@@ -260,3 +260,20 @@ def test_text_and_stop_strings_survive_preemption(plugins: Any) -> None:
     big, none = run(4096)
     assert preempted > 0 and none == 0
     assert small == big
+
+
+def test_short_prompt_is_not_queued_behind_a_long_one(plugins: Any) -> None:
+    """A 5-token request after a 2000-token prompt gets its first token in the first step, while the
+    long prompt still advances every step."""
+    gen = make(tiny_model(8), plugins, 4096, max_chunk_tokens=256, step_tokens=256)
+    long = Job([(3 * i) % 96 for i in range(2000)], max_new_tokens=2, identifier="long")
+    short = Job([1, 2, 3, 4, 5], max_new_tokens=2, identifier="short")
+    gen.enqueue([long, short])
+    progress = []
+    while not long.new_tokens:
+        before = long.cached
+        gen.iterate()
+        progress.append(long.cached - before)
+        if len(progress) == 1:
+            assert short.new_tokens == 1  # first step: the short prompt was prefilled and sampled
+    assert all(p >= 256 // 4 for p in progress[:-1]) and len(progress) <= -(-2000 // (256 - 5 - 1)) + 1

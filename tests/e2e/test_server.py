@@ -71,7 +71,8 @@ def real() -> Iterator[tuple[int, OpenAIApp]]:
 
     args = argparse.Namespace(model=imported_model(), device="cpu", cache_tokens=2048, attention=None, max_batch=4,
                               model_name=None, api_key=None, max_request_bytes=16 * 1024 * 1024,
-                              request_timeout=600.0, cors_origin=[], allowed_host=[], allow_special_tokens=False)
+                              request_timeout=600.0, cors_origin=[], allowed_host=[], allow_special_tokens=False,
+                              step_tokens=None)
     app = build_app(args)
     with served(app) as port:
         yield port, app

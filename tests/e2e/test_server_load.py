@@ -193,3 +193,40 @@ def test_slow_partial_connections_do_not_block_others(toy: tuple[int, OpenAIApp]
     finally:
         for s in socks:
             s.close()
+
+
+def test_requests_outgrowing_the_cache_are_preempted_not_refused() -> None:
+    """A 1024-token cache, two 400-token prompts with max_tokens 600 (each fits alone, together they
+    do not): both stream all 600 tokens, identical to each run alone, and the pause is counted in
+    /metrics and /health."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    app = toy_app(cache_tokens=1024)
+    rng = random.Random(1024)
+    reqs = [{"prompt": [rng.randrange(256) for _ in range(400)], "max_tokens": 600, "ignore_eos": True, **extra}
+            for extra in ({"temperature": 0}, {"temperature": 0.9, "seed": 77})]
+    with served(app) as port:
+        alone = [stream_text(stream(port, "/v1/completions", r)[0], chat=False) for r in reqs]
+        assert app.agen.stats.preemptions == 0
+        together: dict[int, str] = {}
+        errors: list[BaseException] = []
+
+        def one(i: int) -> None:
+            try:
+                together[i] = stream_text(stream(port, "/v1/completions", reqs[i], timeout=120)[0], chat=False)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)  # the first is admitted first: the second is the newer one
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert [together[0], together[1]] == alone
+        h = wait_idle(port)
+        assert h["preemptions"] >= 1 and h["cache"]["pages_in_use"] == 0
+        text = request(port, "GET", "/metrics")[1].decode()
+        counted = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert counted["exl3_preemptions_total"] == app.agen.stats.preemptions >= 1
