@@ -132,7 +132,8 @@ class Tokenizer:
         tj = d / "tokenizer.json"
         if not tj.is_file():
             if (d / "tokenizer.model").is_file():
-                fix = ("it has only tokenizer.model (SentencePiece); write tokenizer.json next to it with transformers: "
+                fix = ("it has only tokenizer.model (SentencePiece); write tokenizer.json next to it with "
+                       "transformers: "
                        f"AutoTokenizer.from_pretrained('{d}').save_pretrained('{d}')")
             else:
                 fix = ("copy tokenizer.json (and tokenizer_config.json) from the original model's folder or Hugging "

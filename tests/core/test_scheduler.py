@@ -67,7 +67,8 @@ def random_jobs(rng: random.Random, n: int, total: int, longest: int, vocab: int
 
 
 def soak(plugins: Any, *, n_jobs: int, cache_tokens: int, seed: int, max_batch: int, priorities: bool = False,
-         cancel_rate: float = 0.08) -> tuple[Generator, dict[int, dict[str, Any]]]:
+         cancel_rate: float = 0.08,
+         bursts: tuple[int, ...] = (0, 1, 3, 6, 10)) -> tuple[Generator, dict[int, dict[str, Any]]]:
     """Random arrivals and cancels of ``n_jobs`` jobs whose lengths sum to 5x the cache; every job
     not cancelled must finish with its tokens identical to running alone, and no page may leak."""
     rng = random.Random(seed)
@@ -83,14 +84,15 @@ def soak(plugins: Any, *, n_jobs: int, cache_tokens: int, seed: int, max_batch: 
     while pending or gen.num_remaining():
         steps += 1
         assert steps < 50_000, "the soak does not converge"
-        for _ in range(rng.choice([0, 1, 3, 6, 10])):  # bursty arrivals
+        for _ in range(rng.choice(bursts)):  # bursty arrivals
             if pending:
                 gen.enqueue(pending.pop(0))
         for r in gen.iterate():
             tokens[r["identifier"]] += r["token_ids"]
             if r["eos"]:
                 assert r["eos_reason"] == "max_new_tokens", r  # never an error: no job fails for space
-                done[r["identifier"]] = dict(r, all_tokens=tokens[r["identifier"]])
+                entry: dict[str, Any] = {**r, "all_tokens": tokens[r["identifier"]]}
+                done[r["identifier"]] = entry
         if rng.random() < cancel_rate:
             live = [j for j in jobs if j.status in ("queued", "active")]
             if live:
@@ -103,10 +105,10 @@ def soak(plugins: Any, *, n_jobs: int, cache_tokens: int, seed: int, max_batch: 
     alloc = gen.cache.allocator
     alloc.check()
     assert alloc.num_live() == 0 and alloc.num_available() == alloc.num_pages  # 0 pages leaked
-    assert gen.scheduler.preemptions == sum(j.preemptions for j in jobs) > 0, (gen.scheduler.preemptions, sum(j.preemptions for j in jobs))
-    for i, r in done.items():
-        assert r["preemptions"] == jobs[i].preemptions
-        assert r["all_tokens"] == run_alone(model, plugins, jobs[i], cache_tokens), f"job {i} ({jobs[i]!r})"
+    assert gen.scheduler.preemptions == sum(j.preemptions for j in jobs) > 0, gen.scheduler.preemptions
+    for i, d in done.items():
+        assert d["preemptions"] == jobs[i].preemptions
+        assert d["all_tokens"] == run_alone(model, plugins, jobs[i], cache_tokens), f"job {i} ({jobs[i]!r})"
     return gen, done
 
 
@@ -117,13 +119,15 @@ def test_capacity_soak(plugins: Any) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_capacity_soak_long(plugins: Any, request: pytest.FixtureRequest, seed: int) -> None:
-    """The soak with 1000 jobs and mixed priorities, on smaller caches (run with ``-m slow``)."""
+@pytest.mark.parametrize(("seed", "n_jobs", "cache_tokens", "max_batch"), [(1, 1000, 4096, 192), (2, 1000, 2048, 128),
+                                                                         (3, 600, 1024, 96)])
+def test_capacity_soak_long(plugins: Any, request: pytest.FixtureRequest, seed: int, n_jobs: int, cache_tokens: int,
+                            max_batch: int) -> None:
+    """The soak with up to 1000 jobs, mixed priorities and more cancels (run with ``-m slow``)."""
     if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("about a minute per seed on 2 cores; run with -m slow")
-    soak(plugins, n_jobs=1000, cache_tokens=[1024, 768, 2048][seed - 1], seed=seed, max_batch=48, priorities=True,
-         cancel_rate=0.15)
+        pytest.skip("about a minute per case on 2 cores; run with -m slow")
+    soak(plugins, n_jobs=n_jobs, cache_tokens=cache_tokens, seed=seed, max_batch=max_batch, priorities=True,
+         cancel_rate=0.15, bursts=(0, 4, 10, 25, 60))
 
 
 def test_a_job_that_could_never_fit_fails_at_enqueue(plugins: Any) -> None:

@@ -65,6 +65,12 @@ def templated(real_tok: Tokenizer) -> Iterator[tuple[int, OpenAIApp]]:
         yield port, app
 
 
+def rendered(tok: Tokenizer, msgs: list[dict[str, str]]) -> str:
+    text = tok.apply_chat_template(msgs)
+    assert isinstance(text, str)
+    return text
+
+
 def post_raw(port: int, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, Any]:
     return request(port, "POST", path, raw=body, headers=headers)[:2]
 
@@ -133,7 +139,7 @@ def test_special_token_text_in_messages_stays_text(templated: tuple[int, OpenAIA
         msgs = [{"role": role, "content": INJECTION}, {"role": "user", "content": "go"}]
         req = ChatCompletionRequest.model_validate({"messages": msgs})
         ids = app._chat_prompt(req)
-        forged = real_tok.encode(real_tok.apply_chat_template(msgs), add_bos=False)[0].tolist()
+        forged = real_tok.encode(rendered(real_tok, msgs), add_bos=False)[0].tolist()
         assert real_tok.decode(ids) == real_tok.decode(forged)  # the same text, ...
         turns = sum(1 for t in ids if t == real_tok.piece_to_id("<|im_start|>"))
         assert turns == 3 + (role != "system")  # ... the template's turns only (+ its default system turn)
@@ -143,7 +149,7 @@ def test_special_token_text_in_messages_stays_text(templated: tuple[int, OpenAIA
     # trusted callers may opt in: the text becomes the special tokens
     trusted = templated_app(real_tok, allow_special_tokens=True)
     msgs = [{"role": "user", "content": INJECTION}]
-    forged = real_tok.encode(real_tok.apply_chat_template(msgs), add_bos=False)[0].tolist()
+    forged = real_tok.encode(rendered(real_tok, msgs), add_bos=False)[0].tolist()
     assert trusted._chat_prompt(ChatCompletionRequest.model_validate({"messages": msgs})) == forged
     # a name cannot carry template syntax either
     err = assert_openai_error(*request(port, "POST", CHAT, {
@@ -155,7 +161,8 @@ def test_host_header_must_name_this_server(toy: tuple[int, OpenAIApp]) -> None:
     port, _ = toy
     for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.nip.io", "localhost.evil.example", "[::2]",
                  "10.0.0.1", "", "a b"):
-        for method, path, body in (("GET", "/v1/models", None), ("POST", COMP, {"prompt": "x"}), ("GET", "/health", None)):
+        for method, path, body in (("GET", "/v1/models", None), ("POST", COMP, {"prompt": "x"}),
+                                   ("GET", "/health", None)):
             err = assert_openai_error(*request(port, method, path, body, headers={"Host": host})[:2], 400)
             assert err["code"] == "invalid_host" and "--allowed-host" in err["message"], err
     for host in (f"127.0.0.1:{port}", "localhost", f"localhost:{port}", "LOCALHOST.", "127.0.0.1", "[::1]:1"):
@@ -433,7 +440,8 @@ def test_fuzz_mutated_requests_never_5xx() -> None:
         assert not failures, failures[0]
         assert sum(statuses.values()) == n_cases
         # the mutations reached generation, validation and the HTTP checks alike
-        assert statuses.get(200, 0) > 50 and statuses.get(400, 0) > 500 and 415 in statuses and 404 in statuses, statuses
+        assert statuses.get(200, 0) > 50 and statuses.get(400, 0) > 500, statuses
+        assert 415 in statuses and 404 in statuses, statuses
         h = wait_idle(port)
         assert h["cache"]["pages_in_use"] == 0 and app.agen.stats.failed_steps == 0
         gen.cache.allocator.check()
