@@ -43,7 +43,7 @@ from exl3_core.generator.types import Result
 
 #: per-step token budget while jobs decode, by device type: on CUDA a 512-token chunk costs a few
 #: decode steps of an 8B model, on a CPU each prefill token costs about a twentieth of a decode step
-STEP_TOKENS = {"cuda": 512, "cpu": 32}
+STEP_TOKENS = {"cuda": 512, "cpu": 24}
 
 
 def default_step_tokens(device: torch.device) -> int:

@@ -36,7 +36,7 @@ def add_cli(sub: Any) -> None:
                    help="most requests generating at once; more wait in the queue (default 16)")
     p.add_argument("--step-tokens", type=int, default=None, metavar="N",
                    help="tokens of one generator step while requests stream, shared by their next tokens and "
-                        "chunks of new prompts (default: 512 on CUDA, 32 on CPU); smaller keeps streams smoother "
+                        "chunks of new prompts (default: 512 on CUDA, 24 on CPU); smaller keeps streams smoother "
                         "while long prompts are read, larger reads prompts faster")
     p.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: the folder name)")
     p.add_argument("--attention", default=None, help="comma-separated attention backends to try, in order")
@@ -72,6 +72,8 @@ def server_options(args: argparse.Namespace) -> Any:
         raise ValueError(f"--request-timeout {args.request_timeout} must be >= 0 (0: no limit)")
     if key is not None and not key.strip():
         raise ValueError("--api-key / EXL3_API_KEY is empty; give a non-empty key or leave it unset")
+    if args.step_tokens is not None and args.step_tokens < 1:
+        raise ValueError(f"--step-tokens {args.step_tokens} must be at least 1")
     for h in args.allowed_host:
         if not h.strip() or any(c in h for c in "/ @"):
             raise ValueError(f"--allowed-host {h!r} is not a host name (give e.g. myhost.lan, .example.com or *)")
@@ -88,8 +90,6 @@ def build_app(args: argparse.Namespace) -> Any:
 
     if args.max_batch < 1:
         raise ValueError(f"--max-batch {args.max_batch} must be at least 1")
-    if args.step_tokens is not None and args.step_tokens < 1:
-        raise ValueError(f"--step-tokens {args.step_tokens} must be at least 1")
     options = server_options(args)
     s = Session(args)
     gen = Generator(s.model, s.cache, s.tokenizer, max_batch_size=args.max_batch, step_tokens=args.step_tokens)

@@ -541,7 +541,9 @@ def test_exl3_serve_command_with_api_key_from_env_stops_on_sigint() -> None:
 
 @pytest.mark.parametrize(("flags", "message"), [(["--max-request-bytes", "0"], "--max-request-bytes"),
                                                 (["--request-timeout", "-1"], "--request-timeout"),
-                                                (["--api-key", " "], "--api-key")])
+                                                (["--api-key", " "], "--api-key"),
+                                                (["--step-tokens", "0"], "--step-tokens"),
+                                                (["--allowed-host", "http://x/"], "--allowed-host")])
 def test_serve_rejects_bad_options_before_loading_the_model(flags: list[str], message: str) -> None:
     import subprocess
 
