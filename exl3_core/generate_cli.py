@@ -218,13 +218,14 @@ class Session:
             model_dir = default_model_dir(progress=True)
         self.config = Config.from_directory(model_dir)
         self.sampling = LIBRARY_GREEDY
+        # before the weights load: a folder without its tokenizer fails in a second, not after minutes
+        self.tokenizer = Tokenizer.from_config(self.config)
         self.model = Model.from_config(self.config)
         attention = [a.strip() for a in args.attention.split(",")] if args.attention else None
         self.cache = Cache(self.model, max_num_tokens=args.cache_tokens)
         # the cache counts in the load's memory check and is allocated with the weights
         self.model.load(device=device, progressbar=True, attention=attention, caches=[self.cache],
                         **parallel_load_kwargs(args))
-        self.tokenizer = Tokenizer.from_config(self.config)
         #: the adapters every reply uses ({} without --lora)
         self.loras = load_all(self.model, lora_specs)
         #: Generator keyword arguments of the speculative decoding options (empty without them)
@@ -243,8 +244,7 @@ class Session:
 
     def prompt_ids(self, messages: list[dict[str, str]] | None, raw: str | None) -> Any:
         if messages is not None and self.tokenizer.chat_template:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_bos=False)
+            return self.tokenizer.encode_chat(messages, add_generation_prompt=True)  # typed <|...|> stays text
         if messages is not None:  # no template: plain concatenation
             raw = "\n".join(m["content"] for m in messages) + "\n"
         return self.tokenizer.encode(raw or "")

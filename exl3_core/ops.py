@@ -167,7 +167,7 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
 
 
 def greedy_pack(logits: torch.Tensor, *, out: torch.Tensor | None = None, impl: Impl = "auto") -> torch.Tensor:
-    """float64 ``[2, B]``: greedy ids (first maximum) and "row has a finite logit and no NaN" flags of
+    """float64 ``[2, B]``: greedy ids (first maximum) and "row has a finite logit and no NaN or +inf" flags of
     ``logits [B, V]``, the decode graphs' greedy output. One launch on CUDA. ``out``: a contiguous float64
     ``[2, B]`` on the logits' device to write (and return) instead of a new tensor."""
     if out is not None and (out.dtype != torch.float64 or out.dim() != 2 or out.shape[0] != 2

@@ -61,6 +61,7 @@ class GeneratorStats:
     page_size: int = 0
     pages_in_use: int = 0
     pages_cached: int = 0
+    preemptions: int = 0  # jobs paused for cache space and recomputed later
 
 
 @dataclass
@@ -350,4 +351,4 @@ class AsyncGenerator:
         alloc = gen.cache.allocator
         return GeneratorStats(active_jobs=len(gen.active), queued_jobs=len(gen.queue), pages=alloc.num_pages,
                               page_size=alloc.page_size, pages_in_use=alloc.num_live(),
-                              pages_cached=alloc.num_cached(), **counts)
+                              pages_cached=alloc.num_cached(), preemptions=gen.scheduler.preemptions, **counts)

@@ -2,10 +2,12 @@
 
 Each :meth:`Generator.iterate` call is one model forward:
 
-1. admit queued jobs (FIFO) while the batch has room and the cache can hold their prompts;
-   a prompt's leading full pages are taken from the prefix cache when their hash chain matches;
-2. schedule: every decoding job contributes its one pending token, then prefilling jobs take
-   chunks of their prompts from what is left of the per-iteration token budget;
+1. admit queued jobs (by priority, then arrival) while the batch has room and the cache can hold
+   their prompts; a prompt's leading full pages are taken from the prefix cache when their hash
+   chain matches;
+2. schedule: every decoding job contributes its one pending token (a job is preempted and later
+   recomputed when the cache runs out of pages), then prefilling jobs take chunks of their prompts
+   from what is left of the step's token budget (:mod:`exl3_core.generator.scheduler`);
 3. run one forward (a fixed-shape padded decode step when every job decodes, else a packed
    mixed step) while filter masks are computed on a worker thread where filters ask for it;
 4. sample all jobs that need a token in one vectorised call; the ids (and, only when asked,
@@ -21,8 +23,9 @@ step t's ids are read and handled, which hides this host work behind the device'
 With a draft model or n-gram drafting, a decode step may verify drafted tokens instead, several per
 job (:mod:`exl3_core.generator.speculative`); the overlapped loop drains for it.
 
-A failure that concerns one job (cache exhausted while it grows, every token excluded, a filter
-raising) ends that job with ``eos_reason="error"`` and leaves the others running.
+A failure that concerns one job (every token excluded, a filter raising, NaN logits) ends that job
+with ``eos_reason="error"`` and leaves the others running. Running out of cache pages is never one:
+a job that could never fit is refused at enqueue, any other waits or is preempted.
 """
 from __future__ import annotations
 
@@ -38,15 +41,16 @@ from typing import Any
 import torch
 
 from exl3_core.cache.cache import Cache
-from exl3_core.cache.pages import CacheExhausted, chain_hash, page_hashes
+from exl3_core.cache.pages import CacheExhausted, chain_hash
 from exl3_core.generator.batching import Chunk, build_batch, meta_to_device
 from exl3_core.generator.graphs import DecodeGraphs, PrefillGraphs
 from exl3_core.generator.job import Job
 from exl3_core.generator.loras import StepLoras
 from exl3_core.generator.overlap import DecodePipeline
+from exl3_core.generator.scheduler import Scheduler, default_step_tokens
 from exl3_core.generator.speculative import Speculator
 from exl3_core.generator.stop import HeldText, TextStream
-from exl3_core.generator.types import BatchModel, Result
+from exl3_core.generator.types import BatchModel, NumericFault, Result
 from exl3_core.plan.plan import ExecutionPlan
 from exl3_core.sampling.sampler import sample
 from exl3_core.tuning import Tuning
@@ -67,7 +71,10 @@ class Generator:
     :param tokenizer: needed for text output, stop/banned strings and string prompts
         (default ``model.tokenizer`` when present).
     :param max_batch_size: most jobs decoding at once.
-    :param max_chunk_tokens: token budget of one forward (decode tokens plus prefill chunks).
+    :param max_chunk_tokens: most tokens of one forward (prefill chunks when no job decodes).
+    :param step_tokens: token budget of a step while jobs decode, shared by the decode rows and
+        prefill chunks (None: :func:`~exl3_core.generator.scheduler.default_step_tokens` of the
+        device); smaller keeps streams smoother while long prompts are prefilled.
     :param max_seq_len: longest sequence (prompt + output); sets the page-table width.
     :param overlap_decode: run plain greedy decode one step ahead (see
         :mod:`exl3_core.generator.overlap`); None: the tuning's ``graphs.overlap_decode`` (on).
@@ -90,7 +97,7 @@ class Generator:
                  overlap_decode: bool | None = None, tuning: Tuning | None = None,
                  draft_model: BatchModel | None = None, draft_cache: Cache | None = None, num_draft_tokens: int = 4,
                  ngram_draft_tokens: int = 0, ngram_corpus: Sequence[Sequence[int]] = (), dynamic_draft: bool = True,
-                 draft_tokenizer: Any = None) -> None:
+                 draft_tokenizer: Any = None, step_tokens: int | None = None) -> None:
         if max_batch_size < 1 or max_chunk_tokens < 1:
             raise ValueError(f"Generator: max_batch_size={max_batch_size} and max_chunk_tokens={max_chunk_tokens} "
                              f"must be positive")
@@ -109,6 +116,8 @@ class Generator:
         self.table_width = cache.max_pages_per_seq(max_seq_len)
         self.max_seq_len = self.table_width * self.page_size
         self.device = torch.device(model.device)
+        #: admission, preemption and the per-step token budget
+        self.scheduler = Scheduler(self, step_tokens if step_tokens is not None else default_step_tokens(self.device))
         self.vocab_size = self._vocab_size()
         eos = model.config.eos_token_ids() if hasattr(model, "config") else []
         tok_eos = getattr(self.tokenizer, "eos_token_ids", None) or []
@@ -171,9 +180,8 @@ class Generator:
                 self.loras.check(j)
             for j in jobs:
                 self.loras.bind(j)
-                j.status = "queued"
                 j.t_enqueue = time.perf_counter()
-                self.queue.append(j)
+                self.scheduler.push(j)
 
     def cancel(self, job: Job) -> None:
         """Stop a queued or running job now and free its pages (no further results)."""
@@ -222,7 +230,7 @@ class Generator:
             self._sync_loras(results)
             if self.pipeline is not None and self.pipeline.busy and self.pipeline.advance(results):
                 return results
-            self._admit(results)
+            self.scheduler.admit(results)
             if not self.active:
                 return results
             self._step(results)
@@ -286,39 +294,15 @@ class Generator:
             self._fail(job, err, results)
 
     # -- admission and pages -------------------------------------------------------------------
-    def _admit(self, results: list[Result]) -> None:
-        alloc = self.cache.allocator
-        ps = self.page_size
-        while self.queue and len(self.active) < self.max_batch_size:
-            job = self.queue[0]
-            n = len(job.seq)
-            # never share the page holding the last prompt token: it must be run for logits
-            if job.prompt_hashes is None:  # computed once, even if the job waits several steps
-                job.prompt_hashes = page_hashes(job.seq, ps, max_pages=(n - 1) // ps, root=job.hash_root)
-            hashes = job.prompt_hashes
-            matched = alloc.match_prefix(hashes)
-            try:
-                fresh = alloc.allocate(math.ceil(n / ps) - len(matched))
-            except CacheExhausted as e:
-                alloc.release(matched)
-                if self.active:
-                    return  # wait for running jobs to free pages
-                self.queue.popleft()
-                self._fail(job, e, results)
-                continue
-            self.queue.popleft()
-            job.pages = matched + fresh
-            job.hashes = hashes[:len(matched)]
-            job.cached = job.cached_tokens = len(matched) * ps
-            job.rng = torch.Generator(device=self.device).manual_seed(job.seed)
-            if self.tokenizer is not None:
-                job.stream = TextStream(self.tokenizer)
-            job.held = HeldText(job.stop_strings, job.banned_strings)
-            for f in job.filters:
-                f.attach()
-            job.status = "active"
-            job.t_admit = time.perf_counter()
-            self.active.append(job)
+    def _start(self, job: Job) -> None:
+        """Per-job state of a first admission (a resumed job keeps its own)."""
+        job.rng = torch.Generator(device=self.device).manual_seed(job.seed)
+        if self.tokenizer is not None:
+            job.stream = TextStream(self.tokenizer)
+        job.held = HeldText(job.stop_strings, job.banned_strings)
+        for f in job.filters:
+            f.attach()
+        job.t_admit = time.perf_counter()
 
     def _ensure_pages(self, job: Job, upto: int) -> None:
         need = math.ceil(upto / self.page_size) - len(job.pages)
@@ -359,30 +343,8 @@ class Generator:
             self.spec.release(job)
 
     # -- one step -----------------------------------------------------------------------------
-    def _schedule(self, results: list[Result]) -> list[tuple[Job, Chunk]]:
-        budget = self.max_chunk_tokens
-        out: list[tuple[Job, Chunk]] = []
-        for job in list(self.active):
-            if not job.prefill_done:
-                continue
-            try:
-                self._ensure_pages(job, job.cached + 1)
-            except CacheExhausted as e:
-                self._fail(job, e, results)
-                continue
-            out.append((job, Chunk([job.seq[-1]], job.cached, job.pages, True)))
-            budget -= 1
-        for job in self.active:
-            if job.prefill_done or budget <= 0:
-                continue
-            n = min(budget, len(job.seq) - job.cached)
-            want = job.cached + n == len(job.seq)
-            out.append((job, Chunk(job.seq[job.cached:job.cached + n], job.cached, job.pages, want)))
-            budget -= n
-        return out
-
     def _step(self, results: list[Result]) -> None:
-        work = self._schedule(results)
+        work = self.scheduler.plan()
         if not work:
             return
         decode = all(len(c.tokens) == 1 for _, c in work)
@@ -523,20 +485,27 @@ class Generator:
             else torch.rand((), generator=j.rng, device=self.device) for j in jobs])
         want_probs = any(j.return_probs for j in jobs)
         out = sample(logits, [j.sampler for j in jobs], uniforms, history=history, want_probs=want_probs)
+        # ok row: 1 sampled, 0 every token excluded, -1 the raw logits were NaN/inf (a numeric fault)
+        fault = (raw.isnan() | raw.isposinf()).any(-1) | raw.isneginf().all(-1)
+        ok = torch.where(fault, -1.0, out.ok.double())
         # the step's one device->host read
-        packed = torch.stack([out.ids.double(), out.ok.double()] + ([out.probs.double()] if out.probs is not None else []))
+        packed = torch.stack([out.ids.double(), ok] + ([out.probs.double()] if out.probs is not None else []))
         host = packed.cpu().tolist()
         raw_rows = raw.cpu() if any(j.return_logits for j in jobs) else None
         self._process_sampled(jobs, host, raw_rows, failed, results)
 
     def _process_sampled(self, jobs: list[Job], host: list[list[float]], raw_rows: torch.Tensor | None,
                          failed: dict[int, BaseException], results: list[Result]) -> None:
-        """Per job: ``host[0][i]`` the sampled id, ``host[1][i]`` whether any token was allowed."""
+        """Per job: ``host[0][i]`` the sampled id, ``host[1][i]`` 1 when a token was allowed, 0 when
+        none was, -1 when the logits were NaN/inf (0 too where nothing could exclude a token)."""
         for i, job in enumerate(jobs):
             if job.status != "active":
                 continue
             if i in failed:
                 self._fail(job, failed[i], results)
+            elif host[1][i] < 0 or (not host[1][i] and job.sampler.is_greedy and not job.filters
+                                    and not job.ban_at.get(len(job.seq))):
+                self._fail(job, NumericFault(job.identifier, self.forward_calls, len(job.seq)), results)
             elif not host[1][i]:
                 self._fail(job, RuntimeError(
                     "every token was excluded at this position (sampler truncation, token bans, banned strings and "
@@ -595,7 +564,10 @@ class Generator:
         for f in job.filters:
             f.rewind(n)
         job.cached = min(job.cached, len(job.seq) - 1)
-        self._truncate_cache(job)
+        try:
+            self._truncate_cache(job)
+        except CacheExhausted:  # no page to copy a shared one into: recompute the job later instead
+            self.scheduler.preempt(job)
 
     def _emit(self, job: Job, text: str, toks: list[int], extras: list[Any], results: list[Result], *,
               eos: bool, **more: Any) -> Result | None:

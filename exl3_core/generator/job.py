@@ -33,13 +33,16 @@ class Job:
     :param identifier: anything; returned with every result of this job.
     :param loras: LoRA adapters loaded on the model to run this job with, ``{name: weight}`` (the weighted sum
         of their deltas; 1.0: as trained); None: the base model.
+    :param priority: larger runs first: queued jobs are admitted by priority, then arrival, and when
+        the cache runs out the lowest-priority (then newest) running job is paused first (see
+        :mod:`exl3_core.generator.scheduler`).
     """
 
     def __init__(self, input_ids: torch.Tensor | Sequence[int], *, max_new_tokens: int = 256, sampler: Any = None,
                  seed: int | None = None, stop_conditions: Sequence[int | str] = (), stop_at_eos: bool = True,
                  banned_strings: Sequence[str] = (), filters: Sequence[Filter] = (), return_logits: bool = False,
                  return_probs: bool = False, identifier: Any = None, plugins: Any = None,
-                 loras: Mapping[str, float] | None = None) -> None:
+                 loras: Mapping[str, float] | None = None, priority: int = 0) -> None:
         ids = input_ids.reshape(-1).tolist() if isinstance(input_ids, torch.Tensor) else [int(t) for t in input_ids]
         if not ids:
             raise ValueError("Job: input_ids is empty; a prompt needs at least one token (e.g. BOS)")
@@ -70,7 +73,12 @@ class Job:
         self.loras: dict[str, float] = check_choice(loras, "Job: loras")
         self.lora_uids: dict[str, int] = {}  # which load of each adapter the job runs with (set at enqueue)
         self.hash_root = ROOT_HASH  # prefix-cache chain root (salted with the adapters at enqueue)
-        self.status = "new"  # new -> queued -> active -> done | cancelled
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"Job: priority={priority!r} must be an integer (larger runs first)")
+        self.priority = priority
+        self.arrival = 0  # enqueue order, set by the generator (ties between equal priorities)
+        self.preemptions = 0  # times paused for cache space (recomputed on resume)
+        self.status = "new"  # new -> queued -> active (-> queued when preempted -> active) -> done | cancelled
         self.error: BaseException | None = None
         self._init_state()
 
@@ -79,7 +87,7 @@ class Job:
         self.cached = 0  # tokens of seq whose keys/values are in the cache
         self.pages: list[int] = []
         self.hashes: list[bytes] = []  # hash chain of the full pages registered so far
-        self.prompt_hashes: list[bytes] | None = None  # prefix-cache keys of the prompt's full pages
+        self.prompt_hashes: list[bytes] | None = None  # prefix-cache keys of seq's full pages (until admitted)
         self.new_tokens = 0
         self.cached_tokens = 0  # prompt tokens served by the prefix cache
         self.ban_at: dict[int, set[int]] = {}  # position -> tokens banned there (banned strings)
@@ -108,6 +116,7 @@ class Job:
             "tokens_per_s": (self.new_tokens - 1) / gen if gen > 0 and self.new_tokens > 1 else 0.0,
             "draft_tokens": self.draft_tokens, "accepted_draft_tokens": self.accepted_draft_tokens,
             "acceptance_rate": self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+            "preemptions": self.preemptions,
         }
 
     def __repr__(self) -> str:

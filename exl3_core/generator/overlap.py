@@ -44,6 +44,7 @@ from exl3_core.generator.batching import Chunk, HostRead, build_batch, gather_ro
 from exl3_core.generator.graphs import DecodeGraphs
 from exl3_core.generator.job import Job
 from exl3_core.generator.loras import StepLoras
+from exl3_core.generator.scheduler import Scheduler
 from exl3_core.generator.types import Result
 from exl3_core.plan.plan import ExecutionPlan
 
@@ -60,6 +61,7 @@ class PipelineHost(Protocol):
     cache: Cache
     graphs: DecodeGraphs | None
     plan: ExecutionPlan
+    scheduler: Scheduler
     device: torch.device
     forward_calls: int
     tokens_computed: int
@@ -168,7 +170,7 @@ class DecodePipeline:
     def _speculate(self, flight: _Flight) -> _Flight | None:
         """Launch the step after ``flight`` from its device ids, or None (drain)."""
         g = self.gen
-        if g.queue and len(g.active) < g.max_batch_size:
+        if g.scheduler.admissible():
             return None  # a queued job may join: the plain loop admits it first
         live = [(i, r) for i, r in enumerate(flight.rows) if r.valid and r.job.status == "active"]
         if len(live) != len(g.active):

@@ -125,8 +125,15 @@ class ByteTokenizer:
     def get_vocab_bytes(self) -> list[bytes]:
         return list(self.pieces)
 
-    def encode(self, text: str, add_bos: bool | None = None) -> torch.Tensor:
-        return torch.tensor([list(text.encode("utf-8"))], dtype=torch.int64)
+    def encode(self, text: str, add_bos: bool | None = None, encode_special_tokens: bool = True) -> torch.Tensor:
+        """UTF-8 bytes of ``text`` (there are no special tokens to encode); ``ValueError`` for text
+        that is not valid Unicode."""
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text is not valid Unicode ({e.reason} at character {e.start}); send well-formed "
+                             f"text") from None
+        return torch.tensor([list(data)], dtype=torch.int64)
 
     def decode(self, ids: Any) -> str:
         if isinstance(ids, torch.Tensor):

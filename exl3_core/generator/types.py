@@ -11,10 +11,24 @@ import torch
 
 from exl3_core.archkit.batch import BatchModel
 
-__all__ = ["BatchModel", "Result"]
+__all__ = ["BatchModel", "NumericFault", "Result"]
 
 if TYPE_CHECKING:
     from exl3_core.generator.job import Job
+
+
+class NumericFault(RuntimeError):
+    """The model produced NaN or infinite logits for a job (corrupt weights, an overflow): a fault of
+    the model or its numerics, never of the job's sampling settings. Names the job and the step."""
+
+    def __init__(self, identifier: Any, step: int, position: int) -> None:
+        super().__init__(
+            f"numeric fault: the model's logits for job {identifier!r} at generator step {step} (sequence "
+            f"position {position}) are NaN or infinite; the weights or activations are corrupt or overflowed "
+            f"(check the model files, or run in a wider dtype). No sampling setting caused this")
+        self.identifier = identifier
+        self.step = step
+        self.position = position
 
 
 class Result(TypedDict, total=False):
@@ -22,10 +36,11 @@ class Result(TypedDict, total=False):
 
     Always present: ``job``, ``identifier``, ``stage``, ``eos``, ``text``, ``token_ids``. With
     ``eos`` True: ``eos_reason`` ("stop_token", "stop_string", "filter", "max_new_tokens",
-    "max_seq_len", "error"), ``full_completion`` and the job's stats; ``stop_token`` for a stop
-    token, ``error`` for an error. ``token_probs``/``logits`` when the job asked for them. Speculative
-    decoding: ``draft_tokens`` verified for the job, ``accepted_draft_tokens`` of them and their ratio
-    ``acceptance_rate`` (zeros without drafting).
+    "max_seq_len", "error"), ``full_completion`` and the job's stats (``preemptions``: times it was
+    paused for cache space); ``stop_token`` for a stop token, ``error`` for an error.
+    ``token_probs``/``logits`` when the job asked for them. Speculative decoding: ``draft_tokens``
+    verified for the job, ``accepted_draft_tokens`` of them and their ratio ``acceptance_rate`` (zeros
+    without drafting).
     """
 
     job: Job
@@ -52,3 +67,4 @@ class Result(TypedDict, total=False):
     draft_tokens: int
     accepted_draft_tokens: int
     acceptance_rate: float
+    preemptions: int

@@ -441,7 +441,7 @@ def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor,
     return cos, sin
 
 
-# -- greedy pick of a decode step: argmax and the "row has a finite logit, no NaN" flag -------------
+# -- greedy pick of a decode step: argmax and the "row has a finite logit, no NaN/+inf" flag --------
 
 
 @triton.jit
@@ -458,7 +458,8 @@ def _greedy_pack_kernel(X, Count, PartM, PartI, PartF, Out, stride_x, V, B, P,
     ok = cols < V
     x = tl.load(X + row * stride_x + cols, mask=ok, other=float("-inf")).to(tl.float32)
     nan = x != x
-    flags = tl.max(((tl.abs(x) < float("inf")) & ok).to(tl.int32), 0) + 2 * tl.max(nan.to(tl.int32), 0)
+    bad = nan | (x == float("inf"))  # NaN or +inf: a numeric fault, never a valid pick
+    flags = tl.max(((tl.abs(x) < float("inf")) & ok).to(tl.int32), 0) + 2 * tl.max(bad.to(tl.int32), 0)
     x = tl.where(nan, float("-inf"), x)  # a NaN row is flagged; its id is not used
     m = tl.max(x, 0)
     first = tl.min(tl.where(x == m, cols, 2147483647), 0)  # first occurrence, as torch.argmax
@@ -489,7 +490,7 @@ _GREEDY_BLOCK = 4096
 
 def greedy_pack(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """float64 ``[2, B]``: ``logits [B, V]``'s argmax (first maximum) and "has a finite logit and no
-    NaN" flag per row, in one launch (the reference's argmax, isfinite/isnan reductions, casts and
+    NaN or +inf" flag per row, in one launch (the reference's argmax, isfinite/isnan reductions, casts and
     stack were ~10 kernels and ~80 us per decode step at V = 128256 on an H200). ``out``: a contiguous
     float64 ``[2, B]`` to write instead of a new tensor (checked by :func:`exl3_core.ops.greedy_pack`)."""
     if logits.dim() != 2:

@@ -95,11 +95,12 @@ def rope_kv_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: to
 
 
 def greedy_pack(logits: torch.Tensor) -> torch.Tensor:
-    """float64 ``[2, B]``: ``logits [B, V]``'s argmax and "has a finite logit and no NaN" flag per row
-    (the same selection as :func:`~exl3_core.sampling.sampler.sample` with a greedy sampler)."""
+    """float64 ``[2, B]``: ``logits [B, V]``'s argmax and "has a finite logit and no NaN or +inf" flag
+    per row (the same selection as :func:`~exl3_core.sampling.sampler.sample` with a greedy sampler;
+    a flag of 0 is a numeric fault: nothing constrains a greedy row)."""
     x = logits.float()
     ids = x.argmax(-1)
-    ok = torch.isfinite(x).any(-1) & ~torch.isnan(x).any(-1)
+    ok = torch.isfinite(x).any(-1) & ~(torch.isnan(x) | torch.isposinf(x)).any(-1)
     return torch.stack([ids.double(), ok.double()])
 
 

@@ -79,7 +79,13 @@ class SamplingStep:
     def _number(self, param: str, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
                 integer: bool = False) -> None:
         v = self.params[param]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise self._err(param, "it must be a finite number")
+        try:
+            finite = math.isfinite(v)  # an int beyond float range raises here
+        except OverflowError:
+            finite = False
+        if not finite:
             raise self._err(param, "it must be a finite number")
         if integer and int(v) != v:
             raise self._err(param, "it must be an integer")

@@ -9,6 +9,8 @@ import torch
 from exl3_core.sampling.step import SamplerValueError, SamplingStep, StepContext
 
 NEG_INF = float("-inf")
+#: a bias at least this large is +inf in float32
+_F32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _keep_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -103,6 +105,7 @@ class TopP(SamplingStep):
         sp, order = probs.sort(dim=-1, descending=True, stable=True)
         before = sp.cumsum(-1) - sp  # mass of strictly more likely tokens
         keep_sorted = (before < p) | (p >= 1)
+        keep_sorted[:, 0] = True  # the nucleus holds the top token, even for a top_p that is 0 in float32
         return _keep_sorted_prefix(logits, keep_sorted, order)
 
 
@@ -145,6 +148,7 @@ class Typical(SamplingStep):
         sp = p.gather(1, order)
         before = sp.cumsum(-1) - sp
         keep_sorted = (before < tau) | (tau >= 1)
+        keep_sorted[:, 0] = True  # the most typical token stays, even for a tau that is 0 in float32
         return _keep_sorted_prefix(logits, keep_sorted, order)
 
 
@@ -219,7 +223,9 @@ def _check_token_ids(step: SamplingStep, ids: list[int], vocab_size: int) -> Non
 
 
 class LogitBias(SamplingStep):
-    """Add ``bias[token]`` to each listed token's logit."""
+    """Add ``bias[token]`` to each listed token's logit. ``+inf`` forces the token: only the tokens
+    biased by ``+inf`` stay possible (equally likely), unless an earlier step banned them; ``-inf``
+    bans it."""
 
     name: ClassVar[str] = "logit_bias"
     defaults: ClassVar[dict[str, Any]] = {"bias": {}}
@@ -239,12 +245,22 @@ class LogitBias(SamplingStep):
 
     @classmethod
     def batch_params(cls, steps: list[SamplingStep], device: torch.device) -> Any:
-        return _sparse_rows([[(int(t), float(v)) for t, v in s.params["bias"].items()] for s in steps], device)
+        entries = [[(int(t), float(v)) for t, v in s.params["bias"].items()] for s in steps]
+        # decided on the host, so the common finite case costs no extra device work or sync
+        forcing = any(v >= _F32_MAX for e in entries for _, v in e)
+        return (*_sparse_rows(entries, device), forcing)
 
     @classmethod
     def apply(cls, logits: torch.Tensor, params: Any, ctx: StepContext) -> torch.Tensor:
-        rows, cols, vals = params
-        return logits.index_put((rows, cols), vals, accumulate=True)
+        rows, cols, vals, forcing = params
+        out = logits.index_put((rows, cols), vals, accumulate=True)
+        if not forcing:
+            return out
+        # a float32 +inf added to a logit: keep only the forced tokens, an earlier ban (-inf) winning
+        force = torch.zeros_like(out, dtype=torch.bool).index_put((rows, cols), torch.isposinf(vals))
+        force &= ~torch.isneginf(logits)
+        out = out.masked_fill(torch.isnan(out), NEG_INF)  # -inf + inf: the ban stands
+        return torch.where(force.any(-1, keepdim=True), torch.where(force, 0.0, NEG_INF), out)
 
 
 class TokenBan(SamplingStep):

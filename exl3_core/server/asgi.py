@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 from collections.abc import AsyncGenerator, Callable
 
@@ -43,6 +44,93 @@ class APIKeyMiddleware:
             await err.send(send)
             return
         await self.app(scope, receive, send)
+
+
+def host_name(header: str) -> str:
+    """The host of a ``Host`` header value, lower-cased, without port, brackets or trailing dot."""
+    h = header.strip().lower()
+    if h.startswith("["):  # [v6]:port
+        return h[1:h.find("]")] if "]" in h else h
+    if h.count(":") == 1:
+        h = h.split(":", 1)[0]
+    return h.rstrip(".")
+
+
+def _is_loopback_name(name: str) -> bool:
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _same_address(a: str, b: str) -> bool:
+    try:
+        return ipaddress.ip_address(a) == ipaddress.ip_address(b)
+    except ValueError:
+        return a == b
+
+
+def host_allowed(name: str, local: str | None, allowed: tuple[str, ...]) -> bool:
+    """Whether a request naming host ``name`` may be served on the local address ``local``.
+
+    Allowed: the address the connection arrived on, loopback names on a loopback connection, and
+    ``allowed`` (exact names, ``.example.com`` for a domain and its subdomains, ``*`` for any)."""
+    if "*" in allowed or name in allowed:
+        return True
+    if any(a.startswith(".") and (name.endswith(a) or name == a[1:]) for a in allowed):
+        return True
+    if local is None:
+        return False
+    if _same_address(name, local):
+        return True
+    return _is_loopback_name(local) and _is_loopback_name(name)
+
+
+class HostCheckMiddleware:
+    """Refuses (400) a request whose ``Host`` header names neither the address it arrived on nor an
+    allowed name: a web page that resolves its own domain to 127.0.0.1 (DNS rebinding) reaches a
+    loopback server, but its requests carry its own domain as ``Host``. A request without a
+    ``Host`` header (HTTP/1.0) comes from no browser and passes."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: tuple[str, ...] = ()) -> None:
+        self.app = app
+        self.allowed = tuple(a.strip().lower().rstrip(".") for a in allowed_hosts)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        raw = next((v for k, v in scope["headers"] if k == b"host"), None)
+        if raw is not None:
+            name = host_name(raw.decode("latin-1"))
+            server = scope.get("server")
+            local = str(server[0]) if server else None
+            if not host_allowed(name, local, self.allowed):
+                shown = raw.decode("latin-1")[:100]
+                err = APIError(400, f"the Host header {shown!r} does not name this server's address; if you reach the "
+                                    f"server under that name, allow it: exl3 serve --allowed-host {name or '<name>'}",
+                               code="invalid_host", param=None)
+                await err.send(send)
+                return
+        await self.app(scope, receive, send)
+
+
+#: media type of every request body the API takes
+JSON_MEDIA_TYPE = "application/json"
+
+
+def require_json(content_type: str | None) -> None:
+    """415 unless ``content_type`` is ``application/json`` (UTF-8): a browser sends a cross-site
+    ``text/plain`` or form body without asking the server first (no CORS preflight), a JSON body never."""
+    media, _, params = (content_type or "").partition(";")
+    charset = next((v.strip().strip('"').lower() for k, _, v in (p.partition("=") for p in params.split(";"))
+                    if k.strip().lower() == "charset"), None)
+    if media.strip().lower() != JSON_MEDIA_TYPE or charset not in (None, "utf-8", "utf8"):
+        shown = "no Content-Type" if content_type is None else f"Content-Type {content_type[:100]!r}"
+        raise APIError(415, f"the request body must be JSON sent with 'Content-Type: application/json', got {shown} "
+                            f"(curl: -H 'Content-Type: application/json')", code="unsupported_media_type")
 
 
 async def read_body(request: Request, limit: int, timeout: float | None) -> bytes:

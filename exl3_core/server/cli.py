@@ -36,6 +36,10 @@ def add_cli(sub: Any) -> None:
     p.add_argument("--device", default=None, help="torch device (default: cuda:0 if available, else cpu)")
     p.add_argument("--max-batch", type=int, default=16,
                    help="most requests generating at once; more wait in the queue (default 16)")
+    p.add_argument("--step-tokens", type=int, default=None, metavar="N",
+                   help="tokens of one generator step while requests stream, shared by their next tokens and "
+                        "chunks of new prompts (default: 512 on CUDA, 24 on CPU); smaller keeps streams smoother "
+                        "while long prompts are read, larger reads prompts faster")
     p.add_argument("--model-name", default=None, help="model id reported by /v1/models (default: the folder name)")
     p.add_argument("--attention", default=None, help="comma-separated attention backends to try, in order")
     add_parallel_args(p)
@@ -54,6 +58,15 @@ def add_cli(sub: Any) -> None:
     from exl3_core.generate_cli import add_draft_args
 
     add_draft_args(p)
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="also serve requests whose Host header is NAME (a name this server is reached under, e.g. "
+                        "behind a proxy; .example.com for a domain and its subdomains, * for any). Default: the "
+                        "address a request arrived on, and localhost on loopback; other names get 400 (this stops "
+                        "DNS-rebinding web pages)")
+    p.add_argument("--allow-special-tokens", action="store_true",
+                   help="let chat message text that spells a special token (e.g. <|im_start|>) be encoded as that "
+                        "token. Default: it stays text, so a client cannot forge turns; enable for trusted clients "
+                        "only")
     p.set_defaults(func=_serve_cmd)
 
 
@@ -76,8 +89,14 @@ def server_options(args: argparse.Namespace) -> Any:
     if key is not None and not key.strip():
         raise ValueError("--api-key / EXL3_API_KEY is empty; give a non-empty key or leave it unset")
     parallel_load_kwargs(args)  # its errors too, before the model loads
+    if args.step_tokens is not None and args.step_tokens < 1:
+        raise ValueError(f"--step-tokens {args.step_tokens} must be at least 1")
+    for h in args.allowed_host:
+        if not h.strip() or any(c in h for c in "/ @"):
+            raise ValueError(f"--allowed-host {h!r} is not a host name (give e.g. myhost.lan, .example.com or *)")
     return ServerOptions(api_key=key, max_request_bytes=args.max_request_bytes,
-                         request_timeout=args.request_timeout or None, cors_origins=tuple(args.cors_origin))
+                         request_timeout=args.request_timeout or None, cors_origins=tuple(args.cors_origin),
+                         allowed_hosts=tuple(args.allowed_host), allow_special_tokens=args.allow_special_tokens)
 
 
 def build_app(args: argparse.Namespace) -> Any:
@@ -90,7 +109,8 @@ def build_app(args: argparse.Namespace) -> Any:
         raise ValueError(f"--max-batch {args.max_batch} must be at least 1")
     options = server_options(args)
     s = Session(args)
-    gen = Generator(s.model, s.cache, s.tokenizer, max_batch_size=args.max_batch, **s.speculation)
+    gen = Generator(s.model, s.cache, s.tokenizer, max_batch_size=args.max_batch, step_tokens=args.step_tokens,
+                    **s.speculation)
     gen.capture_graphs()  # every decode bucket now: no request waits for a capture later
     name = args.model_name or Path(s.config.directory).name
     ctx = s.config.raw.get("max_position_embeddings")

@@ -39,6 +39,8 @@ class _GeneratorCollector(Collector):
                                                        "error)", value=s.failed_steps)
         yield CounterMetricFamily("exl3_cancelled_requests", "Requests cancelled while queued or running "
                                                               "(client disconnects, timeouts)", value=s.cancelled)
+        yield CounterMetricFamily("exl3_preemptions", "Requests paused for KV-cache space and recomputed later",
+                                  value=s.preemptions)
         yield GaugeMetricFamily("exl3_cache_pages", "KV-cache pages", value=s.pages)
         yield GaugeMetricFamily("exl3_cache_pages_in_use", "KV-cache pages held by requests", value=s.pages_in_use)
         yield GaugeMetricFamily("exl3_cache_pages_cached", "Free KV-cache pages kept for prefix reuse",

@@ -46,11 +46,18 @@ from starlette.responses import JSONResponse, Response
 
 from exl3_core.cache.pages import CacheExhausted
 from exl3_core.filters.base import Filter
-from exl3_core.generator import AsyncGenerator, AsyncJob, Generator, Job
+from exl3_core.generator import AsyncGenerator, AsyncJob, Generator, Job, NumericFault
 from exl3_core.generator.generator import Result
 from exl3_core.lora.config import LoraError
 from exl3_core.sampling import Sampler, SamplerValueError
-from exl3_core.server.asgi import APIKeyMiddleware, EventStreamResponse, read_body, wait_disconnect
+from exl3_core.server.asgi import (
+    APIKeyMiddleware,
+    EventStreamResponse,
+    HostCheckMiddleware,
+    read_body,
+    require_json,
+    wait_disconnect,
+)
 from exl3_core.server.errors import APIError
 from exl3_core.server.loras import ServedLoras
 from exl3_core.server.metrics import MetricsMiddleware, ServerMetrics
@@ -99,12 +106,20 @@ class ServerOptions:
     :param request_timeout: seconds a request may take from arrival to its last token (the body's
         arrival included); None: no limit.
     :param cors_origins: origins allowed to call the API from a browser (``*`` for any); empty: no CORS.
+    :param allowed_hosts: ``Host`` header names served besides the address a request arrived on (and
+        loopback names on loopback): exact names, ``.example.com`` for a domain and its subdomains,
+        ``*`` for any (see :class:`~exl3_core.server.asgi.HostCheckMiddleware`).
+    :param allow_special_tokens: text in chat messages that spells a special token (``<|im_start|>``)
+        becomes that token; off (the default), it stays text, so a user cannot forge turns. Only for
+        trusted callers.
     """
 
     api_key: str | None = None
     max_request_bytes: int = 16 * 1024 * 1024
     request_timeout: float | None = 600.0
     cors_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
+    allow_special_tokens: bool = False
 
     def __post_init__(self) -> None:
         if self.max_request_bytes < 1:
@@ -113,25 +128,37 @@ class ServerOptions:
             raise ValueError(f"request_timeout={self.request_timeout} must be positive (None: no limit)")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key is empty; pass a non-empty key or None for no authentication")
+        for h in self.allowed_hosts:
+            if not h.strip() or any(c in h for c in "/ @"):
+                raise ValueError(f"allowed_hosts entry {h!r} is not a host name (give e.g. 'myhost.lan', "
+                                 f"'.example.com' or '*')")
 
 
 class PromptTokenizer(Protocol):
     """What the server needs of a tokenizer (:class:`~exl3_core.Tokenizer` and the toy
-    :class:`~exl3_core.generator.toy.ByteTokenizer` have it)."""
+    :class:`~exl3_core.generator.toy.ByteTokenizer` have it). ``encode`` raises ``ValueError`` for
+    text that is not valid Unicode."""
 
-    def encode(self, text: str, add_bos: bool | None = None) -> torch.Tensor: ...
+    def encode(self, text: str, add_bos: bool | None = None, encode_special_tokens: bool = True) -> torch.Tensor: ...
 
     def get_vocab_bytes(self) -> list[bytes]: ...
 
 
 @runtime_checkable
 class ChatTokenizer(Protocol):
-    """A tokenizer that renders chat templates (when its ``chat_template`` is set)."""
+    """A tokenizer that renders chat templates (when its ``chat_template`` is set) and tokenizes
+    them with message content kept as text (:meth:`~exl3_core.Tokenizer.encode_chat`)."""
 
     chat_template: str | Mapping[str, str] | None
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
-                            add_generation_prompt: bool = True) -> str | torch.Tensor: ...
+    def chat_roles(self) -> frozenset[str]: ...
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True, *,
+                    special_in_content: bool = False) -> list[int]: ...
+
+
+#: roles of a conversation rendered without a chat template
+PLAIN_ROLES = frozenset({"system", "user", "assistant"})
 
 
 @dataclass
@@ -260,6 +287,7 @@ class OpenAIApp:
         # added innermost first: CORS answers preflights before the key check, metrics count everything
         if self.options.api_key is not None:
             api.add_middleware(APIKeyMiddleware, api_key=self.options.api_key)
+        api.add_middleware(HostCheckMiddleware, allowed_hosts=self.options.allowed_hosts)
         api.add_middleware(MetricsMiddleware, metrics=self.metrics)
         if self.options.cors_origins:
             api.add_middleware(CORSMiddleware, allow_origins=list(self.options.cors_origins),
@@ -321,7 +349,7 @@ class OpenAIApp:
         return JSONResponse({
             "status": "ok", "model": self.model_id, "active_jobs": s.active_jobs, "queued_jobs": s.queued_jobs,
             "steps": s.steps, "batched_steps": s.batched_steps, "max_batch_seen": s.max_batch,
-            "cancelled_jobs": s.cancelled,
+            "cancelled_jobs": s.cancelled, "preemptions": s.preemptions,
             "cache": {"pages": s.pages, "page_size": s.page_size, "pages_in_use": s.pages_in_use,
                       "pages_cached": s.pages_cached},
         })
@@ -339,30 +367,52 @@ class OpenAIApp:
 
     def _encode(self, text: str, chat: bool, **kwargs: Any) -> list[int]:
         # a character is at least one byte: the cheap test first, then the exact one
-        if len(text) > self.max_prompt_bytes or len(text.encode("utf-8")) > self.max_prompt_bytes:
-            raise self._too_long(len(text.encode("utf-8")), chat)
-        t = self.tokenizer.encode(text, **kwargs)
+        if len(text) > self.max_prompt_bytes or len(text.encode("utf-8", "surrogatepass")) > self.max_prompt_bytes:
+            raise self._too_long(len(text.encode("utf-8", "surrogatepass")), chat)
+        try:
+            t = self.tokenizer.encode(text, **kwargs)
+        except ValueError as e:  # text that is not valid Unicode
+            raise APIError.bad("messages" if chat else "prompt", str(e)) from None
         return [int(x) for x in t.reshape(-1).tolist()]
 
+    def _roles(self, template: bool) -> frozenset[str]:
+        tok = self.tokenizer
+        if template and isinstance(tok, ChatTokenizer):
+            try:
+                return tok.chat_roles()
+            except ValueError as e:  # a template jinja2 cannot parse fails every chat request alike
+                raise APIError(500, f"the model's chat template cannot be read: {e}") from None
+        return PLAIN_ROLES
+
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        tok = self.tokenizer
+        template = isinstance(tok, ChatTokenizer) and bool(tok.chat_template)
+        roles = self._roles(template)
         msgs: list[dict[str, str]] = []
-        for m in req.messages:
-            entry = {"role": m.role, "content": m.text()}
+        for i, m in enumerate(req.messages):
+            role = m.role
+            if role == "developer" and role not in roles:
+                role = "system"  # OpenAI's newer name for the system turn
+            if role not in roles:
+                raise APIError.bad("messages", f"messages[{i}].role {m.role[:40]!r} is not a role this model's chat "
+                                               f"template knows; use one of {', '.join(sorted(roles))}")
+            entry = {"role": role, "content": m.text()}
             if m.name is not None:
                 entry["name"] = m.name
             msgs.append(entry)
-        tok = self.tokenizer
-        if isinstance(tok, ChatTokenizer) and tok.chat_template:
+        if template:
+            assert isinstance(tok, ChatTokenizer)
             if sum(len(m["content"]) for m in msgs) > self.max_prompt_bytes:
-                raise self._too_long(sum(len(m["content"].encode("utf-8")) for m in msgs), chat=True)
+                raise self._too_long(sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in msgs), chat=True)
             try:
-                text = tok.apply_chat_template(msgs, add_generation_prompt=True)
+                ids = tok.encode_chat(msgs, add_generation_prompt=True,
+                                      special_in_content=self.options.allow_special_tokens)
             except Exception as e:  # noqa: BLE001 - templates raise their own errors for unsupported turns
                 raise APIError.bad("messages", f"the model's chat template rejected the messages: {e}") from None
-            assert isinstance(text, str)
-            return self._encode(text, chat=True, add_bos=False)
+            return ids
+        # without a template nothing in the text is a control token: special-token text stays text
         text = "".join(f"{m['role']}: {m['content']}\n" for m in msgs) + "assistant:"
-        return self._encode(text, chat=True)
+        return self._encode(text, chat=True, encode_special_tokens=self.options.allow_special_tokens)
 
     def _text_prompt(self, req: CompletionRequest) -> list[int]:
         p = req.prompt
@@ -418,6 +468,7 @@ class OpenAIApp:
         t0 = time.perf_counter()
         timeout = self.options.request_timeout
         deadline = None if timeout is None else time.monotonic() + timeout
+        require_json(request.headers.get("content-type"))
         body = await read_body(request, self.options.max_request_bytes, timeout)
         if not body.strip():
             raise APIError(400, "the request body is empty; send a JSON object")
@@ -503,7 +554,9 @@ class OpenAIApp:
                            code="client_closed_request")
         last = consume.result()
         if not last or last.get("eos_reason") not in FINISH_REASONS:
-            raise self._job_error(last)
+            err = self._job_error(last)
+            err.headers.update(headers)  # the request id names the job in the server's log and metrics
+            raise err
         text = last["full_completion"]
         finish = FINISH_REASONS[last["eos_reason"]]
         usage = self._usage(aj.job, last)
@@ -562,6 +615,8 @@ class OpenAIApp:
         err = last.get("error")
         if isinstance(err, LoraError):
             return APIError(404, f"the request's LoRA adapter is gone: {err}", code="model_not_found", param="model")
+        if isinstance(err, NumericFault):
+            return APIError(500, f"generation failed: {err}", code="numeric_fault")
         if isinstance(err, CacheExhausted):
             return APIError(503, f"the server's cache is full ({err}); retry later or with a shorter request",
                             code="cache_exhausted")

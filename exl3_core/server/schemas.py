@@ -34,7 +34,8 @@ class TextPart(_Strict):
 class ChatMessage(_Strict):
     role: str
     content: str | list[TextPart] | None = None
-    name: str | None = None
+    # OpenAI's own rule; it also keeps a name from carrying template syntax or special tokens
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -169,11 +170,48 @@ def _path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
+_JSON_NAMES = {bool: "a boolean", float: "a number with a fraction", dict: "an object", type(None): "null",
+               str: "a string", int: "an integer", list: "an array"}
+
+
+def _json_kind(value: object) -> str:
+    return _JSON_NAMES.get(type(value), type(value).__name__)
+
+
+def _prompt_problem(value: object) -> str | None:
+    """What is wrong with a ``prompt`` that matched none of its accepted shapes, said about the
+    element at fault (``prompt: [true, false]`` is a list of booleans, not a batch of prompts)."""
+    if not isinstance(value, list):
+        return f"'prompt' is {_json_kind(value)}; send a string or a list of integer token ids"
+    for i, item in enumerate(value):
+        if isinstance(item, bool) or not isinstance(item, (int, str, list)):
+            shown = "true" if item is True else "false" if item is False else repr(item)[:40]
+            return (f"prompt[{i}] is {_json_kind(item)} ({shown}); a prompt is a string or a list of integer token "
+                    f"ids")
+        if isinstance(item, list):
+            bad = next((j for j, t in enumerate(item) if isinstance(t, bool) or not isinstance(t, int)), None)
+            if bad is not None:
+                return f"prompt[{i}][{bad}] is {_json_kind(item[bad])}; token ids are integers"
+    kinds = {type(item) for item in value}
+    if len(kinds) > 1:
+        return "'prompt' mixes strings, token ids and lists; send one string or one list of integer token ids"
+    return None
+
+
+def _json_problem(msg: str) -> str:
+    if any(w in msg.lower() for w in ("surrogate", "unicode", "utf-8", "hex escape")):
+        return (f"the request body is not valid Unicode text ({msg}); send UTF-8 without lone surrogate escapes "
+                f"(\\ud800-\\udfff not in a pair)")
+    if "recursion limit" in msg:
+        return f"the request body nests JSON arrays/objects too deeply ({msg}); flatten it"
+    return f"the request body is not valid JSON: {msg}"
+
+
 def validation_error(errors: list[ErrorDetails]) -> APIError:
     """One OpenAI-shaped 400 for a pydantic validation failure of a request body."""
     first = errors[0]
     if first["type"] == "json_invalid":
-        return APIError(400, f"the request body is not valid JSON: {first['msg']}")
+        return APIError(400, _json_problem(str(first["msg"])))
     if not first["loc"]:
         return APIError(400, "the request body must be a JSON object")
     param = str(first["loc"][0])
@@ -185,9 +223,20 @@ def validation_error(errors: list[ErrorDetails]) -> APIError:
     shown = repr(first.get("input"))
     shown = shown if len(shown) <= 80 else shown[:77] + "..."
     same = [e for e in errors if e["loc"][:1] == first["loc"][:1]]
+    if param == "prompt" and len(first["loc"]) > 1 and (problem := _prompt_problem(_union_input(same))) is not None:
+        return APIError(400, problem, param=param)
     if len(same) > 1 and param in _EXPECTED:  # a union's branches all failed: say what is accepted
         return APIError(400, f"invalid '{param}': expected {_EXPECTED[param]}", param=param)
     return APIError(400, f"invalid '{_path(first['loc'])}': {first['msg']}, got {shown}", param=param)
+
+
+def _union_input(errors: list[ErrorDetails]) -> object:
+    """The value a union field was given: the input of its branch error at the field itself (a
+    branch's element errors carry only the element)."""
+    for e in errors:
+        if len(e["loc"]) == 2:
+            return e.get("input")
+    return errors[0].get("input")
 
 
 # -- responses -----------------------------------------------------------------------------------

@@ -63,9 +63,55 @@ def _messages(conversation: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
+#: roles every chat template is taken to render: OpenAI's conversation roles
+BASE_ROLES = frozenset({"system", "user", "assistant"})
+
+
+@functools.lru_cache(maxsize=16)
+def template_roles(source: str) -> frozenset[str]:
+    """The roles a template knows: :data:`BASE_ROLES` plus every string it compares a role with
+    (``message['role'] == 'tool'``, ``message.role in ['ipython', 'tool']``, ``role != 'developer'``).
+    A role outside this set would be pasted into the prompt verbatim, where a template that only
+    prints ``message['role']`` turns any string into a turn header."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        tree = _environment().parse(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template error: {e}") from e
+
+    def is_role(n: nodes.Node) -> bool:
+        if isinstance(n, nodes.Getitem):
+            return isinstance(n.arg, nodes.Const) and n.arg.value == "role"
+        if isinstance(n, nodes.Getattr):
+            return n.attr == "role"
+        return isinstance(n, nodes.Name) and n.name == "role"
+
+    def strings(n: nodes.Node) -> list[str]:
+        if isinstance(n, nodes.Const) and isinstance(n.value, str):
+            return [n.value]
+        if isinstance(n, (nodes.Tuple, nodes.List)):
+            return [s for item in n.items for s in strings(item)]
+        return []
+
+    roles = set(BASE_ROLES)
+    for cmp in tree.find_all(nodes.Compare):
+        operands = [cmp.expr] + [op.expr for op in cmp.ops]
+        if any(is_role(o) for o in operands):
+            roles.update(s for o in operands for s in strings(o))
+    return frozenset(r for r in roles if r)
+
+
 @functools.lru_cache(maxsize=16)
 def compile_template(source: str) -> Any:
     """Compile ``source`` in the sandboxed environment (cached per template text)."""
+    return _environment().from_string(source)
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> Any:
+    """The sandboxed jinja2 environment templates run in (built once)."""
     import jinja2
     import jinja2.ext
     import jinja2.nodes
@@ -130,7 +176,7 @@ def compile_template(source: str) -> Any:
     env.globals["strftime_now"] = strftime_now
     env.globals["dict"] = TemplateDict()
     env.globals["namespace"] = TemplateNamespace
-    return env.from_string(source)
+    return env
 
 
 def select_template(chat_template: str | Mapping[str, str] | None, name: str | None = None,

@@ -9,6 +9,8 @@ names ends up in :attr:`Tokenizer.eos_token_ids` (generation stops on all of the
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,17 @@ def _ids(value: Any) -> list[int]:
         return [value]
     if isinstance(value, (list, tuple)):
         return [int(v) for v in value if isinstance(v, int)]
+    return []
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string inside a message field (content may be a string or a list of parts)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Mapping):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
     return []
 
 
@@ -105,6 +118,7 @@ class Tokenizer:
         self.chat_template: str | Mapping[str, str] | None = chat_template
 
         self._split_specials: Any = None
+        self._continuation: Any = None
         self._vocab_bytes: list[bytes] | None = None
         self._decoder_kind: str | None = None
 
@@ -117,9 +131,15 @@ class Tokenizer:
         d = Path(path)
         tj = d / "tokenizer.json"
         if not tj.is_file():
-            hint = " (it has only tokenizer.model; re-save it with transformers to get tokenizer.json)" \
-                if (d / "tokenizer.model").is_file() else ""
-            raise FileNotFoundError(f"no tokenizer.json in {d}{hint}")
+            if (d / "tokenizer.model").is_file():
+                fix = ("it has only tokenizer.model (SentencePiece); write tokenizer.json next to it with "
+                       "transformers: "
+                       f"AutoTokenizer.from_pretrained('{d}').save_pretrained('{d}')")
+            else:
+                fix = ("copy tokenizer.json (and tokenizer_config.json) from the original model's folder or Hugging "
+                       "Face repository into it, or save one there with transformers: "
+                       f"AutoTokenizer.from_pretrained('<original model>').save_pretrained('{d}')")
+            raise FileNotFoundError(f"no tokenizer.json in {d}: {fix}")
         tmpl: str | Mapping[str, str] | None = None
         jinja = d / "chat_template.jinja"
         if jinja.is_file():
@@ -249,9 +269,44 @@ class Tokenizer:
             self._split_specials.encode_special_tokens = True
         return self._split_specials
 
+    def _continuation_encoder(self) -> Any:
+        """The special-tokens-as-text encoder for text that does not start the input: a
+        SentencePiece ``Metaspace`` pre-tokenizer that prepends "▁" only to the first section
+        (``prepend_scheme: first``) must not prepend it here."""
+        if self._continuation is None:
+            from tokenizers import Tokenizer as _TK
+
+            spec = json.loads(self.tk.to_str())
+
+            def never_first(node: Any) -> None:
+                if isinstance(node, dict):
+                    if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
+                        node["prepend_scheme"] = "never"
+                    for v in node.values():
+                        never_first(v)
+                elif isinstance(node, list):
+                    for v in node:
+                        never_first(v)
+
+            never_first(spec.get("pre_tokenizer"))
+            never_first(spec.get("normalizer"))
+            self._continuation = _TK.from_str(json.dumps(spec))
+            self._continuation.encode_special_tokens = True
+        return self._continuation
+
+    def _encode(self, encoder: Any, text: str) -> Any:
+        try:
+            return encoder.encode(text, add_special_tokens=False)
+        except TypeError:
+            bad = next((i for i, ch in enumerate(text) if 0xD800 <= ord(ch) <= 0xDFFF), None)
+            if bad is None:
+                raise
+            raise ValueError(f"text holds a lone UTF-16 surrogate (U+{ord(text[bad]):04X} at character {bad}), "
+                             f"which is not valid Unicode; send well-formed text") from None
+
     def encode_ids(self, text: str, add_bos: bool | None = None, encode_special_tokens: bool = True) -> list[int]:
-        """Token ids of one string as a list."""
-        ids = list(self._encoder(encode_special_tokens).encode(text, add_special_tokens=False).ids)
+        """Token ids of one string as a list (``ValueError`` for text that is not valid Unicode)."""
+        ids = list(self._encode(self._encoder(encode_special_tokens), text).ids)
         if (self.add_bos_token if add_bos is None else add_bos):
             if self.bos_token_id is None:
                 raise ValueError("add_bos=True but the tokenizer defines no BOS token")
@@ -307,6 +362,94 @@ class Tokenizer:
         if tokenize:
             return self.encode(text, add_bos=False)
         return text
+
+    def chat_roles(self, chat_template: str | None = None) -> frozenset[str]:
+        """The message roles the chat template knows (see :func:`~exl3_core.tokenizer.chat.template_roles`)."""
+        return _chat.template_roles(_chat.select_template(self.chat_template, chat_template))
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
+                    special_in_content: bool = False, **kwargs: Any) -> list[int]:
+        """Render ``messages`` with the chat template and tokenize the result (no BOS added: templates
+        write it), keeping text that spells a special token *inside a message's content* as plain text,
+        so a user cannot open a turn by typing ``<|im_start|>system``. The template's own special
+        tokens stay special, and a conversation without such text tokenizes exactly as
+        ``encode(text, add_bos=False)``.
+
+        :param special_in_content: encode special-token text in content as the special tokens (for
+            trusted callers that write control tokens on purpose).
+        :param kwargs: as :meth:`apply_chat_template`.
+        """
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        assert isinstance(text, str)
+        enc = self._encode(self.tk, text)
+        ids = [int(i) for i in enc.ids]
+        if special_in_content:
+            return ids
+        special = self.special_token_ids
+        marks = self._special_text_re()
+        if marks is None or not any(marks.search(s) for m in messages for s in _strings(m.get("content"))):
+            return ids
+        spans = self._content_spans(messages, text, add_generation_prompt, kwargs)
+        offsets = enc.offsets
+        inside = {k for k, t in enumerate(ids) if t in special
+                  and any(a <= offsets[k][0] and offsets[k][1] <= b for a, b in spans)}
+        if not inside:
+            return ids
+        # split the text at the special tokens that stay special; a section holding special-token
+        # text from a message is tokenized again with special tokens as text, the others keep their ids
+        out: list[int] = []
+        start_tok = start_char = 0
+        for k in [k for k, t in enumerate(ids) if t in special and k not in inside] + [len(ids)]:
+            end_char = offsets[k][0] if k < len(ids) else len(text)
+            if any(start_tok <= j < k for j in inside):
+                enc_ = self._encoder(False) if start_char == 0 else self._continuation_encoder()
+                out += [int(i) for i in self._encode(enc_, text[start_char:end_char]).ids]
+            else:
+                out += ids[start_tok:k]
+            if k < len(ids):
+                out.append(ids[k])
+                start_tok, start_char = k + 1, offsets[k][1]
+        return out
+
+    def _special_text_re(self) -> re.Pattern[str] | None:
+        texts = sorted({t.content for t in self.tk.get_added_tokens_decoder().values() if t.special and t.content},
+                       key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    def _content_spans(self, messages: Sequence[Mapping[str, Any]], text: str, add_generation_prompt: bool,
+                       kwargs: dict[str, Any]) -> list[tuple[int, int]]:
+        """Character spans of ``text`` (the rendered conversation) that are message content: found by
+        rendering once more with a unique marker in place of each content string."""
+        nonce = secrets.token_hex(8)
+        marked: list[Mapping[str, Any]] = []
+        contents: dict[str, str] = {}
+        for i, m in enumerate(messages):
+            c = m.get("content")
+            if isinstance(c, str) and c:
+                mark = f"\ue000{nonce}.{i}\ue001"
+                contents[mark] = c
+                m = {**m, "content": mark}
+            elif _strings(c) and self._special_text_re().search("".join(_strings(c))):  # type: ignore[union-attr]
+                raise ValueError(f"message {i}: special-token text in non-string content cannot be kept as text; "
+                                 f"send the content as a string")
+            marked.append(m)
+        skeleton = self.apply_chat_template(marked, add_generation_prompt, **kwargs)
+        assert isinstance(skeleton, str)
+        parts = re.split("(" + "|".join(map(re.escape, contents)) + ")", skeleton)
+        for strip in (False, True):  # templates that trim content (``| trim``) render it stripped
+            spans: list[tuple[int, int]] = []
+            pos = 0
+            rebuilt = []
+            for j, p in enumerate(parts):
+                piece = (contents[p].strip() if strip else contents[p]) if j % 2 else p
+                if j % 2:
+                    spans.append((pos, pos + len(piece)))
+                rebuilt.append(piece)
+                pos += len(piece)
+            if "".join(rebuilt) == text:
+                return spans
+        raise ValueError("the chat template rewrites message content, so the special-token text in it cannot be "
+                         "kept as plain text; remove special-token text such as '<|...|>' from the messages")
 
     def __repr__(self) -> str:
         return (f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r}, "

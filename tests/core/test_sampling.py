@@ -205,3 +205,49 @@ def test_registry_exposes_every_step_and_preset() -> None:
     assert resolve_sampler("greedy", plugins).is_greedy
     with pytest.raises(LookupError, match="top_p"):
         resolve_sampler("no_such_sampler", plugins)
+
+
+def test_logit_bias_plus_inf_forces_the_token(logits: torch.Tensor) -> None:
+    inf = float("inf")
+    for temperature in (1.0, 0.7, 0.0):  # sampled and greedy: +inf is a force, not an overflow
+        ids = draw_many(logits, Sampler.build(temperature=temperature, logit_bias={5: inf}), 2000)
+        assert set(ids.tolist()) == {5}
+    # several forced tokens: only they, equally likely; the others' logits no longer matter
+    ids = draw_many(logits, Sampler.build(logit_bias={5: inf, 9: inf, 1: 3.0}), 20000)
+    expect = torch.zeros(V)
+    expect[[5, 9]] = 0.5
+    check_distribution(ids, expect)
+    # a ban of an earlier step wins over a force; a -inf bias bans
+    am = int(logits.argmax())
+    s = Sampler([TokenBan(tokens=[5]), LogitBias(bias={5: inf, 9: inf, am: -inf})])
+    assert set(draw_many(logits, s, 2000).tolist()) == {9}
+    s = Sampler([TokenBan(tokens=[5]), LogitBias(bias={5: inf, am: -inf})])
+    ids = draw_many(logits, s, 20000)
+    ban = logits.clone()
+    ban[[5, am]] = -inf
+    check_distribution(ids, torch.softmax(ban, -1))
+    # rows without a force in the same batch are untouched
+    x = torch.stack([logits, logits])
+    out = LogitBias.apply(x.clone(), LogitBias.batch_params([LogitBias(bias={5: inf}), LogitBias(bias={5: 1.0})],
+                                                            x.device), StepContext(vocab_size=V))
+    assert torch.isfinite(out[0]).sum() == 1 and out[0, 5] == 0
+    expect_row = logits.clone()
+    expect_row[5] += 1.0
+    assert torch.equal(out[1], expect_row)
+
+
+def test_extreme_parameters_keep_a_token_or_fail_at_creation(logits: torch.Tensor) -> None:
+    """Values that pass validation but round to 0 (or beyond) in float32 still leave the most likely
+    token; integers beyond float range are refused when the sampler is built."""
+    am = int(logits.argmax())
+    for s in (Sampler.build(top_p=1e-300), Sampler.build(min_p=1.0), Sampler.build(top_k=2**63, top_p=1e-45),
+              Sampler.build(temperature=1e-300, top_p=1e-300)):
+        ids = draw_many(logits, s, 500)
+        assert set(ids.tolist()) == {am}, s
+    p = torch.softmax(logits, -1)
+    entropy = -(p * p.log()).sum()
+    most_typical = int((-p.log() - entropy).abs().argmin())
+    assert set(draw_many(logits, Sampler.build(typical=1e-300), 500).tolist()) == {most_typical}
+    for bad in ({"top_k": 10**400}, {"temperature": 10**400}, {"repetition_penalty": -(10**400)}):
+        with pytest.raises(SamplerValueError, match="finite"):
+            Sampler.build(**bad)

@@ -35,9 +35,9 @@ class SpyTokenizer(ByteTokenizer):
         super().__init__(vocab_size)
         self.longest = 0
 
-    def encode(self, text: str, add_bos: bool | None = None) -> torch.Tensor:
+    def encode(self, text: str, add_bos: bool | None = None, encode_special_tokens: bool = True) -> torch.Tensor:
         self.longest = max(self.longest, len(text))
-        return super().encode(text, add_bos)
+        return super().encode(text, add_bos, encode_special_tokens)
 
 
 def toy_app(*, plugins: Any = None, max_batch: int = 16, cache_tokens: int = 8192, **options: Any) -> OpenAIApp:
@@ -177,7 +177,7 @@ def open_stream(port: int, body: dict[str, Any], path: str = "/v1/completions", 
     """A raw socket that has sent a streaming request (see :func:`await_events`)."""
     data = json.dumps({**body, "stream": True}).encode()
     s = socket.create_connection((HOST, port), timeout=timeout)
-    s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
+    s.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
               % (path.encode(), len(data), data))
     return s
 

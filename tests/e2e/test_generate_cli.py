@@ -94,3 +94,23 @@ def test_chat_ctrl_c_stops_the_reply_then_exits() -> None:
             p.wait()
     assert p.returncode == 0, err
     assert b"reply stopped" in err and b"Traceback" not in err
+
+
+def test_missing_tokenizer_is_reported_before_the_model_loads(tmp_path: Path, monkeypatch, capsys) -> None:
+    import exl3_core
+    from exl3_core.cli import main
+
+    src = imported_model()
+    model_dir = tmp_path / "no-tokenizer"
+    model_dir.mkdir()
+    for f in src.iterdir():
+        if f.name != "tokenizer.json":
+            (model_dir / f.name).symlink_to(f)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was built before the tokenizer was checked")
+
+    monkeypatch.setattr(exl3_core.Model, "from_config", refuse)
+    assert main(["generate", "hi", "--model", str(model_dir), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "no tokenizer.json" in err and str(model_dir) in err and "save_pretrained" in err, err

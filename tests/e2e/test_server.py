@@ -71,7 +71,8 @@ def real() -> Iterator[tuple[int, OpenAIApp]]:
 
     args = argparse.Namespace(model=imported_model(), device="cpu", cache_tokens=2048, attention=None, max_batch=4,
                               model_name=None, api_key=None, max_request_bytes=16 * 1024 * 1024,
-                              request_timeout=600.0, cors_origin=[])
+                              request_timeout=600.0, cors_origin=[], allowed_host=[], allow_special_tokens=False,
+                              step_tokens=None)
     app = build_app(args)
     with served(app) as port:
         yield port, app
@@ -152,8 +153,8 @@ def test_malformed_requests_are_openai_errors(toy: tuple[int, OpenAIApp]) -> Non
     err = assert_openai_error(*request(port, "POST", comp, {"prompt": "x", "max_tokens": 10**30})[:2], 400, "prompt")
     assert err["code"] == "context_length_exceeded"
     # garbage on the wire: still OpenAI's shape, and the connection is closed
-    for junk in (b"NOT HTTP\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n",
-                 b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}"):
+    for junk in (b"NOT HTTP\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nno colon here\r\n\r\n",
+                 b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}"):
         out = raw_exchange(port, junk)
         _, _, payload = out.partition(b"\r\n\r\n")
         assert status_of(out) == 400, out
@@ -168,13 +169,14 @@ def test_body_limit_is_413_and_server_keeps_serving(toy: tuple[int, OpenAIApp]) 
     err = assert_openai_error(*request(port, "POST", "/v1/completions", raw=big, timeout=60)[:2], 413)
     assert str(limit) in err["message"] and "--max-request-bytes" in err["message"]
     # refused from the headers alone: the announced body is never sent
-    out = raw_exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                             b"Content-Length: %d\r\n\r\n" % (limit + 1))
+    out = raw_exchange(port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                             b"Connection: close\r\nContent-Length: %d\r\n\r\n" % (limit + 1))
     assert status_of(out) == 413
     # a chunked upload has no length up front: counted as it arrives
     piece = b"x" * (1024 * 1024)
     chunks = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(limit // len(piece) + 2))
-    status, body = exchange_one(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    status, body = exchange_one(port, b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                      b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
                                       + chunks + b"0\r\n\r\n")
     assert_openai_error(status, json.loads(body), 413)
     status, body, _ = request(port, "POST", "/v1/completions", {"prompt": "still here", "max_tokens": 2})
@@ -213,7 +215,8 @@ def test_keep_alive_and_pipelining(toy: tuple[int, OpenAIApp]) -> None:
     try:
         socks = []
         for i in range(3):
-            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": f"p{i}", "max_tokens": 3}))
+            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": f"p{i}", "max_tokens": 3}),
+                         headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
             body = json.loads(resp.read())
             assert resp.status == 200 and body["object"] == "text_completion" and body["id"].startswith("cmpl-")
@@ -223,8 +226,8 @@ def test_keep_alive_and_pipelining(toy: tuple[int, OpenAIApp]) -> None:
     finally:
         conn.close()
     # two pipelined requests in one write, the second asking to close: two answers, in order
-    out = raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
-                             b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    out = raw_exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+                             b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
     first, rest = out.split(b"\r\n\r\n", 1)
     n = int(next(ln.split(b":")[1] for ln in first.split(b"\r\n") if ln.lower().startswith(b"content-length")))
     assert json.loads(rest[:n])["object"] == "list"
@@ -266,7 +269,8 @@ def test_streaming_completion_matches_and_reports_usage(toy: tuple[int, OpenAIAp
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
     # HTTP/1.0 has no chunked coding: the same events, delimited by the connection closing
     body = json.dumps({**req, "stream": True}).encode()
-    out = raw_exchange(port, b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    out = raw_exchange(port, b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     head, payload = out.split(b"\r\n\r\n", 1)
     assert status_of(head) == 200 and b"transfer-encoding" not in head.lower()
     assert payload.endswith(b"data: [DONE]\n\n")
@@ -306,7 +310,7 @@ def test_client_disconnect_cancels_job_and_frees_pages(toy: tuple[int, OpenAIApp
     body = json.dumps({"prompt": "run for a long time", "max_tokens": 5000, "ignore_eos": True, "temperature": 0,
                        "stream": streaming}).encode()
     with socket.create_connection((HOST, port), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         if streaming:
             got = b""
@@ -537,7 +541,9 @@ def test_exl3_serve_command_with_api_key_from_env_stops_on_sigint() -> None:
 
 @pytest.mark.parametrize(("flags", "message"), [(["--max-request-bytes", "0"], "--max-request-bytes"),
                                                 (["--request-timeout", "-1"], "--request-timeout"),
-                                                (["--api-key", " "], "--api-key")])
+                                                (["--api-key", " "], "--api-key"),
+                                                (["--step-tokens", "0"], "--step-tokens"),
+                                                (["--allowed-host", "http://x/"], "--allowed-host")])
 def test_serve_rejects_bad_options_before_loading_the_model(flags: list[str], message: str) -> None:
     import subprocess
 

@@ -166,7 +166,8 @@ def test_request_timeout_cancels_the_job() -> None:
         assert h["cancelled_jobs"] == 2 and h["cache"]["pages_in_use"] == 0
         # a body that never finishes arriving is answered 408 once the limit passes
         with socket.create_connection((HOST, port), timeout=10) as s:
-            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"prompt\"")
             got = b""
             while b"\r\n\r\n" not in got:
                 chunk = s.recv(4096)
@@ -181,8 +182,8 @@ def test_slow_partial_connections_do_not_block_others(toy: tuple[int, OpenAIApp]
     try:
         for i in range(8):  # half a request line, half a header block, half a body
             s = socket.create_connection((HOST, port), timeout=10)
-            s.sendall([b"POST /v1/compl", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le",
-                       b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n{\"pro"][i % 3])
+            s.sendall([b"POST /v1/compl", b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Le",
+                       b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 50\r\n\r\n{\"pro"][i % 3])
             socks.append(s)
         t0 = time.perf_counter()
         status, body, _ = request(port, "POST", "/v1/completions", {"prompt": "others", "max_tokens": 4})
@@ -192,3 +193,40 @@ def test_slow_partial_connections_do_not_block_others(toy: tuple[int, OpenAIApp]
     finally:
         for s in socks:
             s.close()
+
+
+def test_requests_outgrowing_the_cache_are_preempted_not_refused() -> None:
+    """A 1024-token cache, two 400-token prompts with max_tokens 600 (each fits alone, together they
+    do not): both stream all 600 tokens, identical to each run alone, and the pause is counted in
+    /metrics and /health."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    app = toy_app(cache_tokens=1024)
+    rng = random.Random(1024)
+    reqs = [{"prompt": [rng.randrange(256) for _ in range(400)], "max_tokens": 600, "ignore_eos": True, **extra}
+            for extra in ({"temperature": 0}, {"temperature": 0.9, "seed": 77})]
+    with served(app) as port:
+        alone = [stream_text(stream(port, "/v1/completions", r)[0], chat=False) for r in reqs]
+        assert app.agen.stats.preemptions == 0
+        together: dict[int, str] = {}
+        errors: list[BaseException] = []
+
+        def one(i: int) -> None:
+            try:
+                together[i] = stream_text(stream(port, "/v1/completions", reqs[i], timeout=120)[0], chat=False)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)  # the first is admitted first: the second is the newer one
+        for t in threads:
+            t.join(120)
+        assert not errors, errors
+        assert [together[0], together[1]] == alone
+        h = wait_idle(port)
+        assert h["preemptions"] >= 1 and h["cache"]["pages_in_use"] == 0
+        text = request(port, "GET", "/metrics")[1].decode()
+        counted = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        assert counted["exl3_preemptions_total"] == app.agen.stats.preemptions >= 1

@@ -365,7 +365,7 @@ def test_rope_tables(T: int, half: int, factor: float) -> None:
     torch.testing.assert_close(sin, s_ref, atol=1e-6, rtol=0)
 
 
-# -- greedy pick (argmax + finite flags) ------------------------------------------------------------
+# -- greedy pick (argmax + numeric-fault flags) ------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,vocab", [(1, 5000), (3, 4096), (2, 9000), (4, 37)])
@@ -377,6 +377,8 @@ def test_greedy_pack(rows: int, vocab: int, dtype: torch.dtype) -> None:
         x[1] = float("-inf")  # no finite logit: flagged
         x[1, vocab // 2] = float("inf")
         x[2, vocab - 1] = float("nan")  # NaN: flagged
+    if rows > 3:
+        x[3, vocab // 3] = float("inf")  # +inf among finite logits (an fp16 overflow): flagged
     x = x.to(DEVICE)
     for _ in range(2):  # the arrival counters must be clean after a call
         got = ops.greedy_pack(x, impl="triton")
@@ -385,6 +387,7 @@ def test_greedy_pack(rows: int, vocab: int, dtype: torch.dtype) -> None:
         torch.testing.assert_close(got[1], exp[1], atol=0, rtol=0)
         good = exp[1] == 1
         torch.testing.assert_close(got[0][good], exp[0][good], atol=0, rtol=0)
+        assert exp[1, 1:4].tolist() == [0.0] * min(3, rows - 1) if rows > 2 else bool(good.all())
     if vocab > 4096 + 7:
         assert got[0, 0].item() == 3
 
