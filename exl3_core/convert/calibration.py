@@ -24,11 +24,13 @@ DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "calibration"
 CORPUS_FILE = DATA_DIR / "corpus.json.xz"
 #: fraction of rows that are uniform-random token ids (the reference mix: 20 of 135 weight units)
 RANDOM_FRACTION = 20 / 135
-#: default calibration size (``exl3 convert`` without --cal-rows/--cal-cols): rows of DEFAULT_COLS
-#: tokens, TOKENS_PER_INPUT tokens per input channel of the widest quantized linear (the Hessian's
-#: size), within [MIN_TOKENS, MAX_TOKENS] (the upper end is the reference quantizer's 250 x 2048)
-DEFAULT_COLS = 256
-TOKENS_PER_INPUT = 128
+#: default calibration size (``exl3 convert`` without --cal-rows/--cal-cols): TOKENS_PER_INPUT tokens
+#: per input channel of the widest quantized linear (the Hessian's size), within [MIN_TOKENS,
+#: MAX_TOKENS] (the upper end is the reference quantizer's 250 x 2048), in rows of DEFAULT_COLS
+#: tokens: short rows weigh the first positions of a context, which every context has, and measured
+#: lower KL than 128- and 256-token rows on both golden metrics (docs/dev/quality-history.md)
+DEFAULT_COLS = 64
+TOKENS_PER_INPUT = 64
 MIN_TOKENS = 32768
 MAX_TOKENS = 250 * 2048
 EVAL_EVERY = 5  # unit i of a collection (sorted) is evaluation text iff i % EVAL_EVERY == EVAL_EVERY - 1

@@ -698,7 +698,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
         once more for the fixed codes from the finished model's own inputs, aiming at the
         error-propagated target of strength β (``convert/postpass.py``; three extra calibration passes
         per stage, the unquantized model's states kept beside the quantized ones). None: the measured
-        default (``postpass.default_beta``: 0.5 for CUDA conversions below 3.5 bpw, else off).
+        default (``postpass.default_beta``: 0.5 on every device and bitrate).
     :param report: receives the per-tensor and per-module report lines (default: stderr).
     :param on_quantized: called with ``(key, QuantizedLinear)`` for every tensor quantized in this run.
     :param _stop_after_module: testing hook, return (unfinished) after checkpointing that stage index.
