@@ -74,8 +74,7 @@ def model_c_3_plain(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dic
     """The same conversion without the post-pass, whose scale refit (by design) moves the stored
     suh/svh away from the quantizer's: what the read-back check compares against."""
     captured: dict[str, Any] = {}
-    out = _convert("model_c", 3.0, tmp_path_factory.mktemp("golden") / "model_c_3.0_plain", captured, refit_final=0.0,
-                   cal_rows=32, cal_cols=64)
+    out = _convert("model_c", 3.0, tmp_path_factory.mktemp("golden") / "model_c_3.0_plain", captured, refit_final=0.0)
     return out, captured
 
 
