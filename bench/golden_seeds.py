@@ -1,24 +1,26 @@
-"""Golden-model quality over several seeds: exl3's conversion of a golden HF model scored with the
-128-token KL of ``stats.json`` (tests/e2e/test_convert_golden.py's metric and calibration).
+"""Golden-model quality over several seeds, on both metrics of tests/e2e/golden_quality.py: the
+128-position KL of ``stats.json`` and the 4096-position held-out KL, beside ExLlamaV3's figures.
 
-    python bench/golden_seeds.py model_a 4.0 0,1,2,3 '{"sequential": true}'
+    python bench/golden_seeds.py model_a 4.0 0,1,2 '{"cal_cols": 128}'
 
-The last argument is a JSON object of extra ``convert()`` keywords (e.g. refit_scales,
-refit_propagate, propagate, sequential). Prints one line per seed, then the mean and
-ExLlamaV3's figure for the same model and bitrate.
+The last argument is a JSON object of extra ``convert()`` keywords (none: the converter's defaults,
+i.e. plain ``exl3 convert -b B``). Prints one line per seed (KL on both metrics and the wall time of
+the conversion with the load average), then the means and ExLlamaV3's figures.
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 
-from test_convert_golden import CAL, GOLDEN, REFERENCE, STATS, golden_kl  # noqa: E402
+from golden_quality import GOLDEN, golden_kl, heldout_kl, reference_engine_kl  # noqa: E402
 
 from exl3_core.convert.pipeline import convert  # noqa: E402
 
@@ -28,19 +30,23 @@ def main() -> None:
         sys.exit(__doc__)
     model, bpw, seeds = sys.argv[1], float(sys.argv[2]), [int(s) for s in sys.argv[3].split(",")]
     extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
-    kls = []
+    gs, hs = [], []
+    ref_g, ref_h = reference_engine_kl(model, bpw)
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
             out = Path(tmp) / f"{model}_{bpw}_{seed}"
-            # extra keywords may override the test's calibration (e.g. cal_random)
-            convert(GOLDEN / "hf" / model, out, bpw, progress=False, report=lambda s: None,
-                    **{**CAL, "seed": seed, **extra})
-            kl, top1 = golden_kl(out, model)
-            kls.append(kl)
-            print(f"{model} {bpw} bpw seed {seed} {extra}: KL {kl:.5f} (top-1 {top1:.3f})", flush=True)
-    ref = STATS.get(REFERENCE.get((model, bpw), ""))
-    theirs = f"{ref['mean_kl_hf_to_exl3']:.5f}" if ref else "no figure"
-    print(f"mean {statistics.mean(kls):.5f} over {len(kls)} seeds | ExLlamaV3 {theirs}")
+            t0 = time.monotonic()
+            convert(GOLDEN / "hf" / model, out, bpw, progress=False, report=lambda s: None, **{"seed": seed, **extra})
+            secs = time.monotonic() - t0
+            g, _ = golden_kl(out, model)
+            h = heldout_kl(out, model)
+            gs.append(g)
+            hs.append(h)
+            print(f"{model} {bpw} seed {seed} {extra}: golden {g:.5f} heldout {h:.5f} "
+                  f"({secs:.0f} s, load {os.getloadavg()[0]:.1f})", flush=True)
+    theirs = f"{ref_g:.5f} / {ref_h:.5f}" if ref_g is not None else "no figure"
+    print(f"MEAN {model} {bpw} {extra}: golden {statistics.mean(gs):.5f} heldout {statistics.mean(hs):.5f} over "
+          f"{len(seeds)} seeds | ExLlamaV3 {theirs}", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ SUBCOMMAND_MODULES = (
     "exl3_core.generate_cli",
     "exl3_core.convert.gguf_import",
     "exl3_core.convert.cli",
+    "exl3_core.convert.optimize",
     "exl3_core.eval.cli",
     "exl3_core.bench.cli",
     "exl3_core.server.cli",

@@ -2,9 +2,10 @@
 
 The reference quantizer calibrates on ``rows x cols`` token ids: mostly text windows and about
 one row in seven of uniformly random token ids (format spec 5.1: text weights 115, random 20).
-Our text is the CPython documentation topics vendored in ``exl3_core/data/calibration`` (PSF
-licence, see its README): every fifth topic is held out as *evaluation* text, so perplexity is
-not measured on what the model was calibrated on. Everything here is seeded: the same arguments
+Our text is the corpus vendored in ``exl3_core/data/calibration`` (Python documentation and
+standard-library source, the Debian Reference in seven languages; licences in its README): every
+fifth unit of each collection is held out as *evaluation* text, so perplexity and KL divergence are
+never measured on what the model was calibrated on. Everything here is seeded: the same arguments
 give the same rows on every run, which resumable conversion relies on.
 """
 from __future__ import annotations
@@ -13,34 +14,81 @@ import functools
 import json
 import lzma
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "calibration"
-CORPUS_FILE = DATA_DIR / "pydoc_topics.json.xz"
+CORPUS_FILE = DATA_DIR / "corpus.json.xz"
 #: fraction of rows that are uniform-random token ids (the reference mix: 20 of 135 weight units)
 RANDOM_FRACTION = 20 / 135
-EVAL_EVERY = 5  # topic i is evaluation text iff i % EVAL_EVERY == EVAL_EVERY - 1
+#: default calibration size (``exl3 convert`` without --cal-rows/--cal-cols): TOKENS_PER_INPUT tokens
+#: per input channel of the widest quantized linear (the Hessian's size), within [MIN_TOKENS,
+#: MAX_TOKENS] (the upper end is the reference quantizer's 250 x 2048), in rows of DEFAULT_COLS
+#: tokens: short rows weigh the first positions of a context, which every context has, and measured
+#: lower KL than 128- and 256-token rows on both golden metrics (docs/dev/quality-history.md)
+DEFAULT_COLS = 64
+TOKENS_PER_INPUT = 64
+MIN_TOKENS = 32768
+MAX_TOKENS = 250 * 2048
+EVAL_EVERY = 5  # unit i of a collection (sorted) is evaluation text iff i % EVAL_EVERY == EVAL_EVERY - 1
 
 Split = Literal["calibration", "eval", "all"]
 
 
+@dataclass(frozen=True)
+class Document:
+    """One document of the built-in corpus; ``unit`` is what the split assigns (a chapter's
+    translations share one, so no translation of an evaluation chapter is calibrated on)."""
+
+    id: str
+    unit: str
+    collection: str
+    lang: str
+    text: str
+
+
 @functools.cache
-def _topics() -> tuple[tuple[str, str], ...]:
+def corpus() -> tuple[Document, ...]:
+    """Every document of the built-in corpus (``exl3_core/data/calibration/README.md``)."""
     if not CORPUS_FILE.is_file():
         raise FileNotFoundError(f"built-in text {CORPUS_FILE} is missing; reinstall exl3 (the package data "
                                 f"exl3_core/data/calibration/* was not installed) or pass a text file")
     data = json.loads(lzma.decompress(CORPUS_FILE.read_bytes()).decode("utf-8"))
-    return tuple(sorted(data["topics"].items()))
+    return tuple(Document(d["id"], d["unit"], d["collection"], d["lang"], d["text"]) for d in data["documents"])
 
 
-def builtin_text(split: Split = "calibration") -> str:
-    """The vendored documentation text: the calibration part, the held-out eval part, or all."""
-    parts = [text for i, (_, text) in enumerate(_topics())
-             if split == "all" or (i % EVAL_EVERY == EVAL_EVERY - 1) == (split == "eval")]
-    return "\n\n".join(parts)
+def documents(split: Split = "calibration", collections: tuple[str, ...] | None = None) -> list[Document]:
+    """The corpus documents of ``split``, optionally only those of ``collections``, in corpus order."""
+    docs = corpus()
+    known = {d.collection for d in docs}
+    if collections is not None and (unknown := set(collections) - known):
+        raise ValueError(f"unknown text collection(s) {sorted(unknown)}; the built-in corpus has {sorted(known)}")
+    held: set[str] = set()
+    for coll in known:
+        units = sorted({d.unit for d in docs if d.collection == coll})
+        held |= {u for i, u in enumerate(units) if i % EVAL_EVERY == EVAL_EVERY - 1}
+    return [d for d in docs if (collections is None or d.collection in collections)
+            and (split == "all" or (d.unit in held) == (split == "eval"))]
+
+
+def builtin_text(split: Split = "calibration", collections: tuple[str, ...] | None = None) -> str:
+    """The built-in corpus text of ``split`` (calibration, held-out eval, or all), documents joined
+    by blank lines. ``collections`` restricts it (e.g. ``("python-reference",)``, the Python
+    language reference topics that were the only built-in text before the corpus)."""
+    return "\n\n".join(d.text for d in documents(split, collections))
+
+
+def default_size(widest_input: int, rows: int | None = None, cols: int | None = None) -> tuple[int, int]:
+    """``(rows, cols)`` of the default calibration for a model whose widest quantized linear reads
+    ``widest_input`` channels; a given ``rows`` or ``cols`` is kept."""
+    cols = DEFAULT_COLS if cols is None else cols
+    if rows is None:
+        tokens = min(MAX_TOKENS, max(MIN_TOKENS, TOKENS_PER_INPUT * widest_input))
+        rows = max(1, -(-tokens // cols))
+    return rows, cols
 
 
 def load_tokenizer(model_dir: str | Path) -> object | None:

@@ -51,12 +51,13 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("-w", "--work-dir", default=None, help="checkpoint directory (default OUTPUT.work, removed "
                                                           "after success)")
     p.add_argument("-r", "--resume", action="store_true", help="continue the interrupted job in the work directory")
-    p.add_argument("--cal-rows", type=positive_int, default=250, help="calibration rows (default 250)")
-    p.add_argument("--cal-cols", type=positive_int, default=2048, help="tokens per calibration row (default 2048)")
-    p.add_argument("--cal-text", default=None, help="calibration text file (default: built-in Python docs text)")
+    p.add_argument("--cal-rows", type=positive_int, default=None, help="calibration rows (default: 64 tokens per "
+                   "input channel of the widest linear, 32k..512k tokens)")
+    p.add_argument("--cal-cols", type=positive_int, default=None, help="tokens per calibration row (default 64)")
+    p.add_argument("--cal-text", default=None, help="calibration text file (default: the built-in corpus)")
     p.add_argument("--cal-random", type=bounded_float(0.0, 1.0), default=20 / 135,
                    help="share of the calibration rows that are uniform-random tokens instead of text, 0..1 "
-                        "(default: 0.148, i.e. 20 of every 135 rows, the reference quantizer's mix; 1 = no text)")
+                        "(default: 0.148, i.e. 20 of every 135 rows; 1 = no text)")
     p.add_argument("--propagate", type=bounded_float(0.0, 1.0), default=None,
                    help="error-propagation strength 0..1: aim each layer partly at the unquantized model's "
                         "output (default: 0.5 below 2.5 bpw, where it measured better, else 0)")
@@ -72,8 +73,7 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--refit-final", type=bounded_float(0.0, 1.0), default=None, metavar="BETA",
                    help="after quantizing, refit every stored fp16 scale for the final codes from the finished "
                         "model's inputs, aiming at the error-propagated target of strength BETA 0..1 (three extra "
-                        "calibration passes; format unchanged; 0 = off; default: 0.5 on CUDA below 3.5 bpw, "
-                        "where it measured 6-8%% lower KL, else off)")
+                        "calibration passes; format unchanged; 0 = off; default 0.5)")
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
                    help="on CUDA, TF32 tensor cores for the fp32 calibration matmuls (default on; --no-tf32 for "
                         "exact fp32)")

@@ -7,8 +7,8 @@ For each stage (embedding, every block, final norm, head), in order:
    linears reading the same input (:mod:`exl3_core.convert.capture`);
 2. finalise each H once (seeded by the stage index) and quantize every linear with its bit width
    from the allocation (:mod:`exl3_core.quant.exl3.allocation`), the head with ``head_bits``;
-3. swap the stage's linears for :class:`~exl3_core.quant.exl3.EXL3Linear` built from exactly the
-   tensors that will be stored, advance the states through it and report rfn/cos/sqnr against
+3. swap the stage's linears for modules built from exactly the tensors that will be stored
+   (:func:`~exl3_core.convert.dequantized.runtime_linear`), advance the states through it and report rfn/cos/sqnr against
    the unquantized outputs on the first rows;
 4. checkpoint the stage's tensors and the new states in the work directory.
 
@@ -22,16 +22,17 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from exl3_core.convert.calibration import RANDOM_FRACTION, calibration_ids
+from exl3_core.convert.calibration import RANDOM_FRACTION, calibration_ids, default_size
 from exl3_core.convert.capture import HessianCapture, LinearSlot, find_linears
 from exl3_core.convert.compile import quantization_config, write_output
 from exl3_core.convert.concurrent import run_on_streams
+from exl3_core.convert.dequantized import runtime_linear
 from exl3_core.convert.propagation import CrossAccumulator, InputRecorder, default_strength, propagated_weight
 from exl3_core.convert.stages import (
     Stage,
@@ -47,7 +48,6 @@ from exl3_core.convert.workdir import Job, ResumeError, StatesCommitter, WorkDir
 from exl3_core.progress import write as progress_write
 from exl3_core.quant.exl3.allocation import AllocItem, allocate_bits, average_bits
 from exl3_core.quant.exl3.hessian import HessianAccumulator, HessianInfo, padded_size
-from exl3_core.quant.exl3.linear import EXL3Linear
 from exl3_core.quant.exl3.quantize import QuantizedLinear, quantize_linear
 
 CODEBOOKS = ("mul1", "mcg", "3inst")
@@ -74,8 +74,8 @@ class ConvertArgs:
     head_bits: int = 6
     codebook: str = "mul1"
     out_scales: str = "always"
-    cal_rows: int = 250
-    cal_cols: int = 2048
+    cal_rows: int | None = None  # None: sized for the model (calibration.default_size)
+    cal_cols: int | None = None
     device: str = "cpu"
     shard_mib: int = 8192
     work_dir: str | None = None
@@ -89,6 +89,16 @@ class ConvertArgs:
     sequential: bool = False  # re-capture each input group of a block after the groups before it are quantized
     refit_final: float = 0.0  # β of the post-pass scale refit from the finished model (0: off; convert/postpass.py)
 
+    @property
+    def rows(self) -> int:
+        assert self.cal_rows is not None, "calibration size not resolved (Converter.run does it)"
+        return self.cal_rows
+
+    @property
+    def cols(self) -> int:
+        assert self.cal_cols is not None, "calibration size not resolved (Converter.run does it)"
+        return self.cal_cols
+
     def validate(self) -> None:
         if not 1.0 <= self.bpw <= 8.0:
             raise ValueError(f"--bits {self.bpw}: EXL3 bitrates are 1..8 bits per weight")
@@ -98,7 +108,7 @@ class ConvertArgs:
             raise ValueError(f"--codebook {self.codebook!r}: use one of {', '.join(CODEBOOKS)}")
         if self.out_scales not in ("always", "never", "auto"):
             raise ValueError(f"--out-scales {self.out_scales!r}: use always, never or auto")
-        if self.cal_rows < 1 or self.cal_cols < 2:
+        if (self.cal_rows is not None and self.cal_rows < 1) or (self.cal_cols is not None and self.cal_cols < 2):
             raise ValueError(f"--cal-rows {self.cal_rows} --cal-cols {self.cal_cols}: need at least 1 row of 2 tokens")
         if not 0.0 <= self.cal_random <= 1.0:
             raise ValueError(f"--cal-random {self.cal_random}: the share of random rows must be in [0, 1]")
@@ -319,7 +329,7 @@ class Converter:
         for s in (s for ss in self.slots.values() for s in ss):
             s.group = None  # the real capture observes the groups again
         text = None if a.text is None else Path(a.text).expanduser().read_text(encoding="utf-8")
-        ids = calibration_ids(self.in_dir, self.vocab, a.cal_rows, a.cal_cols, seed=a.seed, text=text,
+        ids = calibration_ids(self.in_dir, self.vocab, a.rows, a.cols, seed=a.seed, text=text,
                               random_fraction=a.cal_random)
         job = Job(args=job_args, source=source, bits=bits)
         self.work.path.mkdir(parents=True, exist_ok=True)
@@ -414,8 +424,8 @@ class Converter:
             if s.key not in quantized:
                 continue
             ts = quantized[s.key].tensors(s.key)
-            lin = EXL3Linear.from_tensors(s.key, ts.get, s.in_features, s.out_features).to(self.device)
-            replace_linear(s.parent, s.attr, lin)
+            replace_linear(s.parent, s.attr, runtime_linear(s.key, ts.get, s.in_features, s.out_features,
+                                                            self.device))
         refresh_derived(st, torch.float32, self.device)
 
     def _run_stage(self, st: Stage, x: torch.Tensor, ids: torch.Tensor, job: Job, bar: Any) -> torch.Tensor:
@@ -527,9 +537,19 @@ class Converter:
             return x
         return x.to(self._home(x.nbytes))
 
+    def _size_calibration(self) -> None:
+        """Resolve an unset calibration size from the model's linears (``calibration.default_size``)."""
+        a = self.args
+        if a.cal_rows is not None and a.cal_cols is not None:
+            return
+        widest = max((s.in_features for ss in self.slots.values() for s in ss if s.quantize), default=1)
+        rows, cols = default_size(widest, a.cal_rows, a.cal_cols)
+        self.args = replace(a, cal_rows=rows, cal_cols=cols)
+
     def run(self, *, resume: bool = False, _stop_after_module: int | None = None) -> ConvertResult:
         t_start = time.monotonic()
         self._load_model()
+        self._size_calibration()
         job = self._start_or_resume(resume)
         ids = self.work.load_calibration()
         if ids is None:
@@ -622,7 +642,7 @@ class Converter:
         from exl3_core import __version__
 
         qc = quantization_config(self.config.raw, version=__version__, bits=bits, head_bits=a.head_bits,
-                                 cal_rows=a.cal_rows, cal_cols=a.cal_cols, out_scales=a.out_scales,
+                                 cal_rows=a.rows, cal_cols=a.cols, out_scales=a.out_scales,
                                  codebook=a.codebook)
         files = [self.work.stage_file(st.index) for st in self.stages]
         if a.refit_final > 0:  # post-pass: refit every scale from the finished model (reruns whole on resume)
@@ -651,7 +671,7 @@ def _recorded_arg(out_dir: str | Path, work_dir: str | Path | None, name: str, m
 
 
 def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: int = 6, codebook: str = "mul1",
-            out_scales: str = "always", cal_rows: int = 250, cal_cols: int = 2048, device: str = "cpu",
+            out_scales: str = "always", cal_rows: int | None = None, cal_cols: int | None = None, device: str = "cpu",
             shard_mib: int = 8192, work_dir: str | Path | None = None, resume: bool = False, seed: int = 0,
             text: str | Path | None = None, cal_random: float = RANDOM_FRACTION, propagate: float | None = None,
             refit_scales: bool = False, refit_propagate: float = 0.0, tf32: bool = True, sequential: bool = False,
@@ -665,7 +685,8 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
     :param head_bits: K of the output head (16 keeps it unquantized).
     :param codebook: ``mul1`` (default), ``mcg`` or ``3inst``.
     :param out_scales: output-channel scale policy ``always``/``never``/``auto`` (spec 5.3).
-    :param cal_rows: calibration rows; ``cal_cols`` tokens each.
+    :param cal_rows: calibration rows; ``cal_cols`` tokens each. None: sized for the model from the
+        widest quantized input (``calibration.default_size``); a resumed job keeps what it recorded.
     :param work_dir: checkpoint directory (default ``<out_dir>.work``, removed when done).
     :param resume: continue the unfinished job in ``work_dir``; its quantization arguments must match.
     :param text: calibration text file instead of the built-in documentation text.
@@ -686,7 +707,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
         once more for the fixed codes from the finished model's own inputs, aiming at the
         error-propagated target of strength β (``convert/postpass.py``; three extra calibration passes
         per stage, the unquantized model's states kept beside the quantized ones). None: the measured
-        default (``postpass.default_beta``: 0.5 for CUDA conversions below 3.5 bpw, else off).
+        default (``postpass.default_beta``: 0.5 on every device and bitrate).
     :param report: receives the per-tensor and per-module report lines (default: stderr).
     :param on_quantized: called with ``(key, QuantizedLinear)`` for every tensor quantized in this run.
     :param _stop_after_module: testing hook, return (unfinished) after checkpointing that stage index.
@@ -699,6 +720,11 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
         # and changed over versions: jobs that do not record it ran without it)
         recorded = _recorded_arg(out_dir, work_dir, "refit_final", 0.0) if resume else None
         refit_final = default_beta(float(bpw), device) if recorded is None else float(recorded)
+    if resume:  # an unset size is whatever the interrupted job resolved (older jobs: the old defaults)
+        if cal_rows is None:
+            cal_rows = _recorded_arg(out_dir, work_dir, "cal_rows", 250)
+        if cal_cols is None:
+            cal_cols = _recorded_arg(out_dir, work_dir, "cal_cols", 2048)
     args = ConvertArgs(in_dir=str(in_dir), out_dir=str(out_dir), bpw=float(bpw), head_bits=head_bits,
                        codebook=codebook, out_scales=out_scales, cal_rows=cal_rows, cal_cols=cal_cols, device=device,
                        shard_mib=shard_mib, work_dir=None if work_dir is None else str(work_dir), seed=seed,

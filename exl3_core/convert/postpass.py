@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from exl3_core.convert.capture import HessianCapture, LinearSlot
+from exl3_core.convert.dequantized import runtime_linear
 from exl3_core.convert.propagation import CrossAccumulator, InputRecorder, propagated_weight
 from exl3_core.convert.stages import Stage, advance_states, forward_stage, refresh_derived, replace_linear
 from exl3_core.loader import save_tensors
@@ -42,18 +43,16 @@ from exl3_core.quant.exl3.trellis import decode_inner
 
 SIGMA_REG = 0.025  # the damping LDLQ's Hessian carries (finalize_hessian's sigma_reg): the same metric
 REFIT_DIR = "refit"
-# The default (``exl3 convert`` without --refit-final): β = 0.5 for CUDA conversions below 3.5 bpw.
-# Measured (docs/quality.md): model_a 3.0 bpw, 4 seeds, mean KL 0.07960 -> 0.07500, every seed better;
-# the embedded 135M default model at 3.0 bpw KLD 0.1108 -> 0.1024; 4.0 bpw gains less (model_a
-# -3.5%). Cost: ~5.5 s per 8B block on an H200 (+~3 min for the 8B shape), but about as long as the
-# conversion itself on a 2-core CPU, hence off there.
+# The default (``exl3 convert`` without --refit-final): β = 0.5 on every device and bitrate.
+# Measured (docs/quality.md): model_a 3.0 bpw, 4 seeds, mean KL 0.07960 -> 0.07500 and 4.0 bpw
+# 0.02234 -> 0.02156, every seed better; the embedded 135M default model at 3.0 bpw KLD 0.1108 -> 0.1024.
+# With the converter's CPU forwards on dequantized weights the three extra passes are cheap there too.
 DEFAULT_BETA = 0.5
-DEFAULT_BELOW_BPW = 3.5
 
 
 def default_beta(bpw: float, device: str) -> float:
-    """The post-pass strength ``exl3 convert`` uses when none is given."""
-    return DEFAULT_BETA if bpw < DEFAULT_BELOW_BPW and str(device).startswith("cuda") else 0.0
+    """The post-pass strength ``exl3 convert`` uses when none is given (the same on every device)."""
+    return DEFAULT_BETA
 
 Report = Callable[[str], None]
 
@@ -163,7 +162,8 @@ def final_refit(model: Any, stages: Sequence[Stage], slots: dict[int, list[Linea
                 x_f = x_q
             qlins = {s.key: EXL3Linear.from_tensors(s.key, tensors.get, s.in_features, s.out_features).to(dev)
                      for s in fslots}
-            accs, crosses, fp_out = _capture(model, st, fslots, qlins, x_q, x_f, ids, chunks, dev, home)
+            runs = {s.key: runtime_linear(s.key, tensors.get, s.in_features, s.out_features, dev) for s in fslots}
+            accs, crosses, fp_out = _capture(model, st, fslots, runs, x_q, x_f, ids, chunks, dev, home)
             changed = False
             for s in fslots:
                 lin = qlins[s.key]
@@ -174,10 +174,10 @@ def final_refit(model: Any, stages: Sequence[Stage], slots: dict[int, list[Linea
                 mark = "" if rec.accepted else f" kept ({rec.reason})"
                 say(f"    refit-final {s.key:<52} {rec.before:.6f}->{rec.after:.6f}{mark}")
                 if rec.accepted:
-                    lin.suh, lin.svh = su.to(dev), sv.to(dev)
                     tensors[f"{s.key}.suh"], tensors[f"{s.key}.svh"] = su.cpu(), sv.cpu()
+                    runs[s.key] = runtime_linear(s.key, tensors.get, s.in_features, s.out_features, dev)
                     changed = True
-            _swap(st, fslots, qlins, dev)  # the stage now runs with its refit scales
+            _swap(st, fslots, runs, dev)  # the stage now runs with its refit scales
             if changed:
                 out_files[st.index] = refit_file(work_path, st.index)
                 out_files[st.index].parent.mkdir(parents=True, exist_ok=True)
@@ -188,7 +188,7 @@ def final_refit(model: Any, stages: Sequence[Stage], slots: dict[int, list[Linea
     return out_files, records
 
 
-def _capture(model: Any, st: Stage, fslots: list[LinearSlot], qlins: dict[str, EXL3Linear], x_q: torch.Tensor,
+def _capture(model: Any, st: Stage, fslots: list[LinearSlot], qlins: dict[str, torch.nn.Module], x_q: torch.Tensor,
              x_f: torch.Tensor, ids: torch.Tensor, chunks: Sequence[slice], dev: torch.device,
              home: Callable[[int], torch.device],
              ) -> tuple[dict[str, HessianAccumulator], dict[str, CrossAccumulator], torch.Tensor | None]:
@@ -205,7 +205,7 @@ def _capture(model: Any, st: Stage, fslots: list[LinearSlot], qlins: dict[str, E
         return {s.key: acc for s in fslots}, {s.key: cross for s in fslots}, None
 
     originals = {s.key: s.module for s in fslots}
-    # the quantized pass hooks the EXL3 modules; group leaders are observed as in the stage loop
+    # the quantized pass hooks the quantized modules; group leaders are observed as in the stage loop
     qslots = [LinearSlot(s.key, s.parent, s.attr, s.path, qlins[s.key], True) for s in fslots]
     partner: dict[str, torch.Tensor] = {}
     crosses: dict[str, CrossAccumulator] = {}  # by group leader

@@ -192,7 +192,10 @@ class HessianAccumulator:
         if self.h_sum is None:
             self.h_sum = torch.zeros(self.in_features, self.in_features, dtype=torch.float32, device=x.device)
         x = x.detach().reshape(-1, self.in_features).to(self.h_sum.device, torch.float32)
-        x = x[torch.isfinite(x).all(dim=1)]
+        # a NaN or inf anywhere makes the sum non-finite (and so does an overflowing sum, which then
+        # takes the exact row filter too): one reduction instead of a mask and a copy of every batch
+        if not bool(torch.isfinite(x.sum())):
+            x = x[torch.isfinite(x).all(dim=1)]
         self.h_sum.addmm_(x.T, x)
         self.count += x.shape[0]
 

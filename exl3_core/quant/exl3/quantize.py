@@ -17,7 +17,7 @@ from exl3_core.quant.exl3 import codebook as _cb
 from exl3_core.quant.exl3.dequant import MARKER_VALUES, marker_int32
 from exl3_core.quant.exl3.hessian import HessianInfo, fallback_hessian, padded_size
 from exl3_core.quant.exl3.ldlq import TileEncoder, codebook_id, ldlq
-from exl3_core.quant.exl3.regularize import regularize, rotate, use_out_scales
+from exl3_core.quant.exl3.regularize import SAMPLE_CAP, regularize, rotate, use_out_scales
 from exl3_core.quant.exl3.scale_refit import original_hessian
 from exl3_core.quant.exl3.scale_refit import refit_scales as _refit_scales
 from exl3_core.quant.exl3.trellis import check_k, check_states, decode_inner, k_from_trellis, pack_trellis
@@ -126,7 +126,7 @@ def quantize_linear(
     out_features: int | None = None,
     encoder: TileEncoder | None = None,
     buf_size_k: int = 128,
-    g_sample_cap: int | None = 256,
+    g_sample_cap: int | None = SAMPLE_CAP,
     name: str = "linear",
     device: torch.device | str | None = None,
     refit_scales: bool = False,

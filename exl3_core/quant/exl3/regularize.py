@@ -14,15 +14,17 @@ import torch
 from exl3_core.quant.exl3.codebook import CODEBOOK_SCALE_3INST
 from exl3_core.quant.exl3.hadamard import had_blockwise
 from exl3_core.quant.exl3.hessian import HessianInfo, sign_pattern
-from exl3_core.quant.exl3.ldlq import TileEncoder, codebook_id, encode
+from exl3_core.quant.exl3.ldlq import TileEncoder, codebook_id, encode, lut32
 from exl3_core.quant.exl3.trellis import check_k, tiles_from_matrix
 
 OUT_SCALE_MODES = ("always", "never", "auto")
 ZERO_SCALE = 0.1  # scale given to all-zero rows/columns so nothing divides by zero
 EPS = 1e-10
 SKEW_FRACTION = 0.15  # "auto": apply out scales when the top k/50 input channels hold < 15% of sqrt(diag H)
-COARSE_GRID = tuple(0.1 + 0.2 * i for i in range(10))  # 0.1, 0.3, ..., 1.9
-FINE_STEP = 0.075
+SCALE_STEP = 0.1  # relative spacing of the global-scale candidates
+MAX_WALK = 24  # downhill steps before the search settles for the lowest point seen
+SAMPLE_CAP = 128  # tiles the global-scale search encodes per candidate
+EXT_SHARE = 16
 G_MIN = 0.01
 
 
@@ -56,12 +58,13 @@ def use_out_scales(mode: str, hinfo: HessianInfo | None) -> bool:
     return float(d[: max(1, d.numel() // 50)].sum()) < SKEW_FRACTION * total
 
 
-def sample_scale_tiles(w_rot: torch.Tensor, cap: int | None = 256) -> torch.Tensor:
+def sample_scale_tiles(w_rot: torch.Tensor, cap: int | None = SAMPLE_CAP) -> torch.Tensor:
     """Tiles ``[S, 256]`` (sequence order) for the global-scale search.
 
     A wrapped diagonal of the tile grid, 3 tiles wide, plus the ``max(8, 3·max(tk, tn)//16)``
-    highest- and lowest-RMS tiles. ``cap`` bounds S by thinning the diagonal evenly (the extremes
-    are kept): for very wide tensors (heads) the full diagonal would cost most of a second pass.
+    highest- and lowest-RMS tiles. ``cap`` bounds S: the extremes keep at most half of it, the
+    diagonal is thinned evenly to the rest (a wide head's full diagonal would cost most of a
+    second pass, and the scale only needs a few tens of thousands of weights to be located).
     """
     tiles = tiles_from_matrix(w_rot)  # [tk, tn, 256]
     tk, tn, _ = tiles.shape
@@ -70,6 +73,8 @@ def sample_scale_tiles(w_rot: torch.Tensor, cap: int | None = 256) -> torch.Tens
     i = torch.arange(m)
     diag = torch.cat([(i % tk) * tn + (i + d) % tn for d in range(3)]).unique()
     n_ext = min(max(8, 3 * m // 16), flat.shape[0])
+    if cap is not None:
+        n_ext = min(n_ext, max(1, cap // EXT_SHARE))
     rms = flat.pow(2).mean(dim=1)
     ext = torch.cat([rms.topk(n_ext).indices, (-rms).topk(n_ext).indices]).unique().cpu()
     diag = diag[~torch.isin(diag, ext)]
@@ -102,27 +107,47 @@ def _parabola_vertex(x: list[float], y: list[float]) -> float | None:
     return v if math.isfinite(v) else None
 
 
+def codebook_rms(codebook: int) -> float:
+    """RMS of a codebook's values over all 65536 states."""
+    return float(lut32(codebook).double().pow(2).mean().sqrt())
+
+
 def search_global_scale(
     tiles: torch.Tensor, K: int, codebook: int, encoder: TileEncoder | None = None
 ) -> tuple[float, float]:
     """Global scale g minimising the sampled tiles' quantization MSE; returns (g, best sampled MSE).
 
-    Coarse grid 0.1..1.9 on every third sample, fine grid of ±2 steps of 0.075 around the best on
-    all samples, then a parabolic fit through the best fine point and its neighbours, clamped to
-    their interval and to g >= 0.01.
+    The tiles' quantization MSE is a smooth, single-valley function of g, so the search brackets
+    the valley and fits a parabola instead of scanning a grid: it starts at the scale that gives the
+    tiles the codebook's RMS, evaluates it and its neighbours ``STEP`` (relative) apart, walks
+    downhill one step at a time until the lowest point has a higher one on each side, and returns
+    the vertex of the parabola through those three (clamped to their interval and to g >= 0.01).
+    Every candidate is scored on the same tiles, so differences between candidates are not masked
+    by sampling noise. Typically 3-4 encoder passes over the sample.
     """
     if tiles.shape[0] == 0 or float(tiles.abs().max()) == 0.0:
         return 1.0, 0.0
-    coarse = _scale_errors(tiles[::3], list(COARSE_GRID), K, codebook, encoder)
-    best = COARSE_GRID[min(range(len(coarse)), key=coarse.__getitem__)]
-    fine = sorted({round(max(G_MIN, best + FINE_STEP * d), 6) for d in range(-2, 3)})
-    errs = _scale_errors(tiles, fine, K, codebook, encoder)
-    j = min(range(len(errs)), key=errs.__getitem__)
-    g, e = fine[j], errs[j]
-    if 0 < j < len(fine) - 1:
-        v = _parabola_vertex(fine[j - 1 : j + 2], errs[j - 1 : j + 2])
+    rms = float(tiles.double().pow(2).mean().sqrt())
+    g0 = max(G_MIN, codebook_rms(codebook) / rms)
+    step = SCALE_STEP * g0
+    pts = [max(G_MIN, g0 - step), g0, g0 + step]
+    errs = _scale_errors(tiles, pts, K, codebook, encoder)
+    for _ in range(MAX_WALK):
+        j = min(range(3), key=errs.__getitem__)
+        if j == 1 or (j == 0 and pts[0] <= G_MIN):
+            break
+        if j == 2:
+            new = pts[2] + step
+            pts, errs = [pts[1], pts[2], new], [errs[1], errs[2], *_scale_errors(tiles, [new], K, codebook, encoder)]
+        else:
+            new = max(G_MIN, pts[0] - step)
+            pts, errs = [new, pts[0], pts[1]], [*_scale_errors(tiles, [new], K, codebook, encoder), errs[0], errs[1]]
+    j = min(range(3), key=errs.__getitem__)
+    g, e = pts[j], errs[j]
+    if j == 1:
+        v = _parabola_vertex(pts, errs)
         if v is not None:
-            g = min(max(v, fine[j - 1], G_MIN), fine[j + 1])
+            g = min(max(v, pts[0], G_MIN), pts[2])
     return float(g), float(e)
 
 
@@ -135,7 +160,7 @@ def regularize(
     K: int,
     seed: int = 0,
     encoder: TileEncoder | None = None,
-    g_sample_cap: int | None = 256,
+    g_sample_cap: int | None = SAMPLE_CAP,
     name: str = "linear",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """Regularise ``w`` fp32 ``[k, n]`` (``(in, out)``, padded); returns (W_rot, su, sv, g).
