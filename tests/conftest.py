@@ -57,12 +57,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    """Skip ``cuda`` tests without a GPU, and ``slow`` tests unless the ``-m`` expression names them
+    (``pytest -m slow`` runs them; the plain ``pytest`` of CI does not)."""
+    no_cuda = pytest.mark.skip(reason="needs a CUDA device")
+    slow = pytest.mark.skip(reason="long-running; run with -m slow")
+    run_slow = "slow" in (config.getoption("markexpr") or "")
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
+        elif "slow" in item.keywords and not run_slow:
+            item.add_marker(slow)
 
 
 @pytest.fixture

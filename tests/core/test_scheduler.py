@@ -121,11 +121,9 @@ def test_capacity_soak(plugins: Any) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("seed", "n_jobs", "cache_tokens", "max_batch"), [(1, 1000, 4096, 192), (2, 1000, 2048, 128),
                                                                          (3, 600, 1024, 96)])
-def test_capacity_soak_long(plugins: Any, request: pytest.FixtureRequest, seed: int, n_jobs: int, cache_tokens: int,
+def test_capacity_soak_long(plugins: Any, seed: int, n_jobs: int, cache_tokens: int,
                             max_batch: int) -> None:
     """The soak with up to 1000 jobs, mixed priorities and more cancels (run with ``-m slow``)."""
-    if "slow" not in (request.config.getoption("markexpr") or ""):
-        pytest.skip("about a minute per case on 2 cores; run with -m slow")
     soak(plugins, n_jobs=n_jobs, cache_tokens=cache_tokens, seed=seed, max_batch=max_batch, priorities=True,
          cancel_rate=0.15, bursts=(0, 4, 10, 25, 60))
 
