@@ -152,8 +152,8 @@ def test_decode_inner_bit_exact_vs_exllamav3(variant: str) -> None:
 
 @pytest.mark.parametrize("cb", [CB_3INST, CB_MCG, CB_MUL1])
 def test_decode_exact_rounds_to_decode(cb: int) -> None:
-    """decode_exact (what the CUDA matmuls multiply by) rounds to decode's fp16 for all 65536 states;
-    MUL1's exact values follow the raw kernels' algebra, SCALE * (1 + b/1024) + BIAS, and sit within half
+    """decode_exact rounds to decode's fp16 for all 65536 states; MUL1's exact values follow the
+    codebook's algebra, SCALE * (1 + b/1024) + BIAS, and sit within half
     an fp16 ulp of the rounded ones, 3INST/MCG are decode's values unchanged."""
     states = torch.arange(65536, dtype=torch.int64)
     exact, rounded = cbmod.decode_exact(states, cb), cbmod.decode(states, cb)

@@ -53,10 +53,8 @@ def decode(states: torch.Tensor, codebook: int) -> torch.Tensor:
 def decode_exact(states: torch.Tensor, codebook: int) -> torch.Tensor:
     """The codebook values before their final fp16 rounding, as fp32 (exact for every codebook).
 
-    Only MUL1 differs from :func:`decode`: a build with ``EXL3_MUL1_RAW`` folds its affine map into the
-    CUDA matmuls' epilogue (csrc/exl3/exl3_decode.cuh), so they multiply x by these values rather than by
-    the rounded Ŵ (``torch.ops.exl3.mul1_raw()`` tells); the kernels' tests then use this as their
-    reference. 3INST and MCG: :func:`decode` in fp32.
+    Only MUL1 differs from :func:`decode`, which rounds these values once to fp16; 3INST and MCG
+    produce fp16 values directly, so this is :func:`decode` in fp32.
     """
     if codebook != CB_MUL1:
         return decode(states, codebook).to(torch.float32)

@@ -197,7 +197,7 @@ def decode_inner(trellis: torch.Tensor, K: int | None, codebook: int, exact: boo
     """Decode a whole trellis ``[k/16, n/16, 16K]`` to the fp16 inner matrix Ŵ ``[k, n]``, bit-exactly.
 
     ``exact``: the values before their fp16 rounding, fp32 (:func:`codebook.decode_exact`; differs for
-    MUL1 only), i.e. what the CUDA matmuls of an ``EXL3_MUL1_RAW`` build multiply by."""
+    MUL1 only)."""
     if trellis.dim() != 3:
         raise ValueError(
             f"decode_inner: trellis must be 3-D [k/16, n/16, 16K], got shape {tuple(trellis.shape)}"
