@@ -10,12 +10,15 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from exl3_core.cache_bits import add_cache_bits_arg, cache_kwargs
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-m", "--model", type=Path, default=None,
                    help="model folder (HF-style, unquantized or EXL3); default: the embedded default model")
     p.add_argument("--device", default=None, help="torch device (default: cuda:0 if available, else cpu)")
     p.add_argument("--cache-tokens", type=int, default=8192, help="KV-cache size in tokens (default 8192)")
+    add_cache_bits_arg(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=None, help="0 or unset with no other option = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -69,7 +72,7 @@ class Session:
         self.config = Config.from_directory(model_dir)
         self.model = Model.from_config(self.config)
         attention = [a.strip() for a in args.attention.split(",")] if args.attention else None
-        self.cache = Cache(self.model, max_num_tokens=args.cache_tokens)
+        self.cache = Cache(self.model, max_num_tokens=args.cache_tokens, **cache_kwargs(args))
         # the cache counts in the load's memory check and is allocated with the weights
         self.model.load(device=device, progressbar=True, attention=attention, caches=[self.cache])
         self.tokenizer = Tokenizer.from_config(self.config)

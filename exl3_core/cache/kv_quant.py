@@ -10,7 +10,8 @@ Stores: on CUDA one Triton launch per step quantizes the step's rows straight in
 (RoPE included through :meth:`~KVQuantLayer.write_rotated`), with no fp16 copy of any page; elsewhere the
 torch reference. Attention reads the view ``"kv/quant"`` (``"mla/quant"``): the code words as
 ``k_cache``/``v_cache`` and :class:`~exl3_core.attention.spec.QuantPages` beside them; a backend that
-cannot read it declines, and :func:`check_readable` reports that before anything is allocated.
+cannot read it declines, and :func:`exl3_core.cache.readable.check_readable` reports that before anything
+is allocated.
 """
 from __future__ import annotations
 
