@@ -15,7 +15,6 @@ is allocated.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
@@ -28,7 +27,6 @@ from exl3_core.reference import kv_quant as ref
 if TYPE_CHECKING:
     from types import ModuleType
 
-    from exl3_core.cache.cache import Cache
 
 Impl = Literal["auto", "triton", "torch"]
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
@@ -55,6 +53,21 @@ def _check_dims(cls: str, head_dim: int, head_dim_v: int | None, quantized: str)
                          f"this model")
 
 
+def _bits(cls: str, options: dict[str, object], latent: bool) -> tuple[int, int]:
+    """``(k_bits, v_bits)`` of a quantized layer's options (default 4 each), checked; a latent cache has one width."""
+    unknown = sorted(set(options) - {"k_bits", "v_bits"})
+    if unknown:
+        raise ValueError(f"cache variant 'quant' ({cls}) takes k_bits and v_bits, not {unknown}")
+    k = ref.check_bits("k_bits", options.get("k_bits", 4))
+    if latent:
+        v = options.get("v_bits")
+        if v is not None and v != k:
+            raise ValueError(f"k_bits={k}, v_bits={v}: a latent (MLA) cache stores one latent for keys and values, so "
+                             f"it has one bit width; give the same value for both (--cache-bits {k})")
+        return k, k
+    return k, ref.check_bits("v_bits", options.get("v_bits", 4))
+
+
 class KVQuantLayer(CacheLayer):
     """Keys and values as code words ``[pages, page_size, Hkv * D / 32 * bits]`` (int32) and scales
     ``[pages, page_size, Hkv * D / 32]`` (fp16), per side. Options ``k_bits``, ``v_bits`` (2..8, default 4)."""
@@ -65,9 +78,9 @@ class KVQuantLayer(CacheLayer):
     def __init__(self, *, k_bits: int = 4, v_bits: int = 4, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.check_options(self.num_kv_heads, self.head_dim, self.head_dim_v, k_bits=k_bits, v_bits=v_bits)
+        self.k_bits, self.v_bits = k_bits, v_bits
         if self.dtype not in _FLOAT:
             raise ValueError(f"KVQuantLayer: dtype {self.dtype} is not a float dtype (use fp16, bf16 or fp32)")
-        self.k_bits, self.v_bits = k_bits, v_bits
         ngk = self.num_kv_heads * self.head_dim // ref.GROUP
         ngv = self.num_kv_heads * self.head_dim_v // ref.GROUP
         pages = (self.num_pages, self.page_size)
@@ -77,18 +90,15 @@ class KVQuantLayer(CacheLayer):
         self.v_scales = torch.zeros((*pages, ngv), dtype=torch.float16, device=self.device)
 
     @classmethod
-    def check_options(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, *, k_bits: int = 4,
-                      v_bits: int = 4, **other: object) -> None:
-        if other:
-            raise ValueError(f"cache variant 'quant' takes k_bits and v_bits, not {sorted(other)}")
-        ref.check_bits("k_bits", k_bits)
-        ref.check_bits("v_bits", v_bits)
+    def check_options(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, **layer_kwargs: object) -> None:
+        _bits(cls.__name__, layer_kwargs, latent=False)
         _check_dims(cls.__name__, head_dim, head_dim_v, "key/value head")
 
     @classmethod
-    def bytes_per_token(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype, *,
-                        k_bits: int = 4, v_bits: int = 4, **other: object) -> int:
-        cls.check_options(num_kv_heads, head_dim, head_dim_v, k_bits=k_bits, v_bits=v_bits, **other)
+    def bytes_per_token(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype,
+                        **layer_kwargs: object) -> int:
+        cls.check_options(num_kv_heads, head_dim, head_dim_v, **layer_kwargs)
+        k_bits, v_bits = _bits(cls.__name__, layer_kwargs, latent=False)
         dv = head_dim if head_dim_v is None else head_dim_v
         return (num_kv_heads * head_dim // ref.GROUP * ref.bytes_per_value_group(k_bits)
                 + num_kv_heads * dv // ref.GROUP * ref.bytes_per_value_group(v_bits))
@@ -163,14 +173,8 @@ class MLAQuantLayer(CacheLayer):
         self.rope = torch.zeros((*pages, self.head_dim - self.head_dim_v), dtype=self.dtype, device=self.device)
 
     @classmethod
-    def check_options(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, *, k_bits: int = 4,
-                      v_bits: int | None = None, **other: object) -> None:
-        if other:
-            raise ValueError(f"cache variant 'quant' takes k_bits and v_bits, not {sorted(other)}")
-        ref.check_bits("k_bits", k_bits)
-        if v_bits is not None and v_bits != k_bits:
-            raise ValueError(f"k_bits={k_bits}, v_bits={v_bits}: a latent (MLA) cache stores one latent for keys and "
-                             f"values, so it has one bit width; give the same value for both (--cache-bits {k_bits})")
+    def check_options(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, **layer_kwargs: object) -> None:
+        _bits(cls.__name__, layer_kwargs, latent=True)
         if num_kv_heads != 1:
             raise ValueError(f"MLAQuantLayer: num_kv_heads={num_kv_heads}; a latent cache holds one shared head")
         dv = head_dim if head_dim_v is None else head_dim_v
@@ -180,9 +184,10 @@ class MLAQuantLayer(CacheLayer):
         _check_dims(cls.__name__, dv, None, "latent")
 
     @classmethod
-    def bytes_per_token(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype, *,
-                        k_bits: int = 4, v_bits: int | None = None, **other: object) -> int:
-        cls.check_options(num_kv_heads, head_dim, head_dim_v, k_bits=k_bits, v_bits=v_bits, **other)
+    def bytes_per_token(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype,
+                        **layer_kwargs: object) -> int:
+        cls.check_options(num_kv_heads, head_dim, head_dim_v, **layer_kwargs)
+        k_bits, _ = _bits(cls.__name__, layer_kwargs, latent=True)
         dv = head_dim if head_dim_v is None else head_dim_v
         return dv // ref.GROUP * ref.bytes_per_value_group(k_bits) + (head_dim - dv) * dtype.itemsize
 

@@ -52,9 +52,11 @@ def check_readable(model: Any, caches: Sequence[Cache], device: torch.device, dt
             if i not in views:
                 views[i] = probe_views(cache, i, dtype)
             for shape in shapes:
+                def spec_of(view: str, a: _SpecSource = attn, s: CallShape = shape) -> AttnSpec:
+                    return a.attn_spec(dtype, device, view, s)
+
                 try:
-                    dispatcher.select_view(lambda v, a=attn, s=shape: a.attn_spec(dtype, device, v, s), views[i],
-                                           allowed)
+                    dispatcher.select_view(spec_of, views[i], allowed)
                 except NoAttentionBackend as e:
                     opts = ", ".join(f"{k}={v}" for k, v in cache.layer_options.items())
                     why = "; ".join(f"{name}: {', '.join(r)}" for name, r in e.rejected.items())

@@ -426,13 +426,14 @@ _QUANT_GROUP = 32
 
 def quant_reasons(spec: AttnSpec) -> list[str]:
     """Why a quantized view (format spec 6) cannot be read for ``spec``: its quantized widths must be whole groups."""
+    why = ""
     if spec.cache == "kv/quant" and (spec.head_dim % _QUANT_GROUP or spec.v_dim % _QUANT_GROUP):
-        return [f"kv/quant needs key and value head dims that are multiples of {_QUANT_GROUP} (got "
-                f"{spec.head_dim}/{spec.v_dim})"]
+        why = (f"kv/quant needs key and value head dims that are multiples of {_QUANT_GROUP} (got "
+               f"{spec.head_dim}/{spec.v_dim})")
     if spec.cache == "mla/quant" and (spec.v_dim % _QUANT_GROUP or spec.v_dim >= spec.head_dim):
-        return [f"mla/quant needs a latent width (head_dim_v) that is a multiple of {_QUANT_GROUP} below the key "
-                f"width (got {spec.v_dim}/{spec.head_dim})"]
-    return []
+        why = (f"mla/quant needs a latent width (head_dim_v) that is a multiple of {_QUANT_GROUP} below the key "
+               f"width (got {spec.v_dim}/{spec.head_dim})")
+    return [why] if why else []
 
 
 def _quant_kwargs(args: AttnArgs) -> dict[str, object]:
