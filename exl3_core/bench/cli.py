@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from exl3_core.cache_bits import CacheBits, add_cache_bits_arg
+
 
 def add_cli(subparsers: Any) -> None:
     p = subparsers.add_parser(
@@ -13,7 +15,8 @@ def add_cli(subparsers: Any) -> None:
         description="Builds a random-weight EXL3 model of --shape on the GPU (no checkpoint needed) and reports "
                     "b=1 decode tok/s at contexts 256 and 4096, b=8/b=32 decode throughput, prefill tok/s, and beside "
                     "them the memory roofline (bytes per token / measured copy bandwidth) and the decode-only "
-                    "ceiling of the quantized weights.")
+                    "ceiling of the quantized weights. With --cache-bits (repeatable) the decode and prefill figures "
+                    "are measured over each KV cache in turn, with their ratios to the first.")
     p.add_argument("--shape", default="1b",
                    help="a named shape (see exl3_core/data/bench_shapes.json: 1b, 8b and aliases) or "
                         "custom(hidden,intermediate,layers,heads,kv_heads,vocab[,head_dim])")
@@ -35,6 +38,10 @@ def add_cli(subparsers: Any) -> None:
                         "bench/ext/build/exl3_bench.so, the default in a source checkout); without it the ceiling "
                         "is left out")
     p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write every figure to this JSON file")
+    add_cache_bits_arg(p, repeat=True)
+    p.add_argument("--cache-memory", type=float, default=None, metavar="GIB",
+                   help="cache memory of the capacity report (the 4096-token sequences it holds at once, per "
+                        "--cache-bits); default: the device's memory less the weights (16 GiB on the CPU)")
     p.set_defaults(func=_bench_cmd)
 
 
@@ -53,11 +60,15 @@ def _bench_cmd(args: argparse.Namespace) -> int:
     contexts = _ints(args.contexts, "--contexts")
     if not contexts:
         raise ValueError("--contexts needs at least one context length")
+    if args.cache_memory is not None and args.cache_memory <= 0:
+        raise ValueError(f"--cache-memory {args.cache_memory}: give a positive size in GiB")
     res = run_bench(shape, bpw=args.bpw, head_bits=args.head_bits or None, codebook=args.codebook,
                     device=args.device, contexts=contexts, batches=_ints(args.batches, "--batches"),
                     prefill_tokens=_ints(args.prefill, "--prefill"), prefill_past=args.prefill_past,
                     new_tokens=args.new_tokens, profile=args.profile,
-                    vs_transformers=args.vs_transformers, ceiling_lib=args.ceiling_lib)
+                    vs_transformers=args.vs_transformers, ceiling_lib=args.ceiling_lib,
+                    cache_bits=tuple(args.cache_bits or (CacheBits(),)),
+                    cache_memory=None if args.cache_memory is None else int(args.cache_memory * 2**30))
     if args.json is not None:
         args.json.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
     return 0

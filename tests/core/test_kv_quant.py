@@ -431,3 +431,29 @@ def test_generator_batches_and_reuses_prefix_pages(monkeypatch: pytest.MonkeyPat
                              (a.v_scales, b.v_scales)):
                     assert torch.equal(x[page], y[p2])
     assert compared >= 2
+
+
+# -- exl3 bench --cache-bits ----------------------------------------------------------------------------------
+def test_bench_measures_each_cache_and_reports_capacity(one_torch_thread: None) -> None:
+    from exl3_core.bench.capacity import max_sequences
+    from exl3_core.bench.run import run_bench
+
+    shape = parse_shape("custom(256,384,2,4,2,700)")
+    variants = (CacheBits(), CacheBits(4, 4))
+    res = run_bench(shape, device="cpu", contexts=(16,), batches=(2,), prefill_tokens=(8,), new_tokens=2,
+                    cache_bits=variants, cache_memory=3 << 20, log=lambda s: None)
+    assert {(r["cache"], r["batch"]) for r in res["decode"]} == {("fp16", 1), ("fp16", 2), ("k4v4", 1), ("k4v4", 2)}
+    kv = {r["cache"]: r["bytes_per_step"] for r in res["decode"] if r["batch"] == 1}
+    assert kv["k4v4"] < kv["fp16"]  # the roofline counts the quantized bytes
+    ratios = {c["what"]: c for c in res["cache_compare"]}
+    assert set(ratios) == {"decode b=1 ctx=16", "decode b=2 ctx=16", "prefill 8 after 0"}
+    assert all(c["cache"] == "k4v4" and c["ratio"] == c["tok_s"] / c["base_tok_s"] > 0 for c in ratios.values())
+    # capacity: pages of the measured bytes per page, less the scratch page, in whole 4096-token sequences
+    model, _ = build_model(shape, device="cpu", dtype=torch.float16)
+    for c in max_sequences(model, variants, 3 << 20, torch.float16, page_size=PAGE):
+        cache = Cache(model, PAGE, page_size=PAGE, device="cpu", dtype=torch.float16, **parse_cache_bits(
+            "16" if c["cache"] == "fp16" else "4").cache_kwargs())
+        per_page = cache.storage_size() // 2
+        assert c["tokens"] == ((3 << 20) // per_page - 1) * PAGE and c["sequences"] == c["tokens"] // 4096
+    cap = {c["cache"]: c for c in res["capacity"]}
+    assert cap["k4v4"]["tokens"] >= 3.5 * cap["fp16"]["tokens"]
