@@ -95,14 +95,16 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 words ``[..., G * bits]`` -> int64 codes ``[..., G, 32]`` (inverse of :func:`pack`)."""
-    w64 = words.to(torch.int64).view(*words.shape[:-1], -1, bits) & 0xFFFFFFFF
-    code = torch.zeros((*w64.shape[:-1], GROUP), dtype=torch.int64, device=words.device)
+    """int32 words ``[..., G * bits]`` -> int32 codes ``[..., G, 32]`` (inverse of :func:`pack`)."""
+    w32 = words.view(*words.shape[:-1], -1, bits)
+    code: torch.Tensor | None = None
     for w, low, first in planes(bits):
         per = GROUP // w
-        shifts = torch.arange(per, device=words.device, dtype=torch.int64) * w
-        v = (w64[..., first:first + w, None] >> shifts) & ((1 << w) - 1)  # [..., G, w, per]
-        code |= v.reshape(*w64.shape[:-1], GROUP) << low
+        shifts = torch.arange(per, device=words.device, dtype=torch.int32) * w
+        # an arithmetic shift of the top value drags the sign bit along: the mask drops it
+        v = ((w32[..., first:first + w, None] >> shifts) & ((1 << w) - 1)).reshape(*w32.shape[:-1], GROUP)
+        code = v << low if code is None else code | (v << low)
+    assert code is not None
     return code
 
 
@@ -124,12 +126,19 @@ def dequantize_rotated(words: torch.Tensor, scales: torch.Tensor, bits: int) -> 
     the query instead of the keys read them."""
     m = float(1 << (bits - 1))
     code = unpack(words, bits).to(torch.float32)
-    return ((code - m + 0.5) * scales.float()[..., None] / m).reshape(*scales.shape[:-1], -1)
+    return ((code - (m - 0.5)) * (scales.float()[..., None] / m)).reshape(*scales.shape[:-1], -1)
+
+
+def hadamard_matrix(device: torch.device | str = "cpu") -> torch.Tensor:
+    """fp32 H32 / sqrt(32) (symmetric): ``x @ hadamard_matrix()`` is :func:`hadamard32` up to fp32 rounding."""
+    return hadamard32(torch.eye(GROUP, device=device))
 
 
 def dequantize(words: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
-    """fp32 ``[..., C]``: what :func:`quantize` stored, rotated back."""
-    return hadamard32(dequantize_rotated(words, scales, bits))
+    """fp32 ``[..., C]``: what :func:`quantize` stored, rotated back (one matrix product: the stored values are
+    exact, the rotation back is the same linear map as :func:`hadamard32`, within fp32 rounding)."""
+    r = dequantize_rotated(words, scales, bits)
+    return (r.view(-1, GROUP) @ hadamard_matrix(r.device)).view(r.shape)
 
 
 def bytes_per_value_group(bits: int) -> int:

@@ -251,6 +251,17 @@ def test_capacity_at_4_bits_is_over_3_5x_fp16() -> None:
     assert quant.max_num_tokens >= 3.5 * fp16.max_num_tokens, (quant.max_num_tokens, fp16.max_num_tokens)
 
 
+def test_load_plan_counts_the_quantized_bytes() -> None:
+    model, cache = build_model(parse_shape("custom(256,512,2,4,2,300)"), device="cpu", dtype=torch.float16, seed=3,
+                               cache_tokens=5 * PAGE, page_size=PAGE,
+                               cache_kwargs={"variant": "quant", "k_bits": 3, "v_bits": 6})
+    rep = model.memory_report()
+    assert rep["planned"]["caches"] == rep["allocated"]["caches"] == cache.storage_size()
+    per_token = sum(KVQuantLayer.bytes_per_token(g.num_kv_heads, g.head_dim, g.head_dim_v, torch.float16, k_bits=3,
+                                                 v_bits=6) for g in model.cache_geometry())
+    assert cache.storage_size() == per_token * (cache.num_pages + 1) * PAGE
+
+
 def test_copy_page_and_dequantized() -> None:
     layer = KVQuantLayer(num_pages=4, page_size=PAGE, num_kv_heads=2, head_dim=64, head_dim_v=64,
                          dtype=torch.float32, device="cpu", k_bits=6, v_bits=3)
@@ -457,3 +468,47 @@ def test_bench_measures_each_cache_and_reports_capacity(one_torch_thread: None) 
         assert c["tokens"] == ((3 << 20) // per_page - 1) * PAGE and c["sequences"] == c["tokens"] // 4096
     cap = {c["cache"]: c for c in res["capacity"]}
     assert cap["k4v4"]["tokens"] >= 3.5 * cap["fp16"]["tokens"]
+
+
+# -- the latent (MLA) cache quantized -------------------------------------------------------------------------
+@pytest.mark.parametrize("backends", [("torch",), ("triton_paged",)])
+def test_quantized_latent_cache_in_chunked_steps(backends: tuple[str, ...]) -> None:
+    """Latent attention over a quantized latent cache, prefilled in chunks and then decoded, against a cache-less
+    full pass: the rotary key is stored as it is, the latent within 8-bit quantization error."""
+    from types import SimpleNamespace
+
+    from test_mla import YARN, H, make_attn  # the MLA test's small attention module (latent 32, rope 8)
+
+    from exl3_core.nn.module import ForwardState
+    from exl3_core.plugins import load_plugins
+
+    plugins = load_plugins()  # the installed backends (Triton's among them)
+
+    torch.manual_seed(0)
+    attn = make_attn(None, YARN)
+    layer = MLAQuantLayer(num_pages=10, page_size=8, num_kv_heads=1, head_dim=attn.head_dim,
+                          head_dim_v=attn.head_dim_v, dtype=torch.float32, device="cpu", k_bits=8)
+    attn.cache_index = 0
+    cache = SimpleNamespace(layers=[layer])
+    table = torch.tensor([[7, 2, 9], [0, 5, 3]], dtype=torch.int32)
+    lens = [21, 13]
+    xs = [torch.randn(n, H) for n in lens]
+    full = [attn(x, ForwardState(BatchMeta.full(torch.zeros(1, len(x), dtype=torch.long)), plugins=plugins))
+            for x in xs]
+    done = [0, 0]
+    for step in ([9, 5], [lens[0] - 11, lens[1] - 7], [1, 1], [1, 1]):
+        new = [list(range(done[b], done[b] + step[b])) for b in range(2)]
+        meta = BatchMeta.from_lists([[0] * len(n) for n in new], done, page_table=table, page_size=8)
+        out = attn(torch.cat([xs[b][new[b]] for b in range(2)]),
+                   ForwardState(meta, cache=cache, plugins=plugins, allowed_backends=backends))
+        want = torch.cat([full[b][new[b]] for b in range(2)])
+        assert ((out - want).abs().max() / want.abs().max()).item() < 2e-2
+        done = [done[b] + step[b] for b in range(2)]
+    # the stored rotary keys are the projection's own, unquantized (the chunks' products round apart at fp32's
+    # last bits); one code row per token
+    _, _, kv = attn.project(xs[0], ForwardState(BatchMeta.full(torch.zeros(1, lens[0], dtype=torch.long)),
+                                                plugins=plugins))
+    rows = torch.cat([table[0, i // 8:i // 8 + 1] * 8 + i % 8 for i in range(lens[0])]).long()
+    torch.testing.assert_close(layer.rope.view(-1, layer.rope.shape[-1])[rows], kv[:, 0, attn.head_dim_v:],
+                               rtol=1e-5, atol=1e-6)
+    assert layer.codes.shape == (10, 8, attn.head_dim_v // 32 * 8)
