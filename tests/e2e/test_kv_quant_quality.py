@@ -4,10 +4,13 @@ CPU, fp32), against the unquantized cache:
 * KL divergence of the next-token distributions over 4096 positions of the vendored Python documentation's
   held-out text (:func:`exl3_core.eval.cache_kld.cache_kld`, 256-token prefill chunks, every position after
   the first chunk reading the cache): K8V8 <= 0.001, K4V4 <= 0.01; K4V3 and K3V3 are printed for the record;
-* greedy 128-token replies to 10 chat prompts, generated together: K8V8's equal the unquantized cache's.
+* greedy 128-token replies to 10 chat prompts, generated together: K8V8's equal the unquantized cache's;
+* ``exl3 generate --cache-bits``: a quantized cache from the command line, and a bad width refused.
 """
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -95,3 +98,24 @@ def test_greedy_k8v8_replies_equal_the_unquantized_caches(smol: tuple[Model, Tok
     differ = [i for i in range(len(prompts)) if got[i] != want[i]]
     assert not differ, [(PROMPTS[i], tok.decode(torch.tensor(got[i])), tok.decode(torch.tensor(want[i])))
                         for i in differ]
+
+
+def _cli(args: list[str]) -> subprocess.CompletedProcess:
+    cache_dir = imported_model().parent.parent  # <cache>/models/<name>
+    env = {**os.environ, "EXL3_CACHE_DIR": str(cache_dir), "EXL3_DISABLE_PLUGINS": "broken"}
+    env.pop("EXL3_DEFAULT_MODEL", None)
+    return subprocess.run([sys.executable, "-m", "exl3_core", *args], capture_output=True, text=True, env=env, check=False,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("bits", ["8,4", "5"])
+def test_generate_with_cache_bits(bits: str) -> None:
+    out = _cli(["generate", "What is the capital of France? Answer in one sentence.", "--max-new-tokens", "16",
+                "--cache-bits", bits])
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout, out.stdout
+
+
+def test_generate_refuses_bad_cache_bits() -> None:
+    out = _cli(["generate", "hi", "--cache-bits", "9"])
+    assert out.returncode != 0 and "--cache-bits" in out.stderr and "2..8" in out.stderr
