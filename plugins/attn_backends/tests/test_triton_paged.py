@@ -24,10 +24,10 @@ def test_matches_reference(case: Case) -> None:
 
 def test_declines_with_reasons() -> None:
     b = TritonPagedAttention()
-    spec = AttnSpec(head_dim=64, num_q_heads=6, num_kv_heads=4, dtype=torch.float16, cache="kv/quant",
+    spec = AttnSpec(head_dim=64, num_q_heads=6, num_kv_heads=4, dtype=torch.float16, cache="kv/toy",
                     has_sinks=True, device_type="cuda", device_cc=(7, 5))
     reasons = " | ".join(b.unsupported_reasons(spec))
-    for part in ("compute capability", "multiple of num_kv_heads", "sinks", "kv/quant"):
+    for part in ("compute capability", "multiple of num_kv_heads", "sinks", "kv/toy"):
         assert part in reasons
 
 
