@@ -17,6 +17,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
+from exl3_core.cache_bits import add_cache_bits_arg, cache_kwargs
 from exl3_core.cli import UsageError, bounded_float, nonneg_float, nonneg_int, positive_float, positive_int
 from exl3_core.parallel.cli import add_parallel_args, parallel_load_kwargs
 
@@ -115,6 +116,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda:0 when "
                                                   "CUDA is available, else cpu)")
     p.add_argument("--cache-tokens", type=positive_int, default=8192, help="KV-cache size in tokens")
+    add_cache_bits_arg(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="most tokens generated per reply")
     s = p.add_argument_group(
         "sampling", "Default: the model's generation_config.json when it has sampling settings, else temperature "
@@ -222,7 +224,7 @@ class Session:
         self.tokenizer = Tokenizer.from_config(self.config)
         self.model = Model.from_config(self.config)
         attention = [a.strip() for a in args.attention.split(",")] if args.attention else None
-        self.cache = Cache(self.model, max_num_tokens=args.cache_tokens)
+        self.cache = Cache(self.model, max_num_tokens=args.cache_tokens, **cache_kwargs(args))
         # the cache counts in the load's memory check and is allocated with the weights
         self.model.load(device=device, progressbar=True, attention=attention, caches=[self.cache],
                         **parallel_load_kwargs(args))

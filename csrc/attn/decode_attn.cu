@@ -17,6 +17,13 @@
 // kernel before) is copied after the wait, with q, from an address computed before it. Rows are 16-byte
 // chunks XOR-swizzled by row & 7, so every ldmatrix phase hits 8 different bank groups. fp32 scores,
 // online softmax in base 2.
+//
+// Quantized caches (view "kv/quant", format spec 6; the Q template flag): k/v are int32 code words
+// [pages, page_size, Hkv * D / 32 * bits] with fp16 scales [pages, page_size, Hkv * D / 32]. Each thread
+// unpacks one 8-value chunk of a row (its bit planes, widest first) and stores it dequantized into the same
+// swizzled shared rows, still in the H32-rotated basis; q is rotated into that basis in shared memory and the
+// output rotated back once at the end (H32 / sqrt(32) is orthonormal: q.k and p.V are unchanged), so no key
+// or value is rotated per token. Earlier rows are dequantized before the wait, the newest row after it.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -25,6 +32,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 namespace exl3_attn {
@@ -48,6 +56,11 @@ struct DecodeArgs {
     int page_size, group;
     int cap;       // rows of a pass in shared memory (a multiple of KW, at most WARPS * KW)
     float qscale;  // softmax scale * log2(e)
+    // quantized caches only: scales and their page/slot strides (elements), code bits of keys and values
+    const __half* ks;
+    const __half* vs;
+    long long ks_p, ks_s, vs_p, vs_s;
+    int k_bits, v_bits;
 };
 
 template <class T> __device__ __forceinline__ uint32_t pack2(float a, float b);
@@ -118,16 +131,93 @@ __device__ __forceinline__ void copy_rows(const DecodeArgs& a, int b, int kvh, i
     }
 }
 
-// Dynamic shared memory: a pass's K and V rows, q (16 rows, rows >= G zero), each warp's final state [G][2 + D].
-__host__ __device__ inline size_t smem_bytes(int D, int G, int cap) {
-    return 4ull * cap * D + 2ull * 16 * D + 4ull * WARPS * G * (2 + D);
+// The 8 codes of values 8c .. 8c + 7 of a group's `bits` words w (format spec 6: planes 8, 4, 2, 1, each value j of a
+// w-bit plane at bits [j * w, (j + 1) * w)), dequantized with the group's scale into 16-bit values packed in a uint4.
+template <class T>
+__device__ __forceinline__ uint4 dequant_chunk(const uint32_t* w, int c, int bits, float scale) {
+    uint32_t code[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const int j0 = 8 * c;  // c in 0..3: the chunk's first value in the group
+#pragma unroll
+    for (int pw = 8; pw >= 1; pw >>= 1) {
+        if (!(bits & pw)) continue;
+        const int low = bits & (pw - 1), first = bits & ~(2 * pw - 1);
+        const uint32_t mask = (1u << pw) - 1u;
+        if (pw == 8) {  // 64 bits: two words
+            const uint32_t a = w[first + j0 / 4], b = w[first + j0 / 4 + 1];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                code[i] |= ((a >> (8 * i)) & mask) << low;
+                code[4 + i] |= ((b >> (8 * i)) & mask) << low;
+            }
+        } else {  // 8 * pw <= 32 bits inside one word
+            const int bit = j0 * pw;
+            const uint32_t x = w[first + bit / 32] >> (bit % 32);
+#pragma unroll
+            for (int i = 0; i < 8; ++i) code[i] |= ((x >> (pw * i)) & mask) << low;
+        }
+    }
+    const float m = (float)(1 << (bits - 1));
+    const float step = scale / m;  // exact: m is a power of two
+    uint4 out;
+    uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        o[i] = pack2<T>(((float)code[2 * i] - m + 0.5f) * step, ((float)code[2 * i + 1] - m + 0.5f) * step);
+    return out;
+}
+
+// Dequantize chunk c (8 channels) of kv head kvh's keys and values at (page, slot) into smem row r.
+template <class T, int D>
+__device__ __forceinline__ void dequant_row_chunk(const DecodeArgs& a, int kvh, long long page, long long slot, int r,
+                                                  int c, uint16_t* ks, uint16_t* vs) {
+    const int g = kvh * (D / 32) + c / 4;  // the chunk's group in the token's flattened row
+    const uint32_t* kw = static_cast<const uint32_t*>(a.k) + page * a.k_p + slot * a.k_s + (long long)g * a.k_bits;
+    const uint32_t* vw = static_cast<const uint32_t*>(a.v) + page * a.v_p + slot * a.v_s + (long long)g * a.v_bits;
+    const float sk = __half2float(a.ks[page * a.ks_p + slot * a.ks_s + g]);
+    const float sv = __half2float(a.vs[page * a.vs_p + slot * a.vs_s + g]);
+    *reinterpret_cast<uint4*>(ks + smem_at<D>(r, c)) = dequant_chunk<T>(kw, c % 4, a.k_bits, sk);
+    *reinterpret_cast<uint4*>(vs + smem_at<D>(r, c)) = dequant_chunk<T>(vw, c % 4, a.v_bits, sv);
+}
+
+// The quantized counterpart of copy_rows (synchronous: each thread unpacks its chunks into shared memory).
+template <class T, int D>
+__device__ __forceinline__ void dequant_rows(const DecodeArgs& a, int b, int kvh, int pos0, int r0, int r1,
+                                             uint16_t* ks, uint16_t* vs) {
+    constexpr int P = D / 8;
+    const int* pt = a.page_table + (long long)b * a.pt_b;
+    for (int i = threadIdx.x; i < (r1 - r0) * P; i += THREADS) {
+        const int r = r0 + i / P, c = i % P, pos = pos0 + r;
+        dequant_row_chunk<T, D>(a, kvh, pt[pos / a.page_size], pos % a.page_size, r, c, ks, vs);
+    }
+}
+
+// x (32 fp32 values) times H32 / sqrt(32): the butterfly, widths 1, 2, 4, 8, 16
+__device__ __forceinline__ void hadamard32(float (&x)[32]) {
+#pragma unroll
+    for (int h = 1; h < 32; h <<= 1) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+            if (i & h) continue;
+            const float p = x[i], q = x[i + h];
+            x[i] = p + q;
+            x[i + h] = p - q;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 32; ++i) x[i] *= 0.17677669529663687f;
+}
+
+// Dynamic shared memory: a pass's K and V rows, q (16 rows, rows >= G zero), each warp's final state [G][2 + D];
+// quantized caches add the merged output [G][D] (fp32) that is rotated back before it is stored.
+__host__ __device__ inline size_t smem_bytes(int D, int G, int cap, bool quant) {
+    return 4ull * cap * D + 2ull * 16 * D + 4ull * WARPS * G * (2 + D) + (quant ? 4ull * G * D : 0);
 }
 
 // registers: 3 blocks an SM with the short KW at head dim 64 (80-ish a thread, beside the q/k/v linear's
 // blocks), else 2
 template <int D, int KW> constexpr int min_blocks() { return D == 64 && KW == 32 ? 3 : 2; }
 
-template <class T, int D, int KW>
+template <class T, int D, int KW, bool Q>
 __global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_kernel(const DecodeArgs a, const bool pdl) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     constexpr int P = D / 8;                  // 16-byte chunks per row
@@ -153,18 +243,23 @@ __global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_kern
         if (pdl) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
         return;
     }
-    copy_rows<D>(a, b, kvh, 0, 0, min(seq - 1, CAP), ks, vs);
-    cp_async_commit();
+    if constexpr (Q) {
+        dequant_rows<T, D>(a, b, kvh, 0, 0, min(seq - 1, CAP), ks, vs);
+    } else {
+        copy_rows<D>(a, b, kvh, 0, 0, min(seq - 1, CAP), ks, vs);
+        cp_async_commit();
+    }
     // the newest row's cache address (the page table is the step's input): after the wait only its copy
     // is left, in the same round trip as q's
     const bool newest = seq >= 1 && seq - 1 < CAP && tid < P;
     const char* k_new = nullptr;
     const char* v_new = nullptr;
+    long long new_page = 0, new_slot = 0;
     if (newest) {
-        const long long page = a.page_table[(long long)b * a.pt_b + (seq - 1) / a.page_size];
-        const long long slot = (seq - 1) % a.page_size;
-        k_new = static_cast<const char*>(a.k) + 2 * (page * a.k_p + slot * a.k_s + kvh * a.k_h + tid * 8);
-        v_new = static_cast<const char*>(a.v) + 2 * (page * a.v_p + slot * a.v_s + kvh * a.v_h + tid * 8);
+        new_page = a.page_table[(long long)b * a.pt_b + (seq - 1) / a.page_size];
+        new_slot = (seq - 1) % a.page_size;
+        k_new = static_cast<const char*>(a.k) + 2 * (new_page * a.k_p + new_slot * a.k_s + kvh * a.k_h + tid * 8);
+        v_new = static_cast<const char*>(a.v) + 2 * (new_page * a.v_p + new_slot * a.v_s + kvh * a.v_h + tid * 8);
     }
     for (int i = tid; i < (16 - G) * P; i += THREADS) {
         const int r = G + i / P, c = i % P;
@@ -183,8 +278,12 @@ __global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_kern
     }
     // After it: this step's queries and newest key/value row, one round trip.
     if (newest) {
-        cp_async16(ks + smem_at<D>(seq - 1, tid), k_new);
-        cp_async16(vs + smem_at<D>(seq - 1, tid), v_new);
+        if constexpr (Q) {
+            dequant_row_chunk<T, D>(a, kvh, new_page, new_slot, seq - 1, tid, ks, vs);
+        } else {
+            cp_async16(ks + smem_at<D>(seq - 1, tid), k_new);
+            cp_async16(vs + smem_at<D>(seq - 1, tid), v_new);
+        }
     }
     for (int i = tid; i < G * P; i += THREADS) {
         const int h = i / P, c = i % P;
@@ -193,6 +292,26 @@ __global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_kern
     cp_async_commit();
     cp_async_wait_all();
     __syncthreads();
+    if constexpr (Q) {  // q into the keys' rotated basis: one thread per (head, group of 32 channels)
+        if (tid < G * (D / 32)) {
+            const int h = tid / (D / 32), c0 = 4 * (tid % (D / 32));  // the group's four 8-value chunks
+            float x[32];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const T* p = reinterpret_cast<const T*>(qs + smem_at<D>(h, c0 + c));
+#pragma unroll
+                for (int i = 0; i < 8; ++i) x[8 * c + i] = (float)p[i];
+            }
+            hadamard32(x);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                T* p = reinterpret_cast<T*>(qs + smem_at<D>(h, c0 + c));
+#pragma unroll
+                for (int i = 0; i < 8; ++i) p[i] = from_f<T>(x[8 * c + i]);
+            }
+        }
+        __syncthreads();
+    }
 
     // q's A fragments are reloaded per pair of k steps (8 registers live instead of 2 * D / 8)
     const int q_r = (lane & 7) + 8 * ((lane >> 3) & 1), q_c = lane >> 4;
@@ -205,9 +324,13 @@ __global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_kern
         const int n = min(seq - p0, CAP);
         if (p0 > 0) {  // a later pass (a sequence longer than the smem rows): loaded after the wait
             __syncthreads();  // every warp is done with the previous pass
-            copy_rows<D>(a, b, kvh, p0, 0, n, ks, vs);
-            cp_async_commit();
-            cp_async_wait_all();
+            if constexpr (Q) {
+                dequant_rows<T, D>(a, b, kvh, p0, 0, n, ks, vs);
+            } else {
+                copy_rows<D>(a, b, kvh, p0, 0, n, ks, vs);
+                cp_async_commit();
+                cp_async_wait_all();
+            }
             __syncthreads();
         }
         const int key0 = warp * KW;
@@ -320,20 +443,37 @@ __global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_kern
                 den = fmaf(wt, sw[1], den);
             }
         }
-        out[h * a.o_h + d] = from_f<T>(den > 0.f ? num / den : 0.f);
+        if constexpr (Q) {
+            st[WARPS * G * (2 + D) + idx] = den > 0.f ? num / den : 0.f;
+        } else {
+            out[h * a.o_h + d] = from_f<T>(den > 0.f ? num / den : 0.f);
+        }
+    }
+    if constexpr (Q) {  // back from the values' rotated basis: one thread per (head, group of 32 channels)
+        __syncthreads();
+        if (tid < G * (D / 32)) {
+            const int h = tid / (D / 32), d0 = 32 * (tid % (D / 32));
+            const float* src = st + WARPS * G * (2 + D) + h * D + d0;
+            float x[32];
+#pragma unroll
+            for (int i = 0; i < 32; ++i) x[i] = src[i];
+            hadamard32(x);
+#pragma unroll
+            for (int i = 0; i < 32; ++i) out[h * a.o_h + d0 + i] = from_f<T>(x[i]);
+        }
     }
 #else
     __trap();  // launched only on compute capability >= 9.0 (checked on the host)
 #endif
 }
 
-template <class T, int D, int KW>
+template <class T, int D, int KW, bool Q>
 cudaError_t launch(DecodeArgs a, int kv_heads, int batch, int bound, bool pdl, cudaStream_t st) {
-    auto kern = decode_attn_kernel<T, D, KW>;
+    auto kern = decode_attn_kernel<T, D, KW, Q>;
     // a pass holds the bound (rounded up to whole warps' keys) when it can: one pass, copied before the wait
     const int most = WARPS * KW;
     a.cap = bound > 0 && bound < most ? (bound + KW - 1) / KW * KW : most;
-    const size_t bytes = smem_bytes(D, a.group, a.cap);
+    const size_t bytes = smem_bytes(D, a.group, a.cap, Q);
     if (bytes > 48 * 1024) {  // above the default dynamic limit: raised (to the largest asked) per device
         static int raised[64] = {};
         int dev = 0;
@@ -357,15 +497,15 @@ cudaError_t launch(DecodeArgs a, int kv_heads, int batch, int bound, bool pdl, c
     return cudaLaunchKernelEx(&cfg, kern, a, pdl);
 }
 
-// The kernel for head dim D with the short keys per warp (`shrt`) or twice that: 4 instantiations per type
-template <class T>
+// The kernel for head dim D with the short keys per warp (`shrt`) or twice that: 4 instantiations per type and cache
+template <class T, bool Q>
 cudaError_t launch_for(int D, bool shrt, DecodeArgs a, int kv_heads, int batch, int bound, bool pdl, cudaStream_t st) {
     constexpr int s64 = short_kw<64>(), s128 = short_kw<128>();
     if (D == 64)
-        return shrt ? launch<T, 64, s64>(a, kv_heads, batch, bound, pdl, st)
-                    : launch<T, 64, 2 * s64>(a, kv_heads, batch, bound, pdl, st);
-    return shrt ? launch<T, 128, s128>(a, kv_heads, batch, bound, pdl, st)
-                : launch<T, 128, 2 * s128>(a, kv_heads, batch, bound, pdl, st);
+        return shrt ? launch<T, 64, s64, Q>(a, kv_heads, batch, bound, pdl, st)
+                    : launch<T, 64, 2 * s64, Q>(a, kv_heads, batch, bound, pdl, st);
+    return shrt ? launch<T, 128, s128, Q>(a, kv_heads, batch, bound, pdl, st)
+                : launch<T, 128, 2 * s128, Q>(a, kv_heads, batch, bound, pdl, st);
 }
 
 }  // namespace exl3_attn
@@ -380,18 +520,43 @@ using at::Tensor;
 // validates every input first and names what is wrong; the checks here are the last line.
 // bound: the longest sequence the call (or the graph it is captured in) may see, 0 if unknown; it sizes the
 // block's pass (shared memory) and picks the keys per warp.
+// Quantized caches (k_scales given): k_cache, v_cache are int32 code words [pages, page_size, Hkv * D / 32 * bits]
+// and k_scales, v_scales fp16 [pages, page_size, Hkv * D / 32], with k_bits, v_bits in 2..8 (format spec 6).
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& page_table,
-                        const Tensor& cu_seqlens_q, const Tensor& seq_lens_k, double scale, bool pdl, int64_t bound) {
+                        const Tensor& cu_seqlens_q, const Tensor& seq_lens_k, double scale, bool pdl, int64_t bound,
+                        const std::optional<Tensor>& k_scales, const std::optional<Tensor>& v_scales, int64_t k_bits,
+                        int64_t v_bits) {
     using namespace exl3_attn;
+    const bool quant = k_scales.has_value();
     TORCH_CHECK(q.is_cuda() && k_cache.is_cuda() && v_cache.is_cuda() && page_table.is_cuda() &&
                 cu_seqlens_q.is_cuda() && seq_lens_k.is_cuda(), "decode_attention: every tensor must be on the GPU");
-    TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "decode_attention: bad ranks");
-    TORCH_CHECK((q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16) &&
-                k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-                "decode_attention: q and the caches must share float16 or bfloat16");
-    const int64_t D = q.size(2), Hq = q.size(1), Hkv = k_cache.size(2);
-    TORCH_CHECK((D == 64 || D == 128) && k_cache.size(3) == D && v_cache.size(3) == D,
-                "decode_attention: head dim must be 64 or 128");
+    TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+                "decode_attention: q must be float16 or bfloat16");
+    const int64_t D = q.size(2), Hq = q.size(1);
+    int64_t Hkv = 0;
+    if (quant) {
+        TORCH_CHECK(v_scales.has_value() && k_scales->is_cuda() && v_scales->is_cuda(),
+                    "decode_attention: a quantized cache needs k_scales and v_scales on the GPU");
+        TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3 && k_scales->dim() == 3 &&
+                    v_scales->dim() == 3, "decode_attention: bad ranks (quantized cache)");
+        TORCH_CHECK(k_cache.scalar_type() == at::kInt && v_cache.scalar_type() == at::kInt &&
+                    k_scales->scalar_type() == at::kHalf && v_scales->scalar_type() == at::kHalf,
+                    "decode_attention: int32 code words and fp16 scales");
+        TORCH_CHECK(k_bits >= 2 && k_bits <= 8 && v_bits >= 2 && v_bits <= 8, "decode_attention: bits in 2..8");
+        TORCH_CHECK(D == 64 || D == 128, "decode_attention: head dim must be 64 or 128");
+        Hkv = k_scales->size(2) * 32 / D;
+        TORCH_CHECK(Hkv > 0 && k_scales->size(2) * 32 == Hkv * D && v_scales->size(2) == k_scales->size(2) &&
+                    k_cache.size(2) == k_scales->size(2) * k_bits && v_cache.size(2) == v_scales->size(2) * v_bits &&
+                    k_cache.stride(2) == 1 && v_cache.stride(2) == 1 && k_scales->stride(2) == 1 &&
+                    v_scales->stride(2) == 1, "decode_attention: code words / scales do not fit the head dim and bits");
+    } else {
+        TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "decode_attention: bad ranks");
+        TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+                    "decode_attention: q and the caches must share float16 or bfloat16");
+        Hkv = k_cache.size(2);
+        TORCH_CHECK((D == 64 || D == 128) && k_cache.size(3) == D && v_cache.size(3) == D,
+                    "decode_attention: head dim must be 64 or 128");
+    }
     TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= MAX_GROUP, "decode_attention: GQA group over ", MAX_GROUP);
     TORCH_CHECK(page_table.scalar_type() == at::kInt && cu_seqlens_q.scalar_type() == at::kInt &&
                 seq_lens_k.scalar_type() == at::kInt, "decode_attention: int32 batch description");
@@ -410,8 +575,15 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
     a.cu_q = cu_seqlens_q.data_ptr<int>();
     a.seq_k = seq_lens_k.data_ptr<int>();
     a.q_t = q.stride(0), a.q_h = q.stride(1);
-    a.k_p = k_cache.stride(0), a.k_s = k_cache.stride(1), a.k_h = k_cache.stride(2);
-    a.v_p = v_cache.stride(0), a.v_s = v_cache.stride(1), a.v_h = v_cache.stride(2);
+    a.k_p = k_cache.stride(0), a.k_s = k_cache.stride(1), a.k_h = quant ? 0 : k_cache.stride(2);
+    a.v_p = v_cache.stride(0), a.v_s = v_cache.stride(1), a.v_h = quant ? 0 : v_cache.stride(2);
+    if (quant) {
+        a.ks = reinterpret_cast<const __half*>(k_scales->data_ptr());
+        a.vs = reinterpret_cast<const __half*>(v_scales->data_ptr());
+        a.ks_p = k_scales->stride(0), a.ks_s = k_scales->stride(1);
+        a.vs_p = v_scales->stride(0), a.vs_s = v_scales->stride(1);
+        a.k_bits = (int)k_bits, a.v_bits = (int)v_bits;
+    }
     a.o_t = out.stride(0), a.o_h = out.stride(1);
     a.pt_b = page_table.stride(0);
     a.page_size = (int)k_cache.size(1);
@@ -421,8 +593,12 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
     const int bd = (int)bound, hk = (int)Hkv, nb = (int)B;
     // the short keys per warp while the bound fits them in one pass (a shorter chain per warp), else twice that
     const bool shrt = bd > 0 && bd <= WARPS * (D == 64 ? short_kw<64>() : short_kw<128>());
-    const cudaError_t err = q.scalar_type() == at::kHalf ? launch_for<__half>((int)D, shrt, a, hk, nb, bd, pdl, st)
-                                                         : launch_for<__nv_bfloat16>((int)D, shrt, a, hk, nb, bd, pdl, st);
+    const bool half = q.scalar_type() == at::kHalf;
+    const cudaError_t err =
+        quant ? (half ? launch_for<__half, true>((int)D, shrt, a, hk, nb, bd, pdl, st)
+                      : launch_for<__nv_bfloat16, true>((int)D, shrt, a, hk, nb, bd, pdl, st))
+              : (half ? launch_for<__half, false>((int)D, shrt, a, hk, nb, bd, pdl, st)
+                      : launch_for<__nv_bfloat16, false>((int)D, shrt, a, hk, nb, bd, pdl, st));
     TORCH_CHECK(err == cudaSuccess, "decode_attention: launch failed: ", cudaGetErrorString(err));
     return out;
 }
@@ -431,7 +607,8 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
 
 TORCH_LIBRARY_FRAGMENT(exl3, m) {
     m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_seqlens_q, "
-          "Tensor seq_lens_k, float scale, bool pdl, int bound=0) -> Tensor");
+          "Tensor seq_lens_k, float scale, bool pdl, int bound=0, Tensor? k_scales=None, Tensor? v_scales=None, "
+          "int k_bits=0, int v_bits=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl3, CUDA, m) { m.impl("decode_attention", &decode_attention); }

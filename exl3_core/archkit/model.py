@@ -212,7 +212,9 @@ class Model(torch.nn.Module):
             bar = Progress(len(modules), f"loading {self.config.directory.name}", unit=" modules")
         try:
             from exl3_core.archkit.memory import checked_plan
+            from exl3_core.cache.readable import check_readable
 
+            check_readable(self, fresh, dev, dtype, allowed)  # a cache no attention backend reads: before anything
             plan = checked_plan(self, src, dev, dtype, caches, shard)  # refuses before any allocation if it won't fit
             ctx = LoadContext(src, dev, dtype)
             for m in modules:

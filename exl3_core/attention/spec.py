@@ -13,6 +13,11 @@ Layout contract shared by every backend (packed "varlen" layout, one row per tok
   cache for a sequence with no earlier tokens, or ignore them).
   For ``"mla/*"`` caches ``v_cache`` is None: values are the first ``head_dim_v`` channels of
   the keys (the compressed latent), so per-token cache reads are the latent only.
+* Quantized views (``"kv/quant"``, ``"mla/quant"``; format spec 6): ``k_cache``/``v_cache`` are the int32
+  code words ``[num_pages, page_size, groups * bits]`` of each token's flattened keys/values (groups of
+  32 channels over all its KV heads), and ``quant`` (:class:`QuantPages`) holds their fp16 scales, the
+  bit widths and, for ``"mla/quant"``, the unquantized rotary keys (the last ``head_dim - head_dim_v``
+  key channels); ``v_cache`` is None there as for ``"mla/*"``.
 * ``seq_lens_k[b]``: keys visible to sequence b including its new tokens, so query i of
   sequence b sits at absolute position ``seq_lens_k[b] - q_len_b + i`` (causal masks use this).
 * ``max_seqlen_q``/``max_seqlen_k``: host-side upper bounds, constant across CUDA-graph replays.
@@ -72,6 +77,16 @@ def pow2_bucket(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+class QuantPages(NamedTuple):
+    """What a quantized cache view adds to its code words (see the module docstring)."""
+
+    k_scales: torch.Tensor  # fp16 [num_pages, page_size, key groups]
+    v_scales: torch.Tensor | None  # fp16 [num_pages, page_size, value groups]; None for "mla/quant"
+    k_bits: int
+    v_bits: int
+    rope: torch.Tensor | None = None  # "mla/quant": [num_pages, page_size, rope_dim] in the model's dtype
+
+
 class AttnArgs(NamedTuple):
     """The tensors of one attention call (see the module docstring for layouts)."""
 
@@ -88,6 +103,7 @@ class AttnArgs(NamedTuple):
     v_cache: torch.Tensor | None = None
     page_table: torch.Tensor | None = None  # int32 [B, max_pages]
     sinks: torch.Tensor | None = None  # [num_q_heads] attention-sink logits
+    quant: QuantPages | None = None  # scales and bit widths of a quantized cache view
 
 
 def device_cc(device: torch.device) -> tuple[int, int]:

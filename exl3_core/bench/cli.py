@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from exl3_core.cli import UsageError, bounded_float, nonneg_int, positive_int, resolve_device
+from exl3_core.cache_bits import CacheBits, add_cache_bits_arg
+from exl3_core.cli import UsageError, bounded_float, nonneg_int, positive_float, positive_int, resolve_device
 from exl3_core.parallel.cli import add_parallel_args, parallel_load_kwargs
 
 
@@ -16,7 +17,8 @@ def add_cli(subparsers: Any) -> None:
         description="Builds a random-weight EXL3 model of --shape on the GPU (no checkpoint needed) and reports "
                     "b=1 decode tok/s at contexts 256 and 4096, b=8/b=32 decode throughput, prefill tok/s, and beside "
                     "them the memory roofline (bytes per token / measured copy bandwidth) and the decode-only "
-                    "ceiling of the quantized weights.")
+                    "ceiling of the quantized weights. With --cache-bits (repeatable) the decode and prefill figures "
+                    "are measured over each KV cache in turn, with their ratios to the first.")
     p.add_argument("--shape", default="1b",
                    help="a named shape (see exl3_core/data/bench_shapes.json: 1b, 8b and aliases) or "
                         "custom(hidden,intermediate,layers,heads,kv_heads,vocab[,head_dim])")
@@ -60,6 +62,10 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--ngram-bench", action="store_true",
                    help="with --draft (or alone): n-gram drafting on the default model rewriting a paragraph, b=1 "
                         "and b=16, against plain decoding")
+    add_cache_bits_arg(p, repeat=True)
+    p.add_argument("--cache-memory", type=positive_float, default=None, metavar="GIB",
+                   help="cache memory of the capacity report (the 4096-token sequences it holds at once, per "
+                        "--cache-bits); default: the device's memory less the weights (16 GiB on the CPU)")
     p.set_defaults(func=_bench_cmd)
 
 
@@ -125,7 +131,9 @@ def _bench_cmd(args: argparse.Namespace) -> int:
                         device=device, contexts=contexts, batches=batches, prefill_tokens=prefill,
                         prefill_past=args.prefill_past, new_tokens=args.new_tokens, profile=args.profile,
                         vs_transformers=args.vs_transformers, ceiling_lib=args.ceiling_lib, log=bar.write,
-                        progress=bar, parallel=parallel_load_kwargs(args))
+                        progress=bar, parallel=parallel_load_kwargs(args),
+                        cache_bits=tuple(args.cache_bits or (CacheBits(),)),
+                        cache_memory=None if args.cache_memory is None else int(args.cache_memory * 2**30))
     if args.json is not None:
         args.json.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")
     return 0

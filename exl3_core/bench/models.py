@@ -218,8 +218,10 @@ def bench_plugins() -> Any:
 def build_model(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6, codebook: str = "mcg",
                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None, cache_tokens: int = 0,
                 page_size: int | None = None, plugins: Any = None, seed: int = 0,
-                attention: list[str] | None = None, parallel: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """A loaded random-weight model of ``shape`` and, when ``cache_tokens`` > 0, its paged cache.
+                attention: list[str] | None = None, parallel: dict[str, Any] | None = None,
+                cache_kwargs: dict[str, Any] | None = None) -> tuple[Any, Any]:
+    """A loaded random-weight model of ``shape`` and, when ``cache_tokens`` > 0, its paged cache (``cache_kwargs``:
+    its variant and options, e.g. from :meth:`~exl3_core.cache_bits.CacheBits.cache_kwargs`).
 
     The cache is created before loading, so the load's memory plan counts it. ``parallel``: tensor-parallel
     arguments of ``model.load`` (``tensor_parallel_size``, ``expert_parallel``).
@@ -231,7 +233,8 @@ def build_model(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 
     source = RandomSource(shape, bpw, head_bits, codebook, seed)
     config = Config(source.directory, shape.hf_config(), plugins=plugins)
     model = Model.from_config(config)
-    cache = Cache(model, cache_tokens, page_size=page_size, plugins=plugins) if cache_tokens > 0 else None
+    cache = (Cache(model, cache_tokens, page_size=page_size, plugins=plugins, **(cache_kwargs or {}))
+             if cache_tokens > 0 else None)
     model.load(device=device, dtype=dtype, source=source, attention=attention,  # type: ignore[arg-type]
                caches=[cache] if cache is not None else [], **(parallel or {}))
     model.bench_source = source  # type: ignore[attr-defined]

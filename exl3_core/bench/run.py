@@ -25,13 +25,15 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from exl3_core.bench.models import BenchShape, build_model, shape_dict
+from exl3_core.cache import Cache
+from exl3_core.cache_bits import CacheBits
 
 
 def _sync(device: torch.device) -> None:
@@ -354,22 +356,73 @@ def profile_decode(model: Any, cache: Any, *, ctx: int = 256, steps: int = 5, ro
     return str(avg.table(row_limit=rows))
 
 
+def _bench_prefills(out: dict[str, Any], model: Any, cache: Any, prefills: tuple[int, ...], longest: int,
+                    prefill_past: int, label: str, *, first: bool, log: Callable[[str], None],
+                    step: Callable[[str], None]) -> None:
+    """Every prefill length (fresh, and after ``prefill_past`` cached tokens) over ``cache``, into
+    ``out["prefills"]``; the first cache's longest fresh one is the headline ``out["prefill"]``."""
+    for n in prefills:
+        for past in (0, prefill_past) if prefill_past else (0,):
+            step(f"prefill {n} tokens" + (f" after {past}" if past else "") + (f" {label} cache" if label else ""))
+            p = bench_prefill(model, cache, tokens=n, past=past)
+            if label:
+                p["cache"] = label
+            out["prefills"].append(p)
+            if n == longest and not past and first:
+                out["prefill"] = p
+            extra = (f"; from an idle GPU {p['idle_tok_s']:.0f} tok/s ({p['idle_seconds'] * 1e3:.2f} ms); eager "
+                     f"{p['eager_tok_s']:.0f} tok/s ({p['eager_seconds'] * 1e3:.2f} ms)") if p["path"] == "graph" else ""
+            after = f" after {past} cached" if past else ""
+            over = f" {label} cache" if label else ""
+            log(f"prefill {n} tokens{after}{over} ({p['path']}): {p['tok_s']:.0f} tok/s ({p['seconds'] * 1e3:.2f} ms)"
+                f"{extra}")
+
+
+def cache_compare(decode: list[dict[str, Any]], prefills: list[dict[str, Any]], base: str) -> list[dict[str, Any]]:
+    """Every other cache's decode and prefill rates over the ``base`` cache's at the same batch and context
+    (prefill: tokens and cached prefix)."""
+    out = []
+    ref = {(r["batch"], r["ctx"]): r["tok_s"] for r in decode if r["cache"] == base}
+    for r in decode:
+        if r["cache"] != base and (r["batch"], r["ctx"]) in ref:
+            b = ref[(r["batch"], r["ctx"])]
+            out.append({"what": f"decode b={r['batch']} ctx={r['ctx']}", "cache": r["cache"], "batch": r["batch"],
+                        "ctx": r["ctx"], "tok_s": r["tok_s"], "base_tok_s": b, "ratio": r["tok_s"] / b})
+    pref = {(p["tokens"], p["past"]): p["tok_s"] for p in prefills if p.get("cache", base) == base}
+    for p in prefills:
+        if p.get("cache", base) != base and (p["tokens"], p["past"]) in pref:
+            b = pref[(p["tokens"], p["past"])]
+            out.append({"what": f"prefill {p['tokens']} after {p['past']}", "cache": p["cache"], "tokens": p["tokens"],
+                        "past": p["past"], "tok_s": p["tok_s"], "base_tok_s": b, "ratio": p["tok_s"] / b})
+    return out
+
+
 def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6, codebook: str = "mcg",
               device: str | torch.device | None = None, contexts: tuple[int, ...] = (256, 4096),
               batches: tuple[int, ...] = (8, 32), prefill_tokens: int | tuple[int, ...] = 2048, prefill_past: int = 0,
               new_tokens: int = 128,
               profile: bool = False, vs_transformers: bool = False, ceiling_lib: Path | None = None,
+              cache_bits: Sequence[CacheBits] = (CacheBits(),), cache_memory: int | None = None,
               log: Callable[[str], None] = print,
               progress: Callable[[int, int, str], None] | None = None,
               parallel: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every figure of the module docstring as one dict (see ``exl3 bench --help``); ``ceiling_lib``: the
     bench extension's library (:func:`decode_only_op`); ``parallel``: tensor-parallel ``model.load`` arguments
     (``tensor_parallel_size``, ``expert_parallel``; the per-rank figures, weight bytes and ceilings, are rank 0's).
+    ``cache_bits``: the KV caches to measure decode and prefill over, one after the other in this process
+    (``cache_compare`` holds each one's rates over the first's); ``capacity`` holds, per cache, the concurrent
+    4096-token sequences that ``cache_memory`` bytes of cache hold (default: the device's memory less the
+    weights; 16 GiB on the CPU).
 
     :param progress: called as ``progress(steps_done, steps, next_step)`` before each long step."""
     prefills = tuple(t for t in ((prefill_tokens,) if isinstance(prefill_tokens, int) else prefill_tokens) if t > 0)
     longest = max(prefills, default=0)
-    n_steps = 1 + len(contexts) + len(batches) + len(prefills) * (2 if prefill_past else 1) + int(profile)
+    variants = tuple(cache_bits) or (CacheBits(),)
+    if len(variants) > 1 and parallel and (parallel.get("tensor_parallel_size") or 1) > 1:
+        raise ValueError("exl3 bench: several --cache-bits are measured one after the other in this process; with "
+                         "tensor parallelism give one --cache-bits per run")
+    n_steps = (1 + len(variants) * (len(contexts) + len(batches) + len(prefills) * (2 if prefill_past else 1))
+               + int(profile))
     done = 0
 
     def next_step(what: str) -> None:
@@ -401,7 +454,8 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
     t0 = time.perf_counter()
     next_step("building the random-weight model")
     model, cache = build_model(shape, bpw=bpw, head_bits=head_bits, codebook=codebook, device=dev,
-                               cache_tokens=cache_tokens, parallel=parallel)
+                               cache_tokens=cache_tokens, parallel=parallel,
+                               cache_kwargs=variants[0].cache_kwargs())
     out["parallel"] = dict(parallel or {})
     out["build_seconds"] = time.perf_counter() - t0
     out["memory"] = model.memory_report()
@@ -410,26 +464,38 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
     ceilings = _ceiling_samples(model, op)
     if ceilings:
         log("decode-only ceiling of the weights: " + ", ".join(f"{c['tok_s']:.0f}" for c in ceilings) + " tok/s")
-    elem = torch.empty((), dtype=model.dtype).element_size()
     decode: list[dict[str, Any]] = []
-    for ctx in contexts:
-        next_step(f"decode b=1 ctx={ctx}")
-        r = bench_decode(model, cache, batch=1, ctx=ctx, new_tokens=new_tokens)
-        step = graph_step_time(model, cache, batch=1, ctx=ctx)
-        r["graph_step_ms"] = None if step is None else step * 1e3
-        decode.append(r)
     ceiling = None
-    if ceilings:  # measured again with the card as warm as the b=1 runs left it
-        ceiling = combine_ceilings(ceilings + _ceiling_samples(model, op), log)
+    out["prefills"] = []
+    for vi, bits in enumerate(variants):
+        if vi:  # the next cache in the memory of the last
+            cache.free()
+            cache = Cache(model, cache_tokens, **bits.cache_kwargs())
+        kv_token = cache.bytes_for(model.dtype) // ((cache.num_pages + 1) * cache.page_size)
+        rows = []
+        for ctx in contexts:
+            next_step(f"decode b=1 ctx={ctx}" + (f" {bits.label} cache" if len(variants) > 1 else ""))
+            r = bench_decode(model, cache, batch=1, ctx=ctx, new_tokens=new_tokens)
+            step = graph_step_time(model, cache, batch=1, ctx=ctx)
+            r["graph_step_ms"] = None if step is None else step * 1e3
+            rows.append(r)
+        if ceilings and ceiling is None:  # measured again with the card as warm as the b=1 runs left it
+            ceiling = combine_ceilings(ceilings + _ceiling_samples(model, op), log)
+        for b in batches:
+            next_step(f"decode b={b} ctx={min(contexts)}" + (f" {bits.label} cache" if len(variants) > 1 else ""))
+            r = bench_decode(model, cache, batch=b, ctx=min(contexts), new_tokens=new_tokens)
+            step = graph_step_time(model, cache, batch=b, ctx=min(contexts)) if b <= 32 else None
+            r["graph_step_ms"] = None if step is None else step * 1e3
+            rows.append(r)
+        for r in rows:
+            r["cache"] = bits.label
+            r["kv_bytes"] = r["batch"] * kv_token * r["ctx"]
+        decode += rows
+        _bench_prefills(out, model, cache, prefills, longest, prefill_past, bits.label if len(variants) > 1 else "",
+                        first=vi == 0, log=log, step=next_step)
     out["decode_ceiling"] = ceiling
-    for b in batches:
-        next_step(f"decode b={b} ctx={min(contexts)}")
-        r = bench_decode(model, cache, batch=b, ctx=min(contexts), new_tokens=new_tokens)
-        step = graph_step_time(model, cache, batch=b, ctx=min(contexts)) if b <= 32 else None
-        r["graph_step_ms"] = None if step is None else step * 1e3
-        decode.append(r)
     for r in decode:
-        nbytes = wbytes + r["batch"] * kv_bytes_per_token(shape, r["ctx"], elem)
+        nbytes = wbytes + r.pop("kv_bytes")
         r["bytes_per_step"] = nbytes
         r["roofline_tok_s"] = r["batch"] * bw / nbytes
         r["fraction_of_roofline"] = r["tok_s"] / r["roofline_tok_s"]
@@ -438,28 +504,33 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
             r["fraction_of_decode_ceiling"] = r["tok_s"] / r["decode_ceiling_tok_s"]
             r["strict_fraction_of_decode_ceiling"] = r["tok_s"] / (r["batch"] * ceiling["strict_tok_s"])
         step_s = f", graph step {r['graph_step_ms']:.3f} ms" if r.get("graph_step_ms") else ""
-        log(f"decode b={r['batch']} ctx={r['ctx']}: {r['tok_s']:.1f} tok/s{step_s} | roofline "
+        label = f" {r['cache']} cache" if len(variants) > 1 else ""
+        log(f"decode b={r['batch']} ctx={r['ctx']}{label}: {r['tok_s']:.1f} tok/s{step_s} | roofline "
             f"{r['roofline_tok_s']:.0f} ({100 * r['fraction_of_roofline']:.1f}%)"
             + (f" | decode-only ceiling {r['decode_ceiling_tok_s']:.0f} "
                f"({100 * r['fraction_of_decode_ceiling']:.1f}%; fastest sample "
                f"{100 * r['strict_fraction_of_decode_ceiling']:.1f}%)" if ceiling else ""))
     out["decode"] = decode
-    b1 = [r for r in decode if r["batch"] == 1 and r["ctx"] == min(contexts)]
+    base = variants[0].label
+    b1 = [r for r in decode if r["batch"] == 1 and r["ctx"] == min(contexts) and r["cache"] == base]
     if b1:
-        out["batch_scaling"] = {str(r["batch"]): r["tok_s"] / b1[0]["tok_s"] for r in decode if r["ctx"] == min(contexts)}
-    if prefills:
-        out["prefills"] = []
-        for n in prefills:
-            for past in (0, prefill_past) if prefill_past else (0,):
-                next_step(f"prefill {n} tokens" + (f" after {past}" if past else ""))
-                p = bench_prefill(model, cache, tokens=n, past=past)
-                out["prefills"].append(p)
-                if n == longest and not past:
-                    out["prefill"] = p
-                extra = (f"; from an idle GPU {p['idle_tok_s']:.0f} tok/s ({p['idle_seconds'] * 1e3:.2f} ms); eager "
-                         f"{p['eager_tok_s']:.0f} tok/s ({p['eager_seconds'] * 1e3:.2f} ms)") if p["path"] == "graph" else ""
-                after = f" after {past} cached" if past else ""
-                log(f"prefill {n} tokens{after} ({p['path']}): {p['tok_s']:.0f} tok/s ({p['seconds'] * 1e3:.2f} ms){extra}")
+        out["batch_scaling"] = {str(r["batch"]): r["tok_s"] / b1[0]["tok_s"] for r in decode
+                                if r["ctx"] == min(contexts) and r["cache"] == base}
+    if not prefills:
+        del out["prefills"]
+    if len(variants) > 1:
+        out["cache_compare"] = cache_compare(decode, out.get("prefills", []), base)
+        for c in out["cache_compare"]:
+            log(f"{c['what']} {c['cache']} / {base}: {c['ratio']:.3f}x ({c['tok_s']:.1f} vs {c['base_tok_s']:.1f} tok/s)")
+    if cache_memory is None:
+        cache_memory = (torch.cuda.get_device_properties(dev).total_memory - out["memory"]["allocated"]["weights"]
+                        if dev.type == "cuda" else 16 << 30)
+    from exl3_core.bench.capacity import max_sequences
+
+    out["capacity"] = max_sequences(model, variants, cache_memory, model.dtype, page_size=cache.page_size)
+    for c in out["capacity"]:
+        log(f"capacity {c['cache']}: {c['sequences']} concurrent {c['seq_tokens']}-token sequences in "
+            f"{c['memory_bytes'] / 2**30:.2f} GiB of cache ({c['tokens']} tokens, {c['bytes_per_token']:.0f} bytes each)")
     if profile:
         next_step("profile")
         out["profile_b1"] = profile_decode(model, cache, ctx=min(contexts))

@@ -23,8 +23,8 @@ class TorchAttention:
             reasons.append("non-causal spans are not implemented")
         if spec.cache is not None and spec.cache.split("/")[0] not in ("kv", "mla"):
             reasons.append(f"cache kind {spec.cache!r} is not readable (kv/* and mla/* only)")
-        if spec.cache is not None and spec.cache.split("/")[-1] not in ("fp16", "bf16", "fp32"):
-            reasons.append(f"cache view {spec.cache!r} is not a float view")
+        if spec.cache is not None and spec.cache.split("/")[-1] not in ("fp16", "bf16", "fp32", "quant"):
+            reasons.append(f"cache view {spec.cache!r} is not a float or quantized (format spec 6) view")
         return reasons
 
     def forward(self, args: AttnArgs) -> torch.Tensor:

@@ -81,8 +81,11 @@ class Cache:
         self.geometry = _geometry(model)
         self._plugins = _plugins(plugins if plugins is not None else getattr(model, "plugins", None))
         self._layer_kwargs = layer_kwargs
-        # the layer types resolve now: an unknown variant is an error before anything is allocated
+        # the layer types resolve, and check their options against the geometry, now: an unknown variant
+        # or a bad option is an error before anything is allocated
         self._types = [self._plugins.cache_layer(g.kind, variant) for g in self.geometry]
+        for cls, g in zip(self._types, self.geometry):
+            cls.check_options(g.num_kv_heads, g.head_dim, g.head_dim_v, **layer_kwargs)
         self.layers: list[CacheLayer] = []
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
@@ -96,6 +99,16 @@ class Cache:
             if device is None or dtype is None:
                 raise ValueError("Cache: give both device= and dtype= (or neither, to follow the model)")
             self.allocate(device, dtype)
+
+    @property
+    def layer_types(self) -> tuple[type[CacheLayer], ...]:
+        """The layer type of every cache layer (resolved from the variant per layer kind)."""
+        return tuple(self._types)
+
+    @property
+    def layer_options(self) -> dict[str, Any]:
+        """The options every layer is built with (``Cache(..., **layer_kwargs)``)."""
+        return dict(self._layer_kwargs)
 
     @property
     def allocated(self) -> bool:
@@ -143,7 +156,7 @@ class Cache:
     def bytes_for(self, dtype: torch.dtype) -> int:
         """Device bytes this cache allocates for a model of ``dtype`` (scratch page included)."""
         slots = (self.num_pages + 1) * self.page_size
-        return sum(cls.bytes_per_token(g.num_kv_heads, g.head_dim, g.head_dim_v, dtype) * slots
+        return sum(cls.bytes_per_token(g.num_kv_heads, g.head_dim, g.head_dim_v, dtype, **self._layer_kwargs) * slots
                    for cls, g in zip(self._types, self.geometry))
 
     @property
@@ -153,14 +166,14 @@ class Cache:
     @classmethod
     def bytes_required(cls, model: HasCacheGeometry | Sequence[LayerGeometry], max_num_tokens: int,
                        variant: str = "fp16", page_size: int | None = None, plugins: Plugins | None = None, *,
-                       dtype: torch.dtype | None = None) -> int:
-        """Device bytes a ``Cache(model, max_num_tokens, variant)`` would allocate for a model of ``dtype``
-        (default: the loaded model's)."""
+                       dtype: torch.dtype | None = None, **layer_kwargs: Any) -> int:
+        """Device bytes a ``Cache(model, max_num_tokens, variant, **layer_kwargs)`` would allocate for a model
+        of ``dtype`` (default: the loaded model's)."""
         if dtype is None:
             dtype = getattr(model, "dtype", None)
             if not isinstance(dtype, torch.dtype):
                 raise ValueError("Cache.bytes_required: pass dtype= (the model is not loaded)")
-        return cls(model, max_num_tokens, variant, page_size, plugins).bytes_for(dtype)
+        return cls(model, max_num_tokens, variant, page_size, plugins, **layer_kwargs).bytes_for(dtype)
 
     def storage_size(self) -> int:
         return sum(layer.storage_size() for layer in self.layers)
@@ -187,5 +200,6 @@ class Cache:
         return max(1, min(n, self.num_pages))
 
     def __repr__(self) -> str:
-        return (f"Cache(layers={len(self.layers)}, variant={self.variant!r}, pages={self.num_pages}x{self.page_size}, "
+        opts = "".join(f", {k}={v!r}" for k, v in self._layer_kwargs.items())
+        return (f"Cache(layers={len(self.layers)}, variant={self.variant!r}{opts}, pages={self.num_pages}x{self.page_size}, "
                 f"bytes={self.storage_size()})")

@@ -14,6 +14,9 @@ A layer type decides three things through this contract:
   first (what attention backends see in ``AttnSpec.cache``), :meth:`CacheLayer.attn_view` hands one
   out; the dispatcher tries (backend, view) pairs, native view first;
 * **how much it costs**: :meth:`CacheLayer.bytes_per_token`, exact, for memory planning.
+
+Layer options (``Cache(..., **layer_kwargs)``, e.g. ``k_bits=4``) reach the constructor, and
+:meth:`CacheLayer.check_options` and :meth:`CacheLayer.bytes_per_token` before any allocation.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from exl3_core import ops
+from exl3_core.attention.spec import QuantPages
 
 
 @dataclass(frozen=True)
@@ -89,13 +93,28 @@ class CacheLayer(ABC):
         :class:`FusedKVTarget`), or None: this layer's storage is something else."""
         return None
 
+    def attn_quant(self, view: str) -> QuantPages | None:
+        """For a quantized view (see :mod:`exl3_core.attention.spec`): the scales and bit widths beside the
+        code words :meth:`attn_view` hands out; None for float views."""
+        return None
+
     def attn_tensors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The native view's tensors (:meth:`attn_view` of ``views()[0]``)."""
         return self.attn_view(self.views()[0])
 
     @classmethod
-    def bytes_per_token(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype) -> int:
-        """Bytes one cached token costs (used for memory planning before allocation)."""
+    def check_options(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, **layer_kwargs: object) -> None:
+        """Raise ValueError (naming the option and the fix) when this layer type cannot store the geometry
+        with these options; called by :class:`~exl3_core.cache.Cache` before anything is allocated. The
+        plain layers take no options."""
+        if layer_kwargs:
+            raise ValueError(f"cache variant {cls.variant!r} takes no options, got {sorted(layer_kwargs)} (options "
+                             f"such as k_bits/v_bits belong to variant='quant')")
+
+    @classmethod
+    def bytes_per_token(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype,
+                        **layer_kwargs: object) -> int:
+        """Bytes one cached token costs with these options (used for memory planning before allocation)."""
         dv = head_dim if head_dim_v is None else head_dim_v
         return num_kv_heads * (head_dim + dv) * torch.empty((), dtype=dtype).element_size()
 

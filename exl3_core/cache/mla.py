@@ -60,5 +60,6 @@ class MLACacheLayer(CacheLayer):
         return self.latent.numel() * self.latent.element_size()
 
     @classmethod
-    def bytes_per_token(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype) -> int:
+    def bytes_per_token(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype,
+                        **layer_kwargs: object) -> int:
         return num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from exl3_core.attention.dispatch import get_dispatcher
-from exl3_core.attention.spec import AttnArgs, AttnSpec, CallShape, device_cc, sm_count
+from exl3_core.attention.spec import AttnArgs, AttnSpec, CallShape, QuantPages, device_cc, sm_count
 from exl3_core.cache.geometry import LayerGeometry
 from exl3_core.cache.layer import CacheLayer
 from exl3_core.nn.linear import shard_linear
@@ -207,11 +207,13 @@ class Attention(Module):
                 lambda view: self.attn_spec(q.dtype, q.device, view, shape), layer.views(), state.allowed_backends)
             k_cache, v_cache = layer.attn_view(view)
             spec = self.attn_spec(q.dtype, q.device, view, shape)
-            args = self._args(spec, q, meta, k=k, v=v, k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table)
+            args = self._args(spec, q, meta, k=k, v=v, k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table,
+                              quant=layer.attn_quant(view))
         hq, _ = self.local_heads
         return backend.forward(args).reshape(q.shape[0], hq * self.head_dim_v).to(out_dtype)
 
-    def _args(self, spec: AttnSpec, q: torch.Tensor, meta: BatchMeta, **tensors: torch.Tensor | None) -> AttnArgs:
+    def _args(self, spec: AttnSpec, q: torch.Tensor, meta: BatchMeta,
+              **tensors: torch.Tensor | QuantPages | None) -> AttnArgs:
         return AttnArgs(spec=spec, q=q, cu_seqlens_q=meta.cu_seqlens_q, seq_lens_k=meta.seq_lens_k,
                         max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k, scale=self.scale, **tensors)
 

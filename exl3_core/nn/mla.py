@@ -268,7 +268,8 @@ class LatentAttention(Module):
                                                    state.allowed_backends)
             k_cache, _ = layer.attn_view(view)
             spec = self.attn_spec(dt, x.device, view, shape)
-            args = AttnArgs(spec=spec, k_cache=k_cache, v_cache=None, page_table=meta.page_table, **common)
+            args = AttnArgs(spec=spec, k_cache=k_cache, v_cache=None, page_table=meta.page_table,
+                            quant=layer.attn_quant(view), **common)
         o_latent = backend.forward(args)  # [T, H, L]
         if rows is not None:
             o_latent, T = o_latent.index_select(0, rows), rows.shape[0]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from exl3_core.attention.spec import AttnArgs
+from exl3_core.reference.kv_quant import gather_dequantized
 
 
 def gather_paged(cache: torch.Tensor, page_table_row: torch.Tensor, length: int) -> torch.Tensor:
@@ -16,6 +17,23 @@ def gather_paged(cache: torch.Tensor, page_table_row: torch.Tensor, length: int)
     n_pages = (length + page_size - 1) // page_size
     pages = cache[page_table_row[:n_pages].long()]  # [n, page_size, H, D]
     return pages.reshape(-1, *cache.shape[2:])[:length]
+
+
+def _gather_quant(args: AttnArgs, b: int, nk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[nk, Hkv, D(v)]`` of sequence b from a quantized view, dequantized in fp32."""
+    spec, qp = args.spec, args.quant
+    assert qp is not None and args.k_cache is not None and args.page_table is not None, \
+        f"cache view {spec.cache!r} needs AttnArgs.quant (the scales and bit widths)"
+    row = args.page_table[b]
+    if qp.rope is None:  # "kv/quant"
+        assert args.v_cache is not None and qp.v_scales is not None
+        k = gather_dequantized(args.k_cache, qp.k_scales, qp.k_bits, row, nk, spec.num_kv_heads)
+        v = gather_dequantized(args.v_cache, qp.v_scales, qp.v_bits, row, nk, spec.num_kv_heads)
+        return k, v
+    # "mla/quant": keys are the latent then the rotary key, values the latent
+    latent = gather_dequantized(args.k_cache, qp.k_scales, qp.k_bits, row, nk, 1)
+    rope = gather_paged(qp.rope[:, :, None], row, nk).float()
+    return torch.cat([latent, rope], dim=-1), latent
 
 
 def attention(args: AttnArgs) -> torch.Tensor:
@@ -38,6 +56,8 @@ def attention(args: AttnArgs) -> torch.Tensor:
             k = args.k[q0:q1].float()
             v = args.v[q0:q1].float()
             nk = nq
+        elif spec.cache.endswith("/quant"):
+            k, v = _gather_quant(args, b, nk)
         else:
             assert args.k_cache is not None and args.page_table is not None
             k = gather_paged(args.k_cache, args.page_table[b], nk).float()

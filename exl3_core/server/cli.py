@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from exl3_core.cache_bits import add_cache_bits_arg
 from exl3_core.parallel.cli import add_parallel_args, parallel_load_kwargs
 
 log = logging.getLogger("exl3.server")
@@ -33,6 +34,7 @@ def add_cli(sub: Any) -> None:
                         "users of this machine can read a command line")
     p.add_argument("--cache-tokens", type=int, default=8192,
                    help="KV-cache size in tokens, shared by all concurrent requests (default 8192)")
+    add_cache_bits_arg(p)
     p.add_argument("--device", default=None, help="torch device (default: cuda:0 if available, else cpu)")
     p.add_argument("--max-batch", type=int, default=16,
                    help="most requests generating at once; more wait in the queue (default 16)")

@@ -3,7 +3,9 @@
 For every registered backend and every :class:`AttnSpec` in a grid, a backend that accepts the
 spec (``unsupported_reasons(spec) == []``) must match :func:`exl3_core.reference.attention` on
 fresh random inputs: varlen batches, paged caches with shuffled page tables, GQA/MQA, odd head
-dims, windows, soft-capping and the latent (MLA) layout.
+dims, windows, soft-capping, the latent (MLA) layout and quantized caches (``"kv/quant"``,
+``"mla/quant"``: random keys and values quantized by :mod:`exl3_core.reference.kv_quant`, whose
+dequantized pages the reference attends over).
 """
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from typing import Any
 
 import torch
 
-from exl3_core.attention.spec import AttnArgs, AttnSpec, device_cc, pow2_bucket, sm_count
+from exl3_core.attention.spec import AttnArgs, AttnSpec, QuantPages, device_cc, pow2_bucket, sm_count
+from exl3_core.reference import kv_quant
 from exl3_core.reference.attention import attention as reference_attention
 
 
@@ -25,6 +28,7 @@ class Case:
     spec: AttnSpec
     q_lens: tuple[int, ...]
     past_lens: tuple[int, ...] = ()  # cached tokens before the new ones (paged cases)
+    bits: tuple[int, int] = (4, 4)  # key and value bits of a quantized view
 
     def __post_init__(self) -> None:
         s = self.spec
@@ -48,6 +52,8 @@ class Case:
                 f"{'' if s.head_dim_v is None else f'v{s.head_dim_v}'}-h{s.num_q_heads}x{s.num_kv_heads}"
                 f"-q{'.'.join(map(str, self.q_lens))}-p{'.'.join(map(str, self.past_lens)) or 0}"
                 f"{f'-w{s.window}' if s.window else ''}{f'-cap{s.softcap:g}' if s.softcap else ''}"
+                f"{f'-qps{s.q_per_seq}' if s.q_per_seq else ''}"
+                f"{f'-k{self.bits[0]}v{self.bits[1]}' if s.cache and s.cache.endswith('/quant') else ''}"
                 f"-{str(s.dtype).split('.')[-1]}")
 
 
@@ -85,6 +91,18 @@ def default_cases(device: torch.device | str = "cpu", dtype: torch.dtype = torch
                                **paged, **base), (1, 1, 1, 1), (3, 40, 17, 90)))
     cases.append(Case(AttnSpec(head_dim=64, num_q_heads=8, num_kv_heads=2, cache="kv/fp16", phase="decode",
                                **paged, **base), (3, 3), (20, 45 * mul)))
+    # quantized caches: prefill and decode, GQA, several bit widths (multi-plane codes among them)
+    for hd, hq, hkv, bits in ((64, 4, 2, (4, 4)), (128, 8, 2, (8, 3)), (96, 6, 1, (2, 5))):
+        cases.append(Case(AttnSpec(head_dim=hd, num_q_heads=hq, num_kv_heads=hkv, cache="kv/quant", **paged, **base),
+                          (7 * mul, 3, 1), (0, 21 * mul, 40 * mul), bits))
+        cases.append(Case(AttnSpec(head_dim=hd, num_q_heads=hq, num_kv_heads=hkv, cache="kv/quant", phase="decode",
+                                   q_per_seq=1, **paged, **base), (1, 1, 1), (1, 33 * mul, 16 * mul), bits))
+    cases.append(Case(AttnSpec(head_dim=64, num_q_heads=4, num_kv_heads=2, cache="kv/quant", window=8, **paged, **base),
+                      (9, 1), (30 * mul, 12), (6, 7)))
+    cases.append(Case(AttnSpec(head_dim=96, head_dim_v=64, num_q_heads=4, num_kv_heads=1, cache="mla/quant", **paged,
+                               **base), (6, 1), (10 * mul, 31 * mul), (5, 5)))
+    cases.append(Case(AttnSpec(head_dim=96, head_dim_v=64, num_q_heads=4, num_kv_heads=1, cache="mla/quant",
+                               phase="decode", q_per_seq=1, **paged, **base), (1, 1), (5, 50 * mul), (3, 3)))
     return cases
 
 
@@ -131,8 +149,31 @@ def make_args(case: Case, device: torch.device | str = "cpu", seed: int = 0) -> 
     slots = [(int(table[b, t // ps]), t % ps) for b, n in enumerate(lens) for t in range(past[b], n)]
     k_new = torch.stack([k_cache[p, o] for p, o in slots])
     v_new = k_new[..., :s.v_dim] if v_cache is None else torch.stack([v_cache[p, o] for p, o in slots])
-    return AttnArgs(seq_lens_k=torch.tensor(lens, dtype=torch.int32, device=dev), max_seqlen_k=max(lens),
-                    k_cache=k_cache, v_cache=v_cache, page_table=table.to(dev), k=k_new, v=v_new, **common)
+    paged_args = {"seq_lens_k": torch.tensor(lens, dtype=torch.int32, device=dev), "max_seqlen_k": max(lens),
+                  "page_table": table.to(dev), "k": k_new, "v": v_new}
+    if s.cache.endswith("/quant"):
+        return AttnArgs(**_quantized(case, k_cache, v_cache), **paged_args, **common)
+    return AttnArgs(k_cache=k_cache, v_cache=v_cache, **paged_args, **common)
+
+
+def _quantized(case: Case, k_cache: torch.Tensor, v_cache: torch.Tensor | None) -> dict[str, Any]:
+    """The quantized view of float pages (NaN in slots no sequence owns): code words of the pages with those
+    slots zeroed, and NaN scales there, so a kernel reading an unowned slot yields NaN."""
+    kb, vb = case.bits
+    owned = ~torch.isnan(k_cache).flatten(2).any(-1)  # [pages, page_size]
+
+    def quant(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        words, scales = kv_quant.quantize(torch.nan_to_num(x.flatten(2), nan=0.0), bits)
+        return words, scales.masked_fill(~owned[..., None], float("nan"))
+
+    if v_cache is None:  # latent: the first head_dim_v channels quantized, the rotary key as it is
+        L = case.spec.v_dim
+        words, scales = quant(k_cache[..., :L], kb)
+        rope = k_cache[:, :, 0, L:].contiguous()
+        return {"k_cache": words, "v_cache": None, "quant": QuantPages(scales, None, kb, kb, rope)}
+    kw, ks = quant(k_cache, kb)
+    vw, vs = quant(v_cache, vb)
+    return {"k_cache": kw, "v_cache": vw, "quant": QuantPages(ks, vs, kb, vb)}
 
 
 def tolerance(dtype: torch.dtype) -> float:

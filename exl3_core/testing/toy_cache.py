@@ -57,7 +57,8 @@ class HeadMajorLayer(CacheLayer):
         return (self.k.numel() + self.v.numel()) * 4
 
     @classmethod
-    def bytes_per_token(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype) -> int:
+    def bytes_per_token(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype,
+                        **layer_kwargs: object) -> int:
         return num_kv_heads * (head_dim + (head_dim if head_dim_v is None else head_dim_v)) * 4
 
 

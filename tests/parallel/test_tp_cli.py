@@ -34,6 +34,7 @@ def test_option_errors(argv: list[str], match: str) -> None:
 def test_the_session_loads_with_them(checkpoints: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     from exl3_core.archkit.model import Model
     from exl3_core.generate_cli import Session
+    from exl3_core.tokenizer import Tokenizer
 
     seen: dict = {}
 
@@ -45,6 +46,8 @@ def test_the_session_loads_with_them(checkpoints: dict, monkeypatch: pytest.Monk
         raise Loaded
 
     monkeypatch.setattr(Model, "load", load)
+    # the session reads the tokenizer first; these test checkpoints have none
+    monkeypatch.setattr(Tokenizer, "from_config", classmethod(lambda cls, config: object()))
     args = build_parser().parse_args(["generate", "-m", str(checkpoints[("llama", "dense")]), "--device", "cpu",
                                       "--tensor-parallel-size", "2"])
     with pytest.raises(Loaded):

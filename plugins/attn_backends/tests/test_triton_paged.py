@@ -24,10 +24,10 @@ def test_matches_reference(case: Case) -> None:
 
 def test_declines_with_reasons() -> None:
     b = TritonPagedAttention()
-    spec = AttnSpec(head_dim=64, num_q_heads=6, num_kv_heads=4, dtype=torch.float16, cache="kv/quant",
+    spec = AttnSpec(head_dim=64, num_q_heads=6, num_kv_heads=4, dtype=torch.float16, cache="kv/toy",
                     has_sinks=True, device_type="cuda", device_cc=(7, 5))
     reasons = " | ".join(b.unsupported_reasons(spec))
-    for part in ("compute capability", "multiple of num_kv_heads", "sinks", "kv/quant"):
+    for part in ("compute capability", "multiple of num_kv_heads", "sinks", "kv/toy"):
         assert part in reasons
 
 
@@ -58,10 +58,20 @@ DECODE_CASES = [
     _decode_case(96, 4, 1, (0, 450), head_dim_v=64, cache="mla/fp16"),  # latent: values lead the keys
     _decode_case(96, 20, 1, (345,), torch.float16, head_dim_v=64, cache="mla/fp16"),  # > 16 heads: 2 head blocks
 ]
+BIG = 3  # the 8B layout: seconds per call in Triton's CPU interpreter, so with -m slow there
+
+
+def _marks(case: Case) -> list[pytest.MarkDecorator]:
+    return [pytest.mark.slow] if case is DECODE_CASES[BIG] and DEVICE == "cpu" else []
+
+
+def _params(cases: list[Case]) -> list[object]:
+    return [pytest.param(c, marks=_marks(c)) for c in cases]
 
 
 @pytest.mark.parametrize("short_chunk", [0, 32], ids=["chunk64", "short_bound_chunk32"])
-@pytest.mark.parametrize("case,splits", [(c, s) for c in DECODE_CASES for s in (None, 7)]  # None = heuristic
+@pytest.mark.parametrize("case,splits", [pytest.param(c, n, marks=_marks(c)) for c in DECODE_CASES
+                                         for n in (None, 7)]  # None = heuristic
                          + [(DECODE_CASES[0], 3), (DECODE_CASES[4], 3), (DECODE_CASES[6], 40)],  # 40: many empty
                          ids=lambda x: x.id if isinstance(x, Case) else f"splits{x}")
 def test_split_kv_decode_matches_reference(case: Case, splits: int | None, short_chunk: int,
@@ -139,7 +149,7 @@ def test_split_kv_reload_of_the_newest_row(case: Case, monkeypatch: pytest.Monke
     assert forced
 
 
-@pytest.mark.parametrize("case", [DECODE_CASES[i] for i in (0, 3, 4, 6)], ids=lambda c: c.id)
+@pytest.mark.parametrize("case", _params([DECODE_CASES[i] for i in (0, 3, 4, 6)]), ids=lambda c: c.id)
 def test_split_kv_merge_rounds_and_counters(case: Case) -> None:
     """Each head block's last split program merges the splits: 40 splits exceed one merge round (running
     max across rounds); lengths leave trailing splits empty. The arrival counters are left at zero, so a

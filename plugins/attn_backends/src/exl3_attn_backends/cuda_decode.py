@@ -13,6 +13,9 @@ at 128; longer sequences would take more passes after the wait. So it serves bou
 only. Everything it does not serve (longer bounds, batches past one block per SM, several queries per
 sequence, head dims, groups, windows, ...) it declines per spec with reasons, and the dispatcher picks
 the next backend (Triton); ``exl3 inspect --plan`` shows the choice.
+
+It reads the quantized view ``"kv/quant"`` (format spec 6) in place as well: the block unpacks each row's
+codes into the same shared-memory rows, in the keys' rotated basis, rotating q into it and the output back.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from exl3_core.attention.spec import AttnArgs, AttnSpec
+from exl3_core.attention.spec import AttnArgs, AttnSpec, QuantPages
 
 #: the longest static key bound served here per head dim (one pass of the block's shared memory: 128 KB of
 #: keys and values), since later passes would run after the wait; longer ones go to Triton.
@@ -32,6 +35,7 @@ BLOCKS_PER_SM = 1
 MAX_GROUP = 8
 HEAD_DIMS = (64, 128)
 _CACHES = {torch.float16: "kv/fp16", torch.bfloat16: "kv/bf16"}
+_QUANT_VIEW = "kv/quant"
 
 
 def _rows_aligned(t: torch.Tensor) -> bool:
@@ -78,19 +82,85 @@ def check_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
     return bad
 
 
+def check_quant_call(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, quant: QuantPages,
+                     page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor) -> list[str]:
+    """:func:`check_call` for a quantized cache: code words ``[pages, page_size, Hkv * D / 32 * bits]`` (int32) and
+    fp16 scales ``[pages, page_size, Hkv * D / 32]`` with contiguous rows. Host-side attributes only."""
+    ks, vs = quant.k_scales, quant.v_scales
+    if vs is None:
+        return ["a kv/quant cache has value scales (got None: a latent cache is not read here)"]
+    named = {"q": q, "k_cache": k_codes, "v_cache": v_codes, "k_scales": ks, "v_scales": vs, "page_table": page_table,
+             "cu_seqlens_q": cu_seqlens_q, "seq_lens_k": seq_lens_k}
+    bad = []
+    off = [n for n, t in named.items() if not t.is_cuda]
+    if off:
+        bad.append(f"{', '.join(off)} must be on the GPU (move them with .cuda())")
+    if q.dim() != 3 or any(t.dim() != 3 for t in (k_codes, v_codes, ks, vs)):
+        return [*bad, "q must be [T, Hq, D] and the code words and scales [pages, page_size, n]"]
+    if q.dtype not in _CACHES:
+        bad.append(f"q must be float16 or bfloat16, got {q.dtype}")
+    if k_codes.dtype != torch.int32 or v_codes.dtype != torch.int32 or ks.dtype != torch.float16 or vs.dtype != torch.float16:
+        bad.append("code words must be int32 and scales float16")
+    if not (2 <= quant.k_bits <= 8 and 2 <= quant.v_bits <= 8):
+        bad.append(f"bits must be in 2..8, got k_bits={quant.k_bits}, v_bits={quant.v_bits}")
+    d, hq = q.shape[2], q.shape[1]
+    groups = ks.shape[2]
+    hkv = groups * 32 // d if d in HEAD_DIMS else 0
+    if d not in HEAD_DIMS or hkv * d != groups * 32 or vs.shape[2] != groups:
+        bad.append(f"head dim must be 64 or 128 with whole heads of 32-value groups; got D={d}, {groups} key / "
+                   f"{vs.shape[2]} value groups")
+    elif k_codes.shape[2] != groups * quant.k_bits or v_codes.shape[2] != groups * quant.v_bits:
+        bad.append(f"code words {k_codes.shape[2]}/{v_codes.shape[2]} per token do not fit {groups} groups at "
+                   f"{quant.k_bits}/{quant.v_bits} bits")
+    if hkv <= 0 or hq % hkv or hq // hkv > MAX_GROUP:
+        bad.append(f"{hq} query heads over {hkv} kv heads: the group must divide evenly and be at most {MAX_GROUP}")
+    if any(t.stride(-1) != 1 for t in (k_codes, v_codes, ks, vs)) or not _rows_aligned(q):
+        bad.append("q rows must be 16-byte aligned and every page row contiguous; use .contiguous()")
+    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.stride(1) != 1:
+        bad.append(f"page_table must be int32 [B, W] with contiguous rows, got {page_table.dtype} {tuple(page_table.shape)}")
+    b = page_table.shape[0] if page_table.dim() == 2 else -1
+    if cu_seqlens_q.dtype != torch.int32 or not cu_seqlens_q.is_contiguous() or cu_seqlens_q.numel() != b + 1:
+        bad.append(f"cu_seqlens_q must be contiguous int32 [B + 1] with B = {b}")
+    if seq_lens_k.dtype != torch.int32 or not seq_lens_k.is_contiguous() or seq_lens_k.numel() != b:
+        bad.append(f"seq_lens_k must be contiguous int32 [B] with B = {b}")
+    if b > 65535 or hkv > 65535:
+        bad.append("at most 65535 sequences and kv heads")
+    return bad
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, scale: float,
-                     pdl: bool = False, bound: int = 0) -> torch.Tensor:
-    """One query per sequence over a paged fp16/bf16 cache: ``[T, Hq, D]`` in q's dtype (rows of sequences
-    without a query this step are left unwritten). ``bound``: the longest sequence length the call may see
-    (0: unknown), which sizes the block's shared memory. Raises ValueError naming every input it cannot take."""
-    bad = check_call(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens_k)
+                     pdl: bool = False, bound: int = 0, quant: QuantPages | None = None) -> torch.Tensor:
+    """One query per sequence over a paged fp16/bf16 cache, or a quantized one (``quant``: its scales and bits;
+    k_cache/v_cache are then the code words): ``[T, Hq, D]`` in q's dtype (rows of sequences without a query
+    this step are left unwritten). ``bound``: the longest sequence length the call may see (0: unknown), which
+    sizes the block's shared memory. Raises ValueError naming every input it cannot take."""
+    bad = (check_call(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens_k) if quant is None else
+           check_quant_call(q, k_cache, v_cache, quant, page_table, cu_seqlens_q, seq_lens_k))
     if not 0 <= bound < 2**30:
         bad.append(f"bound must be in [0, 2**30), got {bound}")
     if bad:
         raise ValueError("decode_attention: " + "; ".join(bad))
+    return _launch(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens_k, scale, pdl, bound, quant)
+
+
+def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
+            cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, scale: float, pdl: bool, bound: int,
+            quant: QuantPages | None) -> torch.Tensor:
+    if quant is None:
+        return torch.ops.exl3.decode_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens_k,
+                                               float(scale), pdl, int(bound))
     return torch.ops.exl3.decode_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens_k, float(scale),
-                                           pdl, int(bound))
+                                           pdl, int(bound), quant.k_scales, quant.v_scales, quant.k_bits,
+                                           quant.v_bits)
+
+
+def _reads_quant() -> bool:
+    """Whether the built op takes a quantized cache (its schema has the scale arguments)."""
+    try:
+        return "k_scales" in str(torch.ops.exl3.decode_attention.default._schema)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class CudaDecodeAttention:
@@ -111,8 +181,9 @@ class CudaDecodeAttention:
             r.append(f"needs compute capability >= 9.0 (griddepcontrol, cp.async paths; got {spec.device_cc})")
         if spec.phase != "decode":
             r.append("decode steps only (prefill goes to another backend)")
-        if spec.dtype not in _CACHES or spec.cache != _CACHES[spec.dtype]:
-            r.append(f"needs a kv/fp16 or kv/bf16 cache of the query's dtype (got {spec.cache!r}, {spec.dtype})")
+        if spec.dtype not in _CACHES or spec.cache not in (_CACHES[spec.dtype], _QUANT_VIEW):
+            r.append(f"needs a kv/fp16 or kv/bf16 cache of the query's dtype, or kv/quant, with fp16/bf16 queries "
+                     f"(got {spec.cache!r}, {spec.dtype})")
         if spec.head_dim not in HEAD_DIMS or spec.v_dim != spec.head_dim:
             r.append(f"head dim must be 64 or 128 for keys and values (got {spec.head_dim}/{spec.v_dim})")
         if (spec.num_kv_heads <= 0 or spec.num_q_heads % spec.num_kv_heads
@@ -142,6 +213,8 @@ class CudaDecodeAttention:
 
             if not ext.has_op("decode_attention"):
                 r.append("exl3_core._C lacks decode_attention (extension not built, or built before it)")
+            elif spec.cache == _QUANT_VIEW and not _reads_quant():
+                r.append("exl3_core._C's decode_attention predates quantized caches (rebuild the extension)")
         return r
 
     def forward(self, args: AttnArgs) -> torch.Tensor:
@@ -150,11 +223,15 @@ class CudaDecodeAttention:
         if args.max_seqlen_k > MAX_KEYS.get(args.spec.head_dim, 0):
             raise ValueError(f"cuda_decode: max_seqlen_k={args.max_seqlen_k} exceeds the spec's key bound "
                              f"{args.spec.max_keys}; the spec must be built from the call's bounds")
-        bad = check_call(args.q, args.k_cache, args.v_cache, args.page_table, args.cu_seqlens_q, args.seq_lens_k)
+        quant = args.quant if args.spec.cache == _QUANT_VIEW else None
+        if args.spec.cache == _QUANT_VIEW and quant is None:
+            raise ValueError("cuda_decode: a kv/quant call needs AttnArgs.quant (the scales and bit widths)")
+        bad = (check_call(args.q, args.k_cache, args.v_cache, args.page_table, args.cu_seqlens_q, args.seq_lens_k)
+               if quant is None else check_quant_call(args.q, args.k_cache, args.v_cache, quant, args.page_table,
+                                                      args.cu_seqlens_q, args.seq_lens_k))
         if bad:
             raise ValueError("cuda_decode: " + "; ".join(bad))
         from exl3_core.kernels.pdl import early_launch
 
-        return torch.ops.exl3.decode_attention(args.q, args.k_cache, args.v_cache, args.page_table,
-                                               args.cu_seqlens_q, args.seq_lens_k, float(args.scale),
-                                               early_launch(args.q), int(args.max_seqlen_k))
+        return _launch(args.q, args.k_cache, args.v_cache, args.page_table, args.cu_seqlens_q, args.seq_lens_k,
+                       args.scale, early_launch(args.q), args.max_seqlen_k, quant)

@@ -29,7 +29,40 @@ import triton.language as tl
 
 from exl3_core.attention.spec import AttnArgs, AttnSpec
 from exl3_core.kernels.counters import arrival_counters
+from exl3_core.kernels.kv_quant import dequant_tile, hadamard_cols
 from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
+
+
+@triton.jit
+def _quant_keys(K, KS, RP, row, n_ok, kvh, HK: tl.constexpr, NGK: tl.constexpr, K_BITS: tl.constexpr,
+                QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    # keys [BLOCK_D, BLOCK_N] (fp32, rotated basis) of the cache rows `row` (page * PAGE_SIZE + slot) of a
+    # quantized view: KV head kvh's groups of the code words and scales; for "mla/quant" (QK_DIM < HEAD_DIM)
+    # channels from QK_DIM on are the unquantized rotary key
+    kt = dequant_tile(K, KS, row * (HK * NGK * K_BITS), row * (HK * NGK), n_ok, kvh * NGK, NGK, K_BITS, BLOCK_N,
+                      BLOCK_D // 32)
+    if QK_DIM < HEAD_DIM:
+        c = tl.arange(0, BLOCK_D)
+        r_ok = n_ok[:, None] & ((c >= QK_DIM) & (c < HEAD_DIM))[None, :]
+        rope = tl.load(RP + row[:, None] * (HEAD_DIM - QK_DIM) + (c - QK_DIM)[None, :], mask=r_ok, other=0.0)
+        kt = tl.where((c < QK_DIM)[None, :], kt, rope.to(tl.float32))
+    return tl.trans(kt)
+
+
+@triton.jit
+def _quant_values(V, VS, row, n_ok, kvh, HK: tl.constexpr, NGV: tl.constexpr, V_BITS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr):
+    # values [BLOCK_N, BLOCK_DV] (fp32, rotated basis) of the cache rows `row` of a quantized view
+    return dequant_tile(V, VS, row * (HK * NGV * V_BITS), row * (HK * NGV), n_ok, kvh * NGV, NGV, V_BITS, BLOCK_N,
+                        BLOCK_DV // 32)
+
+
+@triton.jit
+def _rotate_q(q, d, QK_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    # the query in the keys' rotated basis: channels below QK_DIM rotated in groups of 32, the rest as they are
+    qf = q.to(tl.float32)
+    qr = hadamard_cols(qf, ROWS, BLOCK_D)
+    return tl.where((d < QK_DIM)[None, :], qr, qf).to(q.dtype)
 
 
 @triton.jit
@@ -38,9 +71,13 @@ def _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_sta
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
                 PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_N: tl.constexpr,
                 PAGED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-                MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+                MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
+                KS, VS, RP, HK: tl.constexpr, QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                NGK: tl.constexpr, NGV: tl.constexpr, QK_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_DV: tl.constexpr):
     """One BLOCK_N chunk of keys into the online softmax (scores in base 2). MASKED=False is for
-    chunks every row of the block may see in full (below the causal diagonal, inside seq_k)."""
+    chunks every row of the block may see in full (below the causal diagonal, inside seq_k). QUANT: the
+    cache is a quantized view (dequantized here, in the rotated basis of q)."""
     n = start + tl.arange(0, BLOCK_N)
     n_ok = n < hi
     if PAGED:
@@ -51,8 +88,12 @@ def _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_sta
     else:
         k_off = (q_start + n).to(tl.int64) * stride_ks
         v_off = (q_start + n).to(tl.int64) * stride_vs
-    k = tl.load(K + k_off[None, :] + kvh * stride_kh + d[:, None],
-                mask=n_ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
+    if QUANT:
+        k = _quant_keys(K, KS, RP, page * PAGE_SIZE + slot, n_ok, kvh, HK, NGK, K_BITS, QK_DIM, HEAD_DIM, BLOCK_N,
+                        BLOCK_D).to(q.dtype)
+    else:
+        k = tl.load(K + k_off[None, :] + kvh * stride_kh + d[:, None],
+                    mask=n_ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
     s = tl.dot(q, k, input_precision=DOT_PREC)
     if SOFTCAP:
         s = s * (scale / softcap)
@@ -72,8 +113,11 @@ def _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_sta
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(V + v_off[:, None] + kvh * stride_vh + dv[None, :],
-                mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)
+    if QUANT:
+        v = _quant_values(V, VS, page * PAGE_SIZE + slot, n_ok, kvh, HK, NGV, V_BITS, BLOCK_N, BLOCK_DV).to(q.dtype)
+    else:
+        v = tl.load(V + v_off[:, None] + kvh * stride_vh + dv[None, :],
+                    mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
@@ -92,7 +136,10 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KS, VS, RP, HK: tl.constexpr, QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    NGK: tl.constexpr, NGV: tl.constexpr, QK_DIM: tl.constexpr,
 ):
+    # QUANT: K/V are the code words of a quantized view, KS/VS their scales, RP the rotary keys of "mla/quant"
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     mblk = tl.program_id(2)
@@ -110,6 +157,8 @@ def _attn_fwd(
     dv = tl.arange(0, BLOCK_DV)
     q_ptr = Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr, mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    if QUANT:
+        q = _rotate_q(q, d, QK_DIM, BLOCK_M, BLOCK_D)
     q_pos = seq_k - q_len + tok  # absolute position of each row's token
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of the base-2 scores
@@ -136,14 +185,18 @@ def _attn_fwd(
                                     K, V, PageTable, scale, softcap,
                                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
                                     PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, CAUSAL, WINDOW, SOFTCAP,
-                                    False, DOT_PREC)
+                                    False, DOT_PREC, KS, VS, RP, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM,
+                                    BLOCK_D, BLOCK_DV)
     for start in range(full, hi, BLOCK_N):
         acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
                                     K, V, PageTable, scale, softcap,
                                     stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
                                     PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, CAUSAL, WINDOW, SOFTCAP,
-                                    True, DOT_PREC)
+                                    True, DOT_PREC, KS, VS, RP, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM,
+                                    BLOCK_D, BLOCK_DV)
 
+    if QUANT:  # back from the rotated basis of the values
+        acc = hadamard_cols(acc, BLOCK_M, BLOCK_DV)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_ptr = Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :]
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
@@ -160,8 +213,17 @@ def _split_rows(PageTable, b, start, stride_pt, PAGE_SIZE: tl.constexpr, BLOCK_N
 
 @triton.jit
 def _split_load(K, V, page, slot, kvh, n_ok, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    # keys [BLOCK_D, BLOCK_N] and values [BLOCK_N, BLOCK_DV] of the rows (page, slot) where n_ok, zeros elsewhere
+                HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                Q, KS, VS, RP, PAGE_SIZE: tl.constexpr, HK: tl.constexpr, QUANT: tl.constexpr, K_BITS: tl.constexpr,
+                V_BITS: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr, QK_DIM: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    # keys [BLOCK_D, BLOCK_N] and values [BLOCK_N, BLOCK_DV] of the rows (page, slot) where n_ok, zeros elsewhere;
+    # QUANT: dequantized from the code words (rotated basis), in q's dtype
+    if QUANT:
+        row = page * PAGE_SIZE + slot
+        k = _quant_keys(K, KS, RP, row, n_ok, kvh, HK, NGK, K_BITS, QK_DIM, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v = _quant_values(V, VS, row, n_ok, kvh, HK, NGV, V_BITS, BLOCK_N, BLOCK_DV)
+        return k.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty)
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     k = tl.load(K + (page * stride_kp + slot * stride_ks)[None, :] + kvh * stride_kh + d[:, None],
@@ -174,12 +236,15 @@ def _split_load(K, V, page, slot, kvh, n_ok, stride_kp, stride_ks, stride_kh, st
 @triton.jit
 def _split_tiles(K, V, PageTable, b, kvh, start, hi, stride_pt, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
                  stride_vh, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr):
+                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                 Q, KS, VS, RP, HK: tl.constexpr, QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                 NGK: tl.constexpr, NGV: tl.constexpr, QK_DIM: tl.constexpr):
     # keys and values of positions start .. start + BLOCK_N - 1 below hi, zeros elsewhere
     n_ok = start + tl.arange(0, BLOCK_N) < hi
     page, slot = _split_rows(PageTable, b, start, stride_pt, PAGE_SIZE, BLOCK_N, n_ok)
     return _split_load(K, V, page, slot, kvh, n_ok, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
-                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
+                       HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, Q, KS, VS, RP, PAGE_SIZE, HK, QUANT, K_BITS, V_BITS,
+                       NGK, NGV, QK_DIM, BLOCK_N)
 
 
 @triton.jit
@@ -204,7 +269,7 @@ def _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap,
 def _merge_splits(PartM, PartL, PartAcc, Out, b, hblk, q_start, n_used, NUM_SPLITS, stride_ot, stride_oh,
                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, KV_HEAD0, BLOCK_H: tl.constexpr,
                   BLOCK_HM: tl.constexpr, SPLIT_CHUNK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                  BLOCK_DV: tl.constexpr):
+                  BLOCK_DV: tl.constexpr, QUANT: tl.constexpr):
     # The softmax-weighted sum of splits 0 .. n_used - 1 (later ones are empty) for the head block's
     # heads, SPLIT_CHUNK splits per round with a running max; written to Out in its dtype. The
     # partials were stored by other programs of this launch: read at L2 (.cg), not a stale L1 line.
@@ -231,6 +296,8 @@ def _merge_splits(PartM, PartL, PartAcc, Out, b, hblk, q_start, n_used, NUM_SPLI
         l_run = l_run * alpha + tl.sum(w * l_s, 1)
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * a, 1)
         m_run = m_new
+    if QUANT:  # the partials are in the values' rotated basis: rotate the merged sum back
+        acc = hadamard_cols(acc, BLOCK_HM, BLOCK_DV)
     out = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
     tl.store(Out + q_start * stride_ot + head[:, None] * stride_oh + dv[None, :], out.to(Out.dtype.element_ty),
              mask=h_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
@@ -250,6 +317,8 @@ def _decode_split(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
     RELOAD_FRESH: tl.constexpr, BLOCK_HM: tl.constexpr, SPLIT_CHUNK: tl.constexpr, USED_ONLY: tl.constexpr,
+    KS, VS, RP, HK: tl.constexpr, QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    NGK: tl.constexpr, NGV: tl.constexpr, QK_DIM: tl.constexpr,
 ):
     # grid (batch, kv_heads * HEAD_BLOCKS, NUM_SPLITS); rows = BLOCK_H heads of one GQA group. A split's
     # first BLOCK_N keys (its least share) are loaded before the wait, the rest in BLOCK_N chunks after it.
@@ -286,7 +355,8 @@ def _decode_split(
     n0_ok = lo + tl.arange(0, BLOCK_N) < hi
     page0, slot0 = _split_rows(PageTable, b, lo, stride_pt, PAGE_SIZE, BLOCK_N, n0_ok)
     k0, v0 = _split_load(K, V, page0, slot0, kvh, n0_ok, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs,
-                         stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
+                         stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, Q, KS, VS, RP, PAGE_SIZE, HK, QUANT,
+                         K_BITS, V_BITS, NGK, NGV, QK_DIM, BLOCK_N)
     if PDL:  # a programmatic dependent of the cache write (exl3_core/kernels/pdl.py); o_proj, which decodes its
         # weights before its own wait, may start now
         gdc_wait()
@@ -295,6 +365,8 @@ def _decode_split(
     q_ptr = Q + q_start * stride_qt + head[:, None] * stride_qh + d[None, :]
     q_ok = h_ok & (hrow * 0 + q_len > 0)
     q = tl.load(q_ptr, mask=q_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    if QUANT:
+        q = _rotate_q(q, d, QK_DIM, BLOCK_H, BLOCK_D)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
@@ -303,13 +375,15 @@ def _decode_split(
             # (its cache row is already known: one round trip, alongside q's)
             new = lo + tl.arange(0, BLOCK_N) == seq_k - 1
             kn, vn = _split_load(K, V, page0, slot0, kvh, new & n0_ok, stride_kp, stride_ks, stride_kh, stride_vp,
-                                 stride_vs, stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
+                                 stride_vs, stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, Q, KS, VS, RP,
+                                 PAGE_SIZE, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM, BLOCK_N)
             k0 = tl.where(new[None, :], kn, k0)
             v0 = tl.where(new[:, None], vn, v0)
         m_i, l_i, acc = _split_step(q, k0, v0, lo, hi, m_i, l_i, acc, scale, softcap, BLOCK_N, SOFTCAP, DOT_PREC)
     for start in range(lo + BLOCK_N, hi, BLOCK_N):
         k, v = _split_tiles(K, V, PageTable, b, kvh, start, hi, stride_pt, stride_kp, stride_ks, stride_kh, stride_vp,
-                            stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N)
+                            stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                            Q, KS, VS, RP, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM)
         m_i, l_i, acc = _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, BLOCK_N, SOFTCAP, DOT_PREC)
 
     # partials [B, Hq, NUM_SPLITS] and [B, Hq, NUM_SPLITS, HEAD_DIM_V]; empty splits: (-inf, 0, 0).
@@ -324,7 +398,10 @@ def _decode_split(
     alone = n_used <= 1
     n_arrive = tl.where(alone, 0, n_arrive)
     if alone and split == 0:
-        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o = acc
+        if QUANT:  # back from the values' rotated basis
+            o = hadamard_cols(acc, BLOCK_H, BLOCK_DV)
+        out = o / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(Out + q_start * stride_ot + head[:, None] * stride_oh + dv[None, :], out.to(Out.dtype.element_ty),
                  mask=(h_ok & (hrow * 0 + q_len > 0))[:, None] & (dv[None, :] < HEAD_DIM_V))
     if split < n_arrive:  # partials, then the head block's last used split merges them: no second launch
@@ -338,11 +415,47 @@ def _decode_split(
         if tl.atomic_add(cnt, 1, sem="acq_rel") == n_arrive - 1:
             if q_len > 0:
                 _merge_splits(PartM, PartL, PartAcc, Out, b, hblk, q_start, n_used, NUM_SPLITS, stride_ot, stride_oh,
-                              NUM_HEADS, GROUP, kvh * GROUP, BLOCK_H, BLOCK_HM, SPLIT_CHUNK, HEAD_DIM_V, BLOCK_DV)
+                              NUM_HEADS, GROUP, kvh * GROUP, BLOCK_H, BLOCK_HM, SPLIT_CHUNK, HEAD_DIM_V, BLOCK_DV,
+                              QUANT)
             tl.store(cnt, 0)  # clean for the next call (a replayed graph reuses the buffer)
 
 
-_CACHE_VIEWS = frozenset(f"{k}/{d}" for k in ("kv", "mla") for d in ("fp16", "bf16", "fp32"))
+_CACHE_VIEWS = frozenset(f"{k}/{d}" for k in ("kv", "mla") for d in ("fp16", "bf16", "fp32", "quant"))
+_QUANT_GROUP = 32
+
+
+def quant_reasons(spec: AttnSpec) -> list[str]:
+    """Why a quantized view (format spec 6) cannot be read for ``spec``: its quantized widths must be whole groups."""
+    why = ""
+    if spec.cache == "kv/quant" and (spec.head_dim % _QUANT_GROUP or spec.v_dim % _QUANT_GROUP):
+        why = (f"kv/quant needs key and value head dims that are multiples of {_QUANT_GROUP} (got "
+               f"{spec.head_dim}/{spec.v_dim})")
+    if spec.cache == "mla/quant" and (spec.v_dim % _QUANT_GROUP or spec.v_dim >= spec.head_dim):
+        why = (f"mla/quant needs a latent width (head_dim_v) that is a multiple of {_QUANT_GROUP} below the key "
+               f"width (got {spec.v_dim}/{spec.head_dim})")
+    return [why] if why else []
+
+
+def _quant_kwargs(args: AttnArgs) -> dict[str, object]:
+    """The kernels' arguments for the cache view of ``args``: placeholders for float views, the scales, rotary
+    keys and group counts for a quantized one."""
+    spec = args.spec
+    qp = args.quant
+    k = args.k_cache if args.k_cache is not None else args.q
+    if spec.cache is None or not spec.cache.endswith("/quant"):
+        return {"KS": k, "VS": k, "RP": k, "HK": 1, "QUANT": False, "K_BITS": 0, "V_BITS": 0, "NGK": 0, "NGV": 0,
+                "QK_DIM": 0}
+    if qp is None:
+        raise ValueError(f"triton_paged: cache view {spec.cache!r} needs AttnArgs.quant (scales and bit widths)")
+    latent = spec.cache.startswith("mla/")
+    qk_dim = spec.v_dim if latent else spec.head_dim
+    tensors = [t for t in (args.k_cache, args.v_cache, qp.k_scales, qp.v_scales, qp.rope) if t is not None]
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("triton_paged: the pages of a quantized view must be contiguous")
+    return {"KS": qp.k_scales, "VS": qp.k_scales if latent or qp.v_scales is None else qp.v_scales,
+            "RP": qp.rope if qp.rope is not None else qp.k_scales, "HK": spec.num_kv_heads, "QUANT": True,
+            "K_BITS": qp.k_bits, "V_BITS": qp.k_bits if latent else qp.v_bits, "NGK": qk_dim // _QUANT_GROUP,
+            "NGV": spec.v_dim // _QUANT_GROUP, "QK_DIM": qk_dim}
 
 
 def _interpreting() -> bool:
@@ -388,6 +501,7 @@ class TritonPagedAttention:
             r.append("non-causal spans not implemented")
         if spec.cache is not None and spec.cache not in _CACHE_VIEWS:
             r.append(f"cache view {spec.cache!r} not supported ({', '.join(sorted(_CACHE_VIEWS))})")
+        r += quant_reasons(spec)
         if max(spec.head_dim, spec.v_dim) > 1024:
             r.append("head dim > 1024")
         return r
@@ -516,7 +630,7 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
         WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0, DOT_PREC=_dot_precision(spec.dtype),
         RELOAD_FRESH=opts["PDL"] if reload_fresh is None else reload_fresh, BLOCK_HM=block_hm,
         SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), max(1, MERGE_TILE // (block_hm * block_dv))),
-        USED_ONLY=B > 1, num_warps=4, **opts,
+        USED_ONLY=B > 1, num_warps=4, **opts, **_quant_kwargs(args),
     )
     return out
 def attention_single_pass(args: AttnArgs) -> torch.Tensor:
@@ -546,7 +660,10 @@ def attention_single_pass(args: AttnArgs) -> torch.Tensor:
     block_d, block_dv, block_n = _block_sizes(spec)
     block_m = 16 if args.max_seqlen_q * group <= 16 else (32 if block_d > 128 else 64)
     launch: dict[str, int] = {}
-    if q.is_cuda and q.element_size() == 2 and max(block_d, block_dv) <= 128 and args.max_seqlen_q * group >= 512:
+    quant = _quant_kwargs(args)
+    # (quantized views keep the smaller tiles: their keys and values are unpacked in registers)
+    if (q.is_cuda and q.element_size() == 2 and max(block_d, block_dv) <= 128 and args.max_seqlen_q * group >= 512
+            and not quant["QUANT"]):
         # long 16-bit prefill: larger tiles and 8 warps keep the tensor cores fed
         block_m, block_n, launch = 128, 128, {"num_warps": 8, "num_stages": 2}
     grid = (B, spec.num_kv_heads, triton.cdiv(max(args.max_seqlen_q, 1) * group, block_m))
@@ -561,6 +678,6 @@ def attention_single_pass(args: AttnArgs) -> torch.Tensor:
         HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.v_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=block_n,
         PAGED=paged, CAUSAL=spec.causal, WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0,
-        DOT_PREC=_dot_precision(spec.dtype), **launch,
+        DOT_PREC=_dot_precision(spec.dtype), **launch, **quant,
     )
     return out

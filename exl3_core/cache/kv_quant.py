@@ -1,0 +1,225 @@
+"""Quantized paged cache layers (variant ``"quant"``, format spec 6): 2-8 bit keys and values, each side
+its own width, read in place by the attention kernels.
+
+Per token, keys (after RoPE) and values are flattened over the layer's KV heads and stored in groups
+of 32 channels: ``bits`` int32 code words and an fp16 scale per group (:mod:`exl3_core.reference.kv_quant`).
+``Cache(model, n, variant="quant", k_bits=4, v_bits=4)`` builds them; the latent (MLA) kind quantizes the
+latent and keeps the rotary key in the model's dtype.
+
+Stores: on CUDA one Triton launch per step quantizes the step's rows straight into their slots
+(RoPE included through :meth:`~KVQuantLayer.write_rotated`), with no fp16 copy of any page; elsewhere the
+torch reference. Attention reads the view ``"kv/quant"`` (``"mla/quant"``): the code words as
+``k_cache``/``v_cache`` and :class:`~exl3_core.attention.spec.QuantPages` beside them; a backend that
+cannot read it declines, and :func:`exl3_core.cache.readable.check_readable` reports that before anything
+is allocated.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import torch
+
+from exl3_core import ops
+from exl3_core.attention.spec import QuantPages
+from exl3_core.cache.layer import CacheLayer
+from exl3_core.reference import kv_quant as ref
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+
+Impl = Literal["auto", "triton", "torch"]
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _kernels() -> ModuleType:
+    from exl3_core.kernels import kv_quant
+
+    return kv_quant
+
+
+def _triton(impl: Impl, t: torch.Tensor) -> bool:
+    if impl not in ("auto", "triton", "torch"):
+        raise ValueError(f"impl={impl!r}; expected 'auto', 'triton' or 'torch'")
+    return impl == "triton" or (impl == "auto" and ops.fused_enabled(t))
+
+
+def _check_dims(cls: str, head_dim: int, head_dim_v: int | None, quantized: str) -> None:
+    dims = {"head_dim": head_dim} if head_dim_v is None else {"head_dim": head_dim, "head_dim_v": head_dim_v}
+    bad = {n: d for n, d in dims.items() if d % ref.GROUP}
+    if bad:
+        raise ValueError(f"cache variant 'quant' ({cls}): the model's {quantized} width {bad} is not a multiple of "
+                         f"{ref.GROUP}, the quantization group; use the 'fp16' cache variant (no --cache-bits) for "
+                         f"this model")
+
+
+def _bits(cls: str, options: dict[str, object], latent: bool) -> tuple[int, int]:
+    """``(k_bits, v_bits)`` of a quantized layer's options (default 4 each), checked; a latent cache has one width."""
+    unknown = sorted(set(options) - {"k_bits", "v_bits"})
+    if unknown:
+        raise ValueError(f"cache variant 'quant' ({cls}) takes k_bits and v_bits, not {unknown}")
+    k = ref.check_bits("k_bits", options.get("k_bits", 4))
+    if latent:
+        v = options.get("v_bits")
+        if v is not None and v != k:
+            raise ValueError(f"k_bits={k}, v_bits={v}: a latent (MLA) cache stores one latent for keys and values, so "
+                             f"it has one bit width; give the same value for both (--cache-bits {k})")
+        return k, k
+    return k, ref.check_bits("v_bits", options.get("v_bits", 4))
+
+
+class KVQuantLayer(CacheLayer):
+    """Keys and values as code words ``[pages, page_size, Hkv * D / 32 * bits]`` (int32) and scales
+    ``[pages, page_size, Hkv * D / 32]`` (fp16), per side. Options ``k_bits``, ``v_bits`` (2..8, default 4)."""
+
+    kind: ClassVar[str] = "kv"
+    variant: ClassVar[str] = "quant"
+
+    def __init__(self, *, k_bits: int = 4, v_bits: int = 4, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.check_options(self.num_kv_heads, self.head_dim, self.head_dim_v, k_bits=k_bits, v_bits=v_bits)
+        self.k_bits, self.v_bits = k_bits, v_bits
+        if self.dtype not in _FLOAT:
+            raise ValueError(f"KVQuantLayer: dtype {self.dtype} is not a float dtype (use fp16, bf16 or fp32)")
+        ngk = self.num_kv_heads * self.head_dim // ref.GROUP
+        ngv = self.num_kv_heads * self.head_dim_v // ref.GROUP
+        pages = (self.num_pages, self.page_size)
+        self.k_codes = torch.zeros((*pages, ngk * k_bits), dtype=torch.int32, device=self.device)
+        self.k_scales = torch.zeros((*pages, ngk), dtype=torch.float16, device=self.device)
+        self.v_codes = torch.zeros((*pages, ngv * v_bits), dtype=torch.int32, device=self.device)
+        self.v_scales = torch.zeros((*pages, ngv), dtype=torch.float16, device=self.device)
+
+    @classmethod
+    def check_options(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, **layer_kwargs: object) -> None:
+        _bits(cls.__name__, layer_kwargs, latent=False)
+        _check_dims(cls.__name__, head_dim, head_dim_v, "key/value head")
+
+    @classmethod
+    def bytes_per_token(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype,
+                        **layer_kwargs: object) -> int:
+        cls.check_options(num_kv_heads, head_dim, head_dim_v, **layer_kwargs)
+        k_bits, v_bits = _bits(cls.__name__, layer_kwargs, latent=False)
+        dv = head_dim if head_dim_v is None else head_dim_v
+        return (num_kv_heads * head_dim // ref.GROUP * ref.bytes_per_value_group(k_bits)
+                + num_kv_heads * dv // ref.GROUP * ref.bytes_per_value_group(v_bits))
+
+    def views(self) -> tuple[str, ...]:
+        return ("kv/quant",)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor, *,
+              impl: Impl = "auto") -> None:
+        if v is None:
+            raise ValueError("KVQuantLayer.write: v is None; a 'kv' cache stores values (latent caches use kind 'mla')")
+        if _triton(impl, k) and k.stride(-1) == 1 and v.stride(-1) == 1:
+            _kernels().quant_write(k, v, slot_mapping, self.k_codes, self.k_scales, self.v_codes, self.v_scales,
+                                   self.k_bits, self.v_bits)
+            return
+        ref.quant_write(self.k_codes, self.k_scales, k, slot_mapping, self.k_bits)
+        ref.quant_write(self.v_codes, self.v_scales, v, slot_mapping, self.v_bits)
+
+    def write_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, interleaved: bool, *,
+                      impl: Impl = "auto") -> None:
+        """RoPE on q and k in place, then k and v quantized into their slots: one launch on CUDA."""
+        if _triton(impl, q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
+            _kernels().rope_quant_write(q, k, v, slot_mapping, cos, sin, rotary_dim, interleaved, self.k_codes,
+                                        self.k_scales, self.v_codes, self.v_scales, self.k_bits, self.v_bits)
+            return
+        ops.rope_apply(q, k, cos, sin, rotary_dim, interleaved, impl="torch" if impl == "torch" else "auto")
+        self.write(k, v, slot_mapping, impl=impl)
+
+    def attn_view(self, view: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if view not in self.views():
+            raise ValueError(f"KVQuantLayer offers views {self.views()}, not {view!r}")
+        return self.k_codes, self.v_codes
+
+    def attn_quant(self, view: str) -> QuantPages | None:
+        if view not in self.views():
+            raise ValueError(f"KVQuantLayer offers views {self.views()}, not {view!r}")
+        return QuantPages(self.k_scales, self.v_scales, self.k_bits, self.v_bits)
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``[pages, page_size, Hkv, D(v)]`` keys and values as stored (for tests and inspection)."""
+        shape = (self.num_pages, self.page_size, self.num_kv_heads)
+        return (ref.dequantize(self.k_codes, self.k_scales, self.k_bits).view(*shape, self.head_dim),
+                ref.dequantize(self.v_codes, self.v_scales, self.v_bits).view(*shape, self.head_dim_v))
+
+    def copy_page(self, src: int, dst: int) -> None:
+        for t in (self.k_codes, self.k_scales, self.v_codes, self.v_scales):
+            t[dst].copy_(t[src])
+
+    def storage_size(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k_codes, self.k_scales, self.v_codes, self.v_scales))
+
+
+class MLAQuantLayer(CacheLayer):
+    """The latent (MLA) cache quantized: the latent (``head_dim_v`` channels) as code words and scales, the
+    rotary key (the remaining ``head_dim - head_dim_v`` channels) in the model's dtype. The latent serves as
+    keys and values alike, so it has one bit width: ``k_bits`` (``v_bits``, if given, must equal it)."""
+
+    kind: ClassVar[str] = "mla"
+    variant: ClassVar[str] = "quant"
+
+    def __init__(self, *, k_bits: int = 4, v_bits: int | None = None, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.check_options(self.num_kv_heads, self.head_dim, self.head_dim_v, k_bits=k_bits, v_bits=v_bits)
+        if self.dtype not in _FLOAT:
+            raise ValueError(f"MLAQuantLayer: dtype {self.dtype} is not a float dtype (use fp16, bf16 or fp32)")
+        self.bits = k_bits
+        ng = self.head_dim_v // ref.GROUP
+        pages = (self.num_pages, self.page_size)
+        self.codes = torch.zeros((*pages, ng * k_bits), dtype=torch.int32, device=self.device)
+        self.scales = torch.zeros((*pages, ng), dtype=torch.float16, device=self.device)
+        self.rope = torch.zeros((*pages, self.head_dim - self.head_dim_v), dtype=self.dtype, device=self.device)
+
+    @classmethod
+    def check_options(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, **layer_kwargs: object) -> None:
+        _bits(cls.__name__, layer_kwargs, latent=True)
+        if num_kv_heads != 1:
+            raise ValueError(f"MLAQuantLayer: num_kv_heads={num_kv_heads}; a latent cache holds one shared head")
+        dv = head_dim if head_dim_v is None else head_dim_v
+        if not 0 < dv < head_dim:
+            raise ValueError(f"MLAQuantLayer: head_dim_v={dv} (latent width) must be in 1..head_dim-1={head_dim - 1} "
+                             f"(latent + rope width)")
+        _check_dims(cls.__name__, dv, None, "latent")
+
+    @classmethod
+    def bytes_per_token(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype,
+                        **layer_kwargs: object) -> int:
+        cls.check_options(num_kv_heads, head_dim, head_dim_v, **layer_kwargs)
+        k_bits, _ = _bits(cls.__name__, layer_kwargs, latent=True)
+        dv = head_dim if head_dim_v is None else head_dim_v
+        return dv // ref.GROUP * ref.bytes_per_value_group(k_bits) + (head_dim - dv) * dtype.itemsize
+
+    def views(self) -> tuple[str, ...]:
+        return ("mla/quant",)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor, *,
+              impl: Impl = "auto") -> None:
+        """``k [T, 1, head_dim]`` (latent then rotary key); ``v`` must be None (values live in ``k``)."""
+        if v is not None:
+            raise ValueError("MLAQuantLayer.write: v must be None; values are the first head_dim_v channels of k")
+        L = self.head_dim_v
+        if _triton(impl, k) and k.stride(-1) == 1:
+            _kernels().quant_write(k, None, slot_mapping, self.codes, self.scales, None, None, self.bits, self.bits,
+                                   k_channels=L)
+        else:
+            ref.quant_write(self.codes, self.scales, k[:, :, :L], slot_mapping, self.bits)
+        self.rope.view(-1, self.rope.shape[-1]).index_copy_(0, slot_mapping, k[:, 0, L:].to(self.dtype))
+
+    def attn_view(self, view: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if view not in self.views():
+            raise ValueError(f"MLAQuantLayer offers views {self.views()}, not {view!r}")
+        return self.codes, None
+
+    def attn_quant(self, view: str) -> QuantPages | None:
+        if view not in self.views():
+            raise ValueError(f"MLAQuantLayer offers views {self.views()}, not {view!r}")
+        return QuantPages(self.scales, None, self.bits, self.bits, self.rope)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        for t in (self.codes, self.scales, self.rope):
+            t[dst].copy_(t[src])
+
+    def storage_size(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.rope))

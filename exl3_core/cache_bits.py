@@ -1,0 +1,75 @@
+"""``--cache-bits K[,V]``: the command-line form of a cache's storage variant and its options.
+
+``4`` is a 4-bit key and value cache, ``8,4`` 8-bit keys and 4-bit values, ``16`` (the default) the plain
+cache in the model's 16-bit dtype. Each width is 2..8, or 16 for both sides. Parsing happens with the other
+options, before any model or cache is built; :func:`cache_kwargs` gives ``Cache(...)``'s arguments.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+OPTION = "--cache-bits"
+UNQUANTIZED = 16
+
+
+@dataclass(frozen=True)
+class CacheBits:
+    """Key and value widths; 16/16 is the unquantized cache."""
+
+    k_bits: int = UNQUANTIZED
+    v_bits: int = UNQUANTIZED
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_bits != UNQUANTIZED
+
+    @property
+    def label(self) -> str:
+        """``"fp16"`` or ``"k4v4"``-style, for reports."""
+        return "fp16" if not self.quantized else f"k{self.k_bits}v{self.v_bits}"
+
+    def cache_kwargs(self) -> dict[str, Any]:
+        """``Cache(model, n, **cache_kwargs())``: the variant and its options."""
+        if not self.quantized:
+            return {"variant": "fp16"}
+        return {"variant": "quant", "k_bits": self.k_bits, "v_bits": self.v_bits}
+
+
+def parse_cache_bits(text: str, option: str = OPTION) -> CacheBits:
+    """``"4"`` / ``"8,4"`` / ``"16"`` -> :class:`CacheBits`; ValueError naming ``option`` and the fix otherwise."""
+    parts = [p.strip() for p in str(text).split(",")]
+    fix = f"give K or K,V with each in 2..8 (e.g. {option} 4 or {option} 8,4), or 16 for the unquantized cache"
+    if len(parts) not in (1, 2) or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{option} {text!r}: {fix}")
+    k = int(parts[0])
+    v = int(parts[1]) if len(parts) == 2 else k
+    for name, b in (("key", k), ("value", v)):
+        if b != UNQUANTIZED and not 2 <= b <= 8:
+            raise ValueError(f"{option} {text!r}: {b} {name} bits is outside 2..8; {fix}")
+    if (k == UNQUANTIZED) != (v == UNQUANTIZED):
+        raise ValueError(f"{option} {text!r}: 16 (unquantized) applies to keys and values together; {fix}")
+    return CacheBits(k, v)
+
+
+def _arg_type(text: str) -> CacheBits:
+    try:
+        return parse_cache_bits(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_cache_bits_arg(p: argparse.ArgumentParser, *, repeat: bool = False) -> None:
+    """Add ``--cache-bits`` to ``p`` (``repeat``: may be given several times, e.g. to compare caches)."""
+    more = " Repeat it to measure several caches in one run." if repeat else ""
+    p.add_argument(OPTION, type=_arg_type, metavar="K[,V]", action="append" if repeat else "store",
+                   default=None if repeat else CacheBits(),
+                   help=f"KV-cache bits per value: K for keys and values, or K,V (each 2..8, e.g. 4 or 8,4); 16 "
+                        f"(default) keeps the unquantized cache.{more}")
+
+
+def cache_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``Cache(...)`` arguments of parsed options holding ``--cache-bits`` (default: the unquantized cache)."""
+    bits = getattr(args, "cache_bits", None)
+    return (bits if isinstance(bits, CacheBits) else CacheBits()).cache_kwargs()

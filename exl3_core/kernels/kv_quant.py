@@ -1,0 +1,245 @@
+"""Triton kernels of the quantized KV cache (format spec 6): the store (quantize on write, RoPE and
+quantize in one launch) and the device functions attention kernels read the pages with.
+
+Reference: :mod:`exl3_core.reference.kv_quant`. The store repeats its fp32 operations in the same order
+(the H32 butterfly widths 1, 2, 4, 8, 16, then the scale; IEEE division), so codes and scales are equal
+bit for bit. Readers never undo the rotation per key: H32/sqrt(32) is orthonormal, so scores are taken
+between the rotated query and the rotated keys (:func:`hadamard_cols` on the query) and the output is
+rotated back once (:func:`hadamard_cols` on the accumulator); :func:`dequant_tile` yields keys and values
+in the rotated basis. Imported lazily (needs Triton) by :mod:`exl3_core.cache.kv_quant` and the Triton
+attention backend.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from exl3_core.kernels.fused import _check_rope, _rope_token
+from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
+from exl3_core.reference.kv_quant import GROUP, INV_SQRT_GROUP, SCALE_EPS, SCALE_MAX, check_bits
+
+# the reference's constants, as the kernels' compile-time values
+_INV_SQRT_GROUP = tl.constexpr(INV_SQRT_GROUP)
+_SCALE_EPS = tl.constexpr(SCALE_EPS)
+_SCALE_MAX = tl.constexpr(SCALE_MAX)
+
+
+# -- the H32 rotation ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _butterfly(y, A: tl.constexpr, H: tl.constexpr):
+    # one stage over [A, 32]: pairs (i, i + H) inside blocks of 2H become (a + b, a - b)
+    y = tl.reshape(y, [A * 16 // H, 2, H])
+    a, b = tl.split(tl.permute(y, (0, 2, 1)))
+    y = tl.permute(tl.join(a + b, a - b), (0, 2, 1))
+    return tl.reshape(y, [A, 32])
+
+
+@triton.jit
+def hadamard_groups(x, A: tl.constexpr):
+    """fp32 ``[A, 32]``: every row times H32 / sqrt(32), in the reference's order."""
+    y = _butterfly(x, A, 1)
+    y = _butterfly(y, A, 2)
+    y = _butterfly(y, A, 4)
+    y = _butterfly(y, A, 8)
+    y = _butterfly(y, A, 16)
+    return y * _INV_SQRT_GROUP
+
+
+@triton.jit
+def hadamard_cols(x, R: tl.constexpr, C: tl.constexpr):
+    """fp32 ``[R, C]`` (C a power of two >= 32): every group of 32 columns of every row rotated."""
+    return tl.reshape(hadamard_groups(tl.reshape(x, [R * C // 32, 32]), R * C // 32), [R, C])
+
+
+# -- reading pages ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _plane(Codes, base, ok, W: tl.constexpr, LOW: tl.constexpr, FIRST: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_G: tl.constexpr):
+    # int32 [BLOCK_N, BLOCK_G, 32]: the W-bit plane of every code of the groups at word offsets base, moved to
+    # its bits LOW .. LOW + W - 1
+    PER: tl.constexpr = 32 // W
+    words = tl.load(Codes + base[:, :, None] + FIRST + tl.arange(0, W)[None, None, :], mask=ok[:, :, None], other=0)
+    v = (words[:, :, :, None] >> (tl.arange(0, PER) * W)[None, None, None, :]) & ((1 << W) - 1)
+    return tl.reshape(v, [BLOCK_N, BLOCK_G, 32]) << LOW
+
+
+@triton.jit
+def dequant_tile(Codes, Scales, code_row, scale_row, n_ok, G0, NG, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_G: tl.constexpr):
+    """fp32 ``[BLOCK_N, BLOCK_G * 32]``: groups ``G0 .. G0 + NG - 1`` of the rows at element offsets
+    ``code_row``/``scale_row`` ``[BLOCK_N]`` (int64) of the code words and scales, dequantized in the rotated
+    basis; zeros for rows not ``n_ok`` and groups past NG."""
+    g = tl.arange(0, BLOCK_G)
+    ok = n_ok[:, None] & (g < NG)[None, :]
+    s = tl.load(Scales + scale_row[:, None] + (G0 + g)[None, :], mask=ok, other=0.0).to(tl.float32)
+    base = code_row[:, None] + (G0 + g)[None, :] * BITS
+    code = tl.zeros([BLOCK_N, BLOCK_G, 32], tl.int32)
+    if BITS & 8:
+        code = code | _plane(Codes, base, ok, 8, BITS & 7, 0, BLOCK_N, BLOCK_G)
+    if BITS & 4:
+        code = code | _plane(Codes, base, ok, 4, BITS & 3, BITS & 8, BLOCK_N, BLOCK_G)
+    if BITS & 2:
+        code = code | _plane(Codes, base, ok, 2, BITS & 1, BITS & 12, BLOCK_N, BLOCK_G)
+    if BITS & 1:
+        code = code | _plane(Codes, base, ok, 1, 0, BITS & 14, BLOCK_N, BLOCK_G)
+    M: tl.constexpr = 1 << (BITS - 1)
+    v = (code.to(tl.float32) - (M - 0.5)) * (s * (1.0 / M))[:, :, None]
+    return tl.reshape(v, [BLOCK_N, BLOCK_G * 32])
+
+
+# -- writing pages ------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_plane(Codes, base, g_ok, code, W: tl.constexpr, LOW: tl.constexpr, FIRST: tl.constexpr,
+                 BLOCK_G: tl.constexpr):
+    # the W-bit plane (code bits LOW .. LOW + W - 1) of [BLOCK_G, 32] codes as W words per group at base + FIRST
+    PER: tl.constexpr = 32 // W
+    v = ((code >> LOW) & ((1 << W) - 1)).to(tl.uint32)
+    v = tl.reshape(v, [BLOCK_G, W, PER]) << (tl.arange(0, PER) * W).to(tl.uint32)[None, None, :]
+    words = tl.sum(v, 2).to(tl.uint32)  # disjoint bits: the sum is the bitwise or
+    tl.store(Codes + base[:, None] + FIRST + tl.arange(0, W)[None, :], words.to(tl.int32, bitcast=True),
+             mask=g_ok[:, None])
+
+
+@triton.jit
+def _quant_row(X, x_row, stride_h, Codes, Scales, slot, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
+               BLOCK_G: tl.constexpr):
+    # quantize the NG groups of one token's flattened [heads, D] row (head stride stride_h) into cache slot `slot`
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < NG
+    c = g[:, None] * 32 + tl.arange(0, 32)[None, :]
+    x = tl.load(X + x_row + (c // D) * stride_h + c % D, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    r = hadamard_groups(x, BLOCK_G)
+    s = tl.minimum(tl.max(tl.abs(r), 1) + _SCALE_EPS, _SCALE_MAX)
+    M: tl.constexpr = 1 << (BITS - 1)
+    q = tl.floor(tl.div_rn(r, s[:, None]) * M + M)
+    code = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1).to(tl.int32)
+    tl.store(Scales + slot * NG + g, s.to(tl.float16), mask=g_ok)
+    base = slot * (NG * BITS) + g * BITS
+    if BITS & 8:
+        _store_plane(Codes, base, g_ok, code, 8, BITS & 7, 0, BLOCK_G)
+    if BITS & 4:
+        _store_plane(Codes, base, g_ok, code, 4, BITS & 3, BITS & 8, BLOCK_G)
+    if BITS & 2:
+        _store_plane(Codes, base, g_ok, code, 2, BITS & 1, BITS & 12, BLOCK_G)
+    if BITS & 1:
+        _store_plane(Codes, base, g_ok, code, 1, 0, BITS & 14, BLOCK_G)
+
+
+@triton.jit
+def _quant_token(K, V, KC, KS, VC, VS, Slots, t, stride_kt, stride_kh, stride_vt, stride_vh,
+                 D: tl.constexpr, DV: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr, K_BITS: tl.constexpr,
+                 V_BITS: tl.constexpr, BLOCK_GK: tl.constexpr, BLOCK_GV: tl.constexpr, HAS_V: tl.constexpr):
+    slot = tl.load(Slots + t).to(tl.int64)
+    _quant_row(K, t * stride_kt, stride_kh, KC, KS, slot, D, NGK, K_BITS, BLOCK_GK)
+    if HAS_V:
+        _quant_row(V, t * stride_vt, stride_vh, VC, VS, slot, DV, NGV, V_BITS, BLOCK_GV)
+
+
+@triton.jit
+def _quant_write_kernel(K, V, KC, KS, VC, VS, Slots, stride_kt, stride_kh, stride_vt, stride_vh,
+                        D: tl.constexpr, DV: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr,
+                        K_BITS: tl.constexpr, V_BITS: tl.constexpr, BLOCK_GK: tl.constexpr, BLOCK_GV: tl.constexpr,
+                        HAS_V: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent of the kernel that wrote k and v: wait for it, let the next start
+        gdc_wait()
+        gdc_launch_dependents()
+    # one program per token: its key row and value row, each quantized into its slot
+    _quant_token(K, V, KC, KS, VC, VS, Slots, tl.program_id(0).to(tl.int64), stride_kt, stride_kh, stride_vt,
+                 stride_vh, D, DV, NGK, NGV, K_BITS, V_BITS, BLOCK_GK, BLOCK_GV, HAS_V)
+
+
+@triton.jit
+def _rope_quant_kernel(Q, K, V, KC, KS, VC, VS, Slots, Cos, Sin,
+                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
+                       HQ, HK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr,
+                       K_BITS: tl.constexpr, V_BITS: tl.constexpr, BLOCK_GK: tl.constexpr, BLOCK_GV: tl.constexpr,
+                       HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                       BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    # one program per token: q and k rotated in place (as the unquantized store does), then the rotated
+    # key row as stored and the value row quantized into the token's slot
+    t = tl.program_id(0).to(tl.int64)
+    _rope_token(Q, K, Cos, Sin, t, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, HQ, HK,
+                HALF, INTERLEAVED, BLOCK_HQ, BLOCK_HK, BLOCK_R)
+    tl.debug_barrier()  # the rotated k stored above is read back below by other threads of the program
+    _quant_token(K, V, KC, KS, VC, VS, Slots, t, stride_kt, stride_kh, stride_vt, stride_vh, D, DV, NGK, NGV,
+                 K_BITS, V_BITS, BLOCK_GK, BLOCK_GV, True)
+
+
+def _groups(op: str, what: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int,
+            channels: int) -> int:
+    """Groups of ``channels`` quantized channels of each ``x`` row; checks the pages fit them."""
+    check_bits(f"{op}: {what}_bits", bits)
+    if x.dim() != 3 or x.stride(-1) != 1 or x.shape[-1] % GROUP:
+        raise ValueError(f"{op}: {what} must be [T, H, D] with D a multiple of {GROUP} and a contiguous last dim, "
+                         f"got {tuple(x.shape)} strides {x.stride()}")
+    ng = channels // GROUP
+    if (codes.dtype != torch.int32 or scales.dtype != torch.float16 or not codes.is_contiguous()
+            or not scales.is_contiguous() or codes.shape[-1] != ng * bits or scales.shape[-1] != ng
+            or codes.shape[:-1] != scales.shape[:-1]):
+        raise ValueError(f"{op}: {what} pages must be contiguous int32 [..., {ng * bits}] and fp16 [..., {ng}] for "
+                         f"{channels} channels at {bits} bits, got {codes.dtype} {tuple(codes.shape)} and "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    return ng
+
+
+def quant_write(k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor,
+                k_codes: torch.Tensor, k_scales: torch.Tensor, v_codes: torch.Tensor | None,
+                v_scales: torch.Tensor | None, k_bits: int, v_bits: int, k_channels: int | None = None) -> None:
+    """Quantize ``k [T, Hk, D]`` (its first ``k_channels`` flattened channels, default all) and ``v [T, Hk, Dv]``
+    (None: keys only) into the pages at the flat slots ``slot_mapping [T]``, one launch."""
+    T = k.shape[0]
+    ngk = _groups("quant_write", "k", k, k_codes, k_scales, k_bits, k_channels or k.shape[1] * k.shape[2])
+    ngv = 1
+    if v is not None:
+        assert v_codes is not None and v_scales is not None
+        ngv = _groups("quant_write", "v", v, v_codes, v_scales, v_bits, v.shape[1] * v.shape[2])
+    if slot_mapping.shape != (T,):
+        raise ValueError(f"quant_write: slot_mapping {tuple(slot_mapping.shape)} needs one slot per token ({T})")
+    if T == 0:
+        return
+    vv = v if v is not None else k
+    _quant_write_kernel[(T,)](
+        k, vv, k_codes, k_scales, v_codes if v_codes is not None else k_codes,
+        v_scales if v_scales is not None else k_scales, slot_mapping,
+        k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
+        D=k.shape[2], DV=vv.shape[2], NGK=ngk, NGV=ngv, K_BITS=k_bits, V_BITS=v_bits if v is not None else k_bits,
+        BLOCK_GK=triton.next_power_of_2(ngk), BLOCK_GV=triton.next_power_of_2(ngv), HAS_V=v is not None,
+        num_warps=4 if max(ngk, ngv) >= 16 else 2, **launch_opts(k_codes),
+    )
+
+
+def rope_quant_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, interleaved: bool,
+                     k_codes: torch.Tensor, k_scales: torch.Tensor, v_codes: torch.Tensor, v_scales: torch.Tensor,
+                     k_bits: int, v_bits: int) -> None:
+    """RoPE on ``q``/``k`` in place (``cos``/``sin`` fp32 ``[T, rotary_dim/2]``), then :func:`quant_write` of
+    the rotated k and v: one launch."""
+    cos, sin = _check_rope("rope_quant_write", q, k, cos, sin, rotary_dim)
+    ngk = _groups("rope_quant_write", "k", k, k_codes, k_scales, k_bits, k.shape[1] * k.shape[2])
+    ngv = _groups("rope_quant_write", "v", v, v_codes, v_scales, v_bits, v.shape[1] * v.shape[2])
+    T, hk, d = k.shape
+    if slot_mapping.shape != (T,) or v.shape[0] != T:
+        raise ValueError(f"rope_quant_write: slot_mapping {tuple(slot_mapping.shape)} and v {tuple(v.shape)} need "
+                         f"one row per token ({T})")
+    if T == 0:
+        return
+    half = rotary_dim // 2
+    _rope_quant_kernel[(T,)](
+        q, k, v, k_codes, k_scales, v_codes, v_scales, slot_mapping, cos, sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
+        q.shape[1], HK=hk, D=d, DV=v.shape[2], NGK=ngk, NGV=ngv, K_BITS=k_bits, V_BITS=v_bits,
+        BLOCK_GK=triton.next_power_of_2(ngk), BLOCK_GV=triton.next_power_of_2(ngv),
+        HALF=half, INTERLEAVED=interleaved, BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
+        BLOCK_HK=triton.next_power_of_2(hk), BLOCK_R=triton.next_power_of_2(max(half, 1)),
+        num_warps=4 if max(ngk, ngv, q.shape[1] * half // 32) >= 16 else 2, **launch_opts(q),
+    )
