@@ -1,4 +1,4 @@
-"""Shared fixtures: device selection, CUDA skipping, seeded RNG, isolated plugin sets."""
+"""Shared fixtures: device selection, seeded RNG, isolated plugin sets (CUDA and slow skipping: ../conftest.py)."""
 from __future__ import annotations
 
 import os
@@ -54,19 +54,6 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--device", default=None, help="torch device for GPU tests (default: cuda:0 when present)")
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``cuda`` tests without a GPU, and ``slow`` tests unless the ``-m`` expression names them
-    (``pytest -m slow`` runs them; the plain ``pytest`` of CI does not)."""
-    no_cuda = pytest.mark.skip(reason="needs a CUDA device")
-    slow = pytest.mark.skip(reason="long-running; run with -m slow")
-    run_slow = "slow" in (config.getoption("markexpr") or "")
-    for item in items:
-        if "cuda" in item.keywords and not torch.cuda.is_available():
-            item.add_marker(no_cuda)
-        elif "slow" in item.keywords and not run_slow:
-            item.add_marker(slow)
 
 
 @pytest.fixture

@@ -71,11 +71,10 @@ def assert_clean_after_disconnects(port: int, app: OpenAIApp) -> None:
     assert status == 200 and body["usage"]["completion_tokens"] == 3, body
 
 
-def test_disconnect_soak(toy: tuple[int, OpenAIApp]) -> None:
-    """50 rounds of 16 streaming clients hanging up at once, RST and FIN mixed (about 10 s on 2
-    cores, so it runs by default)."""
+@pytest.mark.parametrize("rounds", [10, pytest.param(50, marks=pytest.mark.slow)])
+def test_disconnect_soak(toy: tuple[int, OpenAIApp], rounds: int) -> None:
+    """Rounds of 16 streaming clients hanging up at once, RST and FIN mixed (50 rounds with -m slow)."""
     port, app = toy
-    rounds = 50
     rng = random.Random(rounds)
     wait_idle(port)
     cancelled = app.agen.stats.cancelled

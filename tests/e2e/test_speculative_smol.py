@@ -101,7 +101,9 @@ def check_clean(gen: Generator) -> None:
         assert cache.allocator.num_live() == 0
 
 
-@pytest.mark.parametrize("kind", ["self", "random", "ngram"])
+# the batched test below covers every kind in CI; each job alone, for the draft models, with -m slow
+@pytest.mark.parametrize("kind", [pytest.param("self", marks=pytest.mark.slow),
+                                  pytest.param("random", marks=pytest.mark.slow), "ngram"])
 def test_greedy_identity_each_job_alone(smol, prompts, plain, kind: str) -> None:
     model, tok = smol
     gen = Generator(model, Cache(model, CACHE, page_size=16), tok, **drafts(kind, model, tok))
