@@ -181,16 +181,17 @@ def combine_ceilings(samples: list[dict[str, Any]], log: Callable[[str], None] =
     return mid
 
 
-def _run_generator(gen: Any, prompts: list[list[int]], new_tokens: int) -> float:
-    """Tokens/s of the decode phase: from every job's first token to the last one."""
-    from exl3_core.generator import Job
-
-    jobs = [Job(p, max_new_tokens=new_tokens + 1, stop_at_eos=False, identifier=i) for i, p in enumerate(prompts)]
+def decode_rate(gen: Any, jobs: list[Any]) -> tuple[float, dict[Any, list[int]]]:
+    """Run ``jobs`` to the end on ``gen``: tokens/s of the decode phase (from every job's first token to the
+    last one) and each job's tokens by identifier."""
     gen.enqueue(jobs)
+    out: dict[Any, list[int]] = {}
     counted = 0
     t0 = None
     while gen.num_remaining():
         results = gen.iterate()
+        for r in results:
+            out.setdefault(r["identifier"], []).extend(r["token_ids"])
         if t0 is None:
             if all(j.new_tokens >= 1 for j in jobs):
                 _sync(gen.device)
@@ -200,7 +201,15 @@ def _run_generator(gen: Any, prompts: list[list[int]], new_tokens: int) -> float
     _sync(gen.device)
     if t0 is None or counted == 0:
         raise RuntimeError("bench: the generator produced no decode tokens")
-    return counted / (time.perf_counter() - t0)
+    return counted / (time.perf_counter() - t0), out
+
+
+def _run_generator(gen: Any, prompts: list[list[int]], new_tokens: int) -> float:
+    """Tokens/s of the decode phase: from every job's first token to the last one."""
+    from exl3_core.generator import Job
+
+    jobs = [Job(p, max_new_tokens=new_tokens + 1, stop_at_eos=False, identifier=i) for i, p in enumerate(prompts)]
+    return decode_rate(gen, jobs)[0]
 
 
 def bench_decode(model: Any, cache: Any, *, batch: int, ctx: int, new_tokens: int, seed: int = 0) -> dict[str, Any]:

@@ -17,14 +17,13 @@ the plain generator.
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from exl3_core.bench.models import BenchShape, build_model, shape_dict
-from exl3_core.bench.run import _sync, time_median
+from exl3_core.bench.run import decode_rate, time_median
 from exl3_core.generator.batching import Chunk, build_batch, to_device_async
 from exl3_core.generator.draft_policy import DraftLength, expected_tokens, ideal_speedup
 from exl3_core.generator.drafting import ModelDrafter
@@ -63,24 +62,7 @@ class OracleDrafter(ModelDrafter):
 def _decode_tokens(gen: Any, prompts: list[list[int]], new_tokens: int) -> tuple[float, dict[int, list[int]]]:
     """Tokens/s of the decode phase (from every job's first token to the last) and each job's tokens."""
     jobs = [Job(p, max_new_tokens=new_tokens + 1, stop_at_eos=False, identifier=i) for i, p in enumerate(prompts)]
-    gen.enqueue(jobs)
-    out: dict[int, list[int]] = {}
-    counted = 0
-    t0 = None
-    while gen.num_remaining():
-        results = gen.iterate()
-        for r in results:
-            out.setdefault(r["identifier"], []).extend(r["token_ids"])
-        if t0 is None:
-            if all(j.new_tokens >= 1 for j in jobs):
-                _sync(gen.device)
-                t0 = time.perf_counter()
-            continue
-        counted += sum(len(r["token_ids"]) for r in results)
-    _sync(gen.device)
-    if t0 is None or counted == 0:
-        raise RuntimeError("bench: the generator produced no decode tokens")
-    return counted / (time.perf_counter() - t0), out
+    return decode_rate(gen, jobs)
 
 
 def step_time(model: Any, cache: Any, *, batch: int, ctx: int, rows: int) -> float:

@@ -36,7 +36,7 @@ def _decode_rate(model: Any, cache: Any, prompts: list[list[int]], new_tokens: i
                  choices: Sequence[dict[str, float] | None]) -> dict[str, Any]:
     """Decode tok/s of one generator run over ``prompts`` (job i with ``choices[i]``), counted from every job's first
     token, after a short warm-up run that compiles and captures."""
-    from exl3_core.bench.run import _sync
+    from exl3_core.bench.run import decode_rate
     from exl3_core.generator import Generator, Job
 
     gen = Generator(model, cache, None, max_batch_size=max(len(prompts), 1), max_chunk_tokens=2048,
@@ -45,20 +45,7 @@ def _decode_rate(model: Any, cache: Any, prompts: list[list[int]], new_tokens: i
     def run(n: int, ps: list[list[int]]) -> float:
         jobs = [Job(p, max_new_tokens=n + 1, stop_at_eos=False, identifier=i, loras=choices[i])
                 for i, p in enumerate(ps)]
-        gen.enqueue(jobs)
-        counted, t0 = 0, None
-        while gen.num_remaining():
-            results = gen.iterate()
-            if t0 is None:
-                if all(j.new_tokens >= 1 for j in jobs):
-                    _sync(gen.device)
-                    t0 = time.perf_counter()
-                continue
-            counted += sum(len(r["token_ids"]) for r in results)
-        _sync(gen.device)
-        if t0 is None or not counted:
-            raise RuntimeError("bench: the generator produced no decode tokens")
-        return counted / (time.perf_counter() - t0)
+        return decode_rate(gen, jobs)[0]
 
     run(4, [p[:64] for p in prompts])
     gen.capture_graphs()

@@ -43,6 +43,24 @@ def _rows_aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
 
 
+def _check_batch(hq: int, hkv: int, page_table: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                 seq_lens_k: torch.Tensor) -> list[str]:
+    """The head grouping and the batch index tensors, as both cache formats' checks want them."""
+    bad = []
+    if hkv <= 0 or hq % hkv or hq // hkv > MAX_GROUP:
+        bad.append(f"{hq} query heads over {hkv} kv heads: the group must divide evenly and be at most {MAX_GROUP}")
+    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.stride(1) != 1:
+        bad.append(f"page_table must be int32 [B, W] with contiguous rows, got {page_table.dtype} {tuple(page_table.shape)}")
+    b = page_table.shape[0] if page_table.dim() == 2 else -1
+    if cu_seqlens_q.dtype != torch.int32 or not cu_seqlens_q.is_contiguous() or cu_seqlens_q.numel() != b + 1:
+        bad.append(f"cu_seqlens_q must be contiguous int32 [B + 1] with B = {b}")
+    if seq_lens_k.dtype != torch.int32 or not seq_lens_k.is_contiguous() or seq_lens_k.numel() != b:
+        bad.append(f"seq_lens_k must be contiguous int32 [B] with B = {b}")
+    if b > 65535 or hkv > 65535:
+        bad.append("at most 65535 sequences and kv heads")
+    return bad
+
+
 def check_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor) -> list[str]:
     """What keeps these tensors from the kernel, each naming the tensor and the fix (empty: they fit).
@@ -65,21 +83,10 @@ def check_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
         bad.append(f"head dim must be 64 or 128 for q, keys and values; got {d}, {k_cache.shape[3]}, {v_cache.shape[3]}")
     if k_cache.shape != v_cache.shape:
         bad.append(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    if hkv <= 0 or hq % hkv or hq // hkv > MAX_GROUP:
-        bad.append(f"{hq} query heads over {hkv} kv heads: the group must divide evenly and be at most {MAX_GROUP}")
     for n in ("q", "k_cache", "v_cache"):
         if not _rows_aligned(named[n]):
             bad.append(f"{n} rows must be contiguous and 16-byte aligned (strides multiples of 8); use .contiguous()")
-    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.stride(1) != 1:
-        bad.append(f"page_table must be int32 [B, W] with contiguous rows, got {page_table.dtype} {tuple(page_table.shape)}")
-    b = page_table.shape[0] if page_table.dim() == 2 else -1
-    if cu_seqlens_q.dtype != torch.int32 or not cu_seqlens_q.is_contiguous() or cu_seqlens_q.numel() != b + 1:
-        bad.append(f"cu_seqlens_q must be contiguous int32 [B + 1] with B = {b}")
-    if seq_lens_k.dtype != torch.int32 or not seq_lens_k.is_contiguous() or seq_lens_k.numel() != b:
-        bad.append(f"seq_lens_k must be contiguous int32 [B] with B = {b}")
-    if b > 65535 or hkv > 65535:
-        bad.append("at most 65535 sequences and kv heads")
-    return bad
+    return bad + _check_batch(hq, hkv, page_table, cu_seqlens_q, seq_lens_k)
 
 
 def check_quant_call(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, quant: QuantPages,
@@ -112,20 +119,9 @@ def check_quant_call(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
     elif k_codes.shape[2] != groups * quant.k_bits or v_codes.shape[2] != groups * quant.v_bits:
         bad.append(f"code words {k_codes.shape[2]}/{v_codes.shape[2]} per token do not fit {groups} groups at "
                    f"{quant.k_bits}/{quant.v_bits} bits")
-    if hkv <= 0 or hq % hkv or hq // hkv > MAX_GROUP:
-        bad.append(f"{hq} query heads over {hkv} kv heads: the group must divide evenly and be at most {MAX_GROUP}")
     if any(t.stride(-1) != 1 for t in (k_codes, v_codes, ks, vs)) or not _rows_aligned(q):
         bad.append("q rows must be 16-byte aligned and every page row contiguous; use .contiguous()")
-    if page_table.dtype != torch.int32 or page_table.dim() != 2 or page_table.stride(1) != 1:
-        bad.append(f"page_table must be int32 [B, W] with contiguous rows, got {page_table.dtype} {tuple(page_table.shape)}")
-    b = page_table.shape[0] if page_table.dim() == 2 else -1
-    if cu_seqlens_q.dtype != torch.int32 or not cu_seqlens_q.is_contiguous() or cu_seqlens_q.numel() != b + 1:
-        bad.append(f"cu_seqlens_q must be contiguous int32 [B + 1] with B = {b}")
-    if seq_lens_k.dtype != torch.int32 or not seq_lens_k.is_contiguous() or seq_lens_k.numel() != b:
-        bad.append(f"seq_lens_k must be contiguous int32 [B] with B = {b}")
-    if b > 65535 or hkv > 65535:
-        bad.append("at most 65535 sequences and kv heads")
-    return bad
+    return bad + _check_batch(hq, hkv, page_table, cu_seqlens_q, seq_lens_k)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
