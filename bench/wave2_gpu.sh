@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The GPU must-holds of the execution-plan, quantized-cache, speculative, LoRA, tensor-parallel and robustness
+# work, as device calls of at most 600 s each. Run from the repo root on the device with `.whl` and
+# `build/ab_base` carried; logs and JSON go to $OUT.
+#
+# Before the first call, here: `bash bench/wave2_gpu.sh prepare` (puts the baseline commit's engine source,
+# without tests, in build/ab_base: 928a225, the commit docs/performance.md was measured at).
+#
+#   bash bench/wave2_gpu.sh ab 8b      # both builds, then baseline/HEAD alternating on the 8B shape (2 rounds)
+#   bash bench/wave2_gpu.sh ab 1b      # the same on the 1B shape (builds kept on a warm machine)
+#   bash bench/wave2_gpu.sh tests      # tests/gpu, the attention contract and the plugin tests on CUDA
+#   bash bench/wave2_gpu.sh features [NAME ...]   # quantized cache (kvq_b1, kvq_b32), speculative (spec),
+#                                      # n-gram (ngram), LoRA (lora) and tp=1 (tp1) figures; default all
+#
+# `python bench/wave2_gpu.py summary DIR` prints the A/B medians side by side from a call's $OUT.
+set -uo pipefail
+BASE_REV=${BASE_REV:-928a225}
+BASE=build/ab_base
+stage=${1:?usage: bash bench/wave2_gpu.sh prepare|ab SHAPE|tests|features}
+
+if [ "$stage" = prepare ]; then
+  rm -rf "$BASE" && mkdir -p "$BASE"
+  git archive "$BASE_REV" -- exl3_core csrc plugins setup.py pyproject.toml | tar -x -C "$BASE"
+  du -sh "$BASE"
+  exit 0
+fi
+
+source bench/device_env.sh
+BENCH_ARGS_8b="--codebook mul1 --contexts 256,4096 --batches 8,32 --prefill 2048"
+BENCH_ARGS_1b="--codebook mul1 --contexts 256,4096 --batches 8,32 --prefill 2048"
+
+# one `exl3 bench` run of a tree: HEAD (.) or the baseline
+bench_run() {  # tree shape tag
+  local tree=$1 shape=$2 tag=$3 args=BENCH_ARGS_$2
+  local pp="$tree:$tree/plugins/attn_backends/src:$tree/plugins/arch_llama/src:$tree/plugins/arch_qwen/src:/tmp/site"
+  (cd "$tree" && PYTHONPATH=$pp timeout 200 python3 -m exl3_core bench --shape "$shape" ${!args} \
+      --json "$OUT/ab_${shape}_${tag}.json" > "$OUT/ab_${shape}_${tag}.log" 2>&1)
+  grep -E "^decode|prefill" "$OUT/ab_${shape}_${tag}.log" | head -8 | sed "s/^/[$tag] /"
+}
+
+case "$stage" in
+  ab)
+    shape=${2:?ab needs a shape: 8b or 1b}
+    [ -d "$BASE/exl3_core" ] || { echo "no $BASE: run 'bash bench/wave2_gpu.sh prepare' here and carry it"; exit 1; }
+    if [ ! -f "$BASE/exl3_core/_C.so" ]; then
+      t=$(date +%s)
+      (cd "$BASE" && CC=$cc CXX=$cxx TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace \
+          > "$OUT/build_base.log" 2>&1) || { tail -20 "$OUT/build_base.log"; exit 1; }
+      echo "baseline build $(( $(date +%s) - t )) s"
+    fi
+    # alternate the trees so that clock and thermal drift falls on both columns alike
+    for round in 1 2; do
+      bench_run "$PWD/$BASE" "$shape" "base$round"
+      bench_run "$PWD" "$shape" "head$round"
+    done
+    python3 bench/wave2_gpu.py summary "$OUT" | tee "$OUT/ab_${shape}_summary.txt"
+    ;;
+  tests)
+    timeout 500 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu tests/contract/test_attention.py \
+      plugins/attn_backends/tests 2>&1 | tee "$OUT/tests.log" | grep -v "^SKIPPED" | tail -30
+    ;;
+  features)
+    shift
+    names=${*:-kvq_b1 kvq_b32 spec ngram lora tp1}
+    run() {  # name, then the exl3 arguments
+      local name=$1; shift
+      case " $names " in *" $name "*) ;; *) return ;; esac
+      echo "== $name: exl3 $*"
+      timeout 300 python3 -m exl3_core "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?"
+      grep -vE "USDT|FutureWarning|forward_call" "$OUT/$name.log" | tail -12
+    }
+    run kvq_b1 bench --shape 8b --codebook mul1 --contexts 256,32768 --batches , --prefill 0 \
+      --cache-bits 16 --cache-bits 4 --json "$OUT/kvq_b1.json"
+    run kvq_b32 bench --shape 8b --codebook mul1 --contexts 4096 --batches 32 --prefill 0 \
+      --cache-bits 16 --cache-bits 4 --json "$OUT/kvq_b32.json"
+    run spec bench --shape 8b --codebook mul1 --draft 1b --json "$OUT/spec.json"
+    run ngram bench --ngram-bench --json "$OUT/ngram.json"
+    run lora bench --shape 8b --codebook mul1 --lora --json "$OUT/lora.json"
+    run tp1 bench --shape 8b --codebook mul1 --contexts 256 --batches 32 --prefill 0 --tensor-parallel-size 1 \
+      --json "$OUT/tp1.json"
+    ;;
+  *)
+    echo "unknown stage $stage: prepare, ab SHAPE, tests or features"; exit 2 ;;
+esac
