@@ -12,11 +12,31 @@
 #   bash bench/wave2_gpu.sh features [NAME ...]   # quantized cache (kvq_b1, kvq_b32), speculative (spec),
 #                                      # n-gram (ngram), LoRA (lora) and tp=1 (tp1) figures; default all
 #
+#   bash bench/wave2_gpu.sh poll SECONDS   # all of the above in one detached pipeline (copies of both trees in
+#                                      # /tmp, so later calls' tree copies cannot disturb it): the first call starts
+#                                      # it, each call waits up to SECONDS and returns the logs so far as
+#                                      # $OUT/w2.tar.gz; calls must follow each other within the warm window
+#
 # `python bench/wave2_gpu.py summary DIR` prints the A/B medians side by side from a call's $OUT.
 set -uo pipefail
 BASE_REV=${BASE_REV:-928a225}
 BASE=build/ab_base
 stage=${1:?usage: bash bench/wave2_gpu.sh prepare|ab SHAPE|tests|features}
+
+if [ "$stage" = poll ]; then
+  W=/tmp/w2; wait_s=${2:-540}; t0=$(date +%s)
+  if [ ! -f $W/started ]; then
+    mkdir -p $W/out && date > $W/started
+    rm -rf /tmp/head && mkdir /tmp/head && cp -r bench csrc exl3_core plugins tests conftest.py setup.py pyproject.toml \
+        .whl /tmp/head/ && mkdir -p /tmp/head/build && cp -r "$BASE" /tmp/head/build/ab_base
+    (cd /tmp/head && OUT=$W/out setsid nohup bash bench/wave2_gpu.sh pipeline > $W/pipeline.log 2>&1 < /dev/null &)
+  fi
+  while [ ! -f $W/done ] && [ $(( $(date +%s) - t0 )) -lt "$wait_s" ]; do sleep 5; done
+  tar -czf "$OUT/w2.tar.gz" -C $W . 2>/dev/null
+  tail -40 $W/pipeline.log
+  [ -f $W/done ] && echo "PIPELINE DONE" || echo "pipeline still running ($(( $(date +%s) - $(date -d "$(cat $W/started)" +%s) )) s)"
+  exit 0
+fi
 
 if [ "$stage" = prepare ]; then
   rm -rf "$BASE" && mkdir -p "$BASE"
@@ -56,7 +76,7 @@ case "$stage" in
     python3 bench/wave2_gpu.py summary "$OUT" | tee "$OUT/ab_${shape}_summary.txt"
     ;;
   tests)
-    timeout 500 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu tests/contract/test_attention.py \
+    timeout 420 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu tests/contract/test_attention.py \
       plugins/attn_backends/tests 2>&1 | tee "$OUT/tests.log" | grep -v "^SKIPPED" | tail -30
     ;;
   features)
@@ -78,6 +98,19 @@ case "$stage" in
     run lora bench --shape 8b --codebook mul1 --lora --json "$OUT/lora.json"
     run tp1 bench --shape 8b --codebook mul1 --contexts 256 --batches 32 --prefill 0 --tensor-parallel-size 1 \
       --json "$OUT/tp1.json"
+    ;;
+  pipeline)
+    # the order puts first what the most must-holds wait on; the baseline builds while the tests run
+    echo "HEAD built $(date +%T)"; export SKIP_BUILD=1
+    ( cd "$BASE" && CC=$cc CXX=$cxx TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=8 python3 setup.py build_ext --inplace \
+        > "$OUT/build_base.log" 2>&1; echo "baseline built $(date +%T) rc=$?" ) &
+    bash bench/wave2_gpu.sh tests
+    wait
+    echo "tests done $(date +%T)"
+    bash bench/wave2_gpu.sh ab 8b; echo "ab 8b done $(date +%T)"
+    bash bench/wave2_gpu.sh features kvq_b1 spec lora tp1 kvq_b32; echo "features done $(date +%T)"
+    bash bench/wave2_gpu.sh ab 1b; echo "ab 1b done $(date +%T)"
+    date > /tmp/w2/done
     ;;
   *)
     echo "unknown stage $stage: prepare, ab SHAPE, tests or features"; exit 2 ;;
