@@ -6,6 +6,9 @@ OUT=$(mktemp -d)
 trap 'rm -rf "$OUT"' EXIT
 NVCC=${NVCC:-nvcc}
 FLAGS=(-std=c++17 -arch=sm_90 -O3 --use_fast_math -lineinfo --expt-relaxed-constexpr -Icsrc)
+# torch's CUDAExtension adds these (no implicit half/bf16 conversions): a check without them passes code
+# the real build refuses
+FLAGS+=($(python3 -c "from torch.utils.cpp_extension import COMMON_NVCC_FLAGS as f; print(' '.join(f))"))
 INC=$(python3 -c "from torch.utils.cpp_extension import include_paths; print(' '.join('-I' + p for p in include_paths()))")
 # a CPU-only torch wheel lacks the generated c10 CUDA config header
 if ! python3 -c "import torch, os, sys; sys.exit(not os.path.exists(os.path.join(os.path.dirname(torch.__file__), 'include/c10/cuda/impl/cuda_cmake_macros.h')))"; then

@@ -75,6 +75,8 @@ template <> __device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float a, fl
 template <class T> __device__ __forceinline__ T from_f(float x);
 template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // c += a * b, m16n8k16, fp32 accumulators
 template <class T>
@@ -300,7 +302,7 @@ __global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_kern
             for (int c = 0; c < 4; ++c) {
                 const T* p = reinterpret_cast<const T*>(qs + smem_at<D>(h, c0 + c));
 #pragma unroll
-                for (int i = 0; i < 8; ++i) x[8 * c + i] = (float)p[i];
+                for (int i = 0; i < 8; ++i) x[8 * c + i] = to_f(p[i]);
             }
             hadamard32(x);
 #pragma unroll

@@ -219,17 +219,21 @@ def _split_load(K, V, page, slot, kvh, n_ok, stride_kp, stride_ks, stride_kh, st
                 BLOCK_N: tl.constexpr):
     # keys [BLOCK_D, BLOCK_N] and values [BLOCK_N, BLOCK_DV] of the rows (page, slot) where n_ok, zeros elsewhere;
     # QUANT: dequantized from the code words (rotated basis), in q's dtype
+    # one return after a constexpr if/else: the compiler generates only the taken branch, where an early
+    # return would leave both returns (int32 code words and float values) in one function
     if QUANT:
         row = page * PAGE_SIZE + slot
         k = _quant_keys(K, KS, RP, row, n_ok, kvh, HK, NGK, K_BITS, QK_DIM, HEAD_DIM, BLOCK_N, BLOCK_D)
         v = _quant_values(V, VS, row, n_ok, kvh, HK, NGV, V_BITS, BLOCK_N, BLOCK_DV)
-        return k.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty)
-    d = tl.arange(0, BLOCK_D)
-    dv = tl.arange(0, BLOCK_DV)
-    k = tl.load(K + (page * stride_kp + slot * stride_ks)[None, :] + kvh * stride_kh + d[:, None],
-                mask=n_ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
-    v = tl.load(V + (page * stride_vp + slot * stride_vs)[:, None] + kvh * stride_vh + dv[None, :],
-                mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)
+        k = k.to(Q.dtype.element_ty)
+        v = v.to(Q.dtype.element_ty)
+    else:
+        d = tl.arange(0, BLOCK_D)
+        dv = tl.arange(0, BLOCK_DV)
+        k = tl.load(K + (page * stride_kp + slot * stride_ks)[None, :] + kvh * stride_kh + d[:, None],
+                    mask=n_ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
+        v = tl.load(V + (page * stride_vp + slot * stride_vs)[:, None] + kvh * stride_vh + dv[None, :],
+                    mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)
     return k, v
 
 

@@ -1,0 +1,75 @@
+"""Compile Triton kernels for an sm_90 GPU on a machine without one (run as a script, see
+test_triton_sm90_compile.py): a stand-in driver reports an H100/H200 target and every launch becomes a
+warm-up, which runs the whole compiler (Python front end, TTIR, TTGIR, LLVM, PTX, ptxas) but no kernel.
+
+The CPU interpreter, which the other kernel tests use, never compiles: a kernel it runs correctly can still
+be refused by the compiler (a type that differs between two returns of one function, say). Prints one
+line per attention case, ``ok <id>`` or ``FAIL <id>: <error>``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.pop("TRITON_INTERPRET", None)  # before any kernel is decorated
+
+import torch  # noqa: E402
+import triton.runtime.jit as jit  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime import driver  # noqa: E402
+
+
+class _Sm90Driver:
+    """The driver calls a launch makes before compiling, answered for device 0, an sm_90 GPU."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def set_current_device(self, device: int) -> None:
+        pass
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def is_active(self) -> bool:
+        return True
+
+
+def _install() -> None:
+    driver.set_active(_Sm90Driver())
+    run = jit.JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202 - Triton's signature
+        return run(self, *args, grid=grid, warmup=True, **kwargs)
+
+    jit.JITFunction.run = compile_only
+
+
+def main(pattern: str) -> int:
+    _install()
+    import exl3_attn_backends.triton_paged as tp
+    from exl3_core.testing import attention as A
+
+    A.device_cc = lambda dev: (9, 0)  # the cases the sm_90 GPU tests run
+    cases = [c for dt in (torch.float16, torch.bfloat16) for c in A.default_cases("cpu", dt)
+             if c.spec.cache is not None and pattern in c.id]
+    backend = tp.TritonPagedAttention()
+    failed = 0
+    for case in cases:
+        try:
+            backend.forward(A.make_args(case, "cpu", seed=0))
+            print(f"ok {case.id}", flush=True)
+        except Exception as e:  # noqa: BLE001 - every case is reported
+            failed += 1
+            print(f"FAIL {case.id}: {type(e).__name__}: {str(e)[-2000:]}", flush=True)
+    return 1 if failed or not cases else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else ""))

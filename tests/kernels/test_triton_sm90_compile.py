@@ -1,0 +1,21 @@
+"""The Triton attention kernels compile for an sm_90 GPU (tests/kernels/sm90_compile.py): the interpreter
+runs them on the CPU without compiling, so a kernel the compiler refuses would pass every other CPU test."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend cannot compile for sm_90")
+SCRIPT = Path(__file__).with_name("sm90_compile.py")
+
+
+@pytest.mark.parametrize("views", ["kv/quant-decode", "mla/quant-decode", "kv/quant-prefill"])
+def test_quantized_view_kernels_compile_for_sm90(views: str) -> None:
+    out = subprocess.run([sys.executable, str(SCRIPT), views], capture_output=True, text=True, timeout=600,
+                         check=False)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("ok ", "FAIL "))]
+    assert lines, out.stdout + out.stderr
+    assert out.returncode == 0 and all(ln.startswith("ok ") for ln in lines), "\n".join(lines) + out.stderr[-3000:]
