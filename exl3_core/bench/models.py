@@ -26,6 +26,10 @@ EXL3_PLUGIN_API = (1, 0)
 #: ``architectures[0]`` of the bench configs; served by the core's standard decoder
 BENCH_ARCH = "Exl3BenchDecoder"
 CODEBOOKS = {"3inst": 0, "mcg": 1, "mul1": 2}
+#: the linears whose outputs are added to the residual stream
+_RESIDUAL_WRITERS = ("o_proj", "down_proj")
+#: their output scale in a self-predicting model: the embedding, not the layers, decides the next token
+RESIDUAL_DAMPING = 1 / 256
 _MARKERS = {1: ("mcg", 0xCBAC1FED), 2: ("mul1", 0x83DCD12D)}  # spec 1.3 locked multipliers
 
 
@@ -125,21 +129,31 @@ class RandomSource:
     :param head_bits: K of the output head (None = dense head in the model dtype).
     :param codebook: ``"3inst"``, ``"mcg"`` or ``"mul1"``.
     :param seed: base seed; each tensor gets its own generator so results do not depend on load order.
+    :param self_predicting: a model whose greedy next token is its current one by a wide margin: the embedding
+        holds the head's rows and the layers' residual outputs are damped (:data:`RESIDUAL_DAMPING`). Same
+        kernels and bytes as any other; its greedy continuation survives the rounding differences between
+        kernel paths (one row against several), which flip a random model's near-ties.
     """
 
     def __init__(self, shape: BenchShape, bpw: float = 4.0, head_bits: int | None = 6, codebook: str = "mcg",
-                 seed: int = 0) -> None:
+                 seed: int = 0, self_predicting: bool = False) -> None:
         if codebook not in CODEBOOKS:
             raise ValueError(f"codebook {codebook!r}: expected one of {sorted(CODEBOOKS)}")
-        self.dims, self.seed = shape, seed
+        if self_predicting and head_bits is None:
+            raise ValueError("a self-predicting bench model (the --draft target) copies its EXL3 head's rows into the "
+                             "embedding; give the head bits (--head-bits 1..8, not 0)")
+        self.dims, self.seed, self.self_predicting = shape, seed, self_predicting
         self.codebook = CODEBOOKS[codebook]
         self.directory = Path(f"<random {shape.name} {bpw} bpw>")
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype, str, float]] = {}
+        self._exl3_k: dict[str, int] = {}
         h = shape.hidden
-        self._add("model.embed_tokens.weight", (shape.vocab, h), torch.float16, "embed", 1.0)
+        self._add("model.embed_tokens.weight", (shape.vocab, h), torch.float16,
+                  "head_rows" if self_predicting else "embed", 1.0)
         for i, k in enumerate(layer_bits(bpw, shape.layers)):
             for key, fin, fout in shape.linears():
-                self._add_exl3(key.format(i=i), fin, fout, k)
+                damp = RESIDUAL_DAMPING if self_predicting and key.endswith(_RESIDUAL_WRITERS) else 1.0
+                self._add_exl3(key.format(i=i), fin, fout, k, damp)
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 self._add(f"model.layers.{i}.{norm}.weight", (h,), torch.float16, "norm", 0.0)
         self._add("model.norm.weight", (h,), torch.float16, "norm", 0.0)
@@ -151,7 +165,7 @@ class RandomSource:
     def _add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, kind: str, scale: float) -> None:
         self._meta[name] = (shape, dtype, kind, scale)
 
-    def _add_exl3(self, key: str, fin: int, fout: int, k: int) -> None:
+    def _add_exl3(self, key: str, fin: int, fout: int, k: int, damp: float = 1.0) -> None:
         if not 1 <= k <= 8:
             raise ValueError(f"{key}: K={k} bits per weight is outside 1..8")
         kp, n = _padded(fin), _padded(fout)
@@ -159,7 +173,8 @@ class RandomSource:
         # W = H diag(suh) Ŵ ... diag(svh): with unit-variance codebook values, |suh*svh| ~ fin^-1/2
         # keeps activations O(1) through the layers, as in a real checkpoint
         self._add(f"{key}.suh", (kp,), torch.float16, "sign", fin ** -0.25)
-        self._add(f"{key}.svh", (n,), torch.float16, "sign", fin ** -0.25)
+        self._add(f"{key}.svh", (n,), torch.float16, "sign", fin ** -0.25 * damp)
+        self._exl3_k[key] = k
         if self.codebook in _MARKERS:
             self._add(f"{key}.{_MARKERS[self.codebook][0]}", (), torch.int32, "marker", 0.0)
 
@@ -199,9 +214,23 @@ class RandomSource:
             t = (torch.randint(0, 2, shape, generator=g, device=dev) * 2 - 1).to(stored) * scale
         elif kind == "norm":
             t = 1.0 + 0.05 * torch.randn(shape, generator=g, device=dev)
+        elif kind == "head_rows":
+            t = self._head_rows(dev)
         else:  # embed / dense
             t = torch.randn(shape, generator=g, device=dev) * scale
         return t.to(dtype or stored)
+
+    def _head_rows(self, dev: torch.device) -> torch.Tensor:
+        """The head's rows at norm sqrt(hidden): as the embedding, each token's own logit stands far above the
+        others' (random rows of this length are nearly orthogonal)."""
+        from exl3_core.quant.exl3.dequant import apply_scales_and_rotations
+        from exl3_core.quant.exl3.trellis import decode_inner
+
+        h, v = self.dims.hidden, self.dims.vocab
+        inner = decode_inner(self.get_tensor("lm_head.trellis", dev), self._exl3_k["lm_head"], self.codebook)
+        w = apply_scales_and_rotations(inner, self.get_tensor("lm_head.suh", dev).float(),
+                                       self.get_tensor("lm_head.svh", dev).float())[:h, :v].t()
+        return w * (h ** 0.5 / w.norm(dim=1, keepdim=True).clamp_min(1e-6))
 
     def weight_bytes(self) -> int:
         """Bytes of every stored tensor (what a checkpoint of this shape holds)."""
@@ -219,7 +248,7 @@ def build_model(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 
                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None, cache_tokens: int = 0,
                 page_size: int | None = None, plugins: Any = None, seed: int = 0,
                 attention: list[str] | None = None, parallel: dict[str, Any] | None = None,
-                cache_kwargs: dict[str, Any] | None = None) -> tuple[Any, Any]:
+                cache_kwargs: dict[str, Any] | None = None, self_predicting: bool = False) -> tuple[Any, Any]:
     """A loaded random-weight model of ``shape`` and, when ``cache_tokens`` > 0, its paged cache (``cache_kwargs``:
     its variant and options, e.g. from :meth:`~exl3_core.cache_bits.CacheBits.cache_kwargs`).
 
@@ -230,7 +259,7 @@ def build_model(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 
     from exl3_core.cache import Cache
 
     plugins = plugins if plugins is not None else bench_plugins()
-    source = RandomSource(shape, bpw, head_bits, codebook, seed)
+    source = RandomSource(shape, bpw, head_bits, codebook, seed, self_predicting=self_predicting)
     config = Config(source.directory, shape.hf_config(), plugins=plugins)
     model = Model.from_config(config)
     cache = (Cache(model, cache_tokens, page_size=page_size, plugins=plugins, **(cache_kwargs or {}))

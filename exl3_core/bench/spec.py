@@ -1,6 +1,7 @@
 """``exl3 bench --draft SHAPE``: speculative decoding speed at controlled acceptance rates, against its ideal.
 
-A random-weight target (``--shape``) and draft (``--draft``) of one vocabulary are built. The plain generator
+A random-weight target (``--shape``, self-predicting: see :class:`~exl3_core.bench.models.RandomSource`) and
+draft (``--draft``) of one vocabulary are built. The plain generator
 decodes ``batch`` random prompts first: its tokens/s is the baseline and its greedy tokens are the target's
 continuation. The bench draft (:class:`OracleDrafter`) then runs every forward the draft model would (catch-up,
 the two-token step, k - 1 one-token steps, the read of its tokens), but proposes at each position the target's
@@ -112,8 +113,10 @@ def run_spec_bench(shape: BenchShape, draft_shape: BenchShape, *, alphas: tuple[
     ps = settings.get().page_size
     per_seq = -(-(ctx + new_tokens + max(ks) + 8) // ps) + 1
     tokens = 2 * ps * per_seq * batch
+    # a self-predicting target: its greedy continuation, which the oracle proposes, is the same through the
+    # verification rows as through one-row steps, so acceptance is alpha for the whole run
     target, cache = build_model(shape, bpw=bpw, head_bits=head_bits, codebook=codebook, device=dev,
-                                cache_tokens=tokens, seed=seed)
+                                cache_tokens=tokens, seed=seed, self_predicting=True)
     draft, dcache = build_model(draft_shape, bpw=bpw, head_bits=head_bits, codebook=codebook, device=dev,
                                 cache_tokens=tokens, seed=seed + 1)
     out: dict[str, Any] = {"shape": shape_dict(shape), "draft_shape": shape_dict(draft_shape), "batch": batch,
@@ -159,8 +162,6 @@ def run_spec_bench(shape: BenchShape, draft_shape: BenchShape, *, alphas: tuple[
             st = gen.spec.stats
             wall = new_tokens * batch / tok_s  # seconds of the decode phase
             steps = st.steps + st.plain_steps + st.timed_plain_steps
-            # fp16 verification rows may break a near tie otherwise than a one-row step; the oracle then
-            # proposes a continuation the target left, and acceptance falls below alpha
             r = {"k": k, "dynamic": dyn, "tok_s": tok_s, "speedup": tok_s / base, "same_tokens": got == ref,
                  "acceptance": st.accepted / st.drafted if st.drafted else 0.0,
                  "tokens_per_step": st.committed / st.steps / batch if st.steps else 0.0,

@@ -60,3 +60,28 @@ def test_bench_cli_draft_writes_json(tmp_path) -> None:
     res = json.loads(out.read_text())["draft"]
     assert res["alphas"][0]["alpha"] == 0.7 and [r["k"] for r in res["alphas"][0]["runs"]] == [2, 2]
     assert main(["bench", "--shape", TARGET, "--draft", DRAFT, "--device", "cpu", "--draft-k", "0"]) == 1
+
+
+def test_self_predicting_target_keeps_its_continuation_across_kernel_paths() -> None:
+    """The bench target's greedy next token is its current one by a margin far above rounding, so one-row steps
+    and several-row verification agree; the run's acceptance is then alpha (within sampling noise)."""
+    model, cache = build_model(parse_shape(TARGET), device="cpu", dtype=torch.float16, cache_tokens=256,
+                               self_predicting=True)
+    ids = torch.randint(0, 700, (1, 24), generator=torch.Generator().manual_seed(3))
+    logits = model.forward(ids)[0].float()  # [24, vocab]
+    top = logits.topk(2, dim=-1)
+    assert torch.equal(top.indices[:, 0], ids[0])
+    gap = top.values[:, 0] - top.values[:, 1]
+    assert float(gap.min()) > 0.2 * float(logits.std()), gap.min()
+    with pytest.raises(ValueError, match="--head-bits"):
+        build_model(parse_shape(TARGET), device="cpu", head_bits=None, self_predicting=True)
+
+
+def test_spec_bench_acceptance_is_alpha() -> None:
+    res = run_spec_bench(parse_shape(TARGET), parse_shape(DRAFT), alphas=(0.7,), ks=(4,), ctx=16, new_tokens=96,
+                         device="cpu", dynamic=False, log=lambda s: None)
+    (r,) = res["alphas"][0]["runs"]
+    assert r["same_tokens"]
+    # accepted / drafted of k = 4 geometric drafts at alpha 0.7: (alpha + ... + alpha^4) / 4
+    want = sum(0.7 ** i for i in range(1, 5)) / 4
+    assert abs(r["acceptance"] - want) < 0.12, (r["acceptance"], want)
