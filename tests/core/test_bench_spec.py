@@ -85,3 +85,19 @@ def test_spec_bench_acceptance_is_alpha() -> None:
     # accepted / drafted of k = 4 geometric drafts at alpha 0.7: (alpha + ... + alpha^4) / 4
     want = sum(0.7 ** i for i in range(1, 5)) / 4
     assert abs(r["acceptance"] - want) < 0.12, (r["acceptance"], want)
+
+
+def test_parted_only_at_near_tie() -> None:
+    from exl3_core.testing.arch import parted_only_at_near_tie
+
+    logits = torch.zeros(4, 10)
+    logits[:, 3] = 5.0
+    logits[2, 7] = 4.95  # step 2 is a near-tie between tokens 3 and 7
+    want = [3, 3, 3, 3]
+    assert parted_only_at_near_tie(want, list(want), logits) is None
+    assert parted_only_at_near_tie(want, [3, 3, 7, 1], logits) is None
+    assert "top-2 gap is 5.000" in parted_only_at_near_tie(want, [3, 4, 3, 3], logits)
+    assert "lengths differ" in parted_only_at_near_tie(want, want[:3], logits)
+    # sampled: a parting where both runs' distributions agree is a draw on the other side of a boundary
+    assert parted_only_at_near_tie(want, [3, 4, 3, 3], logits, got_logits=logits * 1.001) is None
+    assert "apart" in parted_only_at_near_tie(want, [3, 4, 3, 3], logits, got_logits=logits.flip(-1))

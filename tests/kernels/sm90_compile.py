@@ -13,10 +13,12 @@ import sys
 
 os.environ.pop("TRITON_INTERPRET", None)  # before any kernel is decorated
 
-import torch  # noqa: E402
-import triton.runtime.jit as jit  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.runtime import driver  # noqa: E402
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import (
+    driver,
+    jit,
+)
 
 
 class _Sm90Driver:
@@ -45,7 +47,7 @@ def _install() -> None:
     driver.set_active(_Sm90Driver())
     run = jit.JITFunction.run
 
-    def compile_only(self, *args, grid, warmup, **kwargs):  # noqa: ANN001, ANN202 - Triton's signature
+    def compile_only(self, *args, grid, warmup, **kwargs):
         return run(self, *args, grid=grid, warmup=True, **kwargs)
 
     jit.JITFunction.run = compile_only
@@ -54,6 +56,7 @@ def _install() -> None:
 def main(pattern: str) -> int:
     _install()
     import exl3_attn_backends.triton_paged as tp
+
     from exl3_core.testing import attention as A
 
     A.device_cc = lambda dev: (9, 0)  # the cases the sm_90 GPU tests run
