@@ -4,11 +4,14 @@ Two launches per group of 1-3 adapted linears that read the same input (q/k/v, g
 both reading the step's choice from the device (the active-slot count too, as a loop bound), so one
 captured graph serves every mix of adapters:
 
-* **shrink**, grid ``(row blocks, slot capacity, linears)``: program ``(m, u, g)`` computes
-  ``xa[rows, g, u, :] = coef[rows, u] * scale_g[slot_u] * (x[rows] A_g[slot_u]ᵀ)`` for the active entry ``u``
-  (programs past the active count, or whose adapter does not target linear ``g``, do nothing);
+* **shrink**, grid ``(row blocks, slot capacity, linears x input slices)``: program ``(m, u, g, s)`` computes
+  the slice ``s`` part of ``xa[rows, g, u, :] = coef[rows, u] * scale_g[slot_u] * (x[rows] A_g[slot_u]ᵀ)`` for
+  the active entry ``u`` (programs past the active count, or whose adapter does not target linear ``g``, do
+  nothing). Few rows (decode) cut the input into :data:`SPLIT_K`-wide slices, so the long reduction over the
+  input features runs in parallel instead of in one program per adapter;
 * **expand**, grid ``(row blocks, output blocks of every linear)``: ``out_g = y_g + sum_u xa[rows, g, u, :]
-  Bᵀ_g[slot_u]`` over the active entries, accumulated in fp32 and rounded once (``out_g`` may be ``y_g``).
+  Bᵀ_g[slot_u]`` over the active entries, the slices summed in a fixed order (deterministic), accumulated in
+  fp32 and rounded once (``out_g`` may be ``y_g``).
 
 Each adapter's weights are read once per row block, whatever mix of adapters the rows use. Products
 take the weights' dtype on the tensor cores (fp32 weights: exact fp32 products), accumulate in fp32.
@@ -26,17 +29,22 @@ from exl3_core.lora.stack import LoraStack
 
 #: linears one launch pair serves
 MAX_GROUP = 3
+#: input features per shrink program when the row blocks alone would leave most of the GPU idle
+SPLIT_K = 1024
+#: row blocks from which the shrink keeps the whole input in one program (enough programs already)
+SPLIT_MAX_ROW_BLOCKS = 16
 
 
 # scalars that differ per member are picked at run time: never specialized (a 1 would become a constant)
-@triton.jit(do_not_specialize=["RK0", "RK1", "RK2", "sas0", "sas1", "sas2", "sar0", "sar1", "sar2"])
+@triton.jit(do_not_specialize=["RK0", "RK1", "RK2", "sas0", "sas1", "sas2", "sar0", "sar1", "sar2", "KS"])
 def _shrink_kernel(X, A0, A1, A2, L0, L1, L2, S0, S1, S2, SLOTS, COEF, ROWMAP, NACT, XA,
-                   R, K, RK0, RK1, RK2, sas0, sas1, sas2, sar0, sar1, sar2, stride_x, stride_coef, U,
+                   R, K, RK0, RK1, RK2, sas0, sas1, sas2, sar0, sar1, sar2, stride_x, stride_coef, U, KS,
                    NUM: tl.constexpr, HAS_MAP: tl.constexpr, IEEE: tl.constexpr,
-                   BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+                   BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
     pid_m = tl.program_id(0)
     u = tl.program_id(1)
-    g = tl.program_id(2)
+    g = tl.program_id(2) // KS
+    ks = tl.program_id(2) % KS
     n_act = tl.load(NACT)
     if u < n_act:
         slot = tl.load(SLOTS + u)
@@ -55,7 +63,8 @@ def _shrink_kernel(X, A0, A1, A2, L0, L1, L2, S0, S1, S2, SLOTS, COEF, ROWMAP, N
             rr = tl.arange(0, BR)
             rank_ok = rr < RANK
             acc = tl.zeros((BM, BR), dtype=tl.float32)
-            for k0 in range(0, K, BK):
+            k_lo = ks * SPLIT
+            for k0 in range(k_lo, tl.minimum(k_lo + SPLIT, K), BK):
                 kk = k0 + tl.arange(0, BK)
                 kmask = kk < K
                 x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + kk[None, :],
@@ -72,15 +81,15 @@ def _shrink_kernel(X, A0, A1, A2, L0, L1, L2, S0, S1, S2, SLOTS, COEF, ROWMAP, N
                 crow = rows
             c = tl.load(COEF + crow.to(tl.int64) * stride_coef + u, mask=rmask, other=0.0)
             acc = acc * (c * s)[:, None]
-            tl.store(XA + ((rows[:, None].to(tl.int64) * NUM + g) * U + u) * BR + rr[None, :], acc,
+            tl.store(XA + (((ks * R + rows[:, None].to(tl.int64)) * NUM + g) * U + u) * BR + rr[None, :], acc,
                      mask=rmask[:, None])
 
 
 @triton.jit(do_not_specialize=["N0", "N1", "N2", "NB0", "NB1", "RK0", "RK1", "RK2", "sbs0", "sbs1", "sbs2", "sbr0",
-                               "sbr1", "sbr2", "sy0", "sy1", "sy2", "so0", "so1", "so2"])
+                               "sbr1", "sbr2", "sy0", "sy1", "sy2", "so0", "so1", "so2", "KS"])
 def _expand_kernel(XA, B0, B1, B2, L0, L1, L2, S0, S1, S2, Y0, Y1, Y2, O0, O1, O2, SLOTS, NACT,
                    R, N0, N1, N2, NB0, NB1, RK0, RK1, RK2, sbs0, sbs1, sbs2, sbr0, sbr1, sbr2,
-                   sy0, sy1, sy2, so0, so1, so2, U,
+                   sy0, sy1, sy2, so0, so1, so2, U, KS,
                    NUM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -108,8 +117,10 @@ def _expand_kernel(XA, B0, B1, B2, L0, L1, L2, S0, S1, S2, Y0, Y1, Y2, O0, O1, O
         s = tl.load(SC + slot)
         if s != 0.0:
             loc = tl.load(LOC + slot).to(tl.int64)
-            xa = tl.load(XA + ((rows[:, None].to(tl.int64) * NUM + g) * U + u) * BR + rr[None, :],
-                         mask=rmask[:, None], other=0.0)
+            xa = tl.zeros((BM, BR), dtype=tl.float32)
+            for ks in range(KS):  # the shrink's input slices, in order
+                xa += tl.load(XA + (((ks * R + rows[:, None].to(tl.int64)) * NUM + g) * U + u) * BR + rr[None, :],
+                              mask=rmask[:, None], other=0.0)
             bt = tl.load(BT + loc * s_bs + rr[:, None] * s_br + cols[None, :],
                          mask=rank_ok[:, None] & cmask[None, :], other=0.0)
             if IEEE:
@@ -141,7 +152,11 @@ def lora_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[
     br = _block_rank(max(s.rank for s in stacks))
     bm = 16 if n <= 16 else (32 if n <= 64 else 64)
     ieee = stacks[0].a.dtype == torch.float32
-    xa = torch.empty((n, num, U, br), dtype=torch.float32, device=x2.device)
+    bk = 64 if br <= 32 else 32
+    if SPLIT_K % bk:
+        raise ValueError(f"lora_add_group: SPLIT_K={SPLIT_K} is not a multiple of the {bk}-wide input block")
+    ks = triton.cdiv(k, SPLIT_K) if triton.cdiv(n, bm) < SPLIT_MAX_ROW_BLOCKS else 1
+    xa = torch.empty((ks, n, num, U, br), dtype=torch.float32, device=x2.device)
 
     def pad(items: list) -> list:  # unused members repeat the first (never read: NUM says how many are real)
         return items + [items[0]] * (MAX_GROUP - len(items))
@@ -152,19 +167,18 @@ def lora_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[
     sc = pad([s.scale for s in stacks])
     rk = pad([s.rank for s in stacks])
     rowmap = rows if rows is not None else sel.slots  # any tensor: unread without HAS_MAP
-    bk = 64 if br <= 32 else 32
-    _shrink_kernel[(triton.cdiv(n, bm), U, num)](
+    _shrink_kernel[(triton.cdiv(n, bm), U, num * ks)](
         x2, *a, *loc, *sc, sel.slots, sel.coef, rowmap, sel.active, xa,
         n, k, *rk, *pad([s.a.stride(0) for s in stacks]), *pad([s.a.stride(1) for s in stacks]),
-        x2.stride(0), sel.coef.stride(0), U,
-        NUM=num, HAS_MAP=rows is not None, IEEE=ieee, BM=bm, BR=br, BK=bk)
+        x2.stride(0), sel.coef.stride(0), U, ks,
+        NUM=num, HAS_MAP=rows is not None, IEEE=ieee, BM=bm, BR=br, BK=bk, SPLIT=SPLIT_K)
     bn = 64 if br <= 32 else 32
     widths = [y.shape[1] for y in ys]
     blocks = [triton.cdiv(w, bn) for w in widths]
     _expand_kernel[(triton.cdiv(n, bm), sum(blocks))](
         xa, *bt, *loc, *sc, *pad(list(ys)), *pad(list(outs)), sel.slots, sel.active,
         n, *pad(widths), *(pad(blocks)[:2]), *rk, *pad([s.bt.stride(0) for s in stacks]),
-        *pad([s.bt.stride(1) for s in stacks]), *pad([y.stride(0) for y in ys]), *pad([o.stride(0) for o in outs]), U,
+        *pad([s.bt.stride(1) for s in stacks]), *pad([y.stride(0) for y in ys]), *pad([o.stride(0) for o in outs]), U, ks,
         NUM=num, IEEE=ieee, BM=bm, BN=bn, BR=br)
 
 

@@ -43,10 +43,17 @@ def _linears(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 
 # -- the kernels -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("split_k", [1024, 64], ids=["one_slice", "slices"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 37])
-def test_kernels_equal_torch_form(dtype: torch.dtype, rows: int) -> None:
+def test_kernels_equal_torch_form(dtype: torch.dtype, rows: int, split_k: int,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``split_k`` 64: the 96 input features in two shrink slices (at decode sizes, input slices of the
+    real width), summed by the expand kernel."""
+    from exl3_core.lora import kernels
     from exl3_core.lora.kernels import lora_add
+
+    monkeypatch.setattr(kernels, "SPLIT_K", split_k)
 
     g = torch.Generator().manual_seed(rows)
     n_in, n_out, cap = 96, 80, 8

@@ -53,8 +53,36 @@ def _install() -> None:
     jit.JITFunction.run = compile_only
 
 
+def _lora() -> int:
+    """The LoRA shrink/expand pair, one input slice and several, each weight dtype."""
+    from exl3_core.lora.kernels import lora_add_group
+    from exl3_core.lora.selection import Selection
+    from exl3_core.lora.stack import LoraStack, StackEntry
+
+    failed = 0
+    dev = torch.device("cpu")
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for rows in (1, 300):
+            stacks = [LoraStack.build([StackEntry(0, torch.randn(16, 4096), torch.randn(16, n), 1.0)], 8, dev, dtype)
+                      for n in (4096, 1024)]
+            sel = Selection(dev, 8, rows=rows)
+            sel.fill([({0: 1.0}, rows)])
+            x = torch.randn(rows, 4096).to(dtype)
+            ys = [torch.randn(rows, 4096).to(dtype), torch.randn(rows, 1024).to(dtype)]
+            name = f"lora {dtype} rows={rows}"
+            try:
+                lora_add_group(x, ys, ys, stacks, sel, None)
+                print(f"ok {name}", flush=True)
+            except Exception as e:  # noqa: BLE001 - every case is reported
+                failed += 1
+                print(f"FAIL {name}: {type(e).__name__}: {str(e)[-2000:]}", flush=True)
+    return 1 if failed else 0
+
+
 def main(pattern: str) -> int:
     _install()
+    if pattern == "lora":
+        return _lora()
     import exl3_attn_backends.triton_paged as tp
 
     from exl3_core.testing import attention as A

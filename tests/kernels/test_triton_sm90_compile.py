@@ -1,4 +1,4 @@
-"""The Triton attention kernels compile for an sm_90 GPU (tests/kernels/sm90_compile.py): the interpreter
+"""The Triton attention and LoRA kernels compile for an sm_90 GPU (tests/kernels/sm90_compile.py): the interpreter
 runs them on the CPU without compiling, so a kernel the compiler refuses would pass every other CPU test."""
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA 
 SCRIPT = Path(__file__).with_name("sm90_compile.py")
 
 
-@pytest.mark.parametrize("views", ["kv/quant-decode", "mla/quant-decode", "kv/quant-prefill"])
-def test_quantized_view_kernels_compile_for_sm90(views: str) -> None:
+@pytest.mark.parametrize("views", ["kv/quant-decode", "mla/quant-decode", "kv/quant-prefill", "lora"])
+def test_kernels_compile_for_sm90(views: str) -> None:
+    """Attention over the quantized cache views (``views`` selects the conformance cases) and ``lora``, the
+    LoRA kernel pair."""
     out = subprocess.run([sys.executable, str(SCRIPT), views], capture_output=True, text=True, timeout=600,
                          check=False)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("ok ", "FAIL "))]
