@@ -76,8 +76,8 @@ case "$stage" in
     python3 bench/wave2_gpu.py summary "$OUT" | tee "$OUT/ab_${shape}_summary.txt"
     ;;
   tests)
-    timeout 420 python3 -m pytest -q -rs -p no:cacheprovider tests/gpu tests/contract/test_attention.py \
-      plugins/attn_backends/tests 2>&1 | tee "$OUT/tests.log" | grep -v "^SKIPPED" | tail -30
+    timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -v -rfE -p no:cacheprovider tests/gpu tests/contract/test_attention.py \
+      plugins/attn_backends/tests 2>&1 | tee "$OUT/tests.log" | grep -E "FAILED|ERROR|passed|failed" | tail -30
     ;;
   features)
     shift
@@ -104,7 +104,7 @@ case "$stage" in
     echo "HEAD built $(date +%T)"; export SKIP_BUILD=1
     ( cd "$BASE" && CC=$cc CXX=$cxx TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=8 python3 setup.py build_ext --inplace \
         > "$OUT/build_base.log" 2>&1; echo "baseline built $(date +%T) rc=$?" ) &
-    bash bench/wave2_gpu.sh tests
+    TESTS_TIMEOUT=900 bash bench/wave2_gpu.sh tests  # the whole suite took ~8 min on an H200
     wait
     echo "tests done $(date +%T)"
     bash bench/wave2_gpu.sh ab 8b; echo "ab 8b done $(date +%T)"
