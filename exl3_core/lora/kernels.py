@@ -90,7 +90,8 @@ def _shrink_kernel(X, A0, A1, A2, L0, L1, L2, S0, S1, S2, SLOTS, COEF, ROWMAP, N
 def _expand_kernel(XA, B0, B1, B2, L0, L1, L2, S0, S1, S2, Y0, Y1, Y2, O0, O1, O2, SLOTS, NACT,
                    R, N0, N1, N2, NB0, NB1, RK0, RK1, RK2, sbs0, sbs1, sbs2, sbr0, sbr1, sbr2,
                    sy0, sy1, sy2, so0, so1, so2, U, KS,
-                   NUM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+                   NUM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+                   KS_BLOCK: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = pid_n * 0
@@ -117,10 +118,11 @@ def _expand_kernel(XA, B0, B1, B2, L0, L1, L2, S0, S1, S2, Y0, Y1, Y2, O0, O1, O
         s = tl.load(SC + slot)
         if s != 0.0:
             loc = tl.load(LOC + slot).to(tl.int64)
-            xa = tl.zeros((BM, BR), dtype=tl.float32)
-            for ks in range(KS):  # the shrink's input slices, in order
-                xa += tl.load(XA + (((ks * R + rows[:, None].to(tl.int64)) * NUM + g) * U + u) * BR + rr[None, :],
-                              mask=rmask[:, None], other=0.0)
+            # the shrink's input slices in one load, summed by one reduction (fixed order: deterministic)
+            sp = tl.arange(0, KS_BLOCK)
+            xa = tl.sum(tl.load(XA + (((sp[:, None, None] * R + rows[None, :, None].to(tl.int64)) * NUM + g) * U + u)
+                                * BR + rr[None, None, :],
+                                mask=(sp[:, None, None] < KS) & rmask[None, :, None], other=0.0), axis=0)
             bt = tl.load(BT + loc * s_bs + rr[:, None] * s_br + cols[None, :],
                          mask=rank_ok[:, None] & cmask[None, :], other=0.0)
             if IEEE:
@@ -152,7 +154,8 @@ def lora_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[
     br = _block_rank(max(s.rank for s in stacks))
     bm = 16 if n <= 16 else (32 if n <= 64 else 64)
     ieee = stacks[0].a.dtype == torch.float32
-    bk = 64 if br <= 32 else 32
+    # few rows: wide input blocks, so each slice takes a few loads (the shrink is bound by their latency)
+    bk = (256 if bm == 16 else 64) if br <= 32 else (128 if bm == 16 else 32)
     if SPLIT_K % bk:
         raise ValueError(f"lora_add_group: SPLIT_K={SPLIT_K} is not a multiple of the {bk}-wide input block")
     ks = triton.cdiv(k, SPLIT_K) if triton.cdiv(n, bm) < SPLIT_MAX_ROW_BLOCKS else 1
@@ -179,7 +182,7 @@ def lora_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[
         xa, *bt, *loc, *sc, *pad(list(ys)), *pad(list(outs)), sel.slots, sel.active,
         n, *pad(widths), *(pad(blocks)[:2]), *rk, *pad([s.bt.stride(0) for s in stacks]),
         *pad([s.bt.stride(1) for s in stacks]), *pad([y.stride(0) for y in ys]), *pad([o.stride(0) for o in outs]), U, ks,
-        NUM=num, IEEE=ieee, BM=bm, BN=bn, BR=br)
+        NUM=num, IEEE=ieee, BM=bm, BN=bn, BR=br, KS_BLOCK=triton.next_power_of_2(ks))
 
 
 def lora_add(x2: torch.Tensor, y2: torch.Tensor, out2: torch.Tensor, stack: LoraStack, sel: Selection,

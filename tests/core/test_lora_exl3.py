@@ -43,21 +43,21 @@ def _linears(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 
 # -- the kernels -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("split_k", [1024, 64], ids=["one_slice", "slices"])
+@pytest.mark.parametrize("split_k", [1024, 256], ids=["one_slice", "slices"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 37])
 def test_kernels_equal_torch_form(dtype: torch.dtype, rows: int, split_k: int,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """``split_k`` 64: the 96 input features in two shrink slices (at decode sizes, input slices of the
-    real width), summed by the expand kernel."""
+    """``split_k`` 256: the 600 input features in three shrink slices (at decode sizes, slices of the real
+    width), summed by the expand kernel."""
     from exl3_core.lora import kernels
     from exl3_core.lora.kernels import lora_add
 
     monkeypatch.setattr(kernels, "SPLIT_K", split_k)
 
     g = torch.Generator().manual_seed(rows)
-    n_in, n_out, cap = 96, 80, 8
-    entries = [StackEntry(s, torch.randn(r, n_in, generator=g) / 10, torch.randn(r, n_out, generator=g) / 4, sc)
+    n_in, n_out, cap = 600, 80, 8
+    entries = [StackEntry(s, torch.randn(r, n_in, generator=g) / 20, torch.randn(r, n_out, generator=g) / 4, sc)
                for s, r, sc in ((0, 1, 2.0), (2, 8, 0.5), (5, 64, 0.125))]
     stack = LoraStack.build(entries, cap, torch.device("cpu"), dtype)
     sel = Selection(torch.device("cpu"), cap, rows=4)
