@@ -10,7 +10,8 @@
 #   bash bench/wave2_gpu.sh ab 1b      # the same on the 1B shape (builds kept on a warm machine)
 #   bash bench/wave2_gpu.sh tests      # tests/gpu, the attention contract and the plugin tests on CUDA
 #   bash bench/wave2_gpu.sh features [NAME ...]   # quantized cache (kvq_b1, kvq_b32), speculative (spec),
-#                                      # n-gram (ngram), LoRA (lora) and tp=1 (tp1) figures; default all
+#                                      # n-gram (ngram), LoRA (lora), tp=1 (tp1) and the stream gap under a
+#                                      # long prefill (fairness) figures; default all
 #
 #   bash bench/wave2_gpu.sh poll SECONDS   # all of the above in one detached pipeline (copies of both trees in
 #                                      # /tmp, so later calls' tree copies cannot disturb it): the first call starts
@@ -81,7 +82,7 @@ case "$stage" in
     ;;
   features)
     shift
-    names=${*:-kvq_b1 kvq_b32 spec ngram lora tp1}
+    names=${*:-kvq_b1 kvq_b32 spec ngram lora tp1 fairness}
     run() {  # name, then the exl3 arguments
       local name=$1; shift
       case " $names " in *" $name "*) ;; *) return ;; esac
@@ -98,6 +99,11 @@ case "$stage" in
     run lora bench --shape 8b --codebook mul1 --lora --json "$OUT/lora.json"
     run tp1 bench --shape 8b --codebook mul1 --contexts 256 --batches 32 --prefill 0 --tensor-parallel-size 1 \
       --json "$OUT/tp1.json"
+    case " $names " in *" fairness "*)  # the 8B stream's gap during an 8x-budget prefill (printed by the test)
+      echo "== fairness"
+      timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_scheduler_gpu.py -k stream_gap \
+        > "$OUT/fairness.log" 2>&1; echo "rc=$?"; grep -E "gap|passed|failed" "$OUT/fairness.log" | tail -3 ;;
+    esac
     ;;
   pipeline)
     # the order puts first what the most must-holds wait on; the baseline builds while the tests run
@@ -108,7 +114,7 @@ case "$stage" in
     wait
     echo "tests done $(date +%T)"
     bash bench/wave2_gpu.sh ab 8b; echo "ab 8b done $(date +%T)"
-    bash bench/wave2_gpu.sh features kvq_b1 spec lora tp1 kvq_b32; echo "features done $(date +%T)"
+    bash bench/wave2_gpu.sh features kvq_b1 spec lora tp1 kvq_b32 fairness; echo "features done $(date +%T)"
     bash bench/wave2_gpu.sh ab 1b; echo "ab 1b done $(date +%T)"
     date > /tmp/w2/done
     ;;
