@@ -29,18 +29,19 @@ from exl3_core.lora.stack import LoraStack
 
 #: linears one launch pair serves
 MAX_GROUP = 3
-#: input features per shrink program when the row blocks alone would leave most of the GPU idle
+#: input features per shrink program at decode sizes (row blocks of at most 32 rows), where the row blocks
+#: alone would leave most of the GPU idle
 SPLIT_K = 1024
-#: row blocks from which the shrink keeps the whole input in one program (enough programs already)
-SPLIT_MAX_ROW_BLOCKS = 16
+#: the most partial values one expand program sums at once (slices x rows x rank): a register budget
+MAX_SLICE_VALUES = 8192
 
 
 # scalars that differ per member are picked at run time: never specialized (a 1 would become a constant)
-@triton.jit(do_not_specialize=["RK0", "RK1", "RK2", "sas0", "sas1", "sas2", "sar0", "sar1", "sar2", "KS"])
+@triton.jit(do_not_specialize=["RK0", "RK1", "RK2", "sas0", "sas1", "sas2", "sar0", "sar1", "sar2", "KS", "SPLIT"])
 def _shrink_kernel(X, A0, A1, A2, L0, L1, L2, S0, S1, S2, SLOTS, COEF, ROWMAP, NACT, XA,
-                   R, K, RK0, RK1, RK2, sas0, sas1, sas2, sar0, sar1, sar2, stride_x, stride_coef, U, KS,
+                   R, K, RK0, RK1, RK2, sas0, sas1, sas2, sar0, sar1, sar2, stride_x, stride_coef, U, KS, SPLIT,
                    NUM: tl.constexpr, HAS_MAP: tl.constexpr, IEEE: tl.constexpr,
-                   BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
+                   BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
     pid_m = tl.program_id(0)
     u = tl.program_id(1)
     g = tl.program_id(2) // KS
@@ -154,11 +155,13 @@ def lora_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[
     br = _block_rank(max(s.rank for s in stacks))
     bm = 16 if n <= 16 else (32 if n <= 64 else 64)
     ieee = stacks[0].a.dtype == torch.float32
-    # few rows: wide input blocks, so each slice takes a few loads (the shrink is bound by their latency)
-    bk = (256 if bm == 16 else 64) if br <= 32 else (128 if bm == 16 else 32)
-    if SPLIT_K % bk:
-        raise ValueError(f"lora_add_group: SPLIT_K={SPLIT_K} is not a multiple of the {bk}-wide input block")
-    ks = triton.cdiv(k, SPLIT_K) if triton.cdiv(n, bm) < SPLIT_MAX_ROW_BLOCKS else 1
+    # decode sizes: the input in slices (within the expand's register budget), each read in a few wide loads,
+    # since the shrink is bound by their latency there; larger row counts keep one slice
+    decode = bm <= 32
+    bk = (256 if decode else 64) if br <= 32 else (128 if decode else 32)
+    ks = min(triton.cdiv(k, SPLIT_K), max(1, MAX_SLICE_VALUES // (bm * br))) if decode else 1
+    split = triton.cdiv(triton.cdiv(k, ks), bk) * bk  # a whole number of input blocks per slice
+    ks = triton.cdiv(k, split)
     xa = torch.empty((ks, n, num, U, br), dtype=torch.float32, device=x2.device)
 
     def pad(items: list) -> list:  # unused members repeat the first (never read: NUM says how many are real)
@@ -173,8 +176,8 @@ def lora_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[
     _shrink_kernel[(triton.cdiv(n, bm), U, num * ks)](
         x2, *a, *loc, *sc, sel.slots, sel.coef, rowmap, sel.active, xa,
         n, k, *rk, *pad([s.a.stride(0) for s in stacks]), *pad([s.a.stride(1) for s in stacks]),
-        x2.stride(0), sel.coef.stride(0), U, ks,
-        NUM=num, HAS_MAP=rows is not None, IEEE=ieee, BM=bm, BR=br, BK=bk, SPLIT=SPLIT_K)
+        x2.stride(0), sel.coef.stride(0), U, ks, split,
+        NUM=num, HAS_MAP=rows is not None, IEEE=ieee, BM=bm, BR=br, BK=bk)
     bn = 64 if br <= 32 else 32
     widths = [y.shape[1] for y in ys]
     blocks = [triton.cdiv(w, bn) for w in widths]

@@ -62,9 +62,9 @@ def _lora() -> int:
     failed = 0
     dev = torch.device("cpu")
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
-        for rows in (1, 300):
-            stacks = [LoraStack.build([StackEntry(0, torch.randn(16, 4096), torch.randn(16, n), 1.0)], 8, dev, dtype)
-                      for n in (4096, 1024)]
+        for rows in (1, 32, 300):
+            stacks = [LoraStack.build([StackEntry(0, torch.randn(r, 4096), torch.randn(r, n), 1.0)], 8, dev, dtype)
+                      for r, n in ((16, 4096), (64, 1024))]  # ranks 16 and 64: both block shapes
             sel = Selection(dev, 8, rows=rows)
             sel.fill([({0: 1.0}, rows)])
             x = torch.randn(rows, 4096).to(dtype)
