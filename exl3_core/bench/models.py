@@ -142,11 +142,10 @@ class RandomSource:
         if self_predicting and head_bits is None:
             raise ValueError("a self-predicting bench model (the --draft target) copies its EXL3 head's rows into the "
                              "embedding; give the head bits (--head-bits 1..8, not 0)")
-        self.dims, self.seed, self.self_predicting = shape, seed, self_predicting
+        self.dims, self.seed = shape, seed
         self.codebook = CODEBOOKS[codebook]
         self.directory = Path(f"<random {shape.name} {bpw} bpw>")
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype, str, float]] = {}
-        self._exl3_k: dict[str, int] = {}
         h = shape.hidden
         self._add("model.embed_tokens.weight", (shape.vocab, h), torch.float16,
                   "head_rows" if self_predicting else "embed", 1.0)
@@ -174,7 +173,6 @@ class RandomSource:
         # keeps activations O(1) through the layers, as in a real checkpoint
         self._add(f"{key}.suh", (kp,), torch.float16, "sign", fin ** -0.25)
         self._add(f"{key}.svh", (n,), torch.float16, "sign", fin ** -0.25 * damp)
-        self._exl3_k[key] = k
         if self.codebook in _MARKERS:
             self._add(f"{key}.{_MARKERS[self.codebook][0]}", (), torch.int32, "marker", 0.0)
 
@@ -223,13 +221,11 @@ class RandomSource:
     def _head_rows(self, dev: torch.device) -> torch.Tensor:
         """The head's rows at norm sqrt(hidden): as the embedding, each token's own logit stands far above the
         others' (random rows of this length are nearly orthogonal)."""
-        from exl3_core.quant.exl3.dequant import apply_scales_and_rotations
-        from exl3_core.quant.exl3.trellis import decode_inner
+        from exl3_core.quant.exl3.linear import EXL3Linear
 
         h, v = self.dims.hidden, self.dims.vocab
-        inner = decode_inner(self.get_tensor("lm_head.trellis", dev), self._exl3_k["lm_head"], self.codebook)
-        w = apply_scales_and_rotations(inner, self.get_tensor("lm_head.suh", dev).float(),
-                                       self.get_tensor("lm_head.svh", dev).float())[:h, :v].t()
+        head = EXL3Linear.from_tensors("lm_head", lambda n: self.get_tensor(n, dev) if n in self else None, h, v)
+        w = head.dequantize().t()  # [vocab, hidden]
         return w * (h ** 0.5 / w.norm(dim=1, keepdim=True).clamp_min(1e-6))
 
     def weight_bytes(self) -> int:

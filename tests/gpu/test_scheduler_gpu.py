@@ -33,10 +33,6 @@ def small():
     model.unload()
 
 
-def _tokens(gen: Generator, jobs: list[Job]) -> dict[int, list[int]]:
-    return {i: t for i, (t, _) in _outputs(gen, jobs).items()}
-
-
 def _outputs(gen: Generator, jobs: list[Job]) -> dict[int, tuple[list[int], torch.Tensor | None]]:
     """Each job's tokens and, where it asked for them, its logits per token."""
     gen.enqueue(jobs)
