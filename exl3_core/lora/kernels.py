@@ -7,8 +7,9 @@ captured graph serves every mix of adapters:
 * **shrink**, grid ``(row blocks, slot capacity, linears x input slices)``: program ``(m, u, g, s)`` computes
   the slice ``s`` part of ``xa[rows, g, u, :] = coef[rows, u] * scale_g[slot_u] * (x[rows] A_g[slot_u]ᵀ)`` for
   the active entry ``u`` (programs past the active count, or whose adapter does not target linear ``g``, do
-  nothing). Few rows (decode) cut the input into :data:`SPLIT_K`-wide slices, so the long reduction over the
-  input features runs in parallel instead of in one program per adapter;
+  nothing). Row blocks of at most 32 rows (decode) cut the input into slices of up to :data:`SPLIT_K`
+  features (wider where :data:`MAX_SLICE_VALUES` caps their count), so the long reduction over the input
+  features runs in parallel instead of in one program per adapter;
 * **expand**, grid ``(row blocks, output blocks of every linear)``: ``out_g = y_g + sum_u xa[rows, g, u, :]
   Bᵀ_g[slot_u]`` over the active entries, the slices summed in a fixed order (deterministic), accumulated in
   fp32 and rounded once (``out_g`` may be ``y_g``).
