@@ -33,6 +33,11 @@ DEFAULT_COLS = 64
 TOKENS_PER_INPUT = 64
 MIN_TOKENS = 32768
 MAX_TOKENS = 250 * 2048
+#: rows the post-pass scale refit (convert/postpass.py) runs on: it fits two scale vectors per linear
+#: for fixed codes, which needs far fewer tokens than the Hessians LDLQ rounds against, and its three
+#: passes over every stage were most of a default conversion's time
+POSTPASS_TOKENS_PER_INPUT = 8
+POSTPASS_MIN_TOKENS = 16384
 EVAL_EVERY = 5  # unit i of a collection (sorted) is evaluation text iff i % EVAL_EVERY == EVAL_EVERY - 1
 
 Split = Literal["calibration", "eval", "all"]
@@ -89,6 +94,17 @@ def default_size(widest_input: int, rows: int | None = None, cols: int | None = 
         tokens = min(MAX_TOKENS, max(MIN_TOKENS, TOKENS_PER_INPUT * widest_input))
         rows = max(1, -(-tokens // cols))
     return rows, cols
+
+
+def postpass_rows(ids: torch.Tensor, widest_input: int) -> torch.Tensor:
+    """The calibration rows the post-pass refit uses: ``POSTPASS_TOKENS_PER_INPUT`` tokens per input
+    channel of the widest quantized linear, at least ``POSTPASS_MIN_TOKENS`` (all rows when there are
+    fewer), spread evenly over ``ids [rows, cols]`` so text and random rows keep their shares."""
+    rows, cols = ids.shape
+    want = -(-max(POSTPASS_MIN_TOKENS, POSTPASS_TOKENS_PER_INPUT * widest_input) // cols)
+    if want >= rows:
+        return ids
+    return ids[[(i * rows) // want for i in range(want)]]
 
 
 def load_tokenizer(model_dir: str | Path) -> object | None:

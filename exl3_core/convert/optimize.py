@@ -13,11 +13,16 @@
    additive model of measured allocation). A K per group is chosen to minimise it subject to the
    budget ``floor(bpw · Σ numel)`` bits over the budgeted tensors (as ``exl3 convert`` counts bpw)
    and, optionally, a total file size: an exact multiple-choice knapsack by dynamic programming.
-4. **Compile.** The output takes each group's tensors from its chosen candidate (no quantizer run)
-   and everything else (embedding, norms, head) from the candidate nearest the target.
+4. **Convert.** One more sequential conversion with the chosen K per tensor (``exl3 convert``'s
+   stage loop and post-pass with the allocation fixed), so every tensor is quantized and refit
+   against the inputs of the mixed model it ends up in. With ``--assemble`` the output instead
+   takes each group's tensors from its chosen candidate (seconds, no quantizer run): a tensor then
+   keeps the fit to its own candidate's upstream layers, which measured worse than the allocation
+   gains (docs/quality.md).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -187,6 +192,7 @@ class OptimizeArgs:
     shard_mib: int = 8192
     cal_rows: int | None = None  # the candidates' calibration (None: exl3 convert's default for the model)
     cal_cols: int | None = None
+    assemble: bool = False  # take the chosen tensors from the candidates instead of converting once more
 
     def validate(self) -> None:
         ks = sorted(set(self.candidates))
@@ -405,6 +411,22 @@ class Optimizer:
         copy_other_files(self.in_dir, out)
         return bits
 
+    def _final(self, alloc: dict[str, int], out: Path) -> float:
+        """Convert once more with ``alloc`` fixed per tensor; resumable in a work folder of its own per
+        allocation (another target's interrupted conversion is left alone)."""
+        from exl3_core.convert.pipeline import convert
+
+        per_key = {key: alloc[g.name] for g in self.groups for key in g.keys}
+        tag = hashlib.sha1(json.dumps(per_key, sort_keys=True).encode("utf-8")).hexdigest()[:12]
+        wd = self.work / f"final-{tag}.work"
+        self.report(f"converting {self.in_dir} with the measured allocation into {out}")
+        res = convert(self.in_dir, out, self.args.bpw, head_bits=self.args.head_bits, device=self.args.device,
+                      work_dir=wd, resume=(wd / "job.json").is_file(), seed=self.args.seed, report=self.report,
+                      cal_rows=self.args.cal_rows, cal_cols=self.args.cal_cols, bits_fixed=per_key,
+                      progress=self.progress)
+        shutil.rmtree(wd, ignore_errors=True)
+        return res.bits
+
     def run(self, *, resume: bool = False) -> dict[str, Any]:
         out = Path(self.args.out_dir).expanduser()
         if out.exists() and any(out.iterdir()):
@@ -423,7 +445,7 @@ class Optimizer:
         alloc = allocate(self.groups, m, budget)
         write_json_atomic({"bpw": self.args.bpw, "target_bytes": self.args.target_bytes, "allocation": alloc},
                           self.work / "allocation.json", indent=1)
-        bits = self._compile(alloc, out)
+        bits = self._compile(alloc, out) if self.args.assemble else self._final(alloc, out)
         pred = predicted_kl(self.groups, m, alloc)
         self.source.close()
         counts = {k: sum(1 for v in alloc.values() if v == k) for k in self.ks}
@@ -437,7 +459,7 @@ def optimize(in_dir: str | Path, out_dir: str | Path, bpw: float, *, work_dir: s
              candidates: tuple[int, ...] | None = None, target_bytes: int | None = None, head_bits: int = 6,
              seed: int = 0, device: str = "cpu", measure_rows: int = 16, measure_cols: int = 256,
              measurement: str | Path | None = None, shard_mib: int = 8192, resume: bool = False,
-             cal_rows: int | None = None, cal_cols: int | None = None,
+             cal_rows: int | None = None, cal_cols: int | None = None, assemble: bool = False,
              report: Report | None = None, progress: bool = True) -> dict[str, Any]:
     """Measure, allocate and compile a mixed-bitrate EXL3 model at an average ``bpw`` (module docstring).
 
@@ -445,6 +467,8 @@ def optimize(in_dir: str | Path, out_dir: str | Path, bpw: float, *, work_dir: s
         other targets can be compiled from the same measurement with ``--resume``).
     :param candidates: the bitrates to choose from (default :func:`default_candidates`).
     :param target_bytes: also keep the output's total tensor bytes at or below this.
+    :param assemble: take each group's tensors from its candidate (seconds) instead of converting once
+        more with the allocation (the default, better: module docstring).
     :raises ValueError: a target the candidates cannot meet. :raises ResumeError: a job or measurement
         that does not match these arguments or this model.
     """
@@ -453,7 +477,7 @@ def optimize(in_dir: str | Path, out_dir: str | Path, bpw: float, *, work_dir: s
     args = OptimizeArgs(str(in_dir), str(out_dir), float(bpw), str(work),
                         tuple(candidates) if candidates else default_candidates(float(bpw)), target_bytes,
                         head_bits, seed, device, measure_rows, measure_cols,
-                        None if measurement is None else str(measurement), shard_mib, cal_rows, cal_cols)
+                        None if measurement is None else str(measurement), shard_mib, cal_rows, cal_cols, assemble)
     return Optimizer(args, report=report, progress=progress).run(resume=resume)
 
 
@@ -462,7 +486,8 @@ def add_cli(subparsers: Any) -> None:
         "optimize", help="mixed-bitrate EXL3 conversion from a measurement of each tensor group's error",
         description="Convert once per candidate bitrate, measure each tensor group's contribution to the KL "
                     "divergence from the unquantized model, choose a bitrate per group for the target average "
-                    "(and size), and assemble the output from the candidates without quantizing again.")
+                    "(and size), and convert once more with that allocation (or, with --assemble, take the "
+                    "tensors from the candidates without quantizing again).")
     p.add_argument("-i", "--input", required=True, help="source model directory (HF safetensors)")
     p.add_argument("-o", "--output", required=True, help="output directory (must not exist or be empty)")
     p.add_argument("-b", "--bits", type=float, required=True, help="target average bits per weight")
@@ -480,6 +505,9 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the candidate conversions (default 0)")
     p.add_argument("--device", default="cpu", help="device, e.g. cpu or cuda:0")
     p.add_argument("--shard-size", type=int, default=8192, help="maximum shard size in MiB (default 8192)")
+    p.add_argument("--assemble", action="store_true",
+                   help="take the chosen tensors from the candidates (seconds) instead of converting once more "
+                        "with the allocation (slower, lower KL divergence)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)
 
@@ -490,5 +518,5 @@ def _run(args: Any) -> int:
              target_bytes=args.target_bytes, head_bits=args.head_bits, seed=args.seed, device=args.device,
              measure_rows=args.measure_rows, measure_cols=args.measure_cols, measurement=args.measurement,
              shard_mib=args.shard_size, resume=args.resume, cal_rows=args.cal_rows, cal_cols=args.cal_cols,
-             progress=not args.no_progress)
+             assemble=args.assemble, progress=not args.no_progress)
     return 0

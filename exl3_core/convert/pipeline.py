@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from exl3_core.convert.calibration import RANDOM_FRACTION, calibration_ids, default_size
+from exl3_core.convert.calibration import RANDOM_FRACTION, calibration_ids, default_size, postpass_rows
 from exl3_core.convert.capture import HessianCapture, LinearSlot, find_linears
 from exl3_core.convert.compile import quantization_config, write_output
 from exl3_core.convert.concurrent import run_on_streams
@@ -88,6 +88,7 @@ class ConvertArgs:
     tf32: bool = True  # CUDA: fp32 matmuls of the calibration forwards and Hessians on TF32 tensor cores
     sequential: bool = False  # re-capture each input group of a block after the groups before it are quantized
     refit_final: float = 0.0  # β of the post-pass scale refit from the finished model (0: off; convert/postpass.py)
+    bits_fixed: dict[str, int] | None = None  # K per tensor key chosen by the caller (exl3 optimize's allocation)
 
     @property
     def rows(self) -> int:
@@ -324,7 +325,14 @@ class Converter:
         probe_groups(self.model, self.stages, self.slots, self.vocab)
         items, head_keys = allocation_items(self.stages, self.slots)
         fixed_head = a.head_bits
-        bits = allocate_bits(items, a.bpw, head_keys=head_keys, head_bits=fixed_head,
+        if a.bits_fixed is not None:
+            known = {it.key for it in items}
+            if unknown := sorted(set(a.bits_fixed) - known):
+                raise ValueError(f"bits_fixed: {', '.join(unknown[:4])}{' ...' if len(unknown) > 4 else ''} "
+                                 f"{'is not a quantized tensor' if len(unknown) == 1 else 'are not quantized tensors'}"
+                                 f" of {self.in_dir}; give K only for its linears (was the allocation made for "
+                                 f"another model?)")
+        bits = allocate_bits(items, a.bpw, head_keys=head_keys, head_bits=fixed_head, fixed=a.bits_fixed,
                              num_layers=sum(st.kind == "block" for st in self.stages))
         for s in (s for ss in self.slots.values() for s in ss):
             s.group = None  # the real capture observes the groups again
@@ -537,13 +545,15 @@ class Converter:
             return x
         return x.to(self._home(x.nbytes))
 
+    def _widest_input(self) -> int:
+        return max((s.in_features for ss in self.slots.values() for s in ss if s.quantize), default=1)
+
     def _size_calibration(self) -> None:
         """Resolve an unset calibration size from the model's linears (``calibration.default_size``)."""
         a = self.args
         if a.cal_rows is not None and a.cal_cols is not None:
             return
-        widest = max((s.in_features for ss in self.slots.values() for s in ss if s.quantize), default=1)
-        rows, cols = default_size(widest, a.cal_rows, a.cal_cols)
+        rows, cols = default_size(self._widest_input(), a.cal_rows, a.cal_cols)
         self.args = replace(a, cal_rows=rows, cal_cols=cols)
 
     def run(self, *, resume: bool = False, _stop_after_module: int | None = None) -> ConvertResult:
@@ -620,6 +630,7 @@ class Converter:
         self.x_fp = None  # the stage loop's states are done with; the post-pass keeps its own two sets
         ids = self.work.load_calibration()
         assert ids is not None  # run() checked it
+        ids = postpass_rows(ids, self._widest_input())
         t0 = time.monotonic()
         with _tf32(self.args.tf32 and self.device.type == "cuda"):
             files, recs = final_refit(self.model, self.stages, self.slots, files, ids, self.args.refit_final,
@@ -675,7 +686,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
             shard_mib: int = 8192, work_dir: str | Path | None = None, resume: bool = False, seed: int = 0,
             text: str | Path | None = None, cal_random: float = RANDOM_FRACTION, propagate: float | None = None,
             refit_scales: bool = False, refit_propagate: float = 0.0, tf32: bool = True, sequential: bool = False,
-            refit_final: float | None = None,
+            refit_final: float | None = None, bits_fixed: dict[str, int] | None = None,
             report: Report | None = None,
             progress: bool = True,
             on_quantized: Callable[[str, QuantizedLinear], None] | None = None,
@@ -708,6 +719,8 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
         error-propagated target of strength β (``convert/postpass.py``; three extra calibration passes
         per stage, the unquantized model's states kept beside the quantized ones). None: the measured
         default (``postpass.default_beta``: 0.5 on every device and bitrate).
+    :param bits_fixed: K per quantized tensor key, outside the ``bpw`` allocation (``exl3 optimize``
+        passes its measured allocation for every tensor); the rest are allocated as usual.
     :param report: receives the per-tensor and per-module report lines (default: stderr).
     :param on_quantized: called with ``(key, QuantizedLinear)`` for every tensor quantized in this run.
     :param _stop_after_module: testing hook, return (unfinished) after checkpointing that stage index.
@@ -731,6 +744,7 @@ def convert(in_dir: str | Path, out_dir: str | Path, bpw: float, *, head_bits: i
                        text=None if text is None else str(text), cal_random=cal_random,
                        propagate=default_strength(float(bpw)) if propagate is None else float(propagate),
                        refit_scales=bool(refit_scales), refit_propagate=float(refit_propagate), tf32=bool(tf32),
-                       sequential=bool(sequential), refit_final=float(refit_final))
+                       sequential=bool(sequential), refit_final=float(refit_final),
+                       bits_fixed=None if bits_fixed is None else {str(k): int(v) for k, v in bits_fixed.items()})
     conv = Converter(args, report=report, progress=progress, on_quantized=on_quantized)
     return conv.run(resume=resume, _stop_after_module=_stop_after_module)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from exl3_core.convert import calibration as cal
 
@@ -33,3 +34,22 @@ def test_default_size_follows_the_widest_input(widest: int) -> None:
     assert cols == cal.DEFAULT_COLS
     assert cal.MIN_TOKENS <= tokens < max(cal.MIN_TOKENS, min(cal.MAX_TOKENS, cal.TOKENS_PER_INPUT * widest)) + cols
     assert cal.default_size(widest, rows=7) == (7, cols) and cal.default_size(widest, cols=512)[1] == 512
+
+
+@pytest.mark.parametrize("widest", [64, 1536, 14336])
+def test_postpass_rows_are_an_even_subset_keeping_the_random_share(widest: int) -> None:
+    rows, cols = cal.default_size(widest)
+    n_text = rows - round(rows * cal.RANDOM_FRACTION)
+    ids = torch.arange(rows)[:, None].expand(rows, cols)  # row i holds i: text rows first, then random ones
+    sub = cal.postpass_rows(ids, widest)
+    want = max(cal.POSTPASS_MIN_TOKENS, cal.POSTPASS_TOKENS_PER_INPUT * widest)
+    picked = sub[:, 0].tolist()
+    assert sub.shape[1] == cols and picked == sorted(set(picked))  # distinct rows, in order
+    if want >= rows * cols:
+        assert picked == list(range(rows))
+    else:
+        assert want <= sub.numel() < want + cols
+        share = sum(i >= n_text for i in picked) / len(picked)
+        assert abs(share - (rows - n_text) / rows) < 2 / len(picked) + 1e-9
+        gaps = [b - a for a, b in zip(picked, picked[1:])]
+        assert max(gaps) - min(gaps) <= 1  # evenly spread over the whole set

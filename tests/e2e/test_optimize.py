@@ -73,16 +73,28 @@ def test_optimize_measures_allocates_compiles_and_resumes(tiny: Path, optimized:
     assert 2.0 <= res["bits"] <= 2.5
     ks = set(res["allocation"].values())
     assert ks <= {2, 3}
-    # every chosen group's tensors are its candidate's, byte for byte; the model loads and runs
+    # the final conversion quantized every group at its chosen K (the trellis' last dim is 16 K);
+    # the model loads and runs, and no conversion work folder is left behind
     alloc = json.loads((work / "allocation.json").read_text())["allocation"]
+    assert len(set(alloc.values())) == 2, alloc  # a mixed allocation exercises bits_fixed
     with SafetensorsCollection(tmp_path / "out") as out:
         for leader, k in alloc.items():
-            with SafetensorsCollection(work / f"cand-{k}") as cand:
-                assert torch.equal(out.get_tensor(f"{leader}.trellis"), cand.get_tensor(f"{leader}.trellis"))
+            assert out.get_tensor(f"{leader}.trellis").shape[-1] == 16 * k, leader
     ids = torch.randint(0, 256, (1, 12))
     assert torch.isfinite(load(tmp_path / "out")(ids)).all()
     qc = json.loads((tmp_path / "out" / "quantization_config.json").read_text())
     assert qc["bits"] == round(res["bits"], 2)
+    assert not list(work.glob("final-*.work"))
+
+    # --assemble: every chosen group's tensors are its candidate's, byte for byte, at the same size
+    resa = optimize(tiny, tmp_path / "outa", 2.5, work_dir=work, resume=True, assemble=True, progress=False,
+                    report=lambda s: None, **CAL)
+    assert resa["allocation"] == res["allocation"] and resa["bits"] == res["bits"]
+    with SafetensorsCollection(tmp_path / "outa") as out:
+        for leader, k in alloc.items():
+            with SafetensorsCollection(work / f"cand-{k}") as cand:
+                assert torch.equal(out.get_tensor(f"{leader}.trellis"), cand.get_tensor(f"{leader}.trellis"))
+    assert torch.isfinite(load(tmp_path / "outa")(ids)).all()
 
     # another target from the same work directory reuses candidates and measurement
     m_before = (work / "measurement.json").read_text()
@@ -111,3 +123,12 @@ def test_measurement_of_another_model_is_refused(tiny: Path, optimized: tuple[Pa
     with pytest.raises(ResumeError, match="measured the bitrates"):
         optimize(tiny, tmp_path / "out3", 3.0, work_dir=tmp_path / "work3", measurement=work / "measurement.json",
                  progress=False, report=lambda s: None, **{**CAL, "candidates": (3, 4)})
+
+
+def test_bits_fixed_for_a_tensor_the_model_lacks_is_refused(tiny: Path, tmp_path: Path) -> None:
+    from exl3_core.convert.pipeline import convert
+
+    with pytest.raises(ValueError, match="model.layers.7.mlp.up_proj is not a quantized tensor"):
+        convert(tiny, tmp_path / "out", 3.0, cal_rows=2, cal_cols=16, bits_fixed={"model.layers.7.mlp.up_proj": 3},
+                progress=False, report=lambda s: None)
+    assert not (tmp_path / "out").exists()
