@@ -1,6 +1,8 @@
 """The built-in corpus split and the default calibration size."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -51,5 +53,5 @@ def test_postpass_rows_are_an_even_subset_keeping_the_random_share(widest: int) 
         assert want <= sub.numel() < want + cols
         share = sum(i >= n_text for i in picked) / len(picked)
         assert abs(share - (rows - n_text) / rows) < 2 / len(picked) + 1e-9
-        gaps = [b - a for a, b in zip(picked, picked[1:])]
+        gaps = [b - a for a, b in itertools.pairwise(picked)]
         assert max(gaps) - min(gaps) <= 1  # evenly spread over the whole set
