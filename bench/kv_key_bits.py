@@ -1,0 +1,174 @@
+"""What a 4-bit key cache costs under other key schemes at the same storage, on the default model (CPU, fp32).
+
+The cache under test is simulated: an fp32 cache whose writes store the keys and values as a scheme would
+read them back, so every scheme runs through the same engine path as the unquantized reference, and the
+figure is the mean KL divergence of the next-token distributions from the unquantized cache's (as
+``exl3_core.eval.cache_kld``: 256-token chunks, the first chunk left out). Schemes:
+
+* ``h32``: format spec 6 as the cache stores it (32-value groups, H32 rotation, fp16 max-abs scale);
+* ``pairs``: no rotation; each RoPE pair of a KV head gets its own bit width (0..8), chosen once from
+  calibration statistics to minimise the query-weighted key error E[(q·Δk)²] (greedy, per head, at
+  ``bits + 1/2 - 16/D`` bits per channel, so that with one fp16 scale per token and head it stores as
+  many bytes as ``h32``);
+  values are scaled by each channel's calibration RMS and quantized on a per-token, per-head max-abs range.
+
+A pair's energy is the same at every position (RoPE rotates within the pair), so the allocation holds
+across positions. Calibration: the first 1024 tokens of the built-in calibration text; evaluation: the
+held-out text, as ``tests/e2e/test_kv_quant_quality.py``.
+
+    python bench/kv_key_bits.py [--positions 4096] [--bits 4]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "core"))
+
+from smol_gguf import imported_model
+
+import exl3_core.nn.rope as rope_mod
+import exl3_core.reference.kv_quant as ref
+from exl3_core import Config, Model, Tokenizer
+from exl3_core.archkit.batch import BatchMeta
+from exl3_core.cache import Cache
+from exl3_core.cache.kv import KVCacheLayer
+from exl3_core.convert.calibration import builtin_text
+from exl3_core.eval.kld import kl_per_token
+from exl3_core.plan import ExecutionPlan
+
+Scheme = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class Tap:
+    """Records each layer's rotated q and k, and rewrites k and v on their way into the cache."""
+
+    def __init__(self) -> None:
+        self.scheme: Scheme | None = None
+        self.record: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self.layer_of: dict[int, int] = {}
+        self.last_q: torch.Tensor | None = None
+        rope_cls = next(c for c in vars(rope_mod).values() if isinstance(c, type) and "rotate_qk" in vars(c))
+        rotate, write = rope_cls.rotate_qk, KVCacheLayer.write
+        tap = self
+
+        def rotate_qk(self, q, k, cos, sin):  # type: ignore[no-untyped-def]
+            q, k = rotate(self, q, k, cos, sin)
+            tap.last_q = q
+            return q, k
+
+        def store(self, k, v, slot_mapping, **kw):  # type: ignore[no-untyped-def]
+            i = tap.layer_of.setdefault(id(self), len(tap.layer_of))
+            if tap.record is not None and tap.last_q is not None:
+                tap.record.setdefault(i, []).append((tap.last_q.detach().float().clone(), k.detach().float().clone()))
+            if tap.scheme is not None:
+                k2, v2 = tap.scheme(i, k, v)
+                k, v = k2.to(k.dtype), v2.to(v.dtype)
+            write(self, k, v, slot_mapping)
+
+        rope_cls.rotate_qk, KVCacheLayer.write = rotate_qk, store
+
+
+def run(model: Model, plan: ExecutionPlan, tap: Tap, ids: torch.Tensor, schemes: dict[str, Scheme | None],
+        chunk: int = 256) -> dict[str, tuple[float, float]]:
+    """Mean KL and top-1 agreement of each scheme against the first (None: unquantized)."""
+    n = ids.shape[0]
+    names = list(schemes)
+    caches = [Cache(model, n) for _ in names]
+    ps = caches[0].page_size
+    tables = [torch.tensor([c.allocator.allocate(-(-n // ps))], dtype=torch.int32) for c in caches]
+    kl = dict.fromkeys(names, 0.0)
+    agree = dict.fromkeys(names, 0)
+    counted = 0
+    for start in range(0, n, chunk):
+        toks = ids[start:start + chunk].tolist()
+        rows = torch.arange(len(toks))
+        out = {}
+        for name, cache, table in zip(names, caches, tables, strict=True):
+            tap.scheme, tap.layer_of = schemes[name], {}
+            meta = BatchMeta.from_lists([toks], [start], device=model.device, page_table=table, page_size=ps,
+                                        logits_indices=rows)
+            out[name] = plan.forward(meta, cache).float()
+        tap.scheme = None
+        if start == 0:
+            continue
+        ref_logits = out[names[0]]
+        for name in names[1:]:
+            kl[name] += float(kl_per_token(ref_logits, out[name]).sum())
+            agree[name] += int((ref_logits.argmax(-1) == out[name].argmax(-1)).sum())
+        counted += len(toks)
+    return {name: (kl[name] / counted, agree[name] / counted) for name in names[1:]}
+
+
+def h32(x: torch.Tensor, bits: int) -> torch.Tensor:
+    w, s = ref.quantize(x.reshape(x.shape[0], -1), bits)
+    return ref.dequantize(w, s, bits).reshape(x.shape)
+
+
+def pair_bits(weight: torch.Tensor, bits_per_channel: float) -> torch.Tensor:
+    """Greedy bit widths ``[H, P]`` per RoPE pair minimising Σ weight·4^-b with Σ b = bits_per_channel · P."""
+    b = torch.zeros(weight.shape, dtype=torch.long)
+    for h in range(weight.shape[0]):
+        for _ in range(round(bits_per_channel * weight.shape[1])):
+            gain = weight[h] * 4.0 ** (-b[h].float()) * (b[h] < 8)
+            b[h, int(gain.argmax())] += 1
+    return b
+
+
+def pairs_quant(k: torch.Tensor, bits: torch.Tensor, rms: torch.Tensor) -> torch.Tensor:
+    """``k [T, H, D]`` (half-split RoPE pairs c, c + D/2) at per-channel ``bits [H, D]``, scaled by ``rms``."""
+    z = k.float() / rms
+    s = z.abs().amax(-1, keepdim=True).to(torch.float16).float()  # the stored per-token, per-head scale
+    levels = 2.0 ** bits.float()
+    step = 2 * s / levels
+    code = torch.minimum(torch.floor((z + s) / step).clamp_min(0), levels - 1)
+    deq = ((code + 0.5) * step - s) * rms
+    return torch.where(bits > 0, deq, torch.zeros_like(deq))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--positions", type=int, default=4096)
+    ap.add_argument("--bits", type=int, default=4)
+    a = ap.parse_args()
+    cfg = Config.from_directory(imported_model())
+    model = Model.from_config(cfg)
+    model.load("cpu", dtype=torch.float32)
+    tok = Tokenizer.from_config(cfg)
+    plan = ExecutionPlan(model)
+    tap = Tap()
+
+    tap.record = {}
+    run(model, plan, tap, tok.encode(builtin_text("calibration"))[0][:1024], {"ref": None, "same": None})
+    record, tap.record = tap.record, None
+    alloc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i, rows in record.items():
+        rows = rows[: len(rows) // 2]  # the reference cache's writes (the second cache repeats them)
+        q = torch.cat([r[0] for r in rows])
+        k = torch.cat([r[1] for r in rows])
+        hk, d = k.shape[1], k.shape[2]
+        ek = k.pow(2).mean(0)
+        eq = q.view(q.shape[0], hk, -1, d).pow(2).mean((0, 2))
+        ekp, eqp = (ek[:, : d // 2] + ek[:, d // 2:]) / 2, (eq[:, : d // 2] + eq[:, d // 2:]) / 2
+        b = pair_bits(ekp * eqp, a.bits + 16 / ref.GROUP - 16 / d)  # h32's bytes: one fp16 scale per head
+        alloc[i] = (torch.cat([b, b], -1), torch.cat([ekp, ekp], -1).sqrt())
+
+    bits = a.bits
+    schemes: dict[str, Scheme | None] = {
+        "fp32": None,
+        f"k{bits}v16 h32": lambda i, k, v: (h32(k, bits), v),
+        f"k{bits}v16 pairs": lambda i, k, v: (pairs_quant(k, *alloc[i]), v),
+        f"k{bits}v{bits} h32": lambda i, k, v: (h32(k, bits), h32(v, bits)),
+        f"k{bits}v{bits} pairs+h32": lambda i, k, v: (pairs_quant(k, *alloc[i]), h32(v, bits)),
+    }
+    ids = tok.encode(builtin_text("eval"))[0][: a.positions + 256]
+    for name, (kl, top1) in run(model, plan, tap, ids, schemes).items():
+        print(f"{name:<20} KL {kl:.5f}  top-1 {top1:.4f}  ({a.positions} positions)")
+
+
+if __name__ == "__main__":
+    main()
