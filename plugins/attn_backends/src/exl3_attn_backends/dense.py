@@ -1,9 +1,16 @@
-"""Dense causal attention of one fresh sequence through torch's fused SDPA kernels.
+"""Dense causal attention of fresh sequences through torch's fused SDPA kernels.
 
 A sequence with no earlier tokens attends to its own new rows only, so it needs no page table: the
-attention module hands it to the backends without the cache (``AttnSpec.cache`` None, one sequence),
-and on CUDA torch's scaled-dot-product attention (FlashAttention/cuDNN kernels on Hopper) outruns the
-Triton kernel on long causal prefill. The dispatcher picks this backend for exactly those specs.
+attention module hands it to the backends without the cache (``AttnSpec.cache`` None), and
+
+* on CUDA, for one sequence, torch's scaled-dot-product attention (FlashAttention/cuDNN kernels on
+  Hopper) outruns the Triton kernel on long causal prefill (``torch_sdpa``);
+* on the CPU, for batches of sequences (the converter's calibration rows, a batched ``model(ids)``),
+  SDPA's fused kernel over the rows at once replaces the reference's loop over sequences
+  (``torch_sdpa_rows``); a single fresh prompt stays with the reference, whose result for it equals
+  the cached path's bit for bit.
+
+The dispatcher picks these backends for exactly those specs.
 """
 from __future__ import annotations
 
@@ -71,3 +78,60 @@ class DenseCausalAttention:
         if args.k is None or args.v is None:
             raise ValueError("torch_sdpa: a fresh sequence's call carries its keys and values (args.k, args.v)")
         return dense_causal(args)
+
+
+def _plain_causal_reasons(spec: AttnSpec) -> list[str]:
+    r = []
+    if spec.phase != "prefill" or spec.cache is not None:
+        r.append("fresh sequences' prefill only (no cache: the keys are the new rows)")
+    if not spec.causal or spec.window or spec.softcap or spec.has_sinks or spec.non_causal_spans:
+        r.append("plain causal masks only (no window, softcap, sinks or non-causal spans)")
+    if spec.v_dim != spec.head_dim:
+        r.append(f"values as wide as keys only (got {spec.head_dim}/{spec.v_dim})")
+    if spec.num_q_heads % spec.num_kv_heads:
+        r.append(f"num_q_heads={spec.num_q_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}")
+    return r
+
+
+def dense_rows(args: AttnArgs) -> torch.Tensor:
+    """Causal attention of each fresh sequence of ``args`` over its own rows, in fp32 (as the reference);
+    sequences of one length run as one batch."""
+    s = args.spec
+    cu = args.cu_seqlens_q.tolist()  # a CPU tensor: no device sync
+    lens = [b - a for a, b in zip(cu, cu[1:])]
+    gqa = s.num_q_heads != s.num_kv_heads
+    out = torch.empty((args.q.shape[0], s.num_q_heads, s.v_dim), dtype=args.q.dtype)
+
+    def run(rows: slice, n: int, length: int) -> None:
+        q, k, v = (t[rows].float().reshape(n, length, -1, t.shape[-1]).transpose(1, 2) for t in (args.q, args.k, args.v))
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=args.scale, enable_gqa=gqa)
+        out[rows] = o.transpose(1, 2).reshape(n * length, s.num_q_heads, s.v_dim).to(out.dtype)
+
+    if lens and min(lens) == max(lens) > 0:
+        run(slice(cu[0], cu[-1]), len(lens), lens[0])
+    else:
+        for a, n in zip(cu, lens):
+            if n:
+                run(slice(a, a + n), 1, n)
+    return out
+
+
+class DenseRowsAttention:
+    """Fresh sequences' causal prefill (no cache) on the CPU through torch's SDPA, all rows of one length at once."""
+
+    name: ClassVar[str] = "torch_sdpa_rows"
+    graph_safe: ClassVar[bool] = False  # a CPU backend: it reads the sequence bounds on the host
+
+    def priority(self, spec: AttnSpec) -> int:
+        return 105  # above the reference, for the specs it accepts
+
+    def unsupported_reasons(self, spec: AttnSpec) -> list[str]:
+        r = [] if spec.device_type == "cpu" else [f"the CPU only (got {spec.device_type}; CUDA has torch_sdpa)"]
+        if spec.num_seqs < 2:  # a generator's fresh prompt: the reference matches its cached rows bit for bit
+            r.append(f"batches of sequences only (got up to {spec.num_seqs or 'unknown'}; one goes to the reference)")
+        return r + _plain_causal_reasons(spec)
+
+    def forward(self, args: AttnArgs) -> torch.Tensor:
+        if args.k is None or args.v is None:
+            raise ValueError("torch_sdpa_rows: fresh sequences' calls carry their keys and values (args.k, args.v)")
+        return dense_rows(args)

@@ -15,6 +15,7 @@ def exl3_attention_backends() -> list[AttentionBackendSpec]:
         AttentionBackendSpec(name="cuda_decode", impl="exl3_attn_backends.cuda_decode:CudaDecodeAttention",
                              requires=("triton",)),
         AttentionBackendSpec(name="torch_sdpa", impl="exl3_attn_backends.dense:DenseCausalAttention"),
+        AttentionBackendSpec(name="torch_sdpa_rows", impl="exl3_attn_backends.dense:DenseRowsAttention"),
         AttentionBackendSpec(name="triton_paged", impl="exl3_attn_backends.triton_paged:TritonPagedAttention",
                              requires=("triton",)),
         AttentionBackendSpec(name="flash_attn", impl="exl3_attn_backends.flash:FlashAttnBackend",
