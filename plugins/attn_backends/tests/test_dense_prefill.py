@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from exl3_attn_backends.dense import DenseCausalAttention, DenseRowsAttention, dense_causal, fresh_single_sequence
+from exl3_attn_backends.dense import (
+    DenseCausalAttention,
+    DenseRowsAttention,
+    dense_causal,
+    fresh_single_sequence,
+)
 
 from exl3_core.attention import AttnSpec
 from exl3_core.testing.attention import Case, make_args, reference_attention, tolerance

@@ -14,6 +14,7 @@ The dispatcher picks these backends for exactly those specs.
 """
 from __future__ import annotations
 
+import itertools
 from typing import ClassVar
 
 import torch
@@ -98,7 +99,7 @@ def dense_rows(args: AttnArgs) -> torch.Tensor:
     sequences of one length run as one batch."""
     s = args.spec
     cu = args.cu_seqlens_q.tolist()  # a CPU tensor: no device sync
-    lens = [b - a for a, b in zip(cu, cu[1:])]
+    lens = [b - a for a, b in itertools.pairwise(cu)]
     gqa = s.num_q_heads != s.num_kv_heads
     out = torch.empty((args.q.shape[0], s.num_q_heads, s.v_dim), dtype=args.q.dtype)
 
