@@ -506,8 +506,8 @@ def add_cli(subparsers: Any) -> None:
     p.add_argument("--device", default="cpu", help="device, e.g. cpu or cuda:0")
     p.add_argument("--shard-size", type=int, default=8192, help="maximum shard size in MiB (default 8192)")
     p.add_argument("--assemble", action="store_true",
-                   help="take the chosen tensors from the candidates (seconds) instead of converting once more "
-                        "with the allocation (slower, lower KL divergence)")
+                   help="take the chosen tensors from the candidates (seconds, but a higher KL divergence) instead "
+                        "of converting once more with the allocation")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_run)
 
