@@ -48,6 +48,16 @@ def dense_causal(args: AttnArgs) -> torch.Tensor:
     return o.squeeze(0).transpose(0, 1).contiguous()
 
 
+def _plain_causal_reasons(spec: AttnSpec) -> list[str]:
+    """Why SDPA's plain causal mask cannot serve ``spec`` (both backends here)."""
+    r = []
+    if not spec.causal or spec.window or spec.softcap or spec.has_sinks or spec.non_causal_spans:
+        r.append("plain causal masks only (no window, softcap, sinks or non-causal spans)")
+    if spec.v_dim != spec.head_dim:
+        r.append(f"values as wide as keys only (got {spec.head_dim}/{spec.v_dim})")
+    return r
+
+
 class DenseCausalAttention:
     """One fresh sequence's causal prefill (no cache, 16-bit, CUDA) through torch's SDPA."""
 
@@ -62,36 +72,19 @@ class DenseCausalAttention:
     def unsupported_reasons(self, spec: AttnSpec) -> list[str]:
         r = []
         if spec.device_type != "cuda":
-            r.append(f"needs a CUDA device (got {spec.device_type}); elsewhere the reference is as good")
+            r.append(f"needs a CUDA device (got {spec.device_type}); on the CPU torch_sdpa_rows takes batches")
         if spec.phase != "prefill" or spec.cache is not None:
             r.append("one fresh sequence's prefill only (no cache: the keys are the new rows)")
         if spec.num_seqs != 1:
             r.append(f"one sequence per call (got up to {spec.num_seqs or 'unknown'})")
         if spec.dtype not in _DTYPES:
             r.append(f"fp16 or bf16 only (got {spec.dtype})")
-        if not spec.causal or spec.window or spec.softcap or spec.has_sinks or spec.non_causal_spans:
-            r.append("plain causal masks only (no window, softcap, sinks or non-causal spans)")
-        if spec.v_dim != spec.head_dim:
-            r.append(f"values as wide as keys only (got {spec.head_dim}/{spec.v_dim})")
-        return r
+        return r + _plain_causal_reasons(spec)
 
     def forward(self, args: AttnArgs) -> torch.Tensor:
         if args.k is None or args.v is None:
             raise ValueError("torch_sdpa: a fresh sequence's call carries its keys and values (args.k, args.v)")
         return dense_causal(args)
-
-
-def _plain_causal_reasons(spec: AttnSpec) -> list[str]:
-    r = []
-    if spec.phase != "prefill" or spec.cache is not None:
-        r.append("fresh sequences' prefill only (no cache: the keys are the new rows)")
-    if not spec.causal or spec.window or spec.softcap or spec.has_sinks or spec.non_causal_spans:
-        r.append("plain causal masks only (no window, softcap, sinks or non-causal spans)")
-    if spec.v_dim != spec.head_dim:
-        r.append(f"values as wide as keys only (got {spec.head_dim}/{spec.v_dim})")
-    if spec.num_q_heads % spec.num_kv_heads:
-        r.append(f"num_q_heads={spec.num_q_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}")
-    return r
 
 
 def dense_rows(args: AttnArgs) -> torch.Tensor:
@@ -101,7 +94,7 @@ def dense_rows(args: AttnArgs) -> torch.Tensor:
     cu = args.cu_seqlens_q.tolist()  # a CPU tensor: no device sync
     lens = [b - a for a, b in itertools.pairwise(cu)]
     gqa = s.num_q_heads != s.num_kv_heads
-    out = torch.empty((args.q.shape[0], s.num_q_heads, s.v_dim), dtype=args.q.dtype)
+    out = torch.empty((args.q.shape[0], s.num_q_heads, s.v_dim), dtype=args.q.dtype, device=args.q.device)
 
     def run(rows: slice, n: int, length: int) -> None:
         q, k, v = (t[rows].float().reshape(n, length, -1, t.shape[-1]).transpose(1, 2) for t in (args.q, args.k, args.v))
@@ -128,8 +121,12 @@ class DenseRowsAttention:
 
     def unsupported_reasons(self, spec: AttnSpec) -> list[str]:
         r = [] if spec.device_type == "cpu" else [f"the CPU only (got {spec.device_type}; CUDA has torch_sdpa)"]
+        if spec.phase != "prefill" or spec.cache is not None:
+            r.append("fresh sequences' prefill only (no cache: the keys are the new rows)")
         if spec.num_seqs < 2:  # a generator's fresh prompt: the reference matches its cached rows bit for bit
             r.append(f"batches of sequences only (got up to {spec.num_seqs or 'unknown'}; one goes to the reference)")
+        if spec.num_q_heads % spec.num_kv_heads:
+            r.append(f"num_q_heads={spec.num_q_heads} is not a multiple of num_kv_heads={spec.num_kv_heads}")
         return r + _plain_causal_reasons(spec)
 
     def forward(self, args: AttnArgs) -> torch.Tensor:
