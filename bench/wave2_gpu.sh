@@ -125,18 +125,32 @@ case "$stage" in
         > "$OUT/fairness.log" 2>&1; echo "rc=$?"; grep -E "gap|passed|failed" "$OUT/fairness.log" | tail -3 ;;
     esac
     ;;
+  branch)
+    # a candidate change not yet on main: $REPO/.branch.patch (carried; `git diff main BRANCH > .branch.patch`
+    # here), applied to a copy of this tree and built there; its LoRA GPU tests, LoRA figures and plain 8B decode
+    [ -f "$REPO/.branch.patch" ] || { echo "no .branch.patch carried"; exit 0; }
+    rm -rf /tmp/branch && cp -r "$PWD" /tmp/branch && cd /tmp/branch
+    patch -p1 -s < "$REPO/.branch.patch" || { echo "patch failed"; exit 1; }
+    OUT_MAIN=$OUT; OUT=$OUT/branch; mkdir -p "$OUT"; unset SKIP_BUILD
+    source bench/device_env.sh
+    timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_lora_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -5
+    timeout 300 python3 -m exl3_core bench --shape 8b --codebook mul1 --lora --json "$OUT/lora.json" > "$OUT/lora.log" 2>&1
+    tail -6 "$OUT/lora.log"
+    bench_run "$PWD" 8b branch; OUT=$OUT_MAIN
+    ;;
   pipeline)
-    # re-runs that settle must-holds first (fairness, the A/Bs, the GPU tests), then the feature figures
+    # re-runs that settle must-holds first (fairness, the 1B A/B, the GPU tests), then the feature figures
     echo "HEAD built $(date +%T)"; export SKIP_BUILD=1
     ( cd "$BASE" && CC=$cc CXX=$cxx TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace \
         > "$OUT/build_base.log" 2>&1; echo "baseline built $(date +%T) rc=$?" )
     bash bench/wave2_gpu.sh features fairness; echo "fairness done $(date +%T)"
     bash bench/wave2_gpu.sh ab 1b; echo "ab 1b done $(date +%T)"
-    bash bench/wave2_gpu.sh ab 8b; echo "ab 8b done $(date +%T)"
-    bash bench/wave2_gpu.sh features lora; echo "lora done $(date +%T)"
     TESTS_TIMEOUT=900 bash bench/wave2_gpu.sh tests  # the whole suite took ~8 min on an H200
     echo "tests done $(date +%T)"
+    bash bench/wave2_gpu.sh features lora; echo "lora done $(date +%T)"
+    bash bench/wave2_gpu.sh branch; echo "branch done $(date +%T)"
     bash bench/wave2_gpu.sh features kvq_b1 kvq_b32 spec; echo "features done $(date +%T)"
+    bash bench/wave2_gpu.sh ab 8b; echo "ab 8b done $(date +%T)"
     # the n-gram figure, where earlier calls have carried every part of the default model into $REPO/.model
     (cd "$REPO" && sha256sum -c --quiet .model/SHA256 2>/dev/null && bash bench/wave2_gpu.sh model) \
       && bash bench/wave2_gpu.sh features ngram
