@@ -140,7 +140,7 @@ case "$stage" in
     ;;
   branch)
     # a candidate change not yet on main: $REPO/.branch.patch (carried; `git diff main BRANCH > .branch.patch`
-    # here), applied to a copy of this tree and built there; its LoRA GPU tests, LoRA figures and plain 8B decode
+    # here), applied to a copy of this tree and built there; its LoRA GPU tests and LoRA figures
     [ -f "$REPO/.branch.patch" ] || { echo "no .branch.patch carried"; exit 0; }
     rm -rf /tmp/branch && cp -r "$PWD" /tmp/branch && cd /tmp/branch
     patch -p1 -s < "$REPO/.branch.patch" || { echo "patch failed"; exit 1; }
@@ -148,21 +148,20 @@ case "$stage" in
     source bench/device_env.sh
     timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_lora_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -5
     timeout 300 python3 -m exl3_core bench --shape 8b --codebook mul1 --lora --json "$OUT/lora.json" > "$OUT/lora.log" 2>&1
-    tail -6 "$OUT/lora.log"
-    bench_run "$PWD" 8b branch; OUT=$OUT_MAIN
+    tail -6 "$OUT/lora.log"; OUT=$OUT_MAIN
     ;;
   pipeline)
-    # re-runs that settle must-holds first (fairness, the 1B A/B, the GPU tests), then the feature figures
+    # what settles must-holds first (the fairness figure, a candidate branch's LoRA figures, the 1B A/B, the GPU
+    # tests), then the other feature figures
     echo "HEAD built $(date +%T)"; export SKIP_BUILD=1
+    bash bench/wave2_gpu.sh features fairness; echo "fairness done $(date +%T)"
+    bash bench/wave2_gpu.sh branch; echo "branch done $(date +%T)"
     ( cd "$BASE" && CC=$cc CXX=$cxx TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace \
         > "$OUT/build_base.log" 2>&1; echo "baseline built $(date +%T) rc=$?" )
-    bash bench/wave2_gpu.sh features fairness; echo "fairness done $(date +%T)"
     bash bench/wave2_gpu.sh ab 1b; echo "ab 1b done $(date +%T)"
     TESTS_TIMEOUT=600 bash bench/wave2_gpu.sh tests
     echo "tests done $(date +%T)"
-    bash bench/wave2_gpu.sh features lora; echo "lora done $(date +%T)"
-    bash bench/wave2_gpu.sh branch; echo "branch done $(date +%T)"
-    bash bench/wave2_gpu.sh features kvq_b1 kvq_b32 spec; echo "features done $(date +%T)"
+    bash bench/wave2_gpu.sh features lora kvq_b1 kvq_b32 spec; echo "features done $(date +%T)"
     bash bench/wave2_gpu.sh ab 8b; echo "ab 8b done $(date +%T)"
     # the n-gram figure, where earlier calls have carried every part of the default model into $REPO/.model
     (cd "$REPO" && sha256sum -c --quiet .model/SHA256 2>/dev/null && bash bench/wave2_gpu.sh model) \
