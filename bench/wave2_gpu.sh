@@ -12,6 +12,8 @@
 #   bash bench/wave2_gpu.sh features [NAME ...]   # quantized cache (kvq_b1, kvq_b32), speculative (spec),
 #                                      # n-gram (ngram), LoRA (lora), tp=1 (tp1) and the stream gap under a
 #                                      # long prefill (fairness) figures; default all
+#   bash bench/wave2_gpu.sh branch     # a candidate branch from a carried .branch.patch, built in a copy: its
+#                                      # LoRA GPU tests, then its LoRA figures
 #
 #   bash bench/wave2_gpu.sh poll SECONDS   # all of the above in one detached pipeline (copies of both trees in
 #                                      # /tmp, so later calls' tree copies cannot disturb it): the first call starts
@@ -22,7 +24,7 @@
 set -uo pipefail
 BASE_REV=${BASE_REV:-928a225}
 BASE=build/ab_base
-stage=${1:?usage: bash bench/wave2_gpu.sh prepare|model-parts|model|ab SHAPE|tests|features|poll SECONDS}
+stage=${1:?usage: bash bench/wave2_gpu.sh prepare|model-parts|model|ab SHAPE|tests|features|branch|poll SECONDS}
 
 if [ "$stage" = poll ]; then
   W=/tmp/w2; wait_s=${2:-540}; t0=$(date +%s)
@@ -139,8 +141,8 @@ case "$stage" in
     esac
     ;;
   branch)
-    # a candidate change not yet on main: $REPO/.branch.patch (carried; `git diff main BRANCH > .branch.patch`
-    # here), applied to a copy of this tree and built there; its LoRA GPU tests and LoRA figures
+    # a candidate change not yet on main: $REPO/.branch.patch (carried; made here with
+    # `git diff $(git merge-base main BRANCH) BRANCH > .branch.patch`, /.branch.patch in .git/info/exclude), applied to a copy of this tree and built there; its LoRA GPU tests and LoRA figures
     [ -f "$REPO/.branch.patch" ] || { echo "no .branch.patch carried"; exit 0; }
     rm -rf /tmp/branch && cp -r "$PWD" /tmp/branch && cd /tmp/branch
     patch -p1 -s < "$REPO/.branch.patch" || { echo "patch failed"; exit 1; }
@@ -174,5 +176,5 @@ case "$stage" in
     date > /tmp/w2/done
     ;;
   *)
-    echo "unknown stage $stage: prepare, ab SHAPE, tests or features"; exit 2 ;;
+    echo "unknown stage $stage: prepare, model-parts, model, ab SHAPE, tests, features, branch or poll"; exit 2 ;;
 esac
