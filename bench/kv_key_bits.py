@@ -12,11 +12,15 @@ figure is the mean KL divergence of the next-token distributions from the unquan
   many bytes as ``h32``);
   values are scaled by each channel's calibration RMS and quantized on a per-token, per-head max-abs range.
 
+With ``--more``: ``sinkN`` keeps the first N tokens unquantized; ``vwo`` gives values per-channel bit widths
+the same way, weighted by E[v^2] times the squared norms of the o_proj columns each channel feeds (``vrms``: by
+E[v^2] alone); ``k16`` leaves keys unquantized.
+
 A pair's energy is the same at every position (RoPE rotates within the pair), so the allocation holds
 across positions. Calibration: the first 1024 tokens of the built-in calibration text; evaluation: the
 held-out text, as ``tests/e2e/test_kv_quant_quality.py``.
 
-    python bench/kv_key_bits.py [--positions 4096] [--bits 4]
+    python bench/kv_key_bits.py [--positions 4096] [--bits 4] [--more]
 """
 from __future__ import annotations
 
@@ -52,6 +56,7 @@ class Tap:
         self.record: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
         self.layer_of: dict[int, int] = {}
         self.last_q: torch.Tensor | None = None
+        self.start = 0  # the running chunk's first position
         rope_cls = next(c for c in vars(rope_mod).values() if isinstance(c, type) and "rotate_qk" in vars(c))
         rotate, write = rope_cls.rotate_qk, KVCacheLayer.write
         tap = self
@@ -64,7 +69,8 @@ class Tap:
         def store(self, k, v, slot_mapping, **kw):  # type: ignore[no-untyped-def]
             i = tap.layer_of.setdefault(id(self), len(tap.layer_of))
             if tap.record is not None and tap.last_q is not None:
-                tap.record.setdefault(i, []).append((tap.last_q.detach().float().clone(), k.detach().float().clone()))
+                tap.record.setdefault(i, []).append((tap.last_q.detach().float().clone(), k.detach().float().clone(),
+                                                     v.detach().float().clone()))
             if tap.scheme is not None:
                 k2, v2 = tap.scheme(i, k, v)
                 k, v = k2.to(k.dtype), v2.to(v.dtype)
@@ -88,6 +94,7 @@ def run(model: Model, plan: ExecutionPlan, tap: Tap, ids: torch.Tensor, schemes:
         toks = ids[start:start + chunk].tolist()
         rows = torch.arange(len(toks))
         out = {}
+        tap.start = start
         for name, cache, table in zip(names, caches, tables, strict=True):
             tap.scheme, tap.layer_of = schemes[name], {}
             meta = BatchMeta.from_lists([toks], [start], device=model.device, page_table=table, page_size=ps,
@@ -119,6 +126,17 @@ def pair_bits(weight: torch.Tensor, bits_per_channel: float) -> torch.Tensor:
     return b
 
 
+def sink(tap: Tap, scheme: Scheme, n: int) -> Scheme:
+    """``scheme`` with the first ``n`` positions of the text kept unquantized."""
+    def run(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k2, v2 = scheme(i, k, v)
+        if tap.start == 0:
+            k2, v2 = k2.clone(), v2.clone()
+            k2[:n], v2[:n] = k[:n], v[:n]
+        return k2, v2
+    return run
+
+
 def pairs_quant(k: torch.Tensor, bits: torch.Tensor, rms: torch.Tensor) -> torch.Tensor:
     """``k [T, H, D]`` (half-split RoPE pairs c, c + D/2) at per-channel ``bits [H, D]``, scaled by ``rms``."""
     z = k.float() / rms
@@ -134,6 +152,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--positions", type=int, default=4096)
     ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--more", action="store_true", help="also the sink and value-allocation schemes")
     a = ap.parse_args()
     cfg = Config.from_directory(imported_model())
     model = Model.from_config(cfg)
@@ -146,6 +165,8 @@ def main() -> None:
     run(model, plan, tap, tok.encode(builtin_text("calibration"))[0][:1024], {"ref": None, "same": None})
     record, tap.record = tap.record, None
     alloc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    v_wo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    v_rms: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for i, rows in record.items():
         rows = rows[: len(rows) // 2]  # the reference cache's writes (the second cache repeats them)
         q = torch.cat([r[0] for r in rows])
@@ -156,6 +177,12 @@ def main() -> None:
         ekp, eqp = (ek[:, : d // 2] + ek[:, d // 2:]) / 2, (eq[:, : d // 2] + eq[:, d // 2:]) / 2
         b = pair_bits(ekp * eqp, a.bits + 16 / ref.GROUP - 16 / d)  # h32's bytes: one fp16 scale per head
         alloc[i] = (torch.cat([b, b], -1), torch.cat([ekp, ekp], -1).sqrt())
+        ev = torch.cat([r[2] for r in rows]).pow(2).mean(0)  # [hk, d]
+        wo = model.layers[i].attn.o_proj.weight.float()  # [out, heads * d]
+        wn = wo.pow(2).sum(0).view(hk, -1, d).sum(1)  # per kv channel, over the query heads it serves
+        per = a.bits + 16 / ref.GROUP - 16 / d
+        v_wo[i] = (pair_bits(ev * wn, per), ev.sqrt())
+        v_rms[i] = (pair_bits(ev, per), ev.sqrt())
 
     bits = a.bits
     schemes: dict[str, Scheme | None] = {
@@ -165,6 +192,14 @@ def main() -> None:
         f"k{bits}v{bits} h32": lambda i, k, v: (h32(k, bits), h32(v, bits)),
         f"k{bits}v{bits} pairs+h32": lambda i, k, v: (pairs_quant(k, *alloc[i]), h32(v, bits)),
     }
+    if a.more:
+        best: Scheme = lambda i, k, v: (pairs_quant(k, *alloc[i]), h32(v, bits))
+        schemes.update({f"k{bits}v{bits} pairs+h32 sink{n}": sink(tap, best, n) for n in (1, 4, 16)})
+        schemes[f"k{bits}v{bits} h32 sink4"] = sink(tap, lambda i, k, v: (h32(k, bits), h32(v, bits)), 4)
+        schemes[f"k{bits}v{bits} pairs+vwo"] = lambda i, k, v: (pairs_quant(k, *alloc[i]), pairs_quant(v, *v_wo[i]))
+        schemes[f"k{bits}v{bits} pairs+vrms"] = lambda i, k, v: (pairs_quant(k, *alloc[i]), pairs_quant(v, *v_rms[i]))
+        schemes[f"k16v{bits} vwo"] = lambda i, k, v: (k, pairs_quant(v, *v_wo[i]))
+        schemes[f"k16v{bits} h32"] = lambda i, k, v: (k, h32(v, bits))
     ids = tok.encode(builtin_text("eval"))[0][: a.positions + 256]
     for name, (kl, top1) in run(model, plan, tap, ids, schemes).items():
         print(f"{name:<20} KL {kl:.5f}  top-1 {top1:.4f}  ({a.positions} positions)")
