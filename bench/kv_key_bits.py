@@ -53,7 +53,7 @@ class Tap:
 
     def __init__(self) -> None:
         self.scheme: Scheme | None = None
-        self.record: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] | None = None
+        self.record: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] | None = None  # q, k, v
         self.layer_of: dict[int, int] = {}
         self.last_q: torch.Tensor | None = None
         self.start = 0  # the running chunk's first position
