@@ -10,7 +10,8 @@
 #   bash bench/wave2_gpu.sh ab 1b      # the same on the 1B shape (builds kept on a warm machine)
 #   bash bench/wave2_gpu.sh tests      # tests/gpu, the attention contract and the plugin tests on CUDA
 #   bash bench/wave2_gpu.sh features [NAME ...]   # quantized cache (kvq_b1, kvq_b32), speculative (spec),
-#                                      # n-gram (ngram), LoRA (lora), tp=1 (tp1) and the stream gap under a
+#                                      # n-gram (ngram), LoRA (lora), tp=1 (tp1), a speculative step's host profile
+#                                      # (specprof) and the stream gap under a
 #                                      # long prefill (fairness) figures; default all
 #   bash bench/wave2_gpu.sh branch     # a candidate branch from a carried .branch.patch, built in a copy: its
 #                                      # LoRA GPU tests, then its LoRA figures
@@ -130,6 +131,10 @@ case "$stage" in
     run kvq_b32 bench --shape 8b --codebook mul1 --contexts 4096 --batches 32 --prefill 0 \
       --cache-bits 16 --cache-bits 4 --json "$OUT/kvq_b32.json"
     run spec bench --shape 8b --codebook mul1 --draft 1b --json "$OUT/spec.json"
+    case " $names " in *" specprof "*)  # where a speculative step's host time goes (alpha 0.9, k 3)
+      echo "== specprof"
+      timeout 200 python3 bench/spec_profile.py > "$OUT/specprof.log" 2>&1; echo "rc=$?"; head -3 "$OUT/specprof.log" ;;
+    esac
     run ngram bench --ngram-bench --json "$OUT/ngram.json"
     run lora bench --shape 8b --codebook mul1 --lora --json "$OUT/lora.json"
     run tp1 bench --shape 8b --codebook mul1 --contexts 256 --batches 32 --prefill 0 --tensor-parallel-size 1 \
@@ -167,7 +172,7 @@ case "$stage" in
     bash bench/wave2_gpu.sh ab 1b; echo "ab 1b done $(date +%T)"
     TESTS_TIMEOUT=600 bash bench/wave2_gpu.sh tests
     echo "tests done $(date +%T)"
-    bash bench/wave2_gpu.sh features lora kvq_b1 kvq_b32 spec; echo "features done $(date +%T)"
+    bash bench/wave2_gpu.sh features lora kvq_b1 kvq_b32 spec specprof; echo "features done $(date +%T)"
     bash bench/wave2_gpu.sh ab 8b; echo "ab 8b done $(date +%T)"
     # the n-gram figure, where earlier calls have carried every part of the default model into $REPO/.model
     (cd "$REPO" && sha256sum -c --quiet .model/SHA256 2>/dev/null && bash bench/wave2_gpu.sh model) \
