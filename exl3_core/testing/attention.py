@@ -97,6 +97,8 @@ def default_cases(device: torch.device | str = "cpu", dtype: torch.dtype = torch
                           (7 * mul, 3, 1), (0, 21 * mul, 40 * mul), bits))
         cases.append(Case(AttnSpec(head_dim=hd, num_q_heads=hq, num_kv_heads=hkv, cache="kv/quant", phase="decode",
                                    q_per_seq=1, **paged, **base), (1, 1, 1), (1, 33 * mul, 16 * mul), bits))
+    cases.append(Case(AttnSpec(head_dim=64, num_q_heads=8, num_kv_heads=2, cache="kv/quant", phase="decode",
+                               q_per_seq=3, **paged, **base), (3, 3), (20, 45 * mul), (4, 3)))
     cases.append(Case(AttnSpec(head_dim=64, num_q_heads=4, num_kv_heads=2, cache="kv/quant", window=8, **paged, **base),
                       (9, 1), (30 * mul, 12), (6, 7)))
     cases.append(Case(AttnSpec(head_dim=96, head_dim_v=64, num_q_heads=4, num_kv_heads=1, cache="mla/quant", **paged,

@@ -12,10 +12,10 @@ pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA 
 SCRIPT = Path(__file__).with_name("sm90_compile.py")
 
 
-@pytest.mark.parametrize("views", ["kv/quant-decode", "mla/quant-decode", "kv/quant-prefill", "lora"])
+@pytest.mark.parametrize("views", ["kv/fp16-decode", "kv/quant-decode", "mla/quant-decode", "kv/quant-prefill", "lora"])
 def test_kernels_compile_for_sm90(views: str) -> None:
-    """Attention over the quantized cache views (``views`` selects the conformance cases) and ``lora``, the
-    LoRA kernel pair."""
+    """Attention decode steps (one query per sequence and several) over the fp16 and quantized cache views,
+    quantized prefill (``views`` selects the conformance cases) and ``lora``, the LoRA kernel pair."""
     out = subprocess.run([sys.executable, str(SCRIPT), views], capture_output=True, text=True, timeout=600,
                          check=False)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("ok ", "FAIL "))]

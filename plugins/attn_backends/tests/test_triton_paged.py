@@ -219,3 +219,58 @@ def test_num_splits_from_static_values_only(monkeypatch: pytest.MonkeyPatch) -> 
     assert tp.choose_num_splits(args._replace(max_seqlen_k=1 << 20)) <= tp.MAX_SPLITS
     monkeypatch.setattr(tp, "SHORT_BOUND_BLOCK_N", 0)
     assert tp._decode_block_n(case.spec, 32 * tp.MAX_SPLITS) == 64
+
+
+# -- split-KV decode of several queries per sequence (speculative verification) --------------------------------
+
+def _rows_case(hd: int, hq: int, hkv: int, past: tuple[int, ...], q_lens: tuple[int, ...],
+               dtype: torch.dtype = torch.float32, **kw: object) -> Case:
+    dev = torch.device(DEVICE)
+    bits = kw.pop("bits", ())
+    spec = AttnSpec(head_dim=hd, num_q_heads=hq, num_kv_heads=hkv, dtype=dtype, cache=kw.pop("cache", "kv/fp16"),
+                    phase="decode", page_size=16, device_type=dev.type, device_cc=device_cc(dev),
+                    q_per_seq=max(q_lens), **kw)  # type: ignore[arg-type]
+    return Case(spec, q_lens, past, bits)  # type: ignore[arg-type]
+
+
+ROWS_CASES = [
+    # 4 queries x a group of 4: one head block; the step's keys straddle 32/64-key chunks and split bounds
+    _rows_case(64, 8, 2, (0, 28, 60, 300), (4, 4, 4, 4)),
+    # fewer queries in some sequences (and none in one): rows past a sequence's count are left out
+    _rows_case(128, 8, 2, (5, 200, 97), (3, 1, 0)),
+    # 6 queries x a group of 4 = 24 rows: two head blocks
+    _rows_case(64, 12, 3, (130, 17), (6, 6)),
+    _rows_case(64, 2, 1, (250, 3), (5, 5), softcap=20.0),
+    _rows_case(96, 4, 1, (40, 333), (3, 3), head_dim_v=64, cache="mla/fp16"),
+    _rows_case(64, 8, 2, (90, 31, 0), (4, 4, 4), cache="kv/quant", bits=(4, 3)),
+]
+
+
+@pytest.mark.parametrize("splits", [None, 7, 40], ids=lambda n: f"splits{n}")
+@pytest.mark.parametrize("case", ROWS_CASES, ids=lambda c: c.id)
+def test_split_kv_several_queries_match_reference(case: Case, splits: int | None,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A multi-token decode step takes the split kernel: each query sees the keys up to its own position, the
+    merge weighs each (query, head) row's splits; with the newest keys reloaded after the wait as well."""
+    import exl3_attn_backends.triton_paged as tp
+
+    used: list[int] = []
+    real = tp.decode_split_kv
+    monkeypatch.setattr(tp, "decode_split_kv", lambda a, n: used.append(n) or real(a, n))
+    b = TritonPagedAttention()
+    b.decode_num_splits = splits
+    assert b.unsupported_reasons(case.spec) == []
+    assert b.route(case.spec).startswith("split-KV")
+    check_backend(b, case, DEVICE, seed=13)
+    assert used and (splits is None or used[0] == splits)
+    monkeypatch.setattr(tp, "decode_split_kv", lambda a, n: real(a, n, reload_fresh=True))
+    check_backend(b, case, DEVICE, seed=14)
+
+
+def test_split_kv_several_queries_route() -> None:
+    """Only uniform, causal, windowless multi-token steps take the split kernel; the rest the single pass."""
+    b = TritonPagedAttention()
+    base = ROWS_CASES[0].spec
+    assert b.route(base).startswith("split-KV")
+    for other in (base._replace(q_per_seq=0), base._replace(window=8), base._replace(causal=False)):
+        assert b.route(other) == "single-pass varlen kernel", other

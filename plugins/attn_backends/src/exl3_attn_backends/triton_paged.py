@@ -6,9 +6,10 @@ cache. A program owns one sequence, one KV head and a block of BLOCK_M *rows*, w
 key/value load, and for prefill rows are consecutive tokens. Keys are streamed in BLOCK_N
 chunks through the page table with an online softmax (fp32 accumulators).
 
-Decode steps over a paged cache (``spec.phase == "decode"``: one query per sequence) take the
-split-KV ("flash-decoding") path instead: with only batch x kv_heads programs the single-pass
-kernel leaves most of a large GPU idle at b=1 and long contexts. ``_decode_split`` adds a grid
+Decode steps over a paged cache (``spec.phase == "decode"``: one query per sequence, or the same few in
+every sequence, causal, as a speculative verification has) take the split-KV ("flash-decoding") path
+instead: with only batch x kv_heads programs the single-pass kernel leaves most of a large GPU idle at
+b=1 and long contexts. Its rows are (query, head-within-group) pairs as in ``_attn_fwd``. ``_decode_split`` adds a grid
 axis over ``num_splits`` key ranges; each program computes the partial softmax state
 (max, sum, unnormalised acc) of its head block over its range in fp32, and the last of a head
 block's programs to finish merges the splits (an arrival counter; with several sequences only the
@@ -252,33 +253,60 @@ def _split_tiles(K, V, PageTable, b, kvh, start, hi, stride_pt, stride_kp, strid
 
 
 @triton.jit
-def _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap,
-                BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr):
-    # one BLOCK_N chunk of the online softmax (fp32 state m_i, l_i, acc)
-    n_ok = start + tl.arange(0, BLOCK_N) < hi
+def _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, q_pos,
+                BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, ROWS: tl.constexpr):
+    # one BLOCK_N chunk of the online softmax (fp32 state m_i, l_i, acc); ROWS > 1: each row sees the keys up to
+    # its query's position q_pos (causal)
+    n = start + tl.arange(0, BLOCK_N)
     s = tl.dot(q, k, input_precision=DOT_PREC) * scale
     if SOFTCAP:
         s = s / softcap
         s = softcap * (2.0 * tl.sigmoid(2.0 * s) - 1.0)  # tanh via sigmoid
-    s = tl.where(n_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every chunk holds >= 1 visible key
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
+    if ROWS > 1:
+        s = tl.where((n[None, :] < hi) & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an earlier query may see no key of this chunk
+    else:
+        s = tl.where(n[None, :] < hi, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every chunk holds >= 1 visible key
+        m_ref = m_new
+    p = tl.exp(s - m_ref[:, None])
+    alpha = tl.exp(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _merge_splits(PartM, PartL, PartAcc, Out, b, hblk, q_start, n_used, NUM_SPLITS, stride_ot, stride_oh,
+def _split_row_ids(hblk, q_len, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
+    # the (query, head-within-group) pairs of rows hblk * BLOCK_H + 0 .. BLOCK - 1 and which of them exist
+    r = hblk * BLOCK_H + tl.arange(0, BLOCK)
+    if ROWS > 1:
+        tok = r // GROUP
+        return tok, r % GROUP, (r < ROWS * GROUP) & (tok < q_len)
+    return r * 0, r, (r < GROUP) & (r * 0 + q_len > 0)
+
+
+@triton.jit
+def _token_rows(q_start, tok, ROWS: tl.constexpr):
+    # the query token of each row, as a column to broadcast; one query per sequence: the scalar itself (one
+    # return after a constexpr if/else: an early return would leave two return types)
+    if ROWS > 1:
+        t = (q_start + tok)[:, None]
+    else:
+        t = q_start
+    return t
+
+
+@triton.jit
+def _merge_splits(PartM, PartL, PartAcc, Out, b, hblk, q_start, q_len, n_used, NUM_SPLITS, stride_ot, stride_oh,
                   NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, KV_HEAD0, BLOCK_H: tl.constexpr,
                   BLOCK_HM: tl.constexpr, SPLIT_CHUNK: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                  BLOCK_DV: tl.constexpr, QUANT: tl.constexpr):
+                  BLOCK_DV: tl.constexpr, QUANT: tl.constexpr, ROWS: tl.constexpr):
     # The softmax-weighted sum of splits 0 .. n_used - 1 (later ones are empty) for the head block's
-    # heads, SPLIT_CHUNK splits per round with a running max; written to Out in its dtype. The
+    # rows, SPLIT_CHUNK splits per round with a running max; written to Out in its dtype. The
     # partials were stored by other programs of this launch: read at L2 (.cg), not a stale L1 line.
-    hrow = hblk * BLOCK_H + tl.arange(0, BLOCK_HM)
-    h_ok = hrow < GROUP
+    tok, hrow, h_ok = _split_row_ids(hblk, q_len, BLOCK_HM, BLOCK_H, GROUP, ROWS)
     head = KV_HEAD0 + hrow
     dv = tl.arange(0, BLOCK_DV)
     sc = tl.arange(0, SPLIT_CHUNK)
@@ -287,7 +315,7 @@ def _merge_splits(PartM, PartL, PartAcc, Out, b, hblk, q_start, n_used, NUM_SPLI
     acc = tl.zeros([BLOCK_HM, BLOCK_DV], tl.float32)
     for s0 in range(0, n_used, SPLIT_CHUNK):
         s_ok = s0 + sc < n_used
-        part = (b * NUM_HEADS + head)[:, None] * NUM_SPLITS + s0 + sc[None, :]  # [BLOCK_HM, SPLIT_CHUNK]
+        part = ((b * ROWS + tok) * NUM_HEADS + head)[:, None] * NUM_SPLITS + s0 + sc[None, :]  # [BLOCK_HM, SPLIT_CHUNK]
         ok2 = h_ok[:, None] & s_ok[None, :]
         m = tl.load(PartM + part, mask=ok2, other=float("-inf"), cache_modifier=".cg")
         l_s = tl.load(PartL + part, mask=ok2, other=0.0, cache_modifier=".cg")
@@ -303,8 +331,8 @@ def _merge_splits(PartM, PartL, PartAcc, Out, b, hblk, q_start, n_used, NUM_SPLI
     if QUANT:  # the partials are in the values' rotated basis: rotate the merged sum back
         acc = hadamard_cols(acc, BLOCK_HM, BLOCK_DV)
     out = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
-    tl.store(Out + q_start * stride_ot + head[:, None] * stride_oh + dv[None, :], out.to(Out.dtype.element_ty),
-             mask=h_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
+    tl.store(Out + _token_rows(q_start, tok, ROWS) * stride_ot + head[:, None] * stride_oh + dv[None, :],
+             out.to(Out.dtype.element_ty), mask=h_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
 
 
 @triton.jit
@@ -322,10 +350,11 @@ def _decode_split(
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, PDL: tl.constexpr,
     RELOAD_FRESH: tl.constexpr, BLOCK_HM: tl.constexpr, SPLIT_CHUNK: tl.constexpr, USED_ONLY: tl.constexpr,
     KS, VS, RP, HK: tl.constexpr, QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    NGK: tl.constexpr, NGV: tl.constexpr, QK_DIM: tl.constexpr,
+    NGK: tl.constexpr, NGV: tl.constexpr, QK_DIM: tl.constexpr, ROWS: tl.constexpr,
 ):
-    # grid (batch, kv_heads * HEAD_BLOCKS, NUM_SPLITS); rows = BLOCK_H heads of one GQA group. A split's
-    # first BLOCK_N keys (its least share) are loaded before the wait, the rest in BLOCK_N chunks after it.
+    # grid (batch, kv_heads * HEAD_BLOCKS, NUM_SPLITS); rows = BLOCK_H (query, head-within-group) pairs of one
+    # GQA group, ROWS queries per sequence at most (the last at position seq_k - 1). A split's first BLOCK_N keys
+    # (its least share) are loaded before the wait, the rest in BLOCK_N chunks after it.
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
     hblk = tl.program_id(1) % HEAD_BLOCKS
@@ -336,14 +365,15 @@ def _decode_split(
     # and a step begins after the previous one has finished (a copy or a graph launch in between).
     # Within a step this grid may start before its predecessor has even waited (a pre-decoding EXL3
     # linear signals at its start, csrc/exl3/exl3_fused.cuh), so nothing written within the step is
-    # read here; the one such value, this step's own position (seq_k - 1), is reloaded after the wait.
+    # read here; the only such values, this step's own positions (the last q_len), are reloaded after the wait.
     q_start = tl.load(CuQ + b)
     q_len = tl.load(CuQ + b + 1) - q_start
     seq_k = tl.load(SeqLensK + b)
 
-    hrow = hblk * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = hrow < GROUP
+    tok, hrow, row_ok = _split_row_ids(hblk, q_len, BLOCK_H, BLOCK_H, GROUP, ROWS)
+    h_ok = (hrow < GROUP) & (tok < ROWS)  # rows with a partial slot (row_ok: and a query this step)
     head = kvh * GROUP + hrow
+    q_pos = seq_k - q_len + tok
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
 
@@ -353,7 +383,7 @@ def _decode_split(
     per = tl.maximum(tl.cdiv(tl.cdiv(seq_k, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
     lo = split * per
     hi = tl.minimum(lo + per, seq_k)
-    if WINDOW > 0:  # the one query sits at seq_k - 1 and sees keys n > seq_k - 1 - WINDOW
+    if WINDOW > 0:  # one query (ROWS = 1): it sits at seq_k - 1 and sees keys n > seq_k - 1 - WINDOW
         lo = tl.maximum(lo, seq_k - WINDOW)
     hi = tl.where(q_len > 0, hi, lo)  # padded/empty rows read nothing
     n0_ok = lo + tl.arange(0, BLOCK_N) < hi
@@ -366,31 +396,32 @@ def _decode_split(
         gdc_wait()
         gdc_launch_dependents()
 
-    q_ptr = Q + q_start * stride_qt + head[:, None] * stride_qh + d[None, :]
-    q_ok = h_ok & (hrow * 0 + q_len > 0)
-    q = tl.load(q_ptr, mask=q_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+    q_ptr = Q + _token_rows(q_start, tok, ROWS) * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q = tl.load(q_ptr, mask=row_ok[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
     if QUANT:
         q = _rotate_q(q, d, QK_DIM, BLOCK_H, BLOCK_D)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     if lo < hi:
-        if RELOAD_FRESH:  # this step's own key/value, if in the first chunk, may postdate the loads above
-            # (its cache row is already known: one round trip, alongside q's)
-            new = lo + tl.arange(0, BLOCK_N) == seq_k - 1
+        if RELOAD_FRESH:  # this step's own keys/values, where in the first chunk, may postdate the loads above
+            # (their cache rows are already known: one round trip, alongside q's)
+            new = lo + tl.arange(0, BLOCK_N) >= seq_k - q_len
             kn, vn = _split_load(K, V, page0, slot0, kvh, new & n0_ok, stride_kp, stride_ks, stride_kh, stride_vp,
                                  stride_vs, stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, Q, KS, VS, RP,
                                  PAGE_SIZE, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM, BLOCK_N)
             k0 = tl.where(new[None, :], kn, k0)
             v0 = tl.where(new[:, None], vn, v0)
-        m_i, l_i, acc = _split_step(q, k0, v0, lo, hi, m_i, l_i, acc, scale, softcap, BLOCK_N, SOFTCAP, DOT_PREC)
+        m_i, l_i, acc = _split_step(q, k0, v0, lo, hi, m_i, l_i, acc, scale, softcap, q_pos, BLOCK_N, SOFTCAP,
+                                    DOT_PREC, ROWS)
     for start in range(lo + BLOCK_N, hi, BLOCK_N):
         k, v = _split_tiles(K, V, PageTable, b, kvh, start, hi, stride_pt, stride_kp, stride_ks, stride_kh, stride_vp,
                             stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
                             Q, KS, VS, RP, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM)
-        m_i, l_i, acc = _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, BLOCK_N, SOFTCAP, DOT_PREC)
+        m_i, l_i, acc = _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, q_pos, BLOCK_N, SOFTCAP,
+                                    DOT_PREC, ROWS)
 
-    # partials [B, Hq, NUM_SPLITS] and [B, Hq, NUM_SPLITS, HEAD_DIM_V]; empty splits: (-inf, 0, 0).
+    # partials [B, ROWS, Hq, NUM_SPLITS] and [B, ROWS, Hq, NUM_SPLITS, HEAD_DIM_V]; empty splits: (-inf, 0, 0).
     # With USED_ONLY (several sequences), splits past the sequence's used ones (a graph captured at the
     # cache capacity runs NUM_SPLITS programs; a short sequence uses a few) store nothing and do not
     # arrive: the merge waits for the used splits only (at least split 0, so a zero-length row still gets
@@ -406,10 +437,10 @@ def _decode_split(
         if QUANT:  # back from the values' rotated basis
             o = hadamard_cols(acc, BLOCK_H, BLOCK_DV)
         out = o / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(Out + q_start * stride_ot + head[:, None] * stride_oh + dv[None, :], out.to(Out.dtype.element_ty),
-                 mask=(h_ok & (hrow * 0 + q_len > 0))[:, None] & (dv[None, :] < HEAD_DIM_V))
+        tl.store(Out + _token_rows(q_start, tok, ROWS) * stride_ot + head[:, None] * stride_oh + dv[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < HEAD_DIM_V))
     if split < n_arrive:  # partials, then the head block's last used split merges them: no second launch
-        part = (b * NUM_HEADS + head) * NUM_SPLITS + split
+        part = ((b * ROWS + tok) * NUM_HEADS + head) * NUM_SPLITS + split
         tl.store(PartM + part, m_i, mask=h_ok)
         tl.store(PartL + part, l_i, mask=h_ok)
         tl.store(PartAcc + part.to(tl.int64)[:, None] * HEAD_DIM_V + dv[None, :], acc,
@@ -418,9 +449,9 @@ def _decode_split(
         cnt = Count + b * (tl.num_programs(1)) + tl.program_id(1)
         if tl.atomic_add(cnt, 1, sem="acq_rel") == n_arrive - 1:
             if q_len > 0:
-                _merge_splits(PartM, PartL, PartAcc, Out, b, hblk, q_start, n_used, NUM_SPLITS, stride_ot, stride_oh,
-                              NUM_HEADS, GROUP, kvh * GROUP, BLOCK_H, BLOCK_HM, SPLIT_CHUNK, HEAD_DIM_V, BLOCK_DV,
-                              QUANT)
+                _merge_splits(PartM, PartL, PartAcc, Out, b, hblk, q_start, q_len, n_used, NUM_SPLITS, stride_ot,
+                              stride_oh, NUM_HEADS, GROUP, kvh * GROUP, BLOCK_H, BLOCK_HM, SPLIT_CHUNK, HEAD_DIM_V,
+                              BLOCK_DV, QUANT, ROWS)
             tl.store(cnt, 0)  # clean for the next call (a replayed graph reuses the buffer)
 
 
@@ -512,7 +543,9 @@ class TritonPagedAttention:
 
     @staticmethod
     def _split_route(spec: AttnSpec) -> bool:
-        return spec.phase == "decode" and spec.cache is not None and spec.q_per_seq == 1
+        # several queries per sequence: the same count in every sequence, causal, without a window
+        rows_ok = spec.q_per_seq == 1 or (spec.q_per_seq > 1 and spec.causal and not spec.window)
+        return spec.phase == "decode" and spec.cache is not None and rows_ok
 
     def route(self, spec: AttnSpec) -> str:
         """The kernel calls matching ``spec`` take (see :meth:`forward`)."""
@@ -585,16 +618,16 @@ def choose_num_splits(args: AttnArgs) -> int:
     (:func:`_decode_block_n`): each split's range is rounded up to whole chunks on the device.
     """
     spec = args.spec
-    group = spec.num_q_heads // spec.num_kv_heads
-    programs = args.seq_lens_k.shape[0] * spec.num_kv_heads * triton.cdiv(group, 16)
+    rows = max(1, spec.q_per_seq) * (spec.num_q_heads // spec.num_kv_heads)
+    programs = args.seq_lens_k.shape[0] * spec.num_kv_heads * triton.cdiv(rows, 16)
     want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(args.q.device), programs)
     share = _decode_block_n(spec, args.max_seqlen_k)
     return max(1, min(want, triton.cdiv(max(args.max_seqlen_k, 1), share), MAX_SPLITS))
 
 
 def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None = None) -> torch.Tensor:
-    """Split-KV decode over a paged cache (one query per sequence): the split kernel, whose last
-    program per head block merges the splits.
+    """Split-KV decode over a paged cache (``spec.q_per_seq`` causal queries per sequence at most, 1 for a plain
+    decode step): the split kernel, whose last program per head block merges the splits.
 
     ``reload_fresh``: reload each sequence's newest key/value after the wait for the kernel that wrote
     them (the split kernel loads its first chunk before that wait); None = when launched as a
@@ -612,14 +645,15 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
     block_d, block_dv, _ = _block_sizes(spec)
     block_n = _decode_block_n(spec, args.max_seqlen_k)
     block_h = 16  # tl.dot needs M >= 16: small GQA groups leave rows masked, which costs no memory traffic
-    head_blocks = triton.cdiv(group, block_h)
+    rows = max(1, spec.q_per_seq)
+    head_blocks = triton.cdiv(rows * group, block_h)
     dev = q.device
-    part_m = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=dev)
-    part_l = torch.empty((B, Hq, num_splits), dtype=torch.float32, device=dev)
-    part_acc = torch.empty((B, Hq, num_splits, spec.v_dim), dtype=torch.float32, device=dev)
+    part_m = torch.empty((B, rows, Hq, num_splits), dtype=torch.float32, device=dev)
+    part_l = torch.empty((B, rows, Hq, num_splits), dtype=torch.float32, device=dev)
+    part_acc = torch.empty((B, rows, Hq, num_splits, spec.v_dim), dtype=torch.float32, device=dev)
     out = torch.empty((q.shape[0], Hq, spec.v_dim), dtype=q.dtype, device=dev)
     opts = launch_opts(out)
-    block_hm = min(block_h, triton.next_power_of_2(group))
+    block_hm = min(block_h, triton.next_power_of_2(rows * group))
     programs = B * spec.num_kv_heads * head_blocks
     _decode_split[(B, spec.num_kv_heads * head_blocks, num_splits)](
         q, k, v, pt, args.cu_seqlens_q, args.seq_lens_k, part_m, part_l, part_acc,
@@ -634,7 +668,7 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
         WINDOW=spec.window or 0, SOFTCAP=spec.softcap > 0, DOT_PREC=_dot_precision(spec.dtype),
         RELOAD_FRESH=opts["PDL"] if reload_fresh is None else reload_fresh, BLOCK_HM=block_hm,
         SPLIT_CHUNK=min(triton.next_power_of_2(num_splits), max(1, MERGE_TILE // (block_hm * block_dv))),
-        USED_ONLY=B > 1, num_warps=4, **opts, **_quant_kwargs(args),
+        USED_ONLY=B > 1, ROWS=rows, num_warps=4, **opts, **_quant_kwargs(args),
     )
     return out
 def attention_single_pass(args: AttnArgs) -> torch.Tensor:
