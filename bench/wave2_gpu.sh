@@ -162,17 +162,17 @@ case "$stage" in
     OUT=$OUT_MAIN
     ;;
   pipeline)
-    # what settles must-holds first (the fairness figure, a candidate branch's LoRA figures, the 1B A/B, the GPU
-    # tests), then the other feature figures
+    # what settles must-holds first (the fairness figure, a candidate branch's LoRA figures, the feature figures,
+    # the GPU tests), then the A/B runs, which need the baseline's build
     echo "HEAD built $(date +%T)"; export SKIP_BUILD=1
     bash bench/wave2_gpu.sh features fairness; echo "fairness done $(date +%T)"
     bash bench/wave2_gpu.sh branch; echo "branch done $(date +%T)"
+    bash bench/wave2_gpu.sh features spec specprof kvq_b1 kvq_b32 lora; echo "features done $(date +%T)"
+    TESTS_TIMEOUT=600 bash bench/wave2_gpu.sh tests
+    echo "tests done $(date +%T)"
     ( cd "$BASE" && CC=$cc CXX=$cxx TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace \
         > "$OUT/build_base.log" 2>&1; echo "baseline built $(date +%T) rc=$?" )
     bash bench/wave2_gpu.sh ab 1b; echo "ab 1b done $(date +%T)"
-    TESTS_TIMEOUT=600 bash bench/wave2_gpu.sh tests
-    echo "tests done $(date +%T)"
-    bash bench/wave2_gpu.sh features lora kvq_b1 kvq_b32 spec specprof; echo "features done $(date +%T)"
     bash bench/wave2_gpu.sh ab 8b; echo "ab 8b done $(date +%T)"
     # the n-gram figure, where earlier calls have carried every part of the default model into $REPO/.model
     (cd "$REPO" && sha256sum -c --quiet .model/SHA256 2>/dev/null && bash bench/wave2_gpu.sh model) \

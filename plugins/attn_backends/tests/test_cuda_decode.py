@@ -73,7 +73,8 @@ def test_dispatcher_routes_long_bounds_and_big_batches_to_triton() -> None:
     chosen = d.select(spec)
     assert chosen.name in ("triton_paged", "torch")
     assert TritonPagedAttention().route(_spec()) .startswith("split-KV")
-    assert TritonPagedAttention().route(_spec(q_per_seq=3)).startswith("single-pass")
+    assert TritonPagedAttention().route(_spec(q_per_seq=3)).startswith("split-KV")  # a verification step
+    assert TritonPagedAttention().route(_spec(q_per_seq=0)).startswith("single-pass")  # varying queries
 
 
 def _tensors(**over: torch.Tensor) -> dict[str, torch.Tensor]:
