@@ -78,7 +78,7 @@ def test_self_predicting_target_keeps_its_continuation_across_kernel_paths() -> 
 
 
 def test_spec_bench_acceptance_is_alpha() -> None:
-    res = run_spec_bench(parse_shape(TARGET), parse_shape(DRAFT), alphas=(0.7,), ks=(4,), ctx=16, new_tokens=96,
+    res = run_spec_bench(parse_shape(TARGET), parse_shape(DRAFT), alphas=(0.7,), ks=(4,), ctx=16, new_tokens=300,
                          device="cpu", dynamic=False, log=lambda s: None)
     (r,) = res["alphas"][0]["runs"]
     assert r["same_tokens"]
