@@ -12,6 +12,11 @@ figure is the mean KL divergence of the next-token distributions from the unquan
   many bytes as ``h32``);
   values are scaled by each channel's calibration RMS and quantized on a per-token, per-head max-abs range.
 
+With ``--window W`` (several allowed): ``windowW`` reads the last W positions before each query unquantized, as a
+per-sequence fp16 ring of the newest keys and values beside the quantized pages would (KIVI's residual), at
+K{bits}V{bits}, K{bits}V{bits-1} and K{bits-1}V{bits-1} with H32, and with the per-pair keys; the ring costs
+W tokens of fp16 per sequence, not per token.
+
 With ``--more``: ``sinkN`` keeps the first N tokens unquantized; ``vwo`` gives values per-channel bit widths
 the same way, weighted by E[v^2] times the squared norms of the o_proj columns each channel feeds (``vrms``: by
 E[v^2] alone); ``k16`` leaves keys unquantized.
@@ -20,7 +25,7 @@ A pair's energy is the same at every position (RoPE rotates within the pair), so
 across positions. Calibration: the first 1024 tokens of the built-in calibration text; evaluation: the
 held-out text, as ``tests/e2e/test_kv_quant_quality.py``.
 
-    python bench/kv_key_bits.py [--positions 4096] [--bits 4] [--more]
+    python bench/kv_key_bits.py [--positions 4096] [--bits 4] [--more] [--window 32 ...]
 """
 from __future__ import annotations
 
@@ -35,21 +40,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "core"))
 
 from smol_gguf import imported_model
 
+import exl3_core.builtins.attn_torch_impl as torch_backend
 import exl3_core.nn.rope as rope_mod
 import exl3_core.reference.kv_quant as ref
 from exl3_core import Config, Model, Tokenizer
 from exl3_core.archkit.batch import BatchMeta
+from exl3_core.attention.spec import AttnArgs
 from exl3_core.cache import Cache
 from exl3_core.cache.kv import KVCacheLayer
 from exl3_core.convert.calibration import builtin_text
 from exl3_core.eval.kld import kl_per_token
 from exl3_core.plan import ExecutionPlan
+from exl3_core.reference.attention import attention as reference_attention
+from exl3_core.reference.attention import gather_paged
 
 Scheme = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class Tap:
-    """Records each layer's rotated q and k, and rewrites k and v on their way into the cache."""
+    """Records each layer's rotated q and k, and rewrites k and v on their way into the cache; with a window, keeps
+    each layer's unquantized k and v (``shadow``) for the reference attention to read the last positions from."""
 
     def __init__(self) -> None:
         self.scheme: Scheme | None = None
@@ -57,6 +67,9 @@ class Tap:
         self.layer_of: dict[int, int] = {}
         self.last_q: torch.Tensor | None = None
         self.start = 0  # the running chunk's first position
+        self.window = 0
+        self.shadow: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> k, v [positions, H, D]
+        self.layer = 0  # the layer whose cache was written last (its attention follows)
         rope_cls = next(c for c in vars(rope_mod).values() if isinstance(c, type) and "rotate_qk" in vars(c))
         rotate, write = rope_cls.rotate_qk, KVCacheLayer.write
         tap = self
@@ -68,6 +81,11 @@ class Tap:
 
         def store(self, k, v, slot_mapping, **kw):  # type: ignore[no-untyped-def]
             i = tap.layer_of.setdefault(id(self), len(tap.layer_of))
+            tap.layer = i
+            if tap.shadow is not None:
+                n = tap.start + k.shape[0]
+                ks, vs = tap.shadow.get(i, (k.new_zeros((0, *k.shape[1:])).float(), v.new_zeros((0, *v.shape[1:])).float()))
+                tap.shadow[i] = (torch.cat([ks[:tap.start], k.float()])[:n], torch.cat([vs[:tap.start], v.float()])[:n])
             if tap.record is not None and tap.last_q is not None:
                 tap.record.setdefault(i, []).append((tap.last_q.detach().float().clone(), k.detach().float().clone(),
                                                      v.detach().float().clone()))
@@ -77,11 +95,35 @@ class Tap:
             write(self, k, v, slot_mapping)
 
         rope_cls.rotate_qk, KVCacheLayer.write = rotate_qk, store
+        torch_backend.attention = self.attention  # type: ignore[assignment]
+
+    def attention(self, args: AttnArgs) -> torch.Tensor:
+        """The reference attention; with a window, keys and values within ``window`` positions before each query
+        read from ``shadow`` (unquantized), the rest from the cache (one sequence per call)."""
+        if self.shadow is None or self.window <= 0 or args.page_table is None or args.k_cache is None:
+            return reference_attention(args)
+        assert args.v_cache is not None and args.seq_lens_k.numel() == 1
+        nk, q = int(args.seq_lens_k[0]), args.q.float()
+        nq = q.shape[0]
+        group = args.spec.num_q_heads // args.spec.num_kv_heads
+        kc, vc = (gather_paged(t, args.page_table[0], nk).float().repeat_interleave(group, 1)
+                  for t in (args.k_cache, args.v_cache))
+        ke, ve = (t[:nk].repeat_interleave(group, 1) for t in self.shadow[self.layer])
+        qpos = torch.arange(nk - nq, nk)[:, None]
+        kpos = torch.arange(nk)[None, :]
+        win = (kpos > qpos - self.window)[None]
+        s = torch.where(win, torch.einsum("qhd,khd->hqk", q, ke), torch.einsum("qhd,khd->hqk", q, kc)) * args.scale
+        p = torch.softmax(s.masked_fill((kpos > qpos)[None], float("-inf")), -1)
+        out = torch.einsum("hqk,khd->qhd", p * win, ve) + torch.einsum("hqk,khd->qhd", p * ~win, vc)
+        return out.to(args.q.dtype)
 
 
 def run(model: Model, plan: ExecutionPlan, tap: Tap, ids: torch.Tensor, schemes: dict[str, Scheme | None],
-        chunk: int = 256) -> dict[str, tuple[float, float]]:
-    """Mean KL and top-1 agreement of each scheme against the first (None: unquantized)."""
+        chunk: int = 256, windows: dict[str, int] | None = None) -> dict[str, tuple[float, float]]:
+    """Mean KL and top-1 agreement of each scheme against the first (None: unquantized); ``windows``: scheme ->
+    positions read unquantized before each query."""
+    windows = windows or {}
+    shadows: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {name: {} for name in windows}
     n = ids.shape[0]
     names = list(schemes)
     caches = [Cache(model, n) for _ in names]
@@ -97,10 +139,11 @@ def run(model: Model, plan: ExecutionPlan, tap: Tap, ids: torch.Tensor, schemes:
         tap.start = start
         for name, cache, table in zip(names, caches, tables, strict=True):
             tap.scheme, tap.layer_of = schemes[name], {}
+            tap.window, tap.shadow = windows.get(name, 0), shadows.get(name)
             meta = BatchMeta.from_lists([toks], [start], device=model.device, page_table=table, page_size=ps,
                                         logits_indices=rows)
             out[name] = plan.forward(meta, cache).float()
-        tap.scheme = None
+        tap.scheme, tap.window, tap.shadow = None, 0, None
         if start == 0:
             continue
         ref_logits = out[names[0]]
@@ -153,6 +196,8 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=4096)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--more", action="store_true", help="also the sink and value-allocation schemes")
+    ap.add_argument("--window", type=int, action="append", default=[],
+                    help="also read the last W positions unquantized (repeatable)")
     a = ap.parse_args()
     cfg = Config.from_directory(imported_model())
     model = Model.from_config(cfg)
@@ -200,8 +245,17 @@ def main() -> None:
         schemes[f"k{bits}v{bits} pairs+vrms"] = lambda i, k, v: (pairs_quant(k, *alloc[i]), pairs_quant(v, *v_rms[i]))
         schemes[f"k16v{bits} vwo"] = lambda i, k, v: (k, pairs_quant(v, *v_wo[i]))
         schemes[f"k16v{bits} h32"] = lambda i, k, v: (k, h32(v, bits))
+    windows: dict[str, int] = {}
+    pairs: Scheme = lambda i, k, v: (pairs_quant(k, *alloc[i]), h32(v, bits))
+    for w in a.window:
+        for kb, vb in ((bits, bits), (bits, bits - 1), (bits - 1, bits - 1)):
+            name = f"k{kb}v{vb} h32 window{w}"
+            schemes[name] = lambda i, k, v, kb=kb, vb=vb: (h32(k, kb), h32(v, vb))
+            windows[name] = w
+        schemes[f"k{bits}v{bits} pairs+h32 window{w}"] = pairs
+        windows[f"k{bits}v{bits} pairs+h32 window{w}"] = w
     ids = tok.encode(builtin_text("eval"))[0][: a.positions + 256]
-    for name, (kl, top1) in run(model, plan, tap, ids, schemes).items():
+    for name, (kl, top1) in run(model, plan, tap, ids, schemes, windows=windows).items():
         print(f"{name:<20} KL {kl:.5f}  top-1 {top1:.4f}  ({a.positions} positions)")
 
 
