@@ -274,3 +274,36 @@ def test_split_kv_several_queries_route() -> None:
     assert b.route(base).startswith("split-KV")
     for other in (base._replace(q_per_seq=0), base._replace(window=8), base._replace(causal=False)):
         assert b.route(other) == "single-pass varlen kernel", other
+
+
+def test_speculative_generation_through_the_split_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine end to end on Triton attention alone: greedy speculative decoding (a draft that is the model
+    itself) gives the plain generator's tokens, its verification and two-token draft steps through the split
+    kernel with several queries per sequence."""
+    import exl3_attn_backends.triton_paged as tp
+
+    from exl3_core.bench.models import build_model, parse_shape
+    from exl3_core.generator import Generator, Job
+
+    shape = parse_shape("custom(64,128,2,4,2,256)")
+    kw = {"device": DEVICE, "cache_tokens": 2048, "attention": ["triton_paged"], "dtype": torch.float32,
+          "page_size": 16}
+    model, cache = build_model(shape, **kw)
+    _, draft_cache = build_model(shape, **kw)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, shape.vocab, (n,), generator=g).tolist() for n in (21, 6)]
+
+    def tokens(**spec: object) -> list[list[int]]:
+        gen = Generator(model, cache, None, max_batch_size=2, **spec)  # type: ignore[arg-type]
+        jobs = [Job(p, max_new_tokens=14, stop_at_eos=False) for p in prompts]
+        gen.enqueue(jobs)
+        while gen.num_remaining():
+            gen.iterate()
+        return [j.seq[len(j.prompt):] for j in jobs]
+
+    plain = tokens()
+    rows: list[int] = []
+    real = tp.decode_split_kv
+    monkeypatch.setattr(tp, "decode_split_kv", lambda a, n, **k: rows.append(a.spec.q_per_seq) or real(a, n, **k))
+    assert tokens(draft_model=model, draft_cache=draft_cache, num_draft_tokens=3, dynamic_draft=False) == plain
+    assert 4 in rows and 2 in rows, sorted(set(rows))  # verification (k + 1 rows) and the draft's first step
