@@ -246,7 +246,7 @@ ROWS_CASES = [
 ]
 
 
-@pytest.mark.parametrize("splits", [None, 7, 40], ids=lambda n: f"splits{n}")
+@pytest.mark.parametrize("splits", [None, 7], ids=lambda n: f"splits{n}")
 @pytest.mark.parametrize("case", ROWS_CASES, ids=lambda c: c.id)
 def test_split_kv_several_queries_match_reference(case: Case, splits: int | None,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -285,17 +285,17 @@ def test_speculative_generation_through_the_split_kernel(monkeypatch: pytest.Mon
     from exl3_core.bench.models import build_model, parse_shape
     from exl3_core.generator import Generator, Job
 
-    shape = parse_shape("custom(64,128,2,4,2,256)")
+    shape = parse_shape("custom(64,128,1,4,2,256)")
     kw = {"device": DEVICE, "cache_tokens": 2048, "attention": ["triton_paged"], "dtype": torch.float32,
           "page_size": 16}
     model, cache = build_model(shape, **kw)
     _, draft_cache = build_model(shape, **kw)
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, shape.vocab, (n,), generator=g).tolist() for n in (21, 6)]
+    prompts = [torch.randint(0, shape.vocab, (n,), generator=g).tolist() for n in (21, 6)]  # a batch of two
 
     def tokens(**spec: object) -> list[list[int]]:
         gen = Generator(model, cache, None, max_batch_size=2, **spec)  # type: ignore[arg-type]
-        jobs = [Job(p, max_new_tokens=14, stop_at_eos=False) for p in prompts]
+        jobs = [Job(p, max_new_tokens=9, stop_at_eos=False) for p in prompts]
         gen.enqueue(jobs)
         while gen.num_remaining():
             gen.iterate()
