@@ -31,8 +31,8 @@ if [ "$stage" = poll ]; then
   W=/tmp/w2; wait_s=${2:-540}; t0=$(date +%s)
   if [ ! -f $W/started ]; then
     mkdir -p $W/out && date > $W/started
-    rm -rf /tmp/head && mkdir /tmp/head && cp -r bench csrc exl3_core plugins tests conftest.py setup.py pyproject.toml \
-        .whl /tmp/head/ && mkdir -p /tmp/head/build && cp -r "$BASE" /tmp/head/build/ab_base
+    rm -rf /tmp/head && mkdir /tmp/head && cp -r bench csrc docs exl3_core plugins tests conftest.py setup.py \
+        pyproject.toml README.md .whl /tmp/head/ && mkdir -p /tmp/head/build && cp -r "$BASE" /tmp/head/build/ab_base
     repo=$PWD; (cd /tmp/head && REPO=$repo OUT=$W/out setsid nohup bash bench/wave2_gpu.sh pipeline > $W/pipeline.log 2>&1 < /dev/null &)
   fi
   while [ ! -f $W/done ] && [ $(( $(date +%s) - t0 )) -lt "$wait_s" ]; do sleep 5; done

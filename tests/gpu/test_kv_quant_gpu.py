@@ -190,8 +190,11 @@ def test_decode_graphs_over_a_quantized_cache() -> None:
         assert isinstance(c.layers[0], KVQuantLayer)
         return c
 
+    # the graphed and eager steps round keys in other kernels before quantizing them, so a 4-bit code at a level
+    # boundary may differ: a few logits move by up to a step's share, the rest stay within fp16 noise
     for a, b in zip(steps(quant(), True), steps(quant(), False)):
-        torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2)
+        err = (a.float() - b.float()).abs()
+        assert float(err.max()) <= 1e-1 and float(err.mean()) <= 3e-3, (float(err.max()), float(err.mean()))
 
 
 # -- speed (the bars; long: builds the 8B shape) ------------------------------------------------------------

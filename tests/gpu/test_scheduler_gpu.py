@@ -74,7 +74,8 @@ def test_preempted_jobs_match_running_alone_on_cuda(small) -> None:
 
 
 def test_stream_gap_while_a_long_prompt_is_prefilled_8b() -> None:
-    """Records the 8B shape's stream gap during an 8x-budget prefill against its unloaded gap."""
+    """Records the 8B shape's stream gap during an 8x-budget prefill against its unloaded gap, the mixed steps'
+    kernels compiled by an earlier prefill of the same size."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     model, cache = build_model(parse_shape("8b"), bpw=4.0, head_bits=6, device="cuda", cache_tokens=16384,
@@ -94,19 +95,27 @@ def test_stream_gap_while_a_long_prompt_is_prefilled_8b() -> None:
             torch.cuda.synchronize()
             return time.perf_counter() - t, stream.new_tokens - n
 
+        def prefill_beside_the_stream(ident: str) -> list[tuple[float, int]]:
+            long = Job(torch.randint(0, 1000, (8 * budget,)).tolist(), max_new_tokens=1, identifier=ident)
+            gen.enqueue(long)
+            loaded = []
+            while long.status != "done":
+                loaded.append(step())
+                assert len(loaded) < 100
+            return loaded
+
         for _ in range(20):  # warm-up: prefill, graphs, the one-step-ahead loop
             step()
+        # and once through the mixed steps, whose kernels (chunk shapes beside a decode row) compile on first use
+        prefill_beside_the_stream("warm-up")
         unloaded = [step() for _ in range(30)]
         per_token = statistics.median(t / max(n, 1) for t, n in unloaded)
-        long = Job(torch.randint(0, 1000, (8 * budget,)).tolist(), max_new_tokens=1, identifier="long")
-        gen.enqueue(long)
-        loaded = []
-        while long.status != "done":
-            loaded.append(step())
-            assert len(loaded) < 100
+        loaded = prefill_beside_the_stream("long")
         assert all(n >= 1 for _, n in loaded)  # the stream got a token every step
-        worst = max(t / n for t, n in loaded)
+        gaps = sorted(t / n for t, n in loaded)
+        worst = gaps[-1]
         print(f"\n8b, step budget {budget}: unloaded gap {per_token * 1e3:.2f} ms, worst gap during an "
-              f"{8 * budget}-token prefill {worst * 1e3:.2f} ms ({worst / per_token:.2f}x), {len(loaded)} steps")
+              f"{8 * budget}-token prefill {worst * 1e3:.2f} ms ({worst / per_token:.2f}x; median "
+              f"{statistics.median(gaps) / per_token:.2f}x), {len(loaded)} steps")
     finally:
         model.unload()
