@@ -220,33 +220,32 @@ def main() -> None:
         ek = k.pow(2).mean(0)
         eq = q.view(q.shape[0], hk, -1, d).pow(2).mean((0, 2))
         ekp, eqp = (ek[:, : d // 2] + ek[:, d // 2:]) / 2, (eq[:, : d // 2] + eq[:, d // 2:]) / 2
-        b = pair_bits(ekp * eqp, a.bits + 16 / ref.GROUP - 16 / d)  # h32's bytes: one fp16 scale per head
+        per = a.bits + 16 / ref.GROUP - 16 / d  # h32's bytes: one fp16 scale per head
+        b = pair_bits(ekp * eqp, per)
         alloc[i] = (torch.cat([b, b], -1), torch.cat([ekp, ekp], -1).sqrt())
         ev = torch.cat([r[2] for r in rows]).pow(2).mean(0)  # [hk, d]
         wo = model.layers[i].attn.o_proj.weight.float()  # [out, heads * d]
         wn = wo.pow(2).sum(0).view(hk, -1, d).sum(1)  # per kv channel, over the query heads it serves
-        per = a.bits + 16 / ref.GROUP - 16 / d
         v_wo[i] = (pair_bits(ev * wn, per), ev.sqrt())
         v_rms[i] = (pair_bits(ev, per), ev.sqrt())
 
     bits = a.bits
+    pairs: Scheme = lambda i, k, v: (pairs_quant(k, *alloc[i]), h32(v, bits))
     schemes: dict[str, Scheme | None] = {
         "fp32": None,
         f"k{bits}v16 h32": lambda i, k, v: (h32(k, bits), v),
         f"k{bits}v16 pairs": lambda i, k, v: (pairs_quant(k, *alloc[i]), v),
         f"k{bits}v{bits} h32": lambda i, k, v: (h32(k, bits), h32(v, bits)),
-        f"k{bits}v{bits} pairs+h32": lambda i, k, v: (pairs_quant(k, *alloc[i]), h32(v, bits)),
+        f"k{bits}v{bits} pairs+h32": pairs,
     }
     if a.more:
-        best: Scheme = lambda i, k, v: (pairs_quant(k, *alloc[i]), h32(v, bits))
-        schemes.update({f"k{bits}v{bits} pairs+h32 sink{n}": sink(tap, best, n) for n in (1, 4, 16)})
+        schemes.update({f"k{bits}v{bits} pairs+h32 sink{n}": sink(tap, pairs, n) for n in (1, 4, 16)})
         schemes[f"k{bits}v{bits} h32 sink4"] = sink(tap, lambda i, k, v: (h32(k, bits), h32(v, bits)), 4)
         schemes[f"k{bits}v{bits} pairs+vwo"] = lambda i, k, v: (pairs_quant(k, *alloc[i]), pairs_quant(v, *v_wo[i]))
         schemes[f"k{bits}v{bits} pairs+vrms"] = lambda i, k, v: (pairs_quant(k, *alloc[i]), pairs_quant(v, *v_rms[i]))
         schemes[f"k16v{bits} vwo"] = lambda i, k, v: (k, pairs_quant(v, *v_wo[i]))
         schemes[f"k16v{bits} h32"] = lambda i, k, v: (k, h32(v, bits))
     windows: dict[str, int] = {}
-    pairs: Scheme = lambda i, k, v: (pairs_quant(k, *alloc[i]), h32(v, bits))
     for w in a.window:
         for kb, vb in ((bits, bits), (bits, bits - 1), (bits - 1, bits - 1)):
             name = f"k{kb}v{vb} h32 window{w}"
