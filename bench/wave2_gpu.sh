@@ -147,7 +147,8 @@ case "$stage" in
     ;;
   branch)
     # a candidate change not yet on main: $REPO/.branch.patch (carried; made here with
-    # `git diff $(git merge-base main BRANCH) BRANCH > .branch.patch`, /.branch.patch in .git/info/exclude), applied to a copy of this tree and built there; its LoRA GPU tests and LoRA figures
+    # `git diff $(git merge-base main BRANCH) BRANCH > .branch.patch`, /.branch.patch in .git/info/exclude),
+    # applied to a copy of this tree and built there; its LoRA GPU tests and LoRA figures
     [ -f "$REPO/.branch.patch" ] || { echo "no .branch.patch carried"; exit 0; }
     rm -rf /tmp/branch && cp -r "$PWD" /tmp/branch && cd /tmp/branch
     patch -p1 -s < "$REPO/.branch.patch" || { echo "patch failed"; exit 1; }
