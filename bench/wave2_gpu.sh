@@ -16,7 +16,7 @@
 #   bash bench/wave2_gpu.sh branch     # a candidate branch from a carried .branch.patch, built in a copy: its
 #                                      # LoRA GPU tests, then its LoRA figures
 #
-#   bash bench/wave2_gpu.sh poll SECONDS   # all of the above in one detached pipeline (copies of both trees in
+#   [STAGES="tests ab1b ..."] bash bench/wave2_gpu.sh poll SECONDS   # all of the above (or the named stages) in one detached pipeline (copies of both trees in
 #                                      # /tmp, so later calls' tree copies cannot disturb it): the first call starts
 #                                      # it, each call waits up to SECONDS and returns the logs so far as
 #                                      # $OUT/w2.tar.gz; calls must follow each other within the warm window
@@ -33,7 +33,7 @@ if [ "$stage" = poll ]; then
     mkdir -p $W/out && date > $W/started
     rm -rf /tmp/head && mkdir /tmp/head && cp -r bench csrc docs exl3_core plugins tests conftest.py setup.py \
         pyproject.toml README.md .whl /tmp/head/ && mkdir -p /tmp/head/build && cp -r "$BASE" /tmp/head/build/ab_base
-    repo=$PWD; (cd /tmp/head && REPO=$repo OUT=$W/out setsid nohup bash bench/wave2_gpu.sh pipeline > $W/pipeline.log 2>&1 < /dev/null &)
+    repo=$PWD; (cd /tmp/head && REPO=$repo OUT=$W/out STAGES="${STAGES:-}" setsid nohup bash bench/wave2_gpu.sh pipeline > $W/pipeline.log 2>&1 < /dev/null &)
   fi
   while [ ! -f $W/done ] && [ $(( $(date +%s) - t0 )) -lt "$wait_s" ]; do sleep 5; done
   tar -czf "$OUT/w2.tar.gz" -C $W . 2>/dev/null
@@ -163,22 +163,28 @@ case "$stage" in
     OUT=$OUT_MAIN
     ;;
   pipeline)
-    # what settles must-holds first (the fairness figure, a candidate branch's LoRA figures, the feature figures,
-    # the GPU tests), then the A/B runs, which need the baseline's build
-    echo "HEAD built $(date +%T)"; export SKIP_BUILD=1
-    bash bench/wave2_gpu.sh features fairness; echo "fairness done $(date +%T)"
-    bash bench/wave2_gpu.sh branch; echo "branch done $(date +%T)"
-    bash bench/wave2_gpu.sh features spec specprof kvq_b1 kvq_b32 lora; echo "features done $(date +%T)"
-    TESTS_TIMEOUT=600 bash bench/wave2_gpu.sh tests
-    echo "tests done $(date +%T)"
-    ( cd "$BASE" && CC=$cc CXX=$cxx TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 setup.py build_ext --inplace \
-        > "$OUT/build_base.log" 2>&1; echo "baseline built $(date +%T) rc=$?" )
-    bash bench/wave2_gpu.sh ab 1b; echo "ab 1b done $(date +%T)"
-    bash bench/wave2_gpu.sh ab 8b; echo "ab 8b done $(date +%T)"
-    # the n-gram figure, where earlier calls have carried every part of the default model into $REPO/.model
-    (cd "$REPO" && sha256sum -c --quiet .model/SHA256 2>/dev/null && bash bench/wave2_gpu.sh model) \
-      && bash bench/wave2_gpu.sh features ngram
-    echo "ngram done $(date +%T)"
+    # $STAGES (default: all, in this order) picks what one pipeline runs: what settles must-holds first (the
+    # fairness figure, a candidate branch's LoRA figures, the feature figures, the GPU tests), then the A/B runs,
+    # which need the baseline's build, then the n-gram figure
+    stages=${STAGES:-fairness branch features tests ab1b ab8b ngram}
+    echo "HEAD built $(date +%T); stages: $stages"; export SKIP_BUILD=1
+    for st in $stages; do
+      case $st in
+        fairness) bash bench/wave2_gpu.sh features fairness ;;
+        branch) bash bench/wave2_gpu.sh branch ;;
+        features) bash bench/wave2_gpu.sh features spec specprof kvq_b1 kvq_b32 lora ;;
+        tests) TESTS_TIMEOUT=600 bash bench/wave2_gpu.sh tests ;;
+        ab1b|ab8b)
+          [ -f "$BASE/exl3_core/_C.so" ] || ( cd "$BASE" && CC=$cc CXX=$cxx TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
+              python3 setup.py build_ext --inplace > "$OUT/build_base.log" 2>&1; echo "baseline built $(date +%T) rc=$?" )
+          bash bench/wave2_gpu.sh ab "${st#ab}" ;;
+        ngram)  # where earlier calls have carried every part of the default model into $REPO/.model
+          (cd "$REPO" && sha256sum -c --quiet .model/SHA256 2>/dev/null && bash bench/wave2_gpu.sh model) \
+            && bash bench/wave2_gpu.sh features ngram ;;
+        *) echo "unknown pipeline stage $st" ;;
+      esac
+      echo "$st done $(date +%T)"
+    done
     date > /tmp/w2/done
     ;;
   *)
