@@ -178,6 +178,8 @@ case "$stage" in
           [ -f "$BASE/exl3_core/_C.so" ] || ( cd "$BASE" && CC=$cc CXX=$cxx TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
               python3 setup.py build_ext --inplace > "$OUT/build_base.log" 2>&1; echo "baseline built $(date +%T) rc=$?" )
           bash bench/wave2_gpu.sh ab "${st#ab}" ;;
+        spprobe) echo "== spec target probe"; timeout 240 python3 bench/spec_target_probe.py > "$OUT/spprobe.log" 2>&1
+          echo "rc=$?"; grep self_predicting "$OUT/spprobe.log" ;;
         ngram)  # where earlier calls have carried every part of the default model into $REPO/.model
           (cd "$REPO" && sha256sum -c --quiet .model/SHA256 2>/dev/null && bash bench/wave2_gpu.sh model) \
             && bash bench/wave2_gpu.sh features ngram ;;
