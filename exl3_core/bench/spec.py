@@ -167,6 +167,8 @@ def run_spec_bench(shape: BenchShape, draft_shape: BenchShape, *, alphas: tuple[
                  "acceptance": st.accepted / st.drafted if st.drafted else 0.0,
                  "tokens_per_step": st.committed / st.steps / batch if st.steps else 0.0,
                  "spec_steps": st.steps, "plain_steps": st.plain_steps + st.timed_plain_steps}
+            if dyn:  # what the dynamic policy's choices rested on
+                r["policy"] = gen.spec.length.estimates()
             if not dyn:
                 ideal = ideal_speedup(a, k, c)
                 # what a step costs: verification and k draft forwards on the device, the rest on the host
@@ -178,7 +180,8 @@ def run_spec_bench(shape: BenchShape, draft_shape: BenchShape, *, alphas: tuple[
             log(f"alpha {a:.2f} k={'dyn' if dyn else k}: {tok_s:.1f} tok/s, x{r['speedup']:.2f}"
                 + (f" (ideal x{r['ideal']:.2f}: {100 * r['fraction_of_ideal']:.0f}%; step {r['step_ms']:.2f} ms of which "
                    f"device {r['device_ms_per_step']:.2f}, host {r['host_ms_per_step']:.2f})" if not dyn else
-                   f" (acceptance {r['acceptance']:.2f}, {r['spec_steps']} speculative / {r['plain_steps']} plain steps)"))
+                   f" (acceptance {r['acceptance']:.2f}, {r['spec_steps']} speculative / {r['plain_steps']} plain steps; "
+                   f"policy's estimates {r['policy']})"))
         fixed = [r for r in row["runs"] if not r["dynamic"]]
         best = max(fixed, key=lambda r: r["speedup"])
         best_ideal = max(fixed, key=lambda r: r["ideal"])

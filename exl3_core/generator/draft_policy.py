@@ -140,6 +140,13 @@ class DraftLength:
         draft = (td if td is not None else self.draft_cost * t1) if drafting else 0.0
         return (tk + k * draft + self._host) / t1
 
+    def estimates(self) -> dict[str, object]:
+        """What the policy currently believes, for reports: milliseconds of target steps per
+        ``"bucket x rows"``, of a draft forward per bucket and of a speculative step's host work."""
+        return {"target_ms": {f"{b}x{n}": t * 1e3 for (b, n), t in sorted(self._t_target.items())},
+                "draft_ms": {str(b): t * 1e3 for b, t in sorted(self._t_draft.items())},
+                "host_ms": self._host * 1e3, "probe_interval": self._probe_interval}
+
     # -- decisions ---------------------------------------------------------------------------------
     def choose(self, jobs: list[Job], caps: list[int]) -> list[int]:
         """Draft length per job (0: no draft), at most ``caps[b]`` (what the job may still generate, what the

@@ -428,6 +428,8 @@ def test_dynamic_length_follows_acceptance_and_costs() -> None:
     assert pol.needs_timing(2) and pol.choose(jobs, [6, 6]) == [0, 0]
     pol.record_target(2, 1, 0.010)
     pol.record_target(2, 5, 0.011)
+    est = pol.estimates()
+    assert est["target_ms"] == pytest.approx({"2x1": 10.0, "2x5": 11.0}) and est["draft_ms"] == {}
     for _ in range(10):
         pol.record_acceptance(jobs[0], 6, 6)  # always accepted
         pol.record_acceptance(jobs[1], 6, 0)  # never
