@@ -173,6 +173,7 @@ case "$stage" in
         fairness) bash bench/wave2_gpu.sh features fairness ;;
         branch) bash bench/wave2_gpu.sh branch ;;
         features) bash bench/wave2_gpu.sh features spec specprof kvq_b1 kvq_b32 lora ;;
+        spec|specprof|kvq_b1|kvq_b32|lora) bash bench/wave2_gpu.sh features "$st" ;;
         tests) TESTS_TIMEOUT=600 bash bench/wave2_gpu.sh tests ;;
         ab1b|ab8b)
           [ -f "$BASE/exl3_core/_C.so" ] || ( cd "$BASE" && CC=$cc CXX=$cxx TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
