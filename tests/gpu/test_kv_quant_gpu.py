@@ -158,43 +158,59 @@ def test_cuda_decode_backend_takes_short_quantized_decode(decode_op) -> None:
 
 # -- the engine through CUDA graphs --------------------------------------------------------------------------------
 def test_decode_graphs_over_a_quantized_cache() -> None:
-    """Replayed decode steps over K4V4 pages equal the eager plan over its own K4V4 cache."""
+    """Replayed decode steps over K4V4 pages equal the eager plan's steps from the same cache state.
+
+    Both step from one cache (the eager step runs first, then its writes are undone): the graph's fused store
+    rounds the new key in other kernels before quantizing it, so the token's own codes may differ at a level
+    boundary, and nothing else may. The gap must stay a small part of what 4-bit storage itself changes (the
+    same steps over an fp16 cache)."""
     from exl3_core.generator.batching import Chunk, build_batch
 
     model, _ = build_model(parse_shape("custom(512,1024,2,4,2,2000)"), device=DEV, dtype=torch.float16, seed=4)
     plan = ExecutionPlan(model)
     page = 64
+    prompts = [list(range(5, 45)), list(range(100, 121))]
 
-    def steps(cache: Cache, graphed: bool) -> list[torch.Tensor]:
+    def run(cache: Cache, graphed: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per decode step: (eager logits, graphed logits or the eager ones again), the graph's writes kept."""
         graphs = DecodeGraphs.create(plan, cache, 4) if graphed else None
         assert not graphed or graphs is not None, "decode graphs declined over a quantized cache"
         pages = [cache.allocator.allocate(4) for _ in range(2)]
-        prompts = [list(range(5, 45)), list(range(100, 121))]
         meta, _ = build_batch([Chunk(p, 0, pg, True) for p, pg in zip(prompts, pages)], page_size=page,
                               table_width=4, scratch_page=cache.scratch_page, device=torch.device(DEV), decode=False)
-        out = [plan.forward(meta, cache)]
+        plan.forward(meta, cache)
         past = [len(p) for p in prompts]
+        out = []
         for s in range(5):
             chunks = [Chunk([(13 * s + 7 * b) % 2000], past[b], pages[b], True) for b in range(2)]
+            before = [t.clone() for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
             meta, _ = build_batch(chunks, page_size=page, table_width=4, scratch_page=cache.scratch_page,
-                                  device=torch.device("cpu" if graphed else DEV), decode=True)
-            logits = graphs.run(meta)[0] if graphs is not None else plan.forward(meta, cache)
-            out.append(logits[:2].float().clone())
+                                  device=torch.device(DEV), decode=True)
+            eager = plan.forward(meta, cache)[:2].float().clone()
+            if graphs is None:
+                out.append((eager, eager))
+            else:
+                now = [t for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+                for t, b in zip(now, before):
+                    t.copy_(b)
+                meta, _ = build_batch(chunks, page_size=page, table_width=4, scratch_page=cache.scratch_page,
+                                      device=torch.device("cpu"), decode=True)
+                out.append((eager, graphs.run(meta)[0][:2].float().clone()))
             past = [p + 1 for p in past]
         if graphs is not None:
             assert graphs.replays == 5
         return out
 
-    def quant() -> Cache:
-        c = Cache(model, 16 * page, page_size=page, variant="quant", k_bits=4, v_bits=4)
-        assert isinstance(c.layers[0], KVQuantLayer)
-        return c
-
-    # the graphed and eager steps round keys in other kernels before quantizing them, so a 4-bit code at a level
-    # boundary may differ: a few logits move by up to a step's share, the rest stay within fp16 noise
-    for a, b in zip(steps(quant(), True), steps(quant(), False)):
-        err = (a.float() - b.float()).abs()
-        assert float(err.max()) <= 1e-1 and float(err.mean()) <= 3e-3, (float(err.max()), float(err.mean()))
+    quant = Cache(model, 16 * page, page_size=page, variant="quant", k_bits=4, v_bits=4)
+    assert isinstance(quant.layers[0], KVQuantLayer)
+    steps = run(quant, True)
+    fp16 = run(Cache(model, 16 * page, page_size=page), False)
+    for (eager, graphed), (exact, _) in zip(steps, fp16):
+        gap = (graphed - eager).abs()
+        storage = (eager - exact).abs()
+        assert float(storage.mean()) > 0, "4-bit storage changed nothing: the cache is not quantized"
+        assert float(gap.mean()) <= 0.25 * float(storage.mean()), (float(gap.mean()), float(storage.mean()))
+        assert float(gap.max()) <= 0.5 * float(storage.max()), (float(gap.max()), float(storage.max()))
 
 
 # -- speed (the issue's bars; long: builds the 8B shape) ------------------------------------------------------------
