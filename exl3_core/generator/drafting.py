@@ -48,7 +48,9 @@ class Proposal:
     :param lens: drafts per job, with ``ids``.
     :param q: float32 ``[B, K, V]`` on the device: row ``b, i`` is the distribution draft i of job b was
         drawn from; None: every proposal is a point mass (greedy drafts, n-gram lookups).
-    :param forwards: draft-model forwards run for it (the cost model divides its time by them).
+    :param forwards: draft-model forwards that drafted its tokens (the cost model divides its time by them).
+    :param catch_up: forwards before those that fed the draft model tokens it had not seen (a new prompt, or
+        the tokens of plain steps): their cost follows how much it missed, not the draft length.
     """
 
     tokens: list[list[int]] | None
@@ -56,6 +58,7 @@ class Proposal:
     lens: list[int] | None = None
     q: torch.Tensor | None = None
     forwards: int = 0
+    catch_up: int = 0
 
     def count(self, b: int) -> int:
         """Drafts of job b."""
@@ -276,9 +279,8 @@ class ModelDrafter:
         if not keep or K < 1:
             return Proposal(None, torch.zeros((len(jobs), max(K, 0)), dtype=torch.int64, device=self.device), lens)
         djobs = [jobs[b] for b in keep]
-        forwards = self._catch_up(djobs)
+        catch_up = self._catch_up(djobs)
         ids, q = self._draft(djobs, K)
-        forwards += K
         for b in keep:
             job = jobs[b]
             st = self._seqs[job]
@@ -292,7 +294,7 @@ class ModelDrafter:
         if q is not None:
             full_q = torch.zeros((len(jobs), K, q.shape[-1]), dtype=q.dtype, device=q.device).index_copy_(0, idx, q)
         # no read here: the drafts reach the host with the verification's result (one sync per step)
-        return Proposal(None, full, lens, full_q, forwards)
+        return Proposal(None, full, lens, full_q, K, catch_up)
 
     def _catch_up(self, jobs: list[Job]) -> int:
         """Prefill what each job's draft state lacks up to its third-to-last token; returns forwards run."""

@@ -166,7 +166,8 @@ class _StepDrafts:
     host: list[list[int]] | None  # per job, when known on the host
     ids: torch.Tensor | None  # int64 [B, K] on the device otherwise (row b's first lens[b] entries)
     q: torch.Tensor | None  # float32 [B, K, V]: what sampled drafts were drawn from (None: point masses)
-    forwards: int  # draft-model forwards it took
+    forwards: int  # draft-model forwards that drafted
+    catch_up: int = 0  # draft-model forwards before those, over tokens the draft had not seen
 
 
 class _Clock:
@@ -361,7 +362,7 @@ class Speculator:
             host: list[list[int]] = [[] for _ in jobs]
             for i, b in enumerate(drafting):
                 host[b] = prop.tokens[i][:lens[b]]
-            return _StepDrafts(lens, host, None, None, prop.forwards)
+            return _StepDrafts(lens, host, None, None, prop.forwards, prop.catch_up)
         assert prop.ids is not None
         dev = prop.ids.device
         idx = _ids(drafting, dev)
@@ -369,7 +370,7 @@ class Speculator:
         q = None
         if prop.q is not None:
             q = torch.zeros((B, K, prop.q.shape[-1]), dtype=prop.q.dtype, device=dev).index_copy_(0, idx, prop.q[:, :K])
-        return _StepDrafts(lens, None, ids, q, prop.forwards)
+        return _StepDrafts(lens, None, ids, q, prop.forwards, prop.catch_up)
 
     def _plain(self, jobs: list[Job]) -> bool:
         """Leave the step to the generator's plain loop, without the pages reserved for verification rows."""
@@ -462,7 +463,7 @@ class Speculator:
         if spec:
             self._accept_drafts(jobs, spec, dr, K, logits, packed, results)
         self._trim_pages(jobs)
-        self._record_times(B, K, dr.forwards, clock, t0)
+        self._record_times(B, K, dr, clock, t0)
 
     def _accept_drafts(self, all_jobs: list[Job], batch_rows: list[int], dr: _StepDrafts, K: int,
                        logits: torch.Tensor, packed: torch.Tensor | None, results: list[Result]) -> None:
@@ -600,17 +601,20 @@ class Speculator:
                 h._fail(job, e, results)
                 return
 
-    def _record_times(self, B: int, K: int, forwards: int, clock: _Clock, t0: float) -> None:
+    def _record_times(self, B: int, K: int, dr: _StepDrafts, clock: _Clock, t0: float) -> None:
         verify = clock.seconds(1, 2)
         self.length.record_target(B, K + 1, verify)
         if K == 0:
             self.stats.timed_plain_steps += 1
             return
+        self.stats.draft_forwards += dr.forwards + dr.catch_up
+        if dr.catch_up:
+            # its cost follows the tokens the draft missed, not the draft length: no per-forward or host figure
+            return
         draft = clock.seconds(0, 1)
         wall = time.perf_counter() - t0
-        if forwards:
-            self.stats.draft_forwards += forwards
-            self.length.record_draft(B, draft / forwards)
+        if dr.forwards:
+            self.length.record_draft(B, draft / dr.forwards)
             self.length.record_host(wall - verify - draft)
         else:  # a lookup on the host: its time is host work
             self.length.record_host(wall - verify)

@@ -463,6 +463,28 @@ def test_dynamic_length_follows_acceptance_and_costs() -> None:
     assert fixed.choose(jobs, [6, 1]) == [3, 1]
 
 
+def test_catch_up_forwards_stay_out_of_the_draft_cost(target, plugins) -> None:
+    """A step whose draft first catches up tokens it never saw (the prompt; a plain step's token) feeds the cost
+    model no per-forward draft time: that cost follows what was missed, not the draft length."""
+    gen = make(target, plugins, draft=target, num_draft_tokens=3, dynamic_draft=False)
+    assert gen.spec is not None
+    proposals, recorded = [], []
+    propose, record = gen.spec.drafter.propose, gen.spec.length.record_draft
+
+    def spy_propose(jobs, ks):
+        prop = propose(jobs, ks)
+        proposals.append(prop)
+        return prop
+
+    gen.spec.drafter.propose = spy_propose
+    gen.spec.length.record_draft = lambda batch, seconds: recorded.append(seconds) or record(batch, seconds)
+    drive(gen, [Job(prompts(1, seed=5)[0], max_new_tokens=24, identifier=0, stop_at_eos=False)])
+    with_catch_up = [p for p in proposals if p.catch_up]
+    assert with_catch_up and all(p.forwards == max(p.lens) for p in proposals)
+    assert len(recorded) == len(proposals) - len(with_catch_up) > 0
+    assert gen.spec.stats.draft_forwards == sum(p.forwards + p.catch_up for p in proposals)
+
+
 def test_ngram_lookup_prefers_longest_recent_match_and_corpus() -> None:
     d = NgramDrafter(max_n=3, min_n=1, corpus=[[50, 51, 52, 53, 54]])
     j = Job([1, 2, 3, 9, 1, 2, 3, 7, 8, 4, 2, 3], max_new_tokens=10)
