@@ -225,7 +225,7 @@ class RandomSource:
 
         h, v = self.dims.hidden, self.dims.vocab
         head = EXL3Linear.from_tensors("lm_head", lambda n: self.get_tensor(n, dev) if n in self else None, h, v)
-        w = head.dequantize().t()  # [vocab, hidden]
+        w = head.dequantize().t().contiguous()  # [vocab, hidden], row-major as a checkpoint's table
         return w * (h ** 0.5 / w.norm(dim=1, keepdim=True).clamp_min(1e-6))
 
     def weight_bytes(self) -> int:

@@ -343,7 +343,7 @@ def _carry_rows(Ids, Carry, Src, S, i, ok):
 
 @triton.jit
 def _embed_ss_kernel(Ids, W, H, SS, Carry, Src, S, Pos, InvFreq, Cos, Sin, HALF, rfactor,
-                     stride_w, stride_h, N, V, rows, SS_N, scale,
+                     stride_w, stride_wc, stride_h, N, V, rows, SS_N, scale,
                      HAS_SCALE: tl.constexpr, HAS_CARRY: tl.constexpr, HAS_ROPE: tl.constexpr,
                      HAS_RFACTOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_Z: tl.constexpr, BLOCK_R: tl.constexpr,
                      PDL: tl.constexpr):
@@ -363,7 +363,7 @@ def _embed_ss_kernel(Ids, W, H, SS, Carry, Src, S, Pos, InvFreq, Cos, Sin, HALF,
         idx = tl.where(take, carried, idx)
     idx = tl.minimum(tl.maximum(idx, 0), V - 1)  # ids are checked at enqueue; never read outside the table
     cols = tl.arange(0, BLOCK_N)
-    x = tl.load(W + idx * stride_w + cols, mask=cols < N, other=0.0)
+    x = tl.load(W + idx * stride_w + cols * stride_wc, mask=cols < N, other=0.0)
     if HAS_SCALE:
         x = (x.to(tl.float32) * scale).to(H.dtype.element_ty)
     tl.store(H + r.to(tl.int64) * stride_h + cols, x, mask=cols < N)
@@ -386,7 +386,7 @@ def embed_ss(ids: torch.Tensor, weight: torch.Tensor, scale: float | None, ss_sl
     if ids.dim() != 1 or weight.dim() != 2 or ss_slots < 1:
         raise ValueError(f"embed_ss: want ids [T], weight [V, N] and ss_slots >= 1; got {tuple(ids.shape)}, "
                          f"{tuple(weight.shape)}, {ss_slots}")
-    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    w = weight  # read in place whatever its layout: a copy here would copy the whole table every step
     T, (V, N) = ids.shape[0], w.shape
     h = torch.empty((T, N), dtype=w.dtype, device=w.device)
     ss = torch.empty((ss_slots, T), dtype=torch.float32, device=w.device)
@@ -404,7 +404,7 @@ def embed_ss(ids: torch.Tensor, weight: torch.Tensor, scale: float | None, ss_sl
     half = inv.shape[0] if rope is not None else 1
     _embed_ss_kernel[(T,)](
         ids, w, h, ss, c, src, src.shape[0], pos, inv, cos if cos is not None else ss, sin if sin is not None else ss,
-        half, rfactor, w.stride(0), h.stride(0), N, V, T, ss_slots * T,
+        half, rfactor, w.stride(0), w.stride(1), h.stride(0), N, V, T, ss_slots * T,
         float(scale if scale is not None else 1.0), HAS_SCALE=scale is not None, HAS_CARRY=carry is not None,
         HAS_ROPE=rope is not None, HAS_RFACTOR=rfactor != 1.0, BLOCK_N=block_n, BLOCK_Z=256,
         BLOCK_R=triton.next_power_of_2(half), num_warps=_norm_warps(block_n), **launch_opts(h),

@@ -270,12 +270,24 @@ def test_model_takes_fused_path(hf_arch: str, tmp_path: Path, counted: dict[str,
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,vocab,hidden,slots", [(1, 50, 576, 61), (3, 37, 320, 1), (4, 64, 1000, 9)])
 @pytest.mark.parametrize("scale", [None, 24.0])
-def test_embed_ss(rows: int, vocab: int, hidden: int, slots: int, dtype: torch.dtype, scale: float | None) -> None:
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_embed_ss(rows: int, vocab: int, hidden: int, slots: int, dtype: torch.dtype, scale: float | None,
+                  layout: str) -> None:
+    """Also over a column-major table (a transposed head's rows), read in place."""
     w = (torch.randn(vocab, hidden) * 0.7).to(dtype).to(DEVICE)
+    if layout == "columns":
+        w = w.t().contiguous().t()
+        assert w.stride() == (1, vocab)
     ids = torch.randint(0, vocab, (rows,)).to(DEVICE)
     garbage = torch.full((slots, rows), float("nan"), device=DEVICE)  # freed memory the op's buffer may reuse
     del garbage
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
     h, ss = ops.embed_ss(ids, w, scale, slots, impl="triton")
+    if DEVICE == "cuda":  # no copy of the table, whatever its layout
+        assert torch.cuda.max_memory_allocated() - before < w.numel() * w.element_size()
     h_ref, ss_ref = ref.embed_ss(ids, w, scale, slots)
     assert h.dtype == dtype and ss.dtype == torch.float32 and ss.shape == (slots, rows)
     assert torch.equal(h, h_ref)  # a lookup and one rounding of the scaled row
