@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from exl3_core.nn.adapters import LinearAdapter, adapted
 from exl3_core.nn.shard import LinearShard
-from exl3_core.nn.source import TensorSource, WeightError
+from exl3_core.nn.source import TensorSource, WeightError, fetch
 
 PAD = 128  # EXL3 converters zero-pad unquantized linears to this multiple
 
@@ -112,7 +112,7 @@ def make_linear(key: str, in_features: int, out_features: int, *, bias: bool | N
         def get(name: str) -> torch.Tensor | None:
             if name == f"{key}.bias" and bias is False:
                 return None
-            return source.get_tensor(name, device=device) if name in names else None
+            return fetch(source, name, device) if name in names else None
 
         try:
             return EXL3Linear.from_tensors(key, get, in_features, out_features)
@@ -134,14 +134,14 @@ def make_linear(key: str, in_features: int, out_features: int, *, bias: bool | N
         file = where(wname) if where is not None else source.directory
         raise WeightError(f"tensor {wname!r} in {file} has shape {list(stored)}, expected "
                           f"[{out_features}, {in_features}]; the checkpoint does not match the model config")
-    w = source.get_tensor(wname, device=device, dtype=dtype)
+    w = fetch(source, wname, device, dtype)
     b = None
     bname = f"{key}.bias"
     if bias is True and bname not in names:
         raise WeightError(f"tensor {bname!r} is missing from the checkpoint at {source.directory}: the architecture "
                           f"has a bias on {key}; the checkpoint does not match the config")
     if bias is not False and bname in names:
-        b = source.get_tensor(bname, device=device, dtype=dtype)
+        b = fetch(source, bname, device, dtype)
     return DenseLinear(w, b, in_features, out_features, key=key)
 
 

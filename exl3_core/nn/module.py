@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
-from exl3_core.nn.source import TensorSource, WeightError
+from exl3_core.nn.source import TensorSource, WeightError, fetch
 
 if TYPE_CHECKING:
     from exl3_core.archkit.batch import BatchMeta
@@ -72,7 +72,7 @@ class LoadContext:
             if optional:
                 return None
             raise self.missing(name, what)
-        t = self.source.get_tensor(name, device=self.device, dtype=dtype, expect_shape=shape)
+        t = fetch(self.source, name, self.device, dtype, shape)
         if self.progress is not None:
             self.progress(name, t)
         return t

@@ -111,3 +111,30 @@ def test_combine_ceilings_takes_the_median_sample_and_keeps_the_fastest() -> Non
         assert all("samples_tok_s" not in s for s in samples)  # inputs untouched
     with pytest.raises(ValueError, match="at least one"):
         combine_ceilings([])
+
+
+class _StridedSource(RandomSource):
+    """Every matrix as a column-major view, as a source built from transposed tensors may hand it out."""
+
+    def get_tensor(self, name, device="cpu", dtype=None, expect_shape=None):  # type: ignore[no-untyped-def]
+        t = super().get_tensor(name, device, dtype, expect_shape)
+        return t.t().contiguous().t() if t.dim() == 2 else t
+
+
+def test_loaded_weights_are_row_major_whatever_the_source_returns() -> None:
+    """Kernels read weights in place assuming row-major: a strided view from a source is made contiguous once at
+    load (else a kernel copies it on every call), with the same values."""
+    from exl3_core.archkit import Config, Model
+    from exl3_core.bench.models import bench_plugins
+
+    shape = parse_shape(TINY)
+    src = _StridedSource(shape, head_bits=None)
+    assert not src.get_tensor("model.embed_tokens.weight").is_contiguous()
+    model = Model.from_config(Config(src.directory, shape.hf_config(), plugins=bench_plugins()))
+    model.load(device="cpu", source=src)
+    tensors = dict(model.named_buffers()) | dict(model.named_parameters())
+    strided = [n for n, t in tensors.items() if t is not None and not t.is_contiguous()]
+    assert not strided, strided
+    f32 = torch.float32
+    assert torch.equal(model.embed.weight, src.get_tensor("model.embed_tokens.weight", dtype=f32))
+    assert torch.equal(model.head.linear.weight, src.get_tensor("lm_head.weight", dtype=f32))
