@@ -216,7 +216,8 @@ class RandomSource:
             t = self._head_rows(dev)
         else:  # embed / dense
             t = torch.randn(shape, generator=g, device=dev) * scale
-        return t.to(dtype or stored)
+        # through the stored dtype, as a checkpoint's tensor: models of any dtype hold the same values
+        return t.to(stored).to(dtype or stored)
 
     def _head_rows(self, dev: torch.device) -> torch.Tensor:
         """The head's rows at norm sqrt(hidden): as the embedding, each token's own logit stands far above the

@@ -23,7 +23,7 @@ from exl3_core.lora.selection import Selection
 from exl3_core.lora.stack import LoraStack, StackEntry
 from exl3_core.nn.adapters import row_map
 from exl3_core.quant.exl3.linear import EXL3Linear
-from exl3_core.testing.arch import parted_only_at_near_tie, rel_err
+from exl3_core.testing.arch import NEAR_TIE, parted_only_at_near_tie, rel_err
 from exl3_core.testing.lora import random_adapter
 
 SHAPE = "custom(512,1024,3,8,2,2000)"
@@ -97,32 +97,59 @@ def _jobs(logits: bool, choices: list[dict[str, float] | None] = CHOICES) -> lis
                 return_logits=logits) for i, c in enumerate(choices)]
 
 
+def _agree(*runs: dict[str, Any]) -> int:
+    """Steps whose logits every run computed from the same tokens (their common token prefix, plus one)."""
+    n = next((i for i, toks in enumerate(zip(*(r["tokens"] for r in runs))) if len(set(toks)) > 1), None)
+    return min(len(r["tokens"]) for r in runs) if n is None else n + 1
+
+
 @pytest.mark.parametrize("logits", [True, False], ids=["plain_loop", "overlapped_loop"])
 def test_graphed_mixed_batch_equals_jobs_alone(model_cache: tuple[Any, Any, Path], logits: bool) -> None:
+    """Each job of a graphed batch mixing adapters, joining at different steps, against the same job alone.
+
+    Both are fp16 runs whose kernels differ with the batch, so each carries its own rounding error, which these
+    adapters (rank up to 64, twice PEFT's usual gain) amplify to a few percent of the logits. The judge is the
+    job alone on an fp32 twin of the model (the same stored weights): the mixed run may be no further from it than
+    twice the fp16 run alone (plus 5e-3), and either may part from its tokens only where the fp32 run's top-2 gap
+    is within three times the error that fp16 run alone shows there."""
     model, cache, d = model_cache
-    for n in "abcd":
-        model.load_lora(d / n, name=n)
+    twin, twin_cache = build_model(parse_shape(SHAPE), bpw=4.0, head_bits=6, device="cuda", dtype=torch.float32,
+                                   cache_tokens=8192, page_size=64, plugins=bench_plugins())
+    for m in (model, twin):
+        for n in "abcd":
+            m.load_lora(d / n, name=n)
     try:
-        alone = {}
-        for job in _jobs(True):  # the reference keeps its logits: where a job parts from it, is that a near-tie?
+        alone, exact = {}, {}
+        for job, job32 in zip(_jobs(True), _jobs(True)):
             alone.update(_run(Generator(model, cache, max_batch_size=8), {0: [job]}))
+            exact.update(_run(Generator(twin, twin_cache, max_batch_size=8), {0: [job32]}))
         gen = Generator(model, cache, max_batch_size=8)
         gen.capture_graphs()
         jobs = _jobs(logits)
         mixed = _run(gen, {0: jobs[:3], 1: jobs[3:5], 4: jobs[5:]})
         assert gen.graphs is not None and gen.graphs.replays > 0, "decode never replayed a graph"
         for i, c in enumerate(CHOICES):
-            want = torch.cat(alone[i]["logits"])
-            why = parted_only_at_near_tie(alone[i]["tokens"], mixed[i]["tokens"], want)
-            assert why is None, f"job {i} ({c}): {why}"
-            if logits and mixed[i]["tokens"] == alone[i]["tokens"]:
-                assert rel_err(torch.cat(mixed[i]["logits"]), want) < 2e-2, f"job {i} ({c}): logits"
+            ref, one, mix = exact[i], alone[i], mixed[i]
+            want = torch.cat(ref["logits"]).float()
+            got = torch.cat(one["logits"]).float()
+            n = _agree(ref, one)
+            noise = float((got[:n] - want[:n]).abs().max())  # fp16's own error on this job
+            for name, run in (("alone", one), ("mixed", mix)):
+                why = parted_only_at_near_tie(ref["tokens"], run["tokens"], want, near_tie=max(NEAR_TIE, 3 * noise))
+                assert why is None, f"job {i} ({c}), {name} in fp16 against fp32: {why} (fp16 error {noise:.3f})"
+            if logits:
+                n = _agree(ref, one, mix)
+                err_mixed = rel_err(torch.cat(mix["logits"])[:n], want[:n])
+                err_alone = rel_err(got[:n], want[:n])
+                assert err_mixed <= 2 * err_alone + 5e-3, f"job {i} ({c}): {err_mixed:.4f} against {err_alone:.4f}"
         base = _run(Generator(model, cache, max_batch_size=8), {0: _jobs(False, [None] * len(CHOICES))})
         assert all(base[i]["tokens"] != alone[i]["tokens"] for i, c in enumerate(CHOICES) if c), \
             "an adapter does not change its job's tokens: the comparison would be vacuous"
     finally:
-        for n in model.lora_names():
-            model.unload_lora(n)
+        for m in (model, twin):
+            for n in m.lora_names():
+                m.unload_lora(n)
+        twin.unload()
 
 
 def test_load_unload_while_graphed_jobs_run(model_cache: tuple[Any, Any, Path]) -> None:
