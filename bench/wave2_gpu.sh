@@ -165,7 +165,8 @@ case "$stage" in
   pipeline)
     # $STAGES (default: all, in this order) picks what one pipeline runs: what settles must-holds first (the
     # fairness figure, a candidate branch's LoRA figures, the feature figures, the GPU tests), then the A/B runs,
-    # which need the baseline's build, then the n-gram figure
+    # which need the baseline's build, then the n-gram figure. Also: one feature figure by name (spec, kvq_b1, ...),
+    # spprobe (bench/spec_target_probe.py) and loravar (bench/lora_variants.py)
     stages=${STAGES:-fairness branch features tests ab1b ab8b ngram}
     echo "HEAD built $(date +%T); stages: $stages"; export SKIP_BUILD=1
     for st in $stages; do
@@ -179,6 +180,11 @@ case "$stage" in
           [ -f "$BASE/exl3_core/_C.so" ] || ( cd "$BASE" && CC=$cc CXX=$cxx TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
               python3 setup.py build_ext --inplace > "$OUT/build_base.log" 2>&1; echo "baseline built $(date +%T) rc=$?" )
           bash bench/wave2_gpu.sh ab "${st#ab}" ;;
+        loravar) echo "== LoRA kernel candidates"; timeout 120 python3 bench/lora_variants.py --check 2>&1 | tail -2
+          for v in pair fused_nopdl fused; do
+            timeout 240 python3 bench/lora_variants.py --variant $v --json "$OUT/loravar_$v.json" > "$OUT/loravar_$v.log" 2>&1
+            echo "rc=$?"; grep "^\[$v\] decode" "$OUT/loravar_$v.log"
+          done ;;
         spprobe) echo "== spec target probe"; timeout 240 python3 bench/spec_target_probe.py > "$OUT/spprobe.log" 2>&1
           echo "rc=$?"; grep self_predicting "$OUT/spprobe.log" ;;
         ngram)  # where earlier calls have carried every part of the default model into $REPO/.model
