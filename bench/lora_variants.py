@@ -7,11 +7,11 @@ the adapters' bytes (about 3% of the weights), bind. The candidates here, instal
 ``exl3_core.lora.kernels.lora_add_group`` for one bench run:
 
 * ``pair``: the product as it is (the baseline);
-* ``fused``: at decode sizes (at most 32 rows) and inputs of at most ``--fused-max-in`` features, one launch per
-  group: each program of the expand's grid computes its own linear's shrink (the adapter's A read from L2 by
+* ``fused``: at most ``--fused-max-rows`` rows (16) and inputs of at most ``--fused-max-in`` features (8192), one
+  launch per group: each program of the expand's grid computes its own linear's shrink (the adapter's A read from L2 by
   every program of that linear) before its columns, so no second launch waits for the first; launched as a
   programmatic dependent (PDL) of the kernel before it, like the step's other Triton kernels. Wider inputs
-  (down_proj) keep the pair, where one program reading all of A would be slow;
+  (down_proj) and more rows (where rows may use many adapters, each a full shrink per program) keep the pair;
 * ``fused_nopdl``: the same without PDL, to tell the two gains apart.
 
     python bench/lora_variants.py --check                  # candidates against the torch form (CPU or GPU)
@@ -111,11 +111,12 @@ def _fused_kernel(X, A0, A1, A2, B0, B1, B2, L0, L1, L2, S0, S1, S2, Y0, Y1, Y2,
 
 def fused_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
                     stacks: Sequence[LoraStack], sel: Selection, rows: torch.Tensor | None, *, pdl: bool = True,
-                    max_in: int = 8192) -> None:
-    """``lora_add_group``'s contract; one launch at decode sizes, else the product's pair."""
+                    max_in: int = 8192, max_rows: int = 32) -> None:
+    """``lora_add_group``'s contract; one launch up to ``max_rows`` rows (at most 32) and ``max_in`` input
+    features, else the product's pair."""
     n, k = x2.shape
     num = len(stacks)
-    if n > 32 or k > max_in or not 1 <= num <= K.MAX_GROUP:
+    if n > min(max_rows, 32) or k > max_in or not 1 <= num <= K.MAX_GROUP:
         _PAIR(x2, ys, outs, stacks, sel, rows)
         return
     if x2.stride(-1) != 1:
@@ -143,7 +144,7 @@ def fused_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence
         num_stages=3, **opts)
 
 
-def install(variant: str, max_in: int) -> None:
+def install(variant: str, max_in: int, max_rows: int) -> None:
     """Route every LoRA group launch of this process through ``variant``."""
     if variant == "pair":
         K.lora_add_group = _PAIR
@@ -151,7 +152,7 @@ def install(variant: str, max_in: int) -> None:
         pdl = variant == "fused"
 
         def group(x2, ys, outs, stacks, sel, rows):  # type: ignore[no-untyped-def]
-            fused_add_group(x2, ys, outs, stacks, sel, rows, pdl=pdl, max_in=max_in)
+            fused_add_group(x2, ys, outs, stacks, sel, rows, pdl=pdl, max_in=max_in, max_rows=max_rows)
 
         K.lora_add_group = group
     else:
@@ -205,6 +206,7 @@ def main() -> None:
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--shape", default="8b")
     ap.add_argument("--fused-max-in", type=int, default=8192, help="widest input a fused launch takes")
+    ap.add_argument("--fused-max-rows", type=int, default=16, help="most rows a fused launch takes (32 at most)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -214,7 +216,7 @@ def main() -> None:
     from exl3_core.bench.models import parse_shape
     from exl3_core.lora.bench import run_lora_bench
 
-    install(a.variant, a.fused_max_in)
+    install(a.variant, a.fused_max_in, a.fused_max_rows)
     out = run_lora_bench(parse_shape(a.shape), codebook="mul1", device=dev,
                          log=lambda s: print(f"[{a.variant}] {s}", flush=True))
     if a.json is not None:
