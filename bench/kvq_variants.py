@@ -4,17 +4,23 @@ On an H100 the Triton split-KV decode over K4V4 pages ran at 0.93x the fp16 cach
 0.88x at ctx 32768 (34% of the K4V4 roofline against 62% for fp16), so reading the pages, not their bytes,
 binds. The product's reader (``exl3_core.kernels.kv_quant.dequant_tile``) loads each group's bit-plane words
 once and spreads them to 32 values by a reshape of ``[rows, groups, words, values per word]``, which Triton
-may lower through shared memory. The candidate here, installed in place of it for one bench run:
+may lower through shared memory; its launch (4 warps; splits aimed at 4 programs per SM, at most 32) was tuned
+for fp16 pages, which are bound by bytes rather than instructions. The candidates here, each installed for one
+bench run (``a+b`` combines them), change the quantized path only, so the run's fp16 figure is the same:
 
-* ``product``: the reader as it is (the baseline);
+* ``product``: the reader and launch as they are (the baseline);
 * ``gather``: every value loads its own word (``value // per_word``) and shifts it (``value % per_word``), so
   the tile is built in its final ``[rows, channels]`` shape with no reshape; the words a warp shares are one
-  transaction, at the cost of more load instructions.
+  transaction, at the cost of more load instructions;
+* ``splits64``: quantized decode aims at 8 programs per SM with at most 64 splits (more programs to hide the
+  dequantization's latency, a longer merge);
+* ``warps8``: quantized decode launched with 8 warps.
 
     python bench/kvq_variants.py --check                 # the candidate against the torch reference
-    python bench/kvq_variants.py --variant gather [--json OUT]   # exl3 bench 8B, b=1, ctx 256 and 32768, fp16 and K4V4
+    python bench/kvq_variants.py --variant gather+warps8 [--json OUT]   # exl3 bench 8B, b=1, ctx 256 and 32768,
+                                                                       # fp16 and K4V4
 
-The pipeline's ``kvqvar`` stage runs both variants, each in its own process, on one device.
+The pipeline's ``kvqvar`` stage runs each variant in its own process on one device.
 """
 from __future__ import annotations
 
@@ -87,14 +93,47 @@ def check(device: torch.device) -> None:
     print("gather reader equals the reference, bits 2-8 (bit for bit)")
 
 
+def _quant(args: object) -> bool:
+    cache = getattr(getattr(args, "spec", None), "cache", None)
+    return bool(cache and cache.endswith("/quant"))
+
+
 def install(variant: str) -> None:
-    """Route the Triton attention backend's page reads through ``variant`` (before any kernel compiles)."""
+    """Route the Triton attention backend's quantized reads and launches through ``variant`` (before any kernel
+    compiles)."""
     import exl3_attn_backends.triton_paged as tp
 
-    if variant == "gather":
-        tp.dequant_tile = dequant_tile_gather
-    elif variant != "product":
-        raise SystemExit(f"unknown variant {variant!r}: product or gather")
+    for part in variant.split("+"):
+        if part == "gather":
+            tp.dequant_tile = dequant_tile_gather
+        elif part == "splits64":
+            choose = tp.choose_num_splits
+
+            def splits(args):  # type: ignore[no-untyped-def]
+                if not _quant(args):
+                    return choose(args)
+                spec = args.spec
+                rows = max(1, spec.q_per_seq) * (spec.num_q_heads // spec.num_kv_heads)
+                programs = args.seq_lens_k.shape[0] * spec.num_kv_heads * triton.cdiv(rows, 16)
+                want = triton.cdiv(8 * tp._sm_count(args.q.device), programs)
+                share = tp._decode_block_n(spec, args.max_seqlen_k)
+                return max(1, min(want, triton.cdiv(max(args.max_seqlen_k, 1), share), 64))
+
+            tp.choose_num_splits = splits
+        elif part == "warps8":
+            kernel = tp._decode_split
+
+            class _Wider:
+                def __getitem__(self, grid):  # type: ignore[no-untyped-def]
+                    launch = kernel[grid]
+
+                    def run(*a, **kw):  # type: ignore[no-untyped-def]
+                        return launch(*a, **({**kw, "num_warps": 8} if kw.get("QUANT") else kw))
+                    return run
+
+            tp._decode_split = _Wider()
+        elif part != "product":
+            raise SystemExit(f"unknown variant {part!r}: product, gather, splits64, warps8 (joined by +)")
 
 
 def main() -> None:

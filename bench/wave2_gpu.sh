@@ -186,7 +186,7 @@ case "$stage" in
             echo "rc=$?"; grep "^\[$v\] decode" "$OUT/loravar_$v.log"
           done ;;
         kvqvar) echo "== KV page reader candidates"; timeout 120 python3 bench/kvq_variants.py --check 2>&1 | tail -1
-          for v in product gather; do
+          for v in product gather splits64 warps8 gather+splits64+warps8; do
             timeout 300 python3 bench/kvq_variants.py --variant $v --json "$OUT/kvqvar_$v.json" > "$OUT/kvqvar_$v.log" 2>&1
             echo "rc=$?"; grep -E "k4v4 / fp16" "$OUT/kvqvar_$v.log" | sed "s/^/[$v] /"
           done ;;
