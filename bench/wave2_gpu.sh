@@ -181,7 +181,7 @@ case "$stage" in
               python3 setup.py build_ext --inplace > "$OUT/build_base.log" 2>&1; echo "baseline built $(date +%T) rc=$?" )
           bash bench/wave2_gpu.sh ab "${st#ab}" ;;
         loravar) echo "== LoRA kernel candidates"; timeout 120 python3 bench/lora_variants.py --check 2>&1 | tail -2
-          for v in pair fused_nopdl fused; do
+          for v in pair fused+wide fused wide fused_nopdl; do
             timeout 240 python3 bench/lora_variants.py --variant $v --json "$OUT/loravar_$v.json" > "$OUT/loravar_$v.log" 2>&1
             echo "rc=$?"; grep "^\[$v\] decode" "$OUT/loravar_$v.log"
           done ;;
