@@ -109,7 +109,7 @@ def install(variant: str) -> None:
         elif part == "splits64":
             choose = tp.choose_num_splits
 
-            def splits(args):  # type: ignore[no-untyped-def]
+            def splits(args, choose=choose):  # type: ignore[no-untyped-def]
                 if not _quant(args):
                     return choose(args)
                 spec = args.spec
@@ -124,14 +124,17 @@ def install(variant: str) -> None:
             kernel = tp._decode_split
 
             class _Wider:
+                def __init__(self, kernel) -> None:  # type: ignore[no-untyped-def]
+                    self.kernel = kernel
+
                 def __getitem__(self, grid):  # type: ignore[no-untyped-def]
-                    launch = kernel[grid]
+                    launch = self.kernel[grid]
 
                     def run(*a, **kw):  # type: ignore[no-untyped-def]
                         return launch(*a, **({**kw, "num_warps": 8} if kw.get("QUANT") else kw))
                     return run
 
-            tp._decode_split = _Wider()
+            tp._decode_split = _Wider(kernel)
         elif part != "product":
             raise SystemExit(f"unknown variant {part!r}: product, gather, splits64, warps8 (joined by +)")
 
