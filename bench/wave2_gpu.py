@@ -1,4 +1,5 @@
-"""``python bench/wave2_gpu.py summary DIR``: the A/B of ``bench/wave2_gpu.sh ab SHAPE`` side by side.
+"""``python bench/wave2_gpu.py summary DIR [SHAPE]``: the A/B of ``bench/wave2_gpu.sh ab SHAPE`` side by side
+(every shape found in DIR, or SHAPE's alone).
 
 Reads ``ab_<shape>_<base|head><round>.json`` (``exl3 bench --json`` of each tree and round) and prints, per
 decode row (batch, context) and for the prefill, the median over rounds of each tree, HEAD's ratio to the
@@ -26,14 +27,14 @@ def _figures(doc: dict) -> dict[str, float]:
     return out
 
 
-def summary(folder: Path) -> list[str]:
+def summary(folder: Path, only: str | None = None) -> list[str]:
     runs: dict[tuple[str, str], list[dict[str, float]]] = {}
     for f in sorted(folder.glob("ab_*_*.json")):
         m = re.fullmatch(r"ab_(\w+?)_(base|head)\d+\.json", f.name)
         if m:
             runs.setdefault((m[1], m[2]), []).append(_figures(json.loads(f.read_text())))
     lines = []
-    for shape in sorted({s for s, _ in runs}):
+    for shape in sorted({s for s, _ in runs if only is None or s == only}):
         base, head = runs.get((shape, "base"), []), runs.get((shape, "head"), [])
         lines.append(f"{shape}: {len(base)} baseline and {len(head)} HEAD runs (medians, tok/s)")
         for label in (base or head or [{}])[0]:
@@ -48,6 +49,6 @@ def summary(folder: Path) -> list[str]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "summary":
-        sys.exit("usage: python bench/wave2_gpu.py summary DIR")
-    print("\n".join(summary(Path(sys.argv[2]))))
+    if len(sys.argv) not in (3, 4) or sys.argv[1] != "summary":
+        sys.exit("usage: python bench/wave2_gpu.py summary DIR [SHAPE]")
+    print("\n".join(summary(Path(sys.argv[2]), sys.argv[3] if len(sys.argv) == 4 else None)))

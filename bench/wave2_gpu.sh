@@ -97,7 +97,7 @@ case "$stage" in
       bench_run "$PWD/$BASE" "$shape" "base$round"
       bench_run "$PWD" "$shape" "head$round"
     done
-    python3 bench/wave2_gpu.py summary "$OUT" | tee "$OUT/ab_${shape}_summary.txt"
+    python3 bench/wave2_gpu.py summary "$OUT" "$shape" | tee "$OUT/ab_${shape}_summary.txt"
     ;;
   tests)
     # in three concurrent shards (files dealt round robin; the suite alone took ~9 min on an H200), then every
