@@ -131,9 +131,7 @@ def fused_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence
     bn = 128 if br <= 32 else 64
     bk = 256 if br <= 32 else 128
 
-    def pad(items: list) -> list:
-        return items + [items[0]] * (K.MAX_GROUP - len(items))
-
+    pad = K.pad_members
     widths = [y.shape[1] for y in ys]
     blocks = [triton.cdiv(w, bn) for w in widths]
     opts = launch_opts(outs[0]) if pdl else {"PDL": False}
@@ -211,7 +209,7 @@ def wide_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[
                    pdl: bool = True) -> None:
     """``lora_add_group``'s contract: the product's shrink, then the one-product expand; the product's pair where
     the adapters' ranks side by side would pass 256 or the rows are not decode-sized."""
-    n, k = x2.shape
+    n = x2.shape[0]
     num = len(stacks)
     U = sel.capacity
     br = K._block_rank(max(s.rank for s in stacks))
@@ -221,26 +219,12 @@ def wide_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[
         return
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    bm = 16 if n <= 16 else 32 if n <= 32 else 64
+    xa, ks, bm, br = K.shrink(x2, stacks, sel, rows)
     ieee = stacks[0].a.dtype == torch.float32
-    # the product's shrink, as lora_add_group launches it at decode sizes
-    bk = 256 if br <= 32 else 128
-    ks = min(triton.cdiv(k, K.SPLIT_K), max(1, K.MAX_SLICE_VALUES // (bm * br)))
-    split = triton.cdiv(triton.cdiv(k, ks), bk) * bk
-    ks = triton.cdiv(k, split)
-    xa = torch.empty((ks, n, num, U, br), dtype=torch.float32, device=x2.device)
-
-    def pad(items: list) -> list:
-        return items + [items[0]] * (K.MAX_GROUP - len(items))
-
+    pad = K.pad_members
     rk = pad([st.rank for st in stacks])
     loc = pad([st.local for st in stacks])
     sc = pad([st.scale for st in stacks])
-    K._shrink_kernel[(triton.cdiv(n, bm), U, num * ks)](
-        x2, *pad([st.a for st in stacks]), *loc, *sc, sel.slots, sel.coef, rows if rows is not None else sel.slots,
-        sel.active, xa, n, k, *rk, *pad([st.a.stride(0) for st in stacks]), *pad([st.a.stride(1) for st in stacks]),
-        x2.stride(0), sel.coef.stride(0), U, ks, split,
-        NUM=num, HAS_MAP=rows is not None, IEEE=ieee, BM=bm, BR=br, BK=bk)
     bn = 64
     widths = [y.shape[1] for y in ys]
     blocks = [triton.cdiv(w, bn) for w in widths]

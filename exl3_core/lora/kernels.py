@@ -141,21 +141,21 @@ def _block_rank(rank: int) -> int:
     return max(16, triton.next_power_of_2(rank))
 
 
-def lora_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-                   stacks: Sequence[LoraStack], sel: Selection, rows: torch.Tensor | None) -> None:
-    """For each linear ``g`` of a group reading ``x2 [n, in]``: ``outs[g] = ys[g] + delta_g(x2)`` (``[n, out_g]``,
-    unit last strides, one dtype; ``outs[g]`` may be ``ys[g]``). ``rows``: the step rows of ``x2``'s rows (None:
-    ``0..n-1``). 1 to :data:`MAX_GROUP` linears, two launches."""
-    num = len(stacks)
-    if not 1 <= num <= MAX_GROUP or len(ys) != num or len(outs) != num:
-        raise ValueError(f"lora_add_group: {num} stacks, {len(ys)} outputs, {len(outs)} targets (1 to {MAX_GROUP})")
+def pad_members(items: list) -> list:
+    """A group's per-member arguments for :data:`MAX_GROUP` slots: unused members repeat the first (never read:
+    ``NUM`` says how many are real)."""
+    return items + [items[0]] * (MAX_GROUP - len(items))
+
+
+def shrink(x2: torch.Tensor, stacks: Sequence[LoraStack], sel: Selection,
+           rows: torch.Tensor | None) -> tuple[torch.Tensor, int, int, int]:
+    """The shrink launch of :func:`lora_add_group`: ``(xa [slices, n, linears, capacity, BR], slices, BM, BR)``,
+    ``x2`` unit-strided on its last dim."""
     n, k = x2.shape
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    num = len(stacks)
     U = sel.capacity
     br = _block_rank(max(s.rank for s in stacks))
     bm = 16 if n <= 16 else (32 if n <= 64 else 64)
-    ieee = stacks[0].a.dtype == torch.float32
     # decode sizes: the input in slices (within the expand's register budget), each read in a few wide loads,
     # since the shrink is bound by their latency there; larger row counts keep one slice
     decode = bm <= 32
@@ -164,29 +164,40 @@ def lora_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[
     split = triton.cdiv(triton.cdiv(k, ks), bk) * bk  # a whole number of input blocks per slice
     ks = triton.cdiv(k, split)
     xa = torch.empty((ks, n, num, U, br), dtype=torch.float32, device=x2.device)
-
-    def pad(items: list) -> list:  # unused members repeat the first (never read: NUM says how many are real)
-        return items + [items[0]] * (MAX_GROUP - len(items))
-
-    a = pad([s.a for s in stacks])
-    bt = pad([s.bt for s in stacks])
-    loc = pad([s.local for s in stacks])
-    sc = pad([s.scale for s in stacks])
-    rk = pad([s.rank for s in stacks])
+    pad = pad_members
     rowmap = rows if rows is not None else sel.slots  # any tensor: unread without HAS_MAP
     _shrink_kernel[(triton.cdiv(n, bm), U, num * ks)](
-        x2, *a, *loc, *sc, sel.slots, sel.coef, rowmap, sel.active, xa,
-        n, k, *rk, *pad([s.a.stride(0) for s in stacks]), *pad([s.a.stride(1) for s in stacks]),
-        x2.stride(0), sel.coef.stride(0), U, ks, split,
-        NUM=num, HAS_MAP=rows is not None, IEEE=ieee, BM=bm, BR=br, BK=bk)
+        x2, *pad([s.a for s in stacks]), *pad([s.local for s in stacks]), *pad([s.scale for s in stacks]),
+        sel.slots, sel.coef, rowmap, sel.active, xa,
+        n, k, *pad([s.rank for s in stacks]), *pad([s.a.stride(0) for s in stacks]),
+        *pad([s.a.stride(1) for s in stacks]), x2.stride(0), sel.coef.stride(0), U, ks, split,
+        NUM=num, HAS_MAP=rows is not None, IEEE=stacks[0].a.dtype == torch.float32, BM=bm, BR=br, BK=bk)
+    return xa, ks, bm, br
+
+
+def lora_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                   stacks: Sequence[LoraStack], sel: Selection, rows: torch.Tensor | None) -> None:
+    """For each linear ``g`` of a group reading ``x2 [n, in]``: ``outs[g] = ys[g] + delta_g(x2)`` (``[n, out_g]``,
+    unit last strides, one dtype; ``outs[g]`` may be ``ys[g]``). ``rows``: the step rows of ``x2``'s rows (None:
+    ``0..n-1``). 1 to :data:`MAX_GROUP` linears, two launches."""
+    num = len(stacks)
+    if not 1 <= num <= MAX_GROUP or len(ys) != num or len(outs) != num:
+        raise ValueError(f"lora_add_group: {num} stacks, {len(ys)} outputs, {len(outs)} targets (1 to {MAX_GROUP})")
+    n = x2.shape[0]
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    xa, ks, bm, br = shrink(x2, stacks, sel, rows)
+    pad = pad_members
     bn = 64 if br <= 32 else 32
     widths = [y.shape[1] for y in ys]
     blocks = [triton.cdiv(w, bn) for w in widths]
     _expand_kernel[(triton.cdiv(n, bm), sum(blocks))](
-        xa, *bt, *loc, *sc, *pad(list(ys)), *pad(list(outs)), sel.slots, sel.active,
-        n, *pad(widths), *(pad(blocks)[:2]), *rk, *pad([s.bt.stride(0) for s in stacks]),
-        *pad([s.bt.stride(1) for s in stacks]), *pad([y.stride(0) for y in ys]), *pad([o.stride(0) for o in outs]), U, ks,
-        NUM=num, IEEE=ieee, BM=bm, BN=bn, BR=br, KS_BLOCK=triton.next_power_of_2(ks))
+        xa, *pad([s.bt for s in stacks]), *pad([s.local for s in stacks]), *pad([s.scale for s in stacks]),
+        *pad(list(ys)), *pad(list(outs)), sel.slots, sel.active,
+        n, *pad(widths), *(pad(blocks)[:2]), *pad([s.rank for s in stacks]), *pad([s.bt.stride(0) for s in stacks]),
+        *pad([s.bt.stride(1) for s in stacks]), *pad([y.stride(0) for y in ys]), *pad([o.stride(0) for o in outs]),
+        sel.capacity, ks, NUM=num, IEEE=stacks[0].a.dtype == torch.float32, BM=bm, BN=bn, BR=br,
+        KS_BLOCK=triton.next_power_of_2(ks))
 
 
 def lora_add(x2: torch.Tensor, y2: torch.Tensor, out2: torch.Tensor, stack: LoraStack, sel: Selection,
