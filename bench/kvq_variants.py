@@ -110,14 +110,7 @@ def install(variant: str) -> None:
             choose = tp.choose_num_splits
 
             def splits(args, choose=choose):  # type: ignore[no-untyped-def]
-                if not _quant(args):
-                    return choose(args)
-                spec = args.spec
-                rows = max(1, spec.q_per_seq) * (spec.num_q_heads // spec.num_kv_heads)
-                programs = args.seq_lens_k.shape[0] * spec.num_kv_heads * triton.cdiv(rows, 16)
-                want = triton.cdiv(8 * tp._sm_count(args.q.device), programs)
-                share = tp._decode_block_n(spec, args.max_seqlen_k)
-                return max(1, min(want, triton.cdiv(max(args.max_seqlen_k, 1), share), 64))
+                return choose(args, programs_per_sm=8, max_splits=64) if _quant(args) else choose(args)
 
             tp.choose_num_splits = splits
         elif part == "warps8":

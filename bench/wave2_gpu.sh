@@ -176,10 +176,7 @@ case "$stage" in
         features) bash bench/wave2_gpu.sh features spec specprof kvq_b1 kvq_b32 lora ;;
         spec|specprof|kvq_b1|kvq_b32|lora) bash bench/wave2_gpu.sh features "$st" ;;
         tests) TESTS_TIMEOUT=600 bash bench/wave2_gpu.sh tests ;;
-        ab1b|ab8b)
-          [ -f "$BASE/exl3_core/_C.so" ] || ( cd "$BASE" && CC=$cc CXX=$cxx TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
-              python3 setup.py build_ext --inplace > "$OUT/build_base.log" 2>&1; echo "baseline built $(date +%T) rc=$?" )
-          bash bench/wave2_gpu.sh ab "${st#ab}" ;;
+        ab1b|ab8b) bash bench/wave2_gpu.sh ab "${st#ab}" ;;  # builds the baseline first where it is not built
         loravar) echo "== LoRA kernel candidates"; timeout 120 python3 bench/lora_variants.py --check 2>&1 | tail -2
           for v in pair fused+wide fused wide fused_nopdl; do
             timeout 240 python3 bench/lora_variants.py --variant $v --json "$OUT/loravar_$v.json" > "$OUT/loravar_$v.log" 2>&1
