@@ -33,7 +33,7 @@ if [ "$stage" = poll ]; then
     mkdir -p $W/out && date > $W/started
     rm -rf /tmp/head && mkdir /tmp/head && cp -r bench csrc docs exl3_core plugins tests conftest.py setup.py \
         pyproject.toml README.md .whl /tmp/head/ && mkdir -p /tmp/head/build && cp -r "$BASE" /tmp/head/build/ab_base
-    repo=$PWD; (cd /tmp/head && REPO=$repo OUT=$W/out STAGES="${STAGES:-}" setsid nohup bash bench/wave2_gpu.sh pipeline > $W/pipeline.log 2>&1 < /dev/null &)
+    repo=$PWD; (cd /tmp/head && REPO=$repo OUT=$W/out STAGES="${STAGES:-}" QTESTS="${QTESTS:-}" setsid nohup bash bench/wave2_gpu.sh pipeline > $W/pipeline.log 2>&1 < /dev/null &)
   fi
   while [ ! -f $W/done ] && [ $(( $(date +%s) - t0 )) -lt "$wait_s" ]; do sleep 5; done
   tar -czf "$OUT/w2.tar.gz" -C $W . 2>/dev/null
@@ -102,7 +102,8 @@ case "$stage" in
   tests)
     # in three concurrent shards (files dealt round robin; the suite alone took ~9 min on an H200), then every
     # failure again on its own, so that a failure from the shards' contention is told apart from a real one
-    files=(tests/gpu/test_*.py tests/contract/test_attention.py plugins/attn_backends/tests/test_*.py)
+    files=(tests/gpu/test_*.py tests/kernels/test_fused_ops.py tests/contract/test_attention.py
+           plugins/attn_backends/tests/test_*.py)
     for s in 0 1 2; do
       shard=(); for i in "${!files[@]}"; do [ $((i % 3)) = $s ] && shard+=("${files[$i]}"); done
       timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rfE -p no:cacheprovider "${shard[@]}" > "$OUT/tests_$s.log" 2>&1 &
@@ -166,7 +167,8 @@ case "$stage" in
     # $STAGES (default: all, in this order) picks what one pipeline runs: what settles must-holds first (the
     # fairness figure, a candidate branch's LoRA figures, the feature figures, the GPU tests), then the A/B runs,
     # which need the baseline's build, then the n-gram figure. Also: one feature figure by name (spec, kvq_b1, ...),
-    # spprobe (bench/spec_target_probe.py), loravar (bench/lora_variants.py), kvqvar (bench/kvq_variants.py)
+    # spprobe (bench/spec_target_probe.py), loravar (bench/lora_variants.py), kvqvar (bench/kvq_variants.py),
+    # qtests (the test files in $QTESTS)
     stages=${STAGES:-fairness branch features tests ab1b ab8b ngram}
     echo "HEAD built $(date +%T); stages: $stages"; export SKIP_BUILD=1
     for st in $stages; do
@@ -176,6 +178,9 @@ case "$stage" in
         features) bash bench/wave2_gpu.sh features spec specprof kvq_b1 kvq_b32 lora ;;
         spec|specprof|kvq_b1|kvq_b32|lora) bash bench/wave2_gpu.sh features "$st" ;;
         tests) TESTS_TIMEOUT=600 bash bench/wave2_gpu.sh tests ;;
+        qtests) echo "== named GPU tests: ${QTESTS:-}"  # a few test files alone, e.g. those changed since the last full run
+          timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider ${QTESTS:-} > "$OUT/qtests.log" 2>&1
+          echo "rc=$?"; tail -4 "$OUT/qtests.log" ;;
         ab1b|ab8b) bash bench/wave2_gpu.sh ab "${st#ab}" ;;  # builds the baseline first where it is not built
         loravar) echo "== LoRA kernel candidates"; timeout 120 python3 bench/lora_variants.py --check 2>&1 | tail -2
           for v in pair fused+wide fused wide fused_nopdl; do
