@@ -1,9 +1,9 @@
 """Candidate LoRA decode kernels, timed through ``exl3 bench --lora`` against the product's pair (GPU).
 
 The product runs each group of adapted linears that read one input (q/k/v, gate/up, o, down) as two Triton
-launches: a shrink split over the input features, then an expand (``exl3_core.lora.kernels``). At b=1 on the
-8B shape that is 256 launches a step, and the step went from 2.55 to 4.70 ms on an H100, so the launches, not
-the adapters' bytes (about 3% of the weights), bind. The candidates here, installed in place of
+launches: a shrink split over the input features, then an expand (``exl3_core.lora.kernels``; at decode sizes
+every active adapter in one product). At b=1 on the 8B shape that is 256 launches a step, and the step went
+from 2.55 to 4.70 ms on an H100, so the launches, not the adapters' bytes (about 3% of the weights), bind. The candidates here, installed in place of
 ``exl3_core.lora.kernels.lora_add_group`` for one bench run:
 
 * ``pair``: the product as it is (the baseline);
@@ -12,15 +12,10 @@ the adapters' bytes (about 3% of the weights), bind. The candidates here, instal
   every program of that linear) before its columns, so no second launch waits for the first; launched as a
   programmatic dependent (PDL) of the kernel before it, like the step's other Triton kernels. Wider inputs
   (down_proj) and more rows (where rows may use many adapters, each a full shrink per program) keep the pair;
-* ``fused_nopdl``: the same without PDL, to tell the two gains apart;
-* ``wide``: the product's shrink, then an expand that takes every active adapter in one product (their ranks
-  side by side, ``[rows, adapters x rank] @ [adapters x rank, columns]``) instead of one dependent iteration per
-  adapter, which at b=32 with 8 adapters is 8 rounds of loads in a row; where the adapters' ranks side by side
-  exceed 256 the product's expand stays;
-* ``fused+wide``: each where it applies (fused first).
+* ``fused_nopdl``: the same without PDL, to tell the two gains apart.
 
     python bench/lora_variants.py --check                  # candidates against the torch form (CPU or GPU)
-    python bench/lora_variants.py --variant fused+wide [--shape 8b] [--json OUT]
+    python bench/lora_variants.py --variant fused [--shape 8b] [--json OUT]
 
 The pipeline's ``loravar`` stage runs every variant in its own process on one device.
 """
@@ -147,110 +142,16 @@ def fused_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence
         num_stages=3, **opts)
 
 
-@triton.jit(do_not_specialize=["N0", "N1", "N2", "NB0", "NB1", "RK0", "RK1", "RK2", "sbs0", "sbs1", "sbs2", "sbr0",
-                               "sbr1", "sbr2", "sy0", "sy1", "sy2", "so0", "so1", "so2", "KS"])
-def _wide_expand_kernel(XA, B0, B1, B2, L0, L1, L2, S0, S1, S2, Y0, Y1, Y2, O0, O1, O2, SLOTS, NACT,
-                        R, N0, N1, N2, NB0, NB1, RK0, RK1, RK2, sbs0, sbs1, sbs2, sbr0, sbr1, sbr2,
-                        sy0, sy1, sy2, so0, so1, so2, U, KS,
-                        NUM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                        UB: tl.constexpr, PDL: tl.constexpr):
-    # the product's expand (grid (row blocks, output blocks of every linear)) with every active adapter in one
-    # product: xa [BM, UB * BR] (zeros for inactive or untargeted entries) times the gathered Bᵀ [UB * BR, BN]
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    g = pid_n * 0
-    nb = pid_n
-    BT, LOC, SC, Y, OUT, N, RANK, s_bs, s_br, s_y, s_o = B0, L0, S0, Y0, O0, N0, RK0, sbs0, sbr0, sy0, so0
-    if NUM > 1:  # noqa: SIM102 - a compile-time test around a run-time one
-        if pid_n >= NB0:
-            g, nb = g + 1, pid_n - NB0
-            BT, LOC, SC, Y, OUT, N, RANK, s_bs, s_br, s_y, s_o = B1, L1, S1, Y1, O1, N1, RK1, sbs1, sbr1, sy1, so1
-    if NUM > 2:  # noqa: SIM102 - as above
-        if pid_n >= NB0 + NB1:
-            g, nb = g + 1, pid_n - NB0 - NB1
-            BT, LOC, SC, Y, OUT, N, RANK, s_bs, s_br, s_y, s_o = B2, L2, S2, Y2, O2, N2, RK2, sbs2, sbr2, sy2, so2
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = nb * BN + tl.arange(0, BN)
-    rmask = rows < R
-    cmask = cols < N
-    rr = tl.arange(0, BR)
-    rank_ok = rr < RANK
-    uu = tl.arange(0, UB)
-    n_act = tl.load(NACT)
-    u_ok = uu < n_act
-    slot = tl.load(SLOTS + uu, mask=u_ok, other=0)
-    s = tl.load(SC + slot, mask=u_ok, other=0.0)
-    live = u_ok & (s != 0.0)  # the shrink wrote these entries only
-    loc = tl.load(LOC + slot, mask=live, other=0).to(tl.int64)
-    xa = tl.zeros((BM, UB, BR), dtype=tl.float32)
-    m3 = rmask[:, None, None] & live[None, :, None]
-    for sp in range(KS):  # the shrink's input slices, summed in a fixed order
-        xa += tl.load(XA + (((sp * R + rows[:, None, None].to(tl.int64)) * NUM + g) * U + uu[None, :, None]) * BR
-                      + rr[None, None, :], mask=m3, other=0.0)
-    bt = tl.load(BT + loc[:, None, None] * s_bs + rr[None, :, None] * s_br + cols[None, None, :],
-                 mask=live[:, None, None] & rank_ok[None, :, None] & cmask[None, None, :], other=0.0)
-    xa2 = tl.reshape(xa, (BM, UB * BR))
-    bt2 = tl.reshape(bt, (UB * BR, BN))
-    if IEEE:
-        acc = tl.dot(xa2, bt2.to(tl.float32), input_precision="ieee")
-    else:
-        acc = tl.dot(xa2.to(bt2.dtype), bt2)
-    m = rmask[:, None] & cmask[None, :]
-    y = tl.load(Y + rows[:, None].to(tl.int64) * s_y + cols[None, :], mask=m, other=0.0)
-    tl.store(OUT + rows[:, None].to(tl.int64) * s_o + cols[None, :], (y.to(tl.float32) + acc).to(OUT.dtype.element_ty),
-             mask=m)
-
-
-def wide_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
-                   stacks: Sequence[LoraStack], sel: Selection, rows: torch.Tensor | None, *,
-                   pdl: bool = True) -> None:
-    """``lora_add_group``'s contract: the product's shrink, then the one-product expand; the product's pair where
-    the adapters' ranks side by side would pass 256 or the rows are not decode-sized."""
-    n = x2.shape[0]
-    num = len(stacks)
-    U = sel.capacity
-    br = K._block_rank(max(s.rank for s in stacks))
-    ub = triton.next_power_of_2(max(U, 1))
-    if n > 64 or ub * br > 256 or not 1 <= num <= K.MAX_GROUP:
-        _PAIR(x2, ys, outs, stacks, sel, rows)
-        return
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    xa, ks, bm, br = K.shrink(x2, stacks, sel, rows)
-    ieee = stacks[0].a.dtype == torch.float32
-    pad = K.pad_members
-    rk = pad([st.rank for st in stacks])
-    loc = pad([st.local for st in stacks])
-    sc = pad([st.scale for st in stacks])
-    bn = 64
-    widths = [y.shape[1] for y in ys]
-    blocks = [triton.cdiv(w, bn) for w in widths]
-    opts = launch_opts(outs[0]) if pdl else {"PDL": False}
-    _wide_expand_kernel[(triton.cdiv(n, bm), sum(blocks))](
-        xa, *pad([st.bt for st in stacks]), *loc, *sc, *pad(list(ys)), *pad(list(outs)), sel.slots, sel.active,
-        n, *pad(widths), *(pad(blocks)[:2]), *rk, *pad([st.bt.stride(0) for st in stacks]),
-        *pad([st.bt.stride(1) for st in stacks]), *pad([y.stride(0) for y in ys]), *pad([o.stride(0) for o in outs]),
-        U, ks, NUM=num, IEEE=ieee, BM=bm, BN=bn, BR=br, UB=ub, **opts)
-
-
 def install(variant: str, max_in: int, max_rows: int) -> None:
     """Route every LoRA group launch of this process through ``variant`` (``a+b``: each where it applies, in order)."""
-    parts = variant.split("+")
-    unknown = set(parts) - {"pair", "fused", "fused_nopdl", "wide"}
-    if unknown:
-        raise SystemExit(f"unknown variant {sorted(unknown)}: pair, fused, fused_nopdl, wide (joined by +)")
-    fused = next((p for p in parts if p.startswith("fused")), None)
-    wide = "wide" in parts
+    if variant not in ("pair", "fused", "fused_nopdl"):
+        raise SystemExit(f"unknown variant {variant!r}: pair, fused or fused_nopdl")
+    fused = None if variant == "pair" else variant
 
     def group(x2, ys, outs, stacks, sel, rows):  # type: ignore[no-untyped-def]
         n, k = x2.shape
         if fused is not None and n <= min(max_rows, 32) and k <= max_in:
             fused_add_group(x2, ys, outs, stacks, sel, rows, pdl=fused == "fused", max_in=max_in, max_rows=max_rows)
-        elif wide:
-            wide_add_group(x2, ys, outs, stacks, sel, rows)
         else:
             _PAIR(x2, ys, outs, stacks, sel, rows)
 
@@ -268,7 +169,7 @@ def check(device: torch.device) -> None:
     for dtype in (torch.float16, torch.float32):
         for rows in (1, 7, 16, 32):
             for widths, big in (((256,), 64), ((256, 64, 64), 64), ((256, 64, 64), 16), ((192, 320), 16)):
-                n_in, cap = 512, 8  # rank 64 beside 8 slots: the wide expand hands over to the pair
+                n_in, cap = 512, 8  # rank 64 beside 8 slots: the product's expand iterates over the entries
                 stacks, lins = [], []
                 for j, w in enumerate(widths):
                     entries = [StackEntry(s, torch.randn(r, n_in, generator=g) / 16, torch.randn(r, w, generator=g) / 4,
@@ -281,14 +182,14 @@ def check(device: torch.device) -> None:
                 ys = [torch.randn(rows, w, generator=g).to(device, dtype) for w in widths]
                 refs = [(y.float() + lin.delta(x)).to(dtype) for y, lin in zip(ys, lins)]
                 tol = 1e-5 if dtype == torch.float32 else 1e-2
-                for name, run in (("fused", fused_add_group), ("wide", wide_add_group)):
+                for name, run in (("fused", fused_add_group),):
                     outs = [torch.empty_like(y) for y in ys]
                     run(x, ys, outs, stacks, sel, None)
                     for o, r in zip(outs, refs):
                         err = float((o.float() - r.float()).abs().max() / r.float().abs().max())
                         assert err < tol, (name, dtype, rows, widths, err)
                 idx = torch.randperm(rows, generator=g)[: max(1, rows // 3)].to(device)
-                for name, run in (("fused", fused_add_group), ("wide", wide_add_group)):
+                for name, run in (("fused", fused_add_group),):
                     with row_map(idx):
                         subs = [torch.empty_like(y[idx]) for y in ys]
                         run(x[idx], [y[idx] for y in ys], subs, stacks, sel, idx)
@@ -296,7 +197,7 @@ def check(device: torch.device) -> None:
                         err = float((sub.float() - r[idx].float()).abs().max() / r[idx].float().abs().max())
                         assert err < tol, ("row map", name, dtype, rows, widths, err)
                 cases += 1
-    print(f"fused and wide LoRA kernels equal the torch form: {cases} cases (rows 1-32, 1-3 linears, fp16/fp32, "
+    print(f"fused LoRA kernels equal the torch form: {cases} cases (rows 1-32, 1-3 linears, fp16/fp32, "
           f"row maps)")
 
 

@@ -183,7 +183,7 @@ case "$stage" in
           echo "rc=$?"; tail -4 "$OUT/qtests.log" ;;
         ab1b|ab8b) bash bench/wave2_gpu.sh ab "${st#ab}" ;;  # builds the baseline first where it is not built
         loravar) echo "== LoRA kernel candidates"; timeout 120 python3 bench/lora_variants.py --check 2>&1 | tail -2
-          for v in pair fused+wide fused wide fused_nopdl; do
+          for v in pair fused fused_nopdl; do
             timeout 240 python3 bench/lora_variants.py --variant $v --json "$OUT/loravar_$v.json" > "$OUT/loravar_$v.log" 2>&1
             echo "rc=$?"; grep "^\[$v\] decode" "$OUT/loravar_$v.log"
           done ;;

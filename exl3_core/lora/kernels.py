@@ -12,7 +12,10 @@ captured graph serves every mix of adapters:
   features runs in parallel instead of in one program per adapter;
 * **expand**, grid ``(row blocks, output blocks of every linear)``: ``out_g = y_g + sum_u xa[rows, g, u, :]
   Bᵀ_g[slot_u]`` over the active entries, the slices summed in a fixed order (deterministic), accumulated in
-  fp32 and rounded once (``out_g`` may be ``y_g``).
+  fp32 and rounded once (``out_g`` may be ``y_g``). Up to 64 rows, where the slot capacity times the block
+  rank is at most :data:`WIDE_MAX_VALUES`, every entry goes into one product (``[rows, capacity x rank] @
+  [capacity x rank, columns]``, inactive entries zero) instead of one dependent round of loads per adapter,
+  which binds a decode batch that uses many adapters; otherwise the expand iterates over the active entries.
 
 Each adapter's weights are read once per row block, whatever mix of adapters the rows use. Products
 take the weights' dtype on the tensor cores (fp32 weights: exact fp32 products), accumulate in fp32.
@@ -35,6 +38,8 @@ MAX_GROUP = 3
 SPLIT_K = 1024
 #: the most partial values one expand program sums at once (slices x rows x rank): a register budget
 MAX_SLICE_VALUES = 8192
+#: the most entries x block rank one expand product takes (a register budget); wider selections iterate
+WIDE_MAX_VALUES = 256
 
 
 # scalars that differ per member are picked at run time: never specialized (a 1 would become a constant)
@@ -87,13 +92,40 @@ def _shrink_kernel(X, A0, A1, A2, L0, L1, L2, S0, S1, S2, SLOTS, COEF, ROWMAP, N
                      mask=rmask[:, None])
 
 
+@triton.jit
+def _expand_wide(XA, BT, LOC, SC, SLOTS, NACT, R, U, KS, g, rows, rmask, cols, cmask, rr, rank_ok, s_bs, s_br,
+                 NUM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+                 UB: tl.constexpr):
+    # sum_u xa[rows, g, u, :] Bᵀ[slot_u] as one product over [UB entries x BR]; entries past the active count,
+    # or whose adapter does not target this linear, are zero (the shrink wrote nothing for them)
+    uu = tl.arange(0, UB)
+    u_ok = uu < tl.load(NACT)
+    slot = tl.load(SLOTS + uu, mask=u_ok, other=0)
+    live = u_ok & (tl.load(SC + slot, mask=u_ok, other=0.0) != 0.0)
+    loc = tl.load(LOC + slot, mask=live, other=0).to(tl.int64)
+    xa = tl.zeros((BM, UB, BR), dtype=tl.float32)
+    m3 = rmask[:, None, None] & live[None, :, None]
+    for sp in range(KS):  # the shrink's input slices, summed in a fixed order
+        xa += tl.load(XA + (((sp * R + rows[:, None, None].to(tl.int64)) * NUM + g) * U + uu[None, :, None]) * BR
+                      + rr[None, None, :], mask=m3, other=0.0)
+    bt = tl.load(BT + loc[:, None, None] * s_bs + rr[None, :, None] * s_br + cols[None, None, :],
+                 mask=live[:, None, None] & rank_ok[None, :, None] & cmask[None, None, :], other=0.0)
+    xa2 = tl.reshape(xa, (BM, UB * BR))
+    bt2 = tl.reshape(bt, (UB * BR, BN))
+    if IEEE:
+        acc = tl.dot(xa2, bt2.to(tl.float32), input_precision="ieee")
+    else:
+        acc = tl.dot(xa2.to(bt2.dtype), bt2)
+    return acc
+
+
 @triton.jit(do_not_specialize=["N0", "N1", "N2", "NB0", "NB1", "RK0", "RK1", "RK2", "sbs0", "sbs1", "sbs2", "sbr0",
                                "sbr1", "sbr2", "sy0", "sy1", "sy2", "so0", "so1", "so2", "KS"])
 def _expand_kernel(XA, B0, B1, B2, L0, L1, L2, S0, S1, S2, Y0, Y1, Y2, O0, O1, O2, SLOTS, NACT,
                    R, N0, N1, N2, NB0, NB1, RK0, RK1, RK2, sbs0, sbs1, sbs2, sbr0, sbr1, sbr2,
                    sy0, sy1, sy2, so0, so1, so2, U, KS,
                    NUM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                   KS_BLOCK: tl.constexpr):
+                   KS_BLOCK: tl.constexpr, UB: tl.constexpr, WIDE: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = pid_n * 0
@@ -113,24 +145,28 @@ def _expand_kernel(XA, B0, B1, B2, L0, L1, L2, S0, S1, S2, Y0, Y1, Y2, O0, O1, O
     cmask = cols < N
     rr = tl.arange(0, BR)
     rank_ok = rr < RANK
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    n_act = tl.load(NACT)
-    for u in range(n_act):
-        slot = tl.load(SLOTS + u)
-        s = tl.load(SC + slot)
-        if s != 0.0:
-            loc = tl.load(LOC + slot).to(tl.int64)
-            # the shrink's input slices in one load, summed by one reduction (fixed order: deterministic)
-            sp = tl.arange(0, KS_BLOCK)
-            xa = tl.sum(tl.load(XA + (((sp[:, None, None] * R + rows[None, :, None].to(tl.int64)) * NUM + g) * U + u)
-                                * BR + rr[None, None, :],
-                                mask=(sp[:, None, None] < KS) & rmask[None, :, None], other=0.0), axis=0)
-            bt = tl.load(BT + loc * s_bs + rr[:, None] * s_br + cols[None, :],
-                         mask=rank_ok[:, None] & cmask[None, :], other=0.0)
-            if IEEE:
-                acc += tl.dot(xa, bt.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(xa.to(bt.dtype), bt)
+    if WIDE:
+        acc = _expand_wide(XA, BT, LOC, SC, SLOTS, NACT, R, U, KS, g, rows, rmask, cols, cmask, rr, rank_ok, s_bs,
+                           s_br, NUM, IEEE, BM, BN, BR, UB)
+    else:
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        n_act = tl.load(NACT)
+        for u in range(n_act):
+            slot = tl.load(SLOTS + u)
+            s = tl.load(SC + slot)
+            if s != 0.0:
+                loc = tl.load(LOC + slot).to(tl.int64)
+                # the shrink's input slices in one load, summed by one reduction (fixed order: deterministic)
+                sp = tl.arange(0, KS_BLOCK)
+                xa = tl.sum(tl.load(XA + (((sp[:, None, None] * R + rows[None, :, None].to(tl.int64)) * NUM + g) * U
+                                          + u) * BR + rr[None, None, :],
+                                    mask=(sp[:, None, None] < KS) & rmask[None, :, None], other=0.0), axis=0)
+                bt = tl.load(BT + loc * s_bs + rr[:, None] * s_br + cols[None, :],
+                             mask=rank_ok[:, None] & cmask[None, :], other=0.0)
+                if IEEE:
+                    acc += tl.dot(xa, bt.to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(xa.to(bt.dtype), bt)
     m = rmask[:, None] & cmask[None, :]
     y = tl.load(Y + rows[:, None].to(tl.int64) * s_y + cols[None, :], mask=m, other=0.0)
     tl.store(OUT + rows[:, None].to(tl.int64) * s_o + cols[None, :], (y.to(tl.float32) + acc).to(OUT.dtype.element_ty),
@@ -188,7 +224,9 @@ def lora_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[
         x2 = x2.contiguous()
     xa, ks, bm, br = shrink(x2, stacks, sel, rows)
     pad = pad_members
-    bn = 64 if br <= 32 else 32
+    ub = triton.next_power_of_2(max(sel.capacity, 1))
+    wide = n <= 64 and ub * br <= WIDE_MAX_VALUES
+    bn = 64 if wide or br <= 32 else 32
     widths = [y.shape[1] for y in ys]
     blocks = [triton.cdiv(w, bn) for w in widths]
     _expand_kernel[(triton.cdiv(n, bm), sum(blocks))](
@@ -197,7 +235,7 @@ def lora_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[
         n, *pad(widths), *(pad(blocks)[:2]), *pad([s.rank for s in stacks]), *pad([s.bt.stride(0) for s in stacks]),
         *pad([s.bt.stride(1) for s in stacks]), *pad([y.stride(0) for y in ys]), *pad([o.stride(0) for o in outs]),
         sel.capacity, ks, NUM=num, IEEE=stacks[0].a.dtype == torch.float32, BM=bm, BN=bn, BR=br,
-        KS_BLOCK=triton.next_power_of_2(ks))
+        KS_BLOCK=triton.next_power_of_2(ks), UB=ub, WIDE=wide)
 
 
 def lora_add(x2: torch.Tensor, y2: torch.Tensor, out2: torch.Tensor, stack: LoraStack, sel: Selection,

@@ -43,17 +43,20 @@ def _linears(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 
 # -- the kernels -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("expand", ["per_entry", "wide"])
 @pytest.mark.parametrize("split_k", [1024, 256], ids=["one_slice", "slices"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 37])
-def test_kernels_equal_torch_form(dtype: torch.dtype, rows: int, split_k: int,
+def test_kernels_equal_torch_form(dtype: torch.dtype, rows: int, split_k: int, expand: str,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """``split_k`` 256: the 600 input features in three shrink slices (at decode sizes, slices of the real
-    width), summed by the expand kernel."""
+    width), summed by the expand kernel; ``expand``: one dependent round per active entry, or every entry in one
+    product (8 slots x rank 64 here)."""
     from exl3_core.lora import kernels
     from exl3_core.lora.kernels import lora_add
 
     monkeypatch.setattr(kernels, "SPLIT_K", split_k)
+    monkeypatch.setattr(kernels, "WIDE_MAX_VALUES", 8 * 64 if expand == "wide" else 0)
 
     g = torch.Generator().manual_seed(rows)
     n_in, n_out, cap = 600, 80, 8
