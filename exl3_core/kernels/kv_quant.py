@@ -58,14 +58,31 @@ def hadamard_cols(x, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
+def _halves(x, h: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, n: tl.constexpr):
+    # uint32 [BLOCK_N, BLOCK_G, n] of 2h-bit fields (zeros above) -> [BLOCK_N, BLOCK_G, 2n] of their h-bit
+    # halves, low half first
+    return tl.reshape(tl.join(x & ((1 << h) - 1), x >> h), [BLOCK_N, BLOCK_G, 2 * n])
+
+
+@triton.jit
 def _plane(Codes, base, ok, W: tl.constexpr, LOW: tl.constexpr, FIRST: tl.constexpr, BLOCK_N: tl.constexpr,
            BLOCK_G: tl.constexpr):
-    # int32 [BLOCK_N, BLOCK_G, 32]: the W-bit plane of every code of the groups at word offsets base, moved to
-    # its bits LOW .. LOW + W - 1
-    PER: tl.constexpr = 32 // W
-    words = tl.load(Codes + base[:, :, None] + FIRST + tl.arange(0, W)[None, None, :], mask=ok[:, :, None], other=0)
-    v = (words[:, :, :, None] >> (tl.arange(0, PER) * W)[None, None, None, :]) & ((1 << W) - 1)
-    return tl.reshape(v, [BLOCK_N, BLOCK_G, 32]) << LOW
+    # uint32 [BLOCK_N, BLOCK_G, 32]: the W-bit plane of every code of the groups at word offsets base, moved to
+    # its bits LOW .. LOW + W - 1. Each word is halved into its fields (16, 8, ... W bits) by joins, which keep
+    # the values in the threads that loaded them, in value order (a field's low half holds the earlier values).
+    x = tl.load(Codes + base[:, :, None] + FIRST + tl.arange(0, W)[None, None, :], mask=ok[:, :, None], other=0)
+    x = x.to(tl.uint32, bitcast=True)
+    if W < 32:
+        x = _halves(x, 16, BLOCK_N, BLOCK_G, W)
+    if W < 16:
+        x = _halves(x, 8, BLOCK_N, BLOCK_G, 2 * W)
+    if W < 8:
+        x = _halves(x, 4, BLOCK_N, BLOCK_G, 4 * W)
+    if W < 4:
+        x = _halves(x, 2, BLOCK_N, BLOCK_G, 8 * W)
+    if W < 2:
+        x = _halves(x, 1, BLOCK_N, BLOCK_G, 16 * W)
+    return x << LOW
 
 
 @triton.jit
@@ -78,17 +95,20 @@ def dequant_tile(Codes, Scales, code_row, scale_row, n_ok, G0, NG, BITS: tl.cons
     ok = n_ok[:, None] & (g < NG)[None, :]
     s = tl.load(Scales + scale_row[:, None] + (G0 + g)[None, :], mask=ok, other=0.0).to(tl.float32)
     base = code_row[:, None] + (G0 + g)[None, :] * BITS
-    code = tl.zeros([BLOCK_N, BLOCK_G, 32], tl.int32)
+    # 2 * code + 1 as the low bits of the fp32 2^23 (exponent bits 0x4B000000, whose units are 1), so the float is
+    # 2^23 + 2 * code + 1: integer ops instead of the slower int-to-float conversion; the midpoint grid's
+    # (code + 1/2 - M) / M * scale is then (float - 2^23 - 2M) / 2M * scale, the subtraction exact
+    code = tl.full([BLOCK_N, BLOCK_G, 32], 0x4B000001, tl.uint32)
     if BITS & 8:
-        code = code | _plane(Codes, base, ok, 8, BITS & 7, 0, BLOCK_N, BLOCK_G)
+        code = code | _plane(Codes, base, ok, 8, (BITS & 7) + 1, 0, BLOCK_N, BLOCK_G)
     if BITS & 4:
-        code = code | _plane(Codes, base, ok, 4, BITS & 3, BITS & 8, BLOCK_N, BLOCK_G)
+        code = code | _plane(Codes, base, ok, 4, (BITS & 3) + 1, BITS & 8, BLOCK_N, BLOCK_G)
     if BITS & 2:
-        code = code | _plane(Codes, base, ok, 2, BITS & 1, BITS & 12, BLOCK_N, BLOCK_G)
+        code = code | _plane(Codes, base, ok, 2, (BITS & 1) + 1, BITS & 12, BLOCK_N, BLOCK_G)
     if BITS & 1:
-        code = code | _plane(Codes, base, ok, 1, 0, BITS & 14, BLOCK_N, BLOCK_G)
+        code = code | _plane(Codes, base, ok, 1, 1, BITS & 14, BLOCK_N, BLOCK_G)
     M: tl.constexpr = 1 << (BITS - 1)
-    v = (code.to(tl.float32) - (M - 0.5)) * (s * (1.0 / M))[:, :, None]
+    v = (code.to(tl.float32, bitcast=True) - (8388608.0 + 2 * M)) * (s * (0.5 / M))[:, :, None]
     return tl.reshape(v, [BLOCK_N, BLOCK_G * 32])
 
 
