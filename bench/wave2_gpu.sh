@@ -33,7 +33,7 @@ if [ "$stage" = poll ]; then
     mkdir -p $W/out && date > $W/started
     rm -rf /tmp/head && mkdir /tmp/head && cp -r bench csrc docs exl3_core plugins tests conftest.py setup.py \
         pyproject.toml README.md .whl /tmp/head/ && mkdir -p /tmp/head/build && cp -r "$BASE" /tmp/head/build/ab_base
-    repo=$PWD; (cd /tmp/head && REPO=$repo OUT=$W/out STAGES="${STAGES:-}" QTESTS="${QTESTS:-}" setsid nohup bash bench/wave2_gpu.sh pipeline > $W/pipeline.log 2>&1 < /dev/null &)
+    repo=$PWD; (cd /tmp/head && REPO=$repo OUT=$W/out STAGES="${STAGES:-}" QTESTS="${QTESTS:-}" TEST_SHARDS="${TEST_SHARDS:-3}" setsid nohup bash bench/wave2_gpu.sh pipeline > $W/pipeline.log 2>&1 < /dev/null &)
   fi
   while [ ! -f $W/done ] && [ $(( $(date +%s) - t0 )) -lt "$wait_s" ]; do sleep 5; done
   tar -czf "$OUT/w2.tar.gz" -C $W . 2>/dev/null
@@ -100,16 +100,17 @@ case "$stage" in
     python3 bench/wave2_gpu.py summary "$OUT" "$shape" | tee "$OUT/ab_${shape}_summary.txt"
     ;;
   tests)
-    # in three concurrent shards (files dealt round robin; the suite alone took ~9 min on an H200), then every
+    # in $TEST_SHARDS (3) concurrent shards (files dealt round robin; the suite alone took ~9 min on an H200), then every
     # failure again on its own, so that a failure from the shards' contention is told apart from a real one
     files=(tests/gpu/test_*.py tests/kernels/test_fused_ops.py tests/contract/test_attention.py
            plugins/attn_backends/tests/test_*.py)
-    for s in 0 1 2; do
-      shard=(); for i in "${!files[@]}"; do [ $((i % 3)) = $s ] && shard+=("${files[$i]}"); done
+    n=${TEST_SHARDS:-3}
+    for s in $(seq 0 $((n - 1))); do
+      shard=(); for i in "${!files[@]}"; do [ $((i % n)) = $s ] && shard+=("${files[$i]}"); done
       timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -rfE -p no:cacheprovider "${shard[@]}" > "$OUT/tests_$s.log" 2>&1 &
     done
     wait
-    grep -hE "passed|failed" "$OUT"/tests_?.log | grep -E "^=|in [0-9.]+s" | tail -3
+    grep -hE "passed|failed" "$OUT"/tests_?.log | grep -E "^=|in [0-9.]+s" | tail -n "$n"
     failed=$(grep -hoE "^(FAILED|ERROR) \S+" "$OUT"/tests_?.log | awk '{print $2}' | sort -u)
     if [ -n "$failed" ]; then
       echo "failed in the shards: $(echo $failed | wc -w); again one by one:"
