@@ -80,6 +80,7 @@ def _release(device: torch.device) -> None:
     # Only device memory needs prompt release (the caching allocator keeps freed blocks); a full
     # gc pass costs ~0.5 s in a process with transformers imported, so CPU skips it.
     if device.type == "cuda" and torch.cuda.is_available():
+        gc.unfreeze()  # a generator froze the model's objects (generator/graphs.py: freeze_long_lived)
         gc.collect()
         torch.cuda.empty_cache()
 

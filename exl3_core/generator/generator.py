@@ -43,7 +43,7 @@ import torch
 from exl3_core.cache.cache import Cache
 from exl3_core.cache.pages import CacheExhausted, chain_hash
 from exl3_core.generator.batching import Chunk, build_batch, meta_to_device
-from exl3_core.generator.graphs import DecodeGraphs, PrefillGraphs
+from exl3_core.generator.graphs import DecodeGraphs, PrefillGraphs, freeze_long_lived
 from exl3_core.generator.job import Job
 from exl3_core.generator.loras import StepLoras
 from exl3_core.generator.overlap import DecodePipeline
@@ -200,15 +200,19 @@ class Generator:
         ``max_batch_size``) now, rather than at each bucket's first step. A capture costs a few
         hundred ms (seconds where a new shape compiles Triton kernels), so a server does this at
         start-up and no step stalls later when its batch grows or shrinks past a bucket. With speculative
-        decoding the verification and draft steps' buckets are captured too. Returns the captured
-        (one-token) buckets ([] when decode runs eagerly). Only while no job is running."""
+        decoding the verification and draft steps' buckets are captured too. Then the objects alive are
+        frozen out of later garbage collections on CUDA (:func:`~exl3_core.generator.graphs.freeze_long_lived`),
+        so no full collection stalls a step. Returns the captured (one-token) buckets ([] when decode runs
+        eagerly). Only while no job is running."""
         with self.lock:
             if self.queue or self.active:
                 raise RuntimeError("Generator.capture_graphs: jobs are queued or running; call it before enqueueing")
             self.loras.refresh(self)
             if self.spec is not None:
                 self.spec.capture_graphs(self.max_batch_size)
-            return self.graphs.capture_buckets(self.max_batch_size) if self.graphs is not None else []
+            buckets = self.graphs.capture_buckets(self.max_batch_size) if self.graphs is not None else []
+            freeze_long_lived(self.device)
+            return buckets
 
     def num_remaining(self) -> int:
         with self.lock:

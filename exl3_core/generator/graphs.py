@@ -119,6 +119,19 @@ def no_gc() -> Iterator[None]:
             gc.enable()
 
 
+def freeze_long_lived(device: torch.device) -> None:
+    """Leave every object alive now out of later garbage collections (``gc.freeze``), on CUDA. After start-up
+    these are the model's modules, the cache and the captured graphs, which live as long as the generator;
+    a full collection walking them (hundreds of thousands of objects with torch and its imports) stalls
+    the host for tens of ms inside some decode step. Earlier frozen objects are thawed and collected first,
+    so a dropped generator's graphs are freed here rather than kept; :meth:`exl3_core.archkit.model.Model.unload`
+    thaws them too."""
+    if device.type == "cuda":
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
