@@ -7,11 +7,15 @@ them in one forward. Two drafters:
   sequence's last n tokens (longest n first), in the job's own context, then in an optional corpus. It
   costs host time only and proposes point masses (the proposal is certain).
 * :class:`ModelDrafter`: a small model with the same vocabulary, run over its own paged cache. Each
-  sequence's draft keys and values are kept between steps; a step first catches up what the draft has
-  not seen (a prefill for a sequence that has not drafted lately), then runs one decode step of the
+  sequence's draft keys and values are kept between steps; a step runs one decode step of the
   sequence's last two tokens (the second-to-last one is recomputed, so every sequence has the same row
   count and the step is one CUDA-graph bucket whether the last verification accepted everything or
   not) and k - 1 one-token steps, each fed the token sampled from the step before on the device.
+  Tokens the draft has not seen (those of plain steps in between) widen that first step: it then feeds
+  every sequence the same number of rows (a bucket of :data:`FOLD_ROW_BUCKETS`, at most
+  :data:`FOLD_MAX_ROWS`) ending at its last token, re-feeding positions the draft already holds where a
+  sequence missed fewer. Only a longer gap (a new prompt) or a sequence shorter than the rows is first
+  caught up by an eager prefill.
   Greedy jobs take the draft's argmax; sampled jobs draw from their sampler's distribution over the
   draft's logits, which is returned (``q``) for the acceptance rule.
 
@@ -50,7 +54,8 @@ class Proposal:
         drawn from; None: every proposal is a point mass (greedy drafts, n-gram lookups).
     :param forwards: draft-model forwards that drafted its tokens (the cost model divides its time by them).
     :param catch_up: forwards before those that fed the draft model tokens it had not seen (a new prompt, or
-        the tokens of plain steps): their cost follows how much it missed, not the draft length.
+        the tokens of plain steps): their cost follows how much it missed, not the draft length. A short gap
+        folded into the first draft step runs no such forward and counts 0.
     """
 
     tokens: list[list[int]] | None
@@ -185,6 +190,13 @@ class NgramDrafter:
 
 
 # -- draft model ------------------------------------------------------------------------------
+#: most rows per sequence of a first draft step that also feeds tokens the draft missed: a decode step that
+#: narrow still costs about one graphed step, while a longer gap is better paid by one eager prefill.
+FOLD_MAX_ROWS = 16
+#: row counts a widened first draft step is padded to, so that each batch bucket captures few graphs
+FOLD_ROW_BUCKETS = (2, 4, 8, 16)
+
+
 @dataclass
 class _DraftSeq:
     tokens: list[int]  # ids whose keys/values the draft cache holds (positions 0..len-1)
@@ -220,6 +232,8 @@ class ModelDrafter:
         self.graphs: DecodeGraphs | None = DecodeGraphs.create(self.plan, cache, self.table_width)
         self._seqs: dict[Job, _DraftSeq] = {}
         self.forward_calls = 0
+        self.catch_up_calls = 0  # eager catch-up prefills (among forward_calls)
+        self.folded_steps = 0  # first draft steps that also fed tokens the draft had missed
 
     # -- per-job state -------------------------------------------------------------------------
     def _state(self, job: Job) -> _DraftSeq:
@@ -279,13 +293,20 @@ class ModelDrafter:
         if not keep or K < 1:
             return Proposal(None, torch.zeros((len(jobs), max(K, 0)), dtype=torch.int64, device=self.device), lens)
         djobs = [jobs[b] for b in keep]
-        catch_up = self._catch_up(djobs)
-        ids, q = self._draft(djobs, K)
+        rows = self._first_rows(djobs)
+        catch_up = 0
+        if rows is None:  # a long gap, or a sequence too short for the rows: prefill eagerly first
+            catch_up = self._catch_up(djobs)
+            rows = 2
+        elif any(len(j.seq) - len(self._seqs[j].tokens) > 2 for j in djobs):
+            self.folded_steps += 1
+        ids, q = self._draft(djobs, K, rows)
         for b in keep:
             job = jobs[b]
             st = self._seqs[job]
             L = len(job.seq)
-            st.tokens[L - 2:] = job.seq[L - 2:]  # the first draft step's inputs; commit() adds the rest
+            # the first draft step's inputs (st.tokens held at least L - rows); commit() adds the rest
+            st.tokens[L - rows:] = job.seq[L - rows:]
             st.drafted_from, st.pending = L, K
             lens[b] = ks[b]
         idx = to_device_async(torch.tensor(keep, dtype=torch.int64), self.device)
@@ -295,6 +316,16 @@ class ModelDrafter:
             full_q = torch.zeros((len(jobs), K, q.shape[-1]), dtype=q.dtype, device=q.device).index_copy_(0, idx, q)
         # no read here: the drafts reach the host with the verification's result (one sync per step)
         return Proposal(None, full, lens, full_q, K, catch_up)
+
+    def _first_rows(self, jobs: list[Job]) -> int | None:
+        """Rows per sequence of the first draft step: its last two tokens plus what the draft has not seen
+        before them, rounded up to a bucket of :data:`FOLD_ROW_BUCKETS`; None where that exceeds
+        :data:`FOLD_MAX_ROWS` or a sequence is shorter (the eager catch-up runs first)."""
+        need = max((len(j.seq) - len(self._seqs[j].tokens) for j in jobs), default=2)
+        rows = next((r for r in FOLD_ROW_BUCKETS if max(need, 2) <= r <= FOLD_MAX_ROWS), None)
+        if rows is None or any(len(j.seq) < rows for j in jobs):
+            return None
+        return rows
 
     def _catch_up(self, jobs: list[Job]) -> int:
         """Prefill what each job's draft state lacks up to its third-to-last token; returns forwards run."""
@@ -318,6 +349,7 @@ class ModelDrafter:
                                   scratch_page=self.cache.scratch_page, device=self.device, decode=False)
             self.plan.forward(meta, self.cache)
             self.forward_calls += 1
+            self.catch_up_calls += 1
             forwards += 1
             for st, part in todo:
                 st.tokens += part
@@ -339,8 +371,10 @@ class ModelDrafter:
             meta.input_ids[:ids.shape[0]].copy_(ids)
         return self.plan.forward(meta, self.cache, fp32_logits=False)
 
-    def _draft(self, jobs: list[Job], K: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(ids [B, K] int64, q [B, K, V] float32 or None)`` on the device: K tokens after each job's sequence."""
+    def _draft(self, jobs: list[Job], K: int, first_rows: int = 2) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(ids [B, K] int64, q [B, K, V] float32 or None)`` on the device: K tokens after each job's sequence.
+        The first step feeds each job its last ``first_rows`` tokens (the draft holds every position before
+        them), and its last row's logits give the first draft."""
         B = len(jobs)
         dev = self.device
         sampled = [b for b, j in enumerate(jobs) if not j.sampler.is_greedy]
@@ -363,8 +397,9 @@ class ModelDrafter:
         forced = self._forced(jobs, K)
         for i in range(K):
             if i == 0:
-                chunks = [Chunk(j.seq[-2:], len(j.seq) - 2, self._seqs[j].pages, True) for j in jobs]
-                rows = torch.arange(B, device=dev) * 2 + 1
+                R = first_rows
+                chunks = [Chunk(j.seq[-R:], len(j.seq) - R, self._seqs[j].pages, True) for j in jobs]
+                rows = torch.arange(1, B + 1, device=dev) * R - 1
             else:
                 chunks = [Chunk([0], len(j.seq) + i - 1, self._seqs[j].pages, True) for j in jobs]
                 rows = torch.arange(B, device=dev)

@@ -42,7 +42,7 @@ import torch
 from exl3_core.cache.cache import Cache
 from exl3_core.generator.batching import Chunk, build_batch, meta_to_device, to_device_async
 from exl3_core.generator.draft_policy import DraftLength
-from exl3_core.generator.drafting import Drafter, ModelDrafter, NgramDrafter
+from exl3_core.generator.drafting import FOLD_ROW_BUCKETS, Drafter, ModelDrafter, NgramDrafter
 from exl3_core.generator.graphs import DecodeGraphs
 from exl3_core.generator.job import Job
 from exl3_core.generator.types import BatchModel, Result
@@ -299,14 +299,15 @@ class Speculator:
 
     def capture_graphs(self, max_batch: int) -> None:
         """Capture the verification graphs of every draft length (k + 1 rows per sequence) and, with a draft
-        model, its two step shapes, for every batch bucket up to ``max_batch`` (see
+        model, its step shapes (one row, and the first step's rows, widened after plain steps), for every
+        batch bucket up to ``max_batch`` (see
         :meth:`Generator.capture_graphs <exl3_core.generator.Generator.capture_graphs>`)."""
         if self.host.graphs is not None:
             for k in range(1, self.length.max_k + 1):
                 self.host.graphs.capture_buckets(max_batch, k + 1)
         if isinstance(self.drafter, ModelDrafter) and self.drafter.graphs is not None:
-            self.drafter.graphs.capture_buckets(max_batch, 2)
-            self.drafter.graphs.capture_buckets(max_batch, 1)
+            for rows in (1, *FOLD_ROW_BUCKETS):
+                self.drafter.graphs.capture_buckets(max_batch, rows)
 
     def wants_step(self) -> bool:
         """Whether the next decode step should be speculative (asked by the overlapped plain loop before
