@@ -29,6 +29,7 @@ a job that could never fit is refused at enqueue, any other waits or is preempte
 """
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import threading
@@ -147,6 +148,8 @@ class Generator:
             ngram_corpus=ngram_corpus, dynamic_draft=dynamic_draft, max_chunk_tokens=max_chunk_tokens)
         if self.spec is not None and self.pipeline is not None:
             self.pipeline.until = self.spec.wants_step
+        if self.device.type == "cuda":
+            gc.unfreeze()  # what an earlier generator froze may be garbage now: the next collection may free it
 
     def _vocab_size(self) -> int | None:
         v = getattr(self.model, "vocab_size", None)

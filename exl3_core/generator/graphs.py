@@ -124,8 +124,8 @@ def freeze_long_lived(device: torch.device) -> None:
     these are the model's modules, the cache and the captured graphs, which live as long as the generator;
     a full collection walking them (hundreds of thousands of objects with torch and its imports) stalls
     the host for tens of ms inside some decode step. Earlier frozen objects are thawed and collected first,
-    so a dropped generator's graphs are freed here rather than kept; :meth:`exl3_core.archkit.model.Model.unload`
-    thaws them too."""
+    so a dropped generator's graphs are freed here rather than kept; a new generator and
+    :meth:`exl3_core.archkit.model.Model.unload` thaw them too."""
     if device.type == "cuda":
         gc.unfreeze()
         gc.collect()

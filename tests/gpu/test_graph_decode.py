@@ -243,6 +243,7 @@ def test_graph_declined_for_unsafe_backend(model_cache) -> None:
 
 
 def _settle() -> int:
+    gc.unfreeze()  # earlier tests' captures froze what was alive then (freeze_long_lived); count only the reachable
     gc.collect()
     # cuBLAS keeps one workspace per stream in the caching allocator; it is not the model's
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
