@@ -150,7 +150,12 @@ def run_spec_bench(shape: BenchShape, draft_shape: BenchShape, *, alphas: tuple[
                            seed=seed + 7)
     gen.spec.drafter = oracle
     gen.capture_graphs()
-    _decode_tokens(gen, [p[:64] for p in prompts], 4)  # warm-up of the eager parts (draft catch-up)
+    # warm-up of the eager parts (draft catch-up) and of whatever a draft length first uses outside the graphs,
+    # so that no measured run pays a one-off cost
+    warm = [p[:64] for p in prompts]
+    for k, dyn in [(k, False) for k in ks] + ([(max(ks), True)] if dynamic else []):
+        gen.spec.length = DraftLength(k, dynamic=dyn, draft_cost=c)
+        _decode_tokens(gen, warm, 8)
     out["alphas"] = []
     for a in alphas:
         oracle.alpha = a
