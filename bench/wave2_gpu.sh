@@ -15,6 +15,7 @@
 #                                      # long prefill (fairness) figures; default all
 #   bash bench/wave2_gpu.sh branch     # a candidate branch from a carried .branch.patch, built in a copy: its
 #                                      # LoRA GPU tests, then its LoRA figures
+#   bash bench/wave2_gpu.sh candidate NAME   # bench/candidates/NAME.patch in a copy, then its NAME.run
 #
 #   [STAGES="tests ab1b ..."] bash bench/wave2_gpu.sh poll SECONDS   # all of the above (or the named stages) in one detached pipeline (copies of both trees in
 #                                      # /tmp, so later calls' tree copies cannot disturb it): the first call starts
@@ -25,7 +26,7 @@
 set -uo pipefail
 BASE_REV=${BASE_REV:-928a225}
 BASE=build/ab_base
-stage=${1:?usage: bash bench/wave2_gpu.sh prepare|model-parts|model|ab SHAPE|tests|features|branch|poll SECONDS}
+stage=${1:?usage: bash bench/wave2_gpu.sh prepare|model-parts|model|ab SHAPE|tests|features|branch|candidate NAME|poll SECONDS}
 
 if [ "$stage" = poll ]; then
   W=/tmp/w2; wait_s=${2:-540}; t0=$(date +%s)
@@ -164,12 +165,23 @@ case "$stage" in
     fi
     OUT=$OUT_MAIN
     ;;
+  candidate)
+    # a measured-before-landing change kept in the repo: bench/candidates/NAME.patch applied to a copy of this
+    # tree (rebuilt where it touches csrc), then bench/candidates/NAME.run there with OUT=$OUT/cand_NAME
+    name=${2:?usage: candidate NAME (bench/candidates/NAME.patch and NAME.run)}
+    rm -rf /tmp/cand && cp -r "$PWD" /tmp/cand && cd /tmp/cand
+    patch -p1 -s < "bench/candidates/$name.patch" || { echo "candidate $name: patch failed"; exit 1; }
+    grep -q "^+++ b/csrc/" "bench/candidates/$name.patch" && unset SKIP_BUILD
+    OUT=$OUT/cand_$name; mkdir -p "$OUT"
+    source bench/device_env.sh
+    OUT=$OUT bash "bench/candidates/$name.run"
+    ;;
   pipeline)
     # $STAGES (default: all, in this order) picks what one pipeline runs: what settles must-holds first (the
     # fairness figure, a candidate branch's LoRA figures, the feature figures, the GPU tests), then the A/B runs,
     # which need the baseline's build, then the n-gram figure. Also: one feature figure by name (spec, kvq_b1, ...),
     # spprobe (bench/spec_target_probe.py), loravar (bench/lora_variants.py), kvqvar (bench/kvq_variants.py),
-    # qtests (the test files in $QTESTS)
+    # qtests (the test files in $QTESTS), cand:NAME (bench/candidates/NAME.patch, see the candidate stage)
     stages=${STAGES:-fairness branch features tests ab1b ab8b ngram}
     echo "HEAD built $(date +%T); stages: $stages"; export SKIP_BUILD=1
     for st in $stages; do
@@ -183,6 +195,7 @@ case "$stage" in
           timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider ${QTESTS:-} > "$OUT/qtests.log" 2>&1
           echo "rc=$?"; tail -4 "$OUT/qtests.log" ;;
         ab1b|ab8b) bash bench/wave2_gpu.sh ab "${st#ab}" ;;  # builds the baseline first where it is not built
+        cand:*) echo "== candidate ${st#cand:}"; bash bench/wave2_gpu.sh candidate "${st#cand:}" ;;
         loravar) echo "== LoRA kernel candidates"; timeout 120 python3 bench/lora_variants.py --check 2>&1 | tail -2
           for v in pair fused fused_nopdl; do
             timeout 240 python3 bench/lora_variants.py --variant $v --json "$OUT/loravar_$v.json" > "$OUT/loravar_$v.log" 2>&1
@@ -205,5 +218,5 @@ case "$stage" in
     date > /tmp/w2/done
     ;;
   *)
-    echo "unknown stage $stage: prepare, model-parts, model, ab SHAPE, tests, features, branch or poll"; exit 2 ;;
+    echo "unknown stage $stage: prepare, model-parts, model, ab SHAPE, tests, features, branch, candidate NAME or poll"; exit 2 ;;
 esac

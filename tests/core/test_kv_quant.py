@@ -181,11 +181,11 @@ def test_triton_reads_quantized_views(case: Case) -> None:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])  # bf16 here: tests/gpu (the interpreter's
 # bf16 stores in this kernel are wrong for the unquantized bf16 view as well)
 def test_split_decode_reads_quantized_views(splits: int, dtype: torch.dtype) -> None:
-    """Every split count (the merge of rotated partials, the one-split path) and the newest row reloaded
-    after the wait, as a programmatic dependent does."""
+    """Every split count (the merge of rotated partials, the one-split path), several key chunks per split, and
+    the newest row reloaded after the wait, as a programmatic dependent does."""
     spec = AttnSpec(head_dim=64, num_q_heads=8, num_kv_heads=2, dtype=dtype, cache="kv/quant", phase="decode",
                     q_per_seq=1, page_size=PAGE)
-    args = make_args(Case(spec, (1, 1, 1, 0), (0, 70, 33, 12), (3, 6)), "cpu", seed=splits)
+    args = make_args(Case(spec, (1, 1, 1, 0), (0, 270, 33, 12), (3, 6)), "cpu", seed=splits)
     refo = reference_attention(args)
     for reload in (False, True):
         out = tp.decode_split_kv(args, splits, reload_fresh=reload)
