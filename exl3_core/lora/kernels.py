@@ -12,7 +12,7 @@ captured graph serves every mix of adapters:
   features runs in parallel instead of in one program per adapter;
 * **expand**, grid ``(row blocks, output blocks of every linear)``: ``out_g = y_g + sum_u xa[rows, g, u, :]
   Bᵀ_g[slot_u]`` over the active entries, the slices summed in a fixed order (deterministic), accumulated in
-  fp32 and rounded once (``out_g`` may be ``y_g``). Up to 64 rows, where the slot capacity times the block
+  fp32 and rounded once (``out_g`` may be ``y_g``). Up to 32 rows, where the slot capacity times the block
   rank is at most :data:`WIDE_MAX_VALUES`, every entry goes into one product (``[rows, capacity x rank] @
   [capacity x rank, columns]``, inactive entries zero) instead of one dependent round of loads per adapter,
   which binds a decode batch that uses many adapters; otherwise the expand iterates over the active entries.
@@ -40,6 +40,9 @@ SPLIT_K = 1024
 MAX_SLICE_VALUES = 8192
 #: the most entries x block rank one expand product takes (a register budget); wider selections iterate
 WIDE_MAX_VALUES = 256
+#: the most rows the one-product expand takes: its [rows, entries x rank] operand stays within the registers
+#: of a 32-row block (a 64-row block would hold twice as many)
+WIDE_MAX_ROWS = 32
 
 
 # scalars that differ per member are picked at run time: never specialized (a 1 would become a constant)
@@ -225,7 +228,7 @@ def lora_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[
     xa, ks, bm, br = shrink(x2, stacks, sel, rows)
     pad = pad_members
     ub = triton.next_power_of_2(max(sel.capacity, 1))
-    wide = n <= 64 and ub * br <= WIDE_MAX_VALUES
+    wide = n <= WIDE_MAX_ROWS and ub * br <= WIDE_MAX_VALUES
     bn = 64 if wide or br <= 32 else 32
     widths = [y.shape[1] for y in ys]
     blocks = [triton.cdiv(w, bn) for w in widths]
