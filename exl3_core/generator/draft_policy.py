@@ -65,8 +65,8 @@ class DraftLength:
     :param margin: the predicted gain over a plain step a speculative step must reach.
     """
 
-    def __init__(self, max_k: int, *, dynamic: bool = True, draft_cost: float = 0.0, prior: float = 0.6,
-                 prior_weight: float = 2.0, decay: float = 0.8, probe_every: int = 16, margin: float = 0.03) -> None:
+    def __init__(self, max_k: int, *, dynamic: bool = True, draft_cost: float = 0.0, prior: float = 0.7,
+                 prior_weight: float = 2.0, decay: float = 0.9, probe_every: int = 8, margin: float = 0.03) -> None:
         if max_k < 1:
             raise ValueError(f"DraftLength: max_k={max_k} must be >= 1")
         self.max_k = max_k
