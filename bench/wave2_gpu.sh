@@ -180,8 +180,8 @@ case "$stage" in
     # $STAGES (default: all, in this order) picks what one pipeline runs: what settles must-holds first (the
     # fairness figure, a candidate branch's LoRA figures, the feature figures, the GPU tests), then the A/B runs,
     # which need the baseline's build, then the n-gram figure. Also: one feature figure by name (spec, kvq_b1, ...),
-    # spprobe (bench/spec_target_probe.py), loravar (bench/lora_variants.py), kvqvar (bench/kvq_variants.py),
-    # qtests (the test files in $QTESTS), cand:NAME (bench/candidates/NAME.patch, see the candidate stage)
+    # spprobe (bench/spec_target_probe.py), qtests (the test files in $QTESTS), cand:NAME (bench/candidates/NAME.patch,
+    # see the candidate stage)
     stages=${STAGES:-fairness branch features tests ab1b ab8b ngram}
     echo "HEAD built $(date +%T); stages: $stages"; export SKIP_BUILD=1
     for st in $stages; do
@@ -196,16 +196,6 @@ case "$stage" in
           echo "rc=$?"; tail -4 "$OUT/qtests.log" ;;
         ab1b|ab8b) bash bench/wave2_gpu.sh ab "${st#ab}" ;;  # builds the baseline first where it is not built
         cand:*) echo "== candidate ${st#cand:}"; bash bench/wave2_gpu.sh candidate "${st#cand:}" ;;
-        loravar) echo "== LoRA kernel candidates"; timeout 120 python3 bench/lora_variants.py --check 2>&1 | tail -2
-          for v in pair fused fused_nopdl; do
-            timeout 240 python3 bench/lora_variants.py --variant $v --json "$OUT/loravar_$v.json" > "$OUT/loravar_$v.log" 2>&1
-            echo "rc=$?"; grep "^\[$v\] decode" "$OUT/loravar_$v.log"
-          done ;;
-        kvqvar) echo "== KV page reader candidates"; timeout 120 python3 bench/kvq_variants.py --check 2>&1 | tail -1
-          for v in product gather splits64 warps8 gather+splits64+warps8; do
-            timeout 300 python3 bench/kvq_variants.py --variant $v --json "$OUT/kvqvar_$v.json" > "$OUT/kvqvar_$v.log" 2>&1
-            echo "rc=$?"; grep -E "k4v4 / fp16" "$OUT/kvqvar_$v.log" | sed "s/^/[$v] /"
-          done ;;
         spprobe) echo "== spec target probe"; timeout 240 python3 bench/spec_target_probe.py > "$OUT/spprobe.log" 2>&1
           echo "rc=$?"; grep self_predicting "$OUT/spprobe.log" ;;
         ngram)  # where earlier calls have carried every part of the default model into $REPO/.model
