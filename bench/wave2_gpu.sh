@@ -6,7 +6,7 @@
 # Before the first call, here: `bash bench/wave2_gpu.sh prepare` (puts the baseline commit's engine source,
 # without tests, in build/ab_base: 928a225, the commit docs/performance.md was measured at).
 #
-#   bash bench/wave2_gpu.sh ab 8b      # both builds, then baseline/HEAD alternating on the 8B shape (2 rounds)
+#   bash bench/wave2_gpu.sh ab 8b      # both builds, then baseline/HEAD alternating on the 8B shape ($AB_ROUNDS, 3)
 #   bash bench/wave2_gpu.sh ab 1b      # the same on the 1B shape (builds kept on a warm machine)
 #   bash bench/wave2_gpu.sh tests      # tests/gpu, the attention contract and the plugin tests on CUDA
 #   bash bench/wave2_gpu.sh features [NAME ...]   # quantized cache (kvq_b1, kvq_b32), speculative (spec),
@@ -34,7 +34,7 @@ if [ "$stage" = poll ]; then
     mkdir -p $W/out && date > $W/started
     rm -rf /tmp/head && mkdir /tmp/head && cp -r bench csrc docs exl3_core plugins tests conftest.py setup.py \
         pyproject.toml README.md .whl /tmp/head/ && mkdir -p /tmp/head/build && cp -r "$BASE" /tmp/head/build/ab_base
-    repo=$PWD; (cd /tmp/head && REPO=$repo OUT=$W/out STAGES="${STAGES:-}" QTESTS="${QTESTS:-}" TEST_SHARDS="${TEST_SHARDS:-3}" setsid nohup bash bench/wave2_gpu.sh pipeline > $W/pipeline.log 2>&1 < /dev/null &)
+    repo=$PWD; (cd /tmp/head && REPO=$repo OUT=$W/out STAGES="${STAGES:-}" QTESTS="${QTESTS:-}" TEST_SHARDS="${TEST_SHARDS:-3}" AB_ROUNDS="${AB_ROUNDS:-3}" setsid nohup bash bench/wave2_gpu.sh pipeline > $W/pipeline.log 2>&1 < /dev/null &)
   fi
   while [ ! -f $W/done ] && [ $(( $(date +%s) - t0 )) -lt "$wait_s" ]; do sleep 5; done
   tar -czf "$OUT/w2.tar.gz" -C $W . 2>/dev/null
@@ -93,8 +93,9 @@ case "$stage" in
           > "$OUT/build_base.log" 2>&1) || { tail -20 "$OUT/build_base.log"; exit 1; }
       echo "baseline build $(( $(date +%s) - t )) s"
     fi
-    # alternate the trees so that clock and thermal drift falls on both columns alike
-    for round in 1 2; do
+    # alternate the trees so that clock and thermal drift falls on both columns alike; three rounds, so that one
+    # run's host hiccup cannot move a median
+    for round in $(seq 1 "${AB_ROUNDS:-3}"); do
       bench_run "$PWD/$BASE" "$shape" "base$round"
       bench_run "$PWD" "$shape" "head$round"
     done
