@@ -610,20 +610,19 @@ def _decode_block_n(spec: AttnSpec, max_seqlen_k: int) -> int:
     return block_n
 
 
-def choose_num_splits(args: AttnArgs, programs_per_sm: int = PROGRAMS_PER_SM,
-                      max_splits: int = MAX_SPLITS) -> int:
+def choose_num_splits(args: AttnArgs) -> int:
     """Splits over the key axis for a paged decode call, from static host values only.
 
-    Enough (batch x kv_heads x head_blocks x splits) programs to give every SM ``programs_per_sm``, but no
+    Enough (batch x kv_heads x head_blocks x splits) programs to give every SM a few, but no
     more splits than ``max_seqlen_k`` (the bound a CUDA graph is captured with) has key chunks
     (:func:`_decode_block_n`): each split's range is rounded up to whole chunks on the device.
     """
     spec = args.spec
     rows = max(1, spec.q_per_seq) * (spec.num_q_heads // spec.num_kv_heads)
     programs = args.seq_lens_k.shape[0] * spec.num_kv_heads * triton.cdiv(rows, 16)
-    want = triton.cdiv(programs_per_sm * _sm_count(args.q.device), programs)
+    want = triton.cdiv(PROGRAMS_PER_SM * _sm_count(args.q.device), programs)
     share = _decode_block_n(spec, args.max_seqlen_k)
-    return max(1, min(want, triton.cdiv(max(args.max_seqlen_k, 1), share), max_splits))
+    return max(1, min(want, triton.cdiv(max(args.max_seqlen_k, 1), share), MAX_SPLITS))
 
 
 def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None = None) -> torch.Tensor:
