@@ -154,14 +154,14 @@ def run_spec_bench(shape: BenchShape, draft_shape: BenchShape, *, alphas: tuple[
     # warm-up of the eager parts (draft catch-up) and of whatever a draft length first uses outside the graphs,
     # so that no measured run pays a one-off cost
     warm = [p[:64] for p in prompts]
-    for k, dyn in [(k, False) for k in ks] + ([(max(ks), True)] if dynamic else []):
+    runs = [(k, False) for k in ks] + ([(max(ks), True)] if dynamic else [])
+    for k, dyn in runs:
         gen.spec.length = DraftLength(k, dynamic=dyn, draft_cost=c)
         _decode_tokens(gen, warm, 8)
     out["alphas"] = []
     for a in alphas:
         oracle.alpha = a
         row: dict[str, Any] = {"alpha": a, "runs": []}
-        runs = [(k, False) for k in ks] + ([(max(ks), True)] if dynamic else [])
         for k, dyn in runs:
             if dyn:  # once unmeasured: the draft's catch-up prefills after plain stretches of every length this
                 # alpha leads to compile their kernels on first use

@@ -298,7 +298,7 @@ class ModelDrafter:
         if rows is None:  # a long gap, or a sequence too short for the rows: prefill eagerly first
             catch_up = self._catch_up(djobs)
             rows = 2
-        elif any(len(j.seq) - len(self._seqs[j].tokens) > 2 for j in djobs):
+        elif rows > 2:  # some job missed tokens before its last two
             self.folded_steps += 1
         ids, q = self._draft(djobs, K, rows)
         for b in keep:
