@@ -13,8 +13,6 @@
 #                                      # n-gram (ngram), LoRA (lora), tp=1 (tp1), a speculative step's host profile
 #                                      # (specprof) and the stream gap under a
 #                                      # long prefill (fairness) figures; default all
-#   bash bench/wave2_gpu.sh branch     # a candidate branch from a carried .branch.patch, built in a copy: its
-#                                      # LoRA GPU tests, then its LoRA figures
 #   bash bench/wave2_gpu.sh candidate NAME   # bench/candidates/NAME.patch in a copy, then its NAME.run
 #
 #   [STAGES="tests ab1b ..."] bash bench/wave2_gpu.sh poll SECONDS   # all of the above (or the named stages) in one detached pipeline (copies of both trees in
@@ -26,7 +24,7 @@
 set -uo pipefail
 BASE_REV=${BASE_REV:-928a225}
 BASE=build/ab_base
-stage=${1:?usage: bash bench/wave2_gpu.sh prepare|model-parts|model|ab SHAPE|tests|features|branch|candidate NAME|poll SECONDS}
+stage=${1:?usage: bash bench/wave2_gpu.sh prepare|model-parts|model|ab SHAPE|tests|features|candidate NAME|poll SECONDS}
 
 if [ "$stage" = poll ]; then
   W=/tmp/w2; wait_s=${2:-540}; t0=$(date +%s)
@@ -149,23 +147,6 @@ case "$stage" in
         > "$OUT/fairness.log" 2>&1; echo "rc=$?"; grep -E "gap|passed|failed" "$OUT/fairness.log" | tail -3 ;;
     esac
     ;;
-  branch)
-    # a candidate change not yet on main: $REPO/.branch.patch (carried; made here with
-    # `git diff $(git merge-base main BRANCH) BRANCH > .branch.patch`, /.branch.patch in .git/info/exclude),
-    # applied to a copy of this tree and built there; its LoRA GPU tests and LoRA figures
-    [ -f "$REPO/.branch.patch" ] || { echo "no .branch.patch carried"; exit 0; }
-    rm -rf /tmp/branch && cp -r "$PWD" /tmp/branch && cd /tmp/branch
-    patch -p1 -s < "$REPO/.branch.patch" || { echo "patch failed"; exit 1; }
-    OUT_MAIN=$OUT; OUT=$OUT/branch; mkdir -p "$OUT"; unset SKIP_BUILD
-    source bench/device_env.sh
-    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/gpu/test_lora_gpu.py > "$OUT/tests.log" 2>&1
-    rc=$?; tail -5 "$OUT/tests.log"
-    if [ $rc = 0 ]; then  # a kernel that hangs or fails its test gets no bench time
-      timeout 200 python3 -m exl3_core bench --shape 8b --codebook mul1 --lora --json "$OUT/lora.json" > "$OUT/lora.log" 2>&1
-      tail -6 "$OUT/lora.log"
-    fi
-    OUT=$OUT_MAIN
-    ;;
   candidate)
     # a measured-before-landing change kept in the repo: bench/candidates/NAME.patch applied to a copy of this
     # tree (rebuilt where it touches csrc), then bench/candidates/NAME.run there with OUT=$OUT/cand_NAME
@@ -179,16 +160,15 @@ case "$stage" in
     ;;
   pipeline)
     # $STAGES (default: all, in this order) picks what one pipeline runs: what settles must-holds first (the
-    # fairness figure, a candidate branch's LoRA figures, the feature figures, the GPU tests), then the A/B runs,
+    # fairness figure, the feature figures, the GPU tests), then the A/B runs,
     # which need the baseline's build, then the n-gram figure. Also: one feature figure by name (spec, kvq_b1, ...),
     # spprobe (bench/spec_target_probe.py), qtests (the test files in $QTESTS), cand:NAME (bench/candidates/NAME.patch,
     # see the candidate stage)
-    stages=${STAGES:-fairness branch features tests ab1b ab8b ngram}
+    stages=${STAGES:-fairness features tests ab1b ab8b ngram}
     echo "HEAD built $(date +%T); stages: $stages"; export SKIP_BUILD=1
     for st in $stages; do
       case $st in
         fairness) bash bench/wave2_gpu.sh features fairness ;;
-        branch) bash bench/wave2_gpu.sh branch ;;
         features) bash bench/wave2_gpu.sh features spec specprof kvq_b1 kvq_b32 lora ;;
         spec|specprof|kvq_b1|kvq_b32|lora) bash bench/wave2_gpu.sh features "$st" ;;
         tests) TESTS_TIMEOUT=600 bash bench/wave2_gpu.sh tests ;;
@@ -209,5 +189,5 @@ case "$stage" in
     date > /tmp/w2/done
     ;;
   *)
-    echo "unknown stage $stage: prepare, model-parts, model, ab SHAPE, tests, features, branch, candidate NAME or poll"; exit 2 ;;
+    echo "unknown stage $stage: prepare, model-parts, model, ab SHAPE, tests, features, candidate NAME or poll"; exit 2 ;;
 esac
