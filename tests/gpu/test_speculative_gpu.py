@@ -118,6 +118,8 @@ def test_bench_draft_small_shapes_on_cuda() -> None:
 
     res = run_spec_bench(parse_shape(SHAPE), parse_shape(DRAFT), alphas=(0.8,), ks=(2, 4), ctx=128, new_tokens=64,
                          device="cuda", log=lambda s: None)
-    assert 0 < res["c"] < 1.5 and res["plain_tok_s"] > 0
+    # c of two launch-bound toy shapes moves with whatever else shares the GPU: checked against its own parts
+    assert res["draft_step_ms"] > 0 and res["target_step_ms"] > 0 and res["plain_tok_s"] > 0
+    assert res["c"] == pytest.approx(res["draft_step_ms"] / res["target_step_ms"], rel=1e-6)
     runs = res["alphas"][0]["runs"]
     assert [r["k"] for r in runs] == [2, 4, 4] and all(r["tok_s"] > 0 for r in runs)
