@@ -37,6 +37,7 @@ from exl3_core.cache.pages import CacheExhausted
 from exl3_core.generator.batching import Chunk, build_batch, meta_to_device, to_device_async
 from exl3_core.generator.graphs import DecodeGraphs
 from exl3_core.generator.job import Job
+from exl3_core.generator.loras import StepLoras
 from exl3_core.generator.types import BatchModel
 from exl3_core.plan.plan import ExecutionPlan
 from exl3_core.sampling.sampler import draw, final_logits
@@ -230,6 +231,10 @@ class ModelDrafter:
         self.max_chunk_tokens = max_chunk_tokens
         #: CUDA-graph decode runner of the draft's steps (None: eager)
         self.graphs: DecodeGraphs | None = DecodeGraphs.create(self.plan, cache, self.table_width)
+        #: adapters on the draft's model (when it is the target itself): its forwards use none, and its graphs are
+        #: captured again after adapters are loaded or unloaded
+        self.loras = StepLoras(model)
+        self.loras.changed(0)
         self._seqs: dict[Job, _DraftSeq] = {}
         self.forward_calls = 0
         self.catch_up_calls = 0  # eager catch-up prefills (among forward_calls)
@@ -275,6 +280,9 @@ class ModelDrafter:
 
     # -- drafting ------------------------------------------------------------------------------
     def propose(self, jobs: list[Job], ks: list[int]) -> Proposal:
+        if self.loras.changed(0) and self.graphs is not None:  # the graphs hold the old adapters' addresses
+            self.graphs.reset()
+            self.graphs = DecodeGraphs.create(self.plan, self.cache, self.table_width)
         K = max(ks, default=0)
         keep: list[int] = []  # indices into jobs of those that draft
         for b, job in enumerate(jobs):
@@ -347,6 +355,7 @@ class ModelDrafter:
                 return forwards
             meta, _ = build_batch(chunks, page_size=self.page_size, table_width=self.table_width,
                                   scratch_page=self.cache.scratch_page, device=self.device, decode=False)
+            self.loras.select([], meta.input_ids.shape[0])
             self.plan.forward(meta, self.cache)
             self.forward_calls += 1
             self.catch_up_calls += 1
@@ -362,6 +371,7 @@ class ModelDrafter:
                               scratch_page=self.cache.scratch_page,
                               device=torch.device("cpu") if graphs is not None else self.device, decode=True)
         self.forward_calls += 1
+        self.loras.select([], meta.input_ids.shape[0])  # drafts come from the draft's own weights
         if graphs is not None and graphs.accepts(meta):
             logits, _ = graphs.run(meta, ids)
             return logits

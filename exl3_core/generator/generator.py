@@ -134,9 +134,6 @@ class Generator:
         #: CUDA-graph runner for a step that is one sequence's prefill chunk (None: eager)
         self.prefill_graphs: PrefillGraphs | None = PrefillGraphs.create(
             self.plan, cache, self.table_width, max_chunk_tokens)
-        #: LoRA adapters: per-job checks, per-step row choices, graphs dropped when adapters change
-        self.loras = StepLoras(model)
-        self.loras.refresh(self)
         if overlap_decode is None:
             overlap_decode = self.tuning.graphs.overlap_decode
         #: one-step-ahead greedy decode loop (None: off)
@@ -148,8 +145,15 @@ class Generator:
             ngram_corpus=ngram_corpus, dynamic_draft=dynamic_draft, max_chunk_tokens=max_chunk_tokens)
         if self.spec is not None and self.pipeline is not None:
             self.pipeline.until = self.spec.wants_step
+        #: LoRA adapters: per-job checks, per-step row choices, graphs dropped when adapters change
+        self.loras = StepLoras(model)
+        self.loras.refresh(self, self._rows_per_seq())
         if self.device.type == "cuda":
             gc.unfreeze()  # what an earlier generator froze may be garbage now: the next collection may free it
+
+    def _rows_per_seq(self) -> int:
+        """Most rows per sequence of a decode step on the model (speculative verification included)."""
+        return self.spec.rows_per_seq(self.model) if self.spec is not None else 1
 
     def _vocab_size(self) -> int | None:
         v = getattr(self.model, "vocab_size", None)
@@ -210,7 +214,7 @@ class Generator:
         with self.lock:
             if self.queue or self.active:
                 raise RuntimeError("Generator.capture_graphs: jobs are queued or running; call it before enqueueing")
-            self.loras.refresh(self)
+            self.loras.refresh(self, self._rows_per_seq())
             if self.spec is not None:
                 self.spec.capture_graphs(self.max_batch_size)
             buckets = self.graphs.capture_buckets(self.max_batch_size) if self.graphs is not None else []
@@ -292,7 +296,7 @@ class Generator:
     def _sync_loras(self, results: list[Result]) -> None:
         """Adapters loaded or unloaded since the last step: graphs captured with the old ones are dropped, and
         jobs naming an adapter no longer loaded end with an error (the others go on)."""
-        self.loras.refresh(self)
+        self.loras.refresh(self, self._rows_per_seq())
         for job, err in self.loras.unloaded([*self.queue, *self.active]):
             if job in self.queue:
                 self.queue.remove(job)

@@ -100,17 +100,22 @@ class StepLoras:
             job.lora_uids = {n: s.adapters[n].uid for n in job.loras if n in s.adapters}
             job.hash_root = self.hash_root(job)
 
-    def refresh(self, gen: GraphHost) -> bool:
-        """Reserve the generator's largest step in the choice's buffers; after adapters were loaded or unloaded (or
-        the buffers grew) since the last call, drop the captured graphs (created again, captured as steps need them).
-        The first call only records the state (the generator's graphs were just made for it). True when the graphs
-        were dropped."""
+    def changed(self, rows: int) -> bool:
+        """Reserve ``rows`` rows in the choice's buffers; whether adapters were loaded or unloaded (or the buffers
+        grew) since the last call. The first call only records the state (False)."""
         s = attached(self.model)  # type: ignore[arg-type]
         if s is not None:
-            s.selection.reserve(max(gen.max_chunk_tokens, MAX_TOKENS_PER_SEQ * max(gen.max_batch_size, 1)))
+            s.selection.reserve(rows)
         key = (0, 0, 0) if s is None else (id(s), s.generation, s.selection.version)
         previous, self._seen = self._seen, key
-        if previous is None or previous == key:
+        return previous is not None and previous != key
+
+    def refresh(self, gen: GraphHost, rows_per_seq: int = MAX_TOKENS_PER_SEQ) -> bool:
+        """Reserve the generator's largest step (decode steps of up to ``rows_per_seq`` rows per sequence) in the
+        choice's buffers; after adapters were loaded or unloaded (or the buffers grew) since the last call, drop
+        the captured graphs (created again, captured as steps need them). The first call only records the state
+        (the generator's graphs were just made for it). True when the graphs were dropped."""
+        if not self.changed(max(gen.max_chunk_tokens, max(rows_per_seq, MAX_TOKENS_PER_SEQ) * max(gen.max_batch_size, 1))):
             return False
         # adapters on experts can make a module's forward uncapturable, so whether to graph is asked again
         if gen.graphs is not None:

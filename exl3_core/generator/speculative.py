@@ -42,9 +42,10 @@ import torch
 from exl3_core.cache.cache import Cache
 from exl3_core.generator.batching import Chunk, build_batch, meta_to_device, to_device_async
 from exl3_core.generator.draft_policy import DraftLength
-from exl3_core.generator.drafting import FOLD_ROW_BUCKETS, Drafter, ModelDrafter, NgramDrafter
+from exl3_core.generator.drafting import FOLD_MAX_ROWS, FOLD_ROW_BUCKETS, Drafter, ModelDrafter, NgramDrafter
 from exl3_core.generator.graphs import DecodeGraphs
 from exl3_core.generator.job import Job
+from exl3_core.generator.loras import StepLoras
 from exl3_core.generator.types import BatchModel, Result
 from exl3_core.plan.plan import ExecutionPlan
 from exl3_core.sampling.sampler import draw, final_logits
@@ -65,6 +66,7 @@ class SpecHost(Protocol):
     forward_calls: int
     tokens_computed: int
     vocab_size: int | None
+    loras: StepLoras
 
     def _register_pages(self, job: Job) -> None: ...
 
@@ -292,6 +294,14 @@ class Speculator:
         return cls(host, drafter, DraftLength(k, dynamic=dynamic_draft, draft_cost=cost))
 
     # -- generator hooks -----------------------------------------------------------------------
+    def rows_per_seq(self, model: object) -> int:
+        """Most rows per sequence of a step this speculator runs on ``model`` (the target's): the k + 1 rows of a
+        verification, and the draft's widened first step where the draft is the target itself."""
+        rows = self.length.max_k + 1
+        if isinstance(self.drafter, ModelDrafter) and self.drafter.model is model:
+            rows = max(rows, FOLD_MAX_ROWS)
+        return rows
+
     def release(self, job: Job) -> None:
         """``job`` ended or was cancelled."""
         self.drafter.release(job)
@@ -438,6 +448,7 @@ class Speculator:
         meta, _ = build_batch(chunks, page_size=h.page_size, table_width=h.table_width,
                               scratch_page=h.cache.scratch_page,
                               device=torch.device("cpu") if graphs is not None else h.device, decode=True)
+        h.loras.select([(j, n) for j in jobs], meta.input_ids.shape[0])  # every row verifies under its job's adapters
         ids = None
         if dr.ids is not None and K:  # the input ids on the device: each job's pending token, then its drafts
             last = _ids([j.seq[-1] for j in jobs], dr.ids.device)[:, None]

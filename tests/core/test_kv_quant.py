@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -443,6 +444,55 @@ def test_generator_batches_and_reuses_prefix_pages(monkeypatch: pytest.MonkeyPat
                     assert torch.equal(x[page], y[p2])
     assert compared >= 2
 
+
+
+@pytest.mark.parametrize("draft", ["self", "small"])
+def test_speculative_decoding_over_quantized_caches(draft: str) -> None:
+    """Speculative decoding with quantized caches (the target's K5V4; the draft's own pages): verification
+    steps of k + 1 rows and the rollbacks of rejected drafts give the plain generator's greedy tokens over the same
+    quantized cache, with jobs arriving at different steps, and leave no page in use. The model drafting for
+    itself (over a K5V4 cache of its own) has most drafts accepted; a small random draft (K4V3) has most rejected."""
+    from exl3_core.generator import Generator, Job
+
+    model, _ = build_model(parse_shape("custom(128,256,2,4,2,300)"), device="cpu", dtype=torch.float32, seed=5,
+                           page_size=PAGE)
+    if draft == "self":
+        drafter = model
+    else:
+        drafter, _ = build_model(parse_shape("custom(64,128,1,2,1,300)"), device="cpu", dtype=torch.float32, seed=6,
+                                 page_size=PAGE)
+
+    def quant(m: Any, k: int, v: int) -> Cache:
+        return Cache(m, 24 * PAGE, page_size=PAGE, variant="quant", k_bits=k, v_bits=v)
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (9, 20, 14)]
+
+    def run(gen: Generator) -> list[list[int]]:
+        jobs = [Job(torch.tensor([p]), max_new_tokens=12, stop_at_eos=False, identifier=i) for i, p in enumerate(prompts)]
+        gen.enqueue(jobs[:2])
+        out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        step = 0
+        while gen.num_remaining() or step < 2:
+            if step == 2:
+                gen.enqueue(jobs[2:])  # a staggered arrival
+            for r in gen.iterate():
+                out[r["identifier"]] += r["token_ids"]
+            step += 1
+        return [out[i] for i in range(len(prompts))]
+
+    plain = run(Generator(model=model, cache=quant(model, 5, 4), tokenizer=None))
+    cache, dcache = quant(model, 5, 4), (quant(drafter, 5, 4) if draft == "self" else quant(drafter, 4, 3))
+    gen = Generator(model=model, cache=cache, tokenizer=None, dynamic_draft=False, draft_model=drafter,
+                    draft_cache=dcache, num_draft_tokens=3)
+    assert run(gen) == plain
+    s = gen.spec.stats if gen.spec is not None else None
+    assert s is not None and s.drafted > 0
+    if draft == "self":
+        assert s.accepted > s.drafted / 2
+    else:
+        assert s.accepted < s.drafted  # rejections: the rollbacks ran
+    assert cache.allocator.num_live() == 0 and dcache.allocator.num_live() == 0
 
 # -- exl3 bench --cache-bits ----------------------------------------------------------------------------------
 def test_bench_measures_each_cache_and_reports_capacity(one_torch_thread: None) -> None:

@@ -104,6 +104,34 @@ def test_mixed_batch_staggered_joins_equal_jobs_alone(setup: tuple[Model, Path, 
             model.unload_lora(n)
 
 
+@pytest.mark.parametrize("draft", ["ngram", "self"])
+def test_speculative_rows_verify_under_their_jobs_adapters(setup: tuple[Model, Path, int], draft: str) -> None:
+    """Speculative decoding over the mixed batch (n-gram drafts, or the model drafting for itself without its
+    adapters): every job gets the plain generator's greedy tokens, drafts were verified and accepted, and no page
+    is left in use."""
+    model, ads, vocab = setup
+    for n in "abcd":
+        model.load_lora(ads / n, name=n)
+    try:
+        def jobs() -> list[Job]:  # prompts that repeat themselves, so that the n-gram lookup finds matches
+            return [Job(_prompt(vocab, 9 + 7 * i, i) * 2, max_new_tokens=16, stop_at_eos=False, identifier=i, loras=c)
+                    for i, c in enumerate(CHOICES)]
+
+        plain = _run(_gen(model), {0: jobs()[:3], 2: jobs()[3:]})
+        kw: dict[str, Any] = ({"ngram_draft_tokens": 3} if draft == "ngram" else
+                              {"draft_model": model, "draft_cache": Cache(model, max_num_tokens=1024, page_size=16),
+                               "num_draft_tokens": 3})
+        gen = _gen(model, dynamic_draft=False, **kw)
+        got = _run(gen, {0: jobs()[:3], 2: jobs()[3:]})
+        for i, c in enumerate(CHOICES):
+            assert got[i]["tokens"] == plain[i]["tokens"], f"job {i} ({c}) under speculative decoding"
+        assert gen.spec is not None and gen.spec.stats.accepted > 0
+        assert gen.cache.allocator.num_live() == 0
+    finally:
+        for n in "abcd":
+            model.unload_lora(n)
+
+
 def test_load_and_unload_while_jobs_run(setup: tuple[Model, Path, int]) -> None:
     model, ads, vocab = setup
     model.load_lora(ads / "a", name="a")
