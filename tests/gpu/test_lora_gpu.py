@@ -152,6 +152,38 @@ def test_graphed_mixed_batch_equals_jobs_alone(model_cache: tuple[Any, Any, Path
         twin.unload()
 
 
+def test_graphed_speculative_rows_use_their_jobs_adapters(model_cache: tuple[Any, Any, Path]) -> None:
+    """N-gram speculative decoding over a graphed batch mixing adapters: each job's tokens are the plain graphed
+    generator's up to a parting at a near tie, and the logits reported for its committed tokens are as close to the
+    plain run's as fp16 makes two batch shapes (a row verified under another job's adapters is not)."""
+    model, cache, d = model_cache
+    for n in "abcd":
+        model.load_lora(d / n, name=n)
+    try:
+        def jobs() -> list[Job]:  # prompts that repeat themselves: the n-gram lookup finds matches
+            return [Job(list(range(3 + i, 30 + 9 * i)) * 2, max_new_tokens=NEW, stop_at_eos=False, identifier=i,
+                        loras=c, return_logits=True) for i, c in enumerate(CHOICES)]
+
+        plain_gen = Generator(model, cache, max_batch_size=8)
+        plain_gen.capture_graphs()
+        plain = _run(plain_gen, {0: jobs()[:4], 2: jobs()[4:]})
+        gen = Generator(model, cache, max_batch_size=8, ngram_draft_tokens=3, dynamic_draft=False,
+                        ngram_corpus=[j.prompt + plain[j.identifier]["tokens"] for j in jobs()])
+        gen.capture_graphs()
+        got = _run(gen, {0: jobs()[:4], 2: jobs()[4:]})
+        assert gen.spec is not None and gen.spec.stats.accepted > 0 and gen.graphs is not None and gen.graphs.replays > 0
+        for i, c in enumerate(CHOICES):
+            want = torch.cat(plain[i]["logits"]).float()
+            n = _agree(plain[i], got[i])
+            err = rel_err(torch.cat(got[i]["logits"])[:n].float(), want[:n])
+            assert err < 2e-2, f"job {i} ({c}): committed tokens' logits {err:.4f} from the plain run's"
+            why = parted_only_at_near_tie(plain[i]["tokens"], got[i]["tokens"], want)
+            assert why is None, f"job {i} ({c}): {why}"
+        assert cache.allocator.num_live() == 0
+    finally:
+        for n in model.lora_names():
+            model.unload_lora(n)
+
 def test_load_unload_while_graphed_jobs_run(model_cache: tuple[Any, Any, Path]) -> None:
     model, cache, d = model_cache
     model.load_lora(d / "a", name="a")
