@@ -42,10 +42,10 @@ def main() -> None:
             h = heldout_kl(out, model)
             gs.append(g)
             hs.append(h)
-            print(f"{model} {bpw} seed {seed} {extra}: golden {g:.5f} heldout {h:.5f} "
+            print(f"{model} {bpw} seed {seed} {extra}: golden {g:.4g} heldout {h:.4g} "
                   f"({secs:.0f} s, load {os.getloadavg()[0]:.1f})", flush=True)
-    theirs = f"{ref_g:.5f} / {ref_h:.5f}" if ref_g is not None else "no figure"
-    print(f"MEAN {model} {bpw} {extra}: golden {statistics.mean(gs):.5f} heldout {statistics.mean(hs):.5f} over "
+    theirs = f"{ref_g:.4g} / {ref_h:.4g}" if ref_g is not None else "no figure"
+    print(f"MEAN {model} {bpw} {extra}: golden {statistics.mean(gs):.4g} heldout {statistics.mean(hs):.4g} over "
           f"{len(seeds)} seeds | ExLlamaV3 {theirs}", flush=True)
 
 
