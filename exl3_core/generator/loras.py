@@ -115,7 +115,8 @@ class StepLoras:
         choice's buffers; after adapters were loaded or unloaded (or the buffers grew) since the last call, drop
         the captured graphs (created again, captured as steps need them). The first call only records the state
         (the generator's graphs were just made for it). True when the graphs were dropped."""
-        if not self.changed(max(gen.max_chunk_tokens, max(rows_per_seq, MAX_TOKENS_PER_SEQ) * max(gen.max_batch_size, 1))):
+        rows = max(gen.max_chunk_tokens, max(rows_per_seq, MAX_TOKENS_PER_SEQ) * max(gen.max_batch_size, 1))
+        if not self.changed(rows):
             return False
         # adapters on experts can make a module's forward uncapturable, so whether to graph is asked again
         if gen.graphs is not None:
