@@ -280,9 +280,8 @@ class ModelDrafter:
 
     # -- drafting ------------------------------------------------------------------------------
     def propose(self, jobs: list[Job], ks: list[int]) -> Proposal:
-        if self.loras.changed(0) and self.graphs is not None:  # the graphs hold the old adapters' addresses
-            self.graphs.reset()
-            self.graphs = DecodeGraphs.create(self.plan, self.cache, self.table_width)
+        if self.loras.changed(0):  # adapters loaded or unloaded on the draft's model (the target itself)
+            self.graphs = DecodeGraphs.renew(self.graphs, self.plan, self.cache, self.table_width)
         K = max(ks, default=0)
         keep: list[int] = []  # indices into jobs of those that draft
         for b, job in enumerate(jobs):

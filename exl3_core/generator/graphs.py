@@ -248,6 +248,15 @@ class DecodeGraphs(_GraphSet):
             return None
         return cls(plan, cache, table_width)
 
+    @classmethod
+    def renew(cls, old: DecodeGraphs | None, plan: ExecutionPlan, cache: Cache,
+              table_width: int) -> DecodeGraphs | None:
+        """Drop ``old`` (its graphs hold the addresses of what changed) and ask :meth:`create` again: what changed
+        (adapters on experts, say) may also have made the forward capturable or not."""
+        if old is not None:
+            old.reset()
+        return cls.create(plan, cache, table_width)
+
     def capture_buckets(self, max_batch: int, k: int = 1) -> list[int]:
         """Capture now the graphs of every bucket a step of up to ``max_batch`` sequences (``k`` tokens each)
         can use (capped at :attr:`max_bucket`), instead of at each bucket's first step; returns the buckets."""

@@ -119,11 +119,9 @@ class StepLoras:
         if not self.changed(rows):
             return False
         # adapters on experts can make a module's forward uncapturable, so whether to graph is asked again
-        if gen.graphs is not None:
-            gen.graphs.reset()
+        gen.graphs = DecodeGraphs.renew(gen.graphs, gen.plan, gen.cache, gen.table_width)
         if gen.prefill_graphs is not None:
             gen.prefill_graphs.reset()
-        gen.graphs = DecodeGraphs.create(gen.plan, gen.cache, gen.table_width)
         gen.prefill_graphs = PrefillGraphs.create(gen.plan, gen.cache, gen.table_width, gen.max_chunk_tokens)
         return True
 
