@@ -4,11 +4,14 @@ Frequencies (``inv_freq``) follow the published formulas:
 
 * ``default``: ``theta ** (-2i/d)`` for ``i < d/2`` (d = rotary dim).
 * ``linear`` (position interpolation): ``inv_freq / factor``.
-* ``dynamic`` (NTK-aware): the base grows with the current length L (the largest position in the
-  call plus one, never below ``max_position_embeddings``):
-  ``theta * (factor * L / max_pos - (factor - 1)) ** (d / (d - 2))``. This is the transformers
-  rule for a single call; it is computed on the device from the positions tensor, so it needs
-  no host sync (transformers additionally keeps the grown base across calls; we do not).
+* ``dynamic`` (NTK-aware): the base grows with the length L = p + 1 a token at position p ends
+  (never below ``max_position_embeddings``):
+  ``theta * (factor * L / max_pos - (factor - 1)) ** (d / (d - 2))``, per token, so a token is
+  rotated the same however it is batched, chunked, reused from the prefix cache or verified as a
+  drafted token. This is what transformers computes when it generates token by token; its forward
+  over a whole prompt longer than ``max_pos`` instead rotates every position with the prompt's
+  length, which would make a token depend on the tokens after it and on other sequences in a batch.
+  The tables are computed on the device from the positions tensor (no host sync).
 * ``yarn``: blend of interpolated (``/factor``) and extrapolated frequencies through a linear ramp
   between the dims that make ``beta_fast`` and ``beta_slow`` rotations over the original context;
   ``truncate`` floors/ceils the ramp bounds; cos/sin are scaled by the attention factor
@@ -129,18 +132,21 @@ class RotaryEmbedding(Module):
     def unload_weights(self) -> None:
         self.inv_freq = self._inv_freq_cpu
 
-    def _dynamic_inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
+    def dynamic_inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
+        """Dynamic NTK: fp32 ``inv_freq [T, rotary_dim/2]``, each token's for the length its position ends."""
         s = self.settings
         max_pos = float(s.max_position_embeddings)  # type: ignore[arg-type]
-        length = (positions.max() + 1).float().clamp_min(max_pos)  # stays on the device
+        length = (positions.to(torch.float64) + 1).clamp_min(max_pos)
         d = self.rotary_dim
-        theta = s.theta * (s.factor * length / max_pos - (s.factor - 1)) ** (d / (d - 2))
-        return _base_inv_freq(theta, d, positions.device)
+        log_theta = math.log(s.theta) + (d / (d - 2)) * torch.log(s.factor * length / max_pos - (s.factor - 1))
+        exps = torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).to(torch.float64) / d
+        return torch.exp(-log_theta[:, None] * exps[None, :]).float()
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``(cos, sin)`` of shape ``[T, rotary_dim/2]`` for int positions ``[T]``."""
-        if self.dynamic:  # a per-call table computed on the device: torch ops
-            return ops.rope_tables(positions, self._dynamic_inv_freq(positions), self.attention_factor, impl="torch")
+        if self.dynamic:  # per-token tables computed on the device: torch ops
+            f = positions.float()[:, None] * self.dynamic_inv_freq(positions)
+            return f.cos() * self.attention_factor, f.sin() * self.attention_factor
         return ops.rope_tables(positions, self.inv_freq, self.attention_factor)  # CUDA: one launch instead of 4-6
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

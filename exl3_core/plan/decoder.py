@@ -73,7 +73,7 @@ class DecoderExecutor:
             start.append(f"embedding is {kind(model.embed)}, not Embedding")
         rope = model.rope
         if not (type(rope) is RotaryEmbedding and not rope.dynamic):
-            start.append("RoPE tables are per call (dynamic or custom RoPE)")
+            start.append("RoPE is dynamic (tables per token length) or custom")
         #: [] when a decode step's lookup, first norm sums and RoPE tables are one launch
         self.step_start_why = start
         self.rows_why = self.blocks[-1].rows_why if self.blocks else ["no layers"]

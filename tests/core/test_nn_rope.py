@@ -53,7 +53,10 @@ def hf_cos_sin(cfg: Any, positions: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def test_cos_sin_match_transformers(name: str, length: int) -> None:
     cfg = hf_config(ROPES[name])
     positions = torch.arange(length)
-    cos_ref, sin_ref = hf_cos_sin(cfg, positions)
+    if name == "dynamic":  # transformers generating token by token (each position its own call)
+        cos_ref, sin_ref = (torch.cat(t) for t in zip(*(hf_cos_sin(cfg, positions[i:i + 1]) for i in range(length))))
+    else:
+        cos_ref, sin_ref = hf_cos_sin(cfg, positions)
     cos, sin = ours(cfg).cos_sin(positions)
     # transformers lays out cat(freqs, freqs); our tables hold one half
     torch.testing.assert_close(torch.cat([cos, cos], -1), cos_ref, rtol=1e-5, atol=1e-5)
@@ -82,14 +85,23 @@ def test_inv_freq_matches_rope_init_functions() -> None:
         assert math.isclose(r.attention_factor, factor_ref, rel_tol=1e-9), name
 
 
-def test_dynamic_follows_batch_max_position() -> None:
-    """Dynamic NTK: a decode step at position p uses the base for length p+1, as transformers does."""
+def test_dynamic_rotates_each_token_for_its_own_length() -> None:
+    """Dynamic NTK: a token at position p uses the base for length p + 1, as transformers computes when it
+    generates token by token, whatever else is in the call."""
     cfg = hf_config(ROPES["dynamic"])
     r = ours(cfg)
-    positions = torch.tensor([150, 3, 77])  # packed batch: the largest position sets the base
-    cos_ref, _ = hf_cos_sin(cfg, positions)
-    cos, _ = r.cos_sin(positions)
-    torch.testing.assert_close(torch.cat([cos, cos], -1), cos_ref, rtol=1e-5, atol=1e-5)
+    g = torch.Generator().manual_seed(4)
+    positions = torch.randint(0, 4 * MAX_POS, (12,), generator=g)  # a packed batch: short and long rows
+    positions[0] = 5  # below max_position_embeddings: the static base
+    cos, sin = r.cos_sin(positions)
+    for i, p in enumerate(positions.tolist()):
+        cos_ref, sin_ref = hf_cos_sin(cfg, torch.tensor([p]))  # transformers alone at this position
+        torch.testing.assert_close(torch.cat([cos[i:i + 1]] * 2, -1), cos_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.cat([sin[i:i + 1]] * 2, -1), sin_ref, rtol=1e-5, atol=1e-5)
+        alone, _ = r.cos_sin(torch.tensor([p]))
+        assert torch.equal(alone[0], cos[i]), "a token's table depends on the other tokens of the call"
+    static, _ = ours(hf_config(ROPES["default"])).cos_sin(positions[:1])
+    torch.testing.assert_close(cos[:1], static, rtol=1e-6, atol=1e-6)
 
 
 def rotate_oracle(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, rotary_dim: int,

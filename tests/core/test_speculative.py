@@ -636,3 +636,47 @@ def test_ngram_corpus_drafts_a_known_continuation(target, plugins) -> None:
     assert out[0][0] == ref
     s = gen.spec.stats
     assert s.accepted >= 0.8 * s.drafted and s.steps <= 10
+
+
+def test_dynamic_rope_jobs_decode_alike_batched_drafted_and_alone(tmp_path) -> None:
+    """Dynamic NTK RoPE rotates each token for its own length, so past max_position_embeddings a job's tokens do
+    not depend on the other jobs of its batch, on prefill chunking or on verifying drafted rows in one step."""
+    from exl3_core.archkit.config import Config
+    from exl3_core.archkit.model import Model
+    from exl3_core.testing.arch import build_checkpoint, tiny_variants
+
+    cfg = tiny_variants("LlamaForCausalLM")["rope_dynamic"]
+    build_checkpoint("LlamaForCausalLM", cfg, tmp_path, seed=3)
+    model = Model.from_config(Config.from_directory(tmp_path)).load()
+    max_pos = cfg.max_position_embeddings
+    g = torch.Generator().manual_seed(8)
+    loop = [5, 6, 7, 8] * 5  # a repeated stretch the n-gram drafter proposes from
+    prompts = [torch.randint(0, cfg.vocab_size, (max_pos - 4,), generator=g).tolist() + loop,
+               torch.randint(0, cfg.vocab_size, (9,), generator=g).tolist(), loop + [1, 2, 3]]
+
+    def run(jobs_at: dict[int, int], **kw) -> tuple[dict[int, tuple[list[int], torch.Tensor]], Generator]:
+        gen = Generator(model, Cache(model, max_num_tokens=1024, page_size=16), None, max_batch_size=4,
+                        max_chunk_tokens=16, **kw)
+        toks: dict[int, list[int]] = {}
+        logits: dict[int, list[torch.Tensor]] = {}
+        step = 0
+        while gen.num_remaining() or any(s >= step for s in jobs_at):
+            if step in jobs_at:
+                i = jobs_at[step]
+                gen.enqueue(Job(prompts[i], max_new_tokens=2 * max_pos, stop_at_eos=False, identifier=i,
+                                return_logits=True))
+            for r in gen.iterate():
+                toks[r["identifier"]] = toks.get(r["identifier"], []) + r["token_ids"]
+                logits.setdefault(r["identifier"], []).append(r["logits"].float().reshape(-1, cfg.vocab_size))
+            step += 1
+        return {i: (toks[i], torch.cat(logits[i])) for i in toks}, gen
+
+    alone = {i: run({0: i})[0][i] for i in range(len(prompts))}
+    batched, _ = run({0: 0, 1: 1, 3: 2})
+    drafted, gen = run({0: 0, 1: 1, 3: 2}, ngram_draft_tokens=3)
+    for i, (want, want_logits) in alone.items():
+        for name, got in (("batched", batched[i]), ("drafted", drafted[i])):
+            assert got[0] == want, f"job {i} {name}: other tokens than alone"
+            torch.testing.assert_close(got[1], want_logits, rtol=1e-4, atol=1e-4, msg=f"job {i} {name}")
+    assert gen.spec is not None and gen.spec.stats.accepted > 0, "no draft was accepted: the check is vacuous"
+    check_clean(gen)
