@@ -19,14 +19,12 @@ from typing import Protocol
 
 from exl3_core.cache.cache import Cache
 from exl3_core.cache.pages import ROOT_HASH
+from exl3_core.generator.batching import bucket_size
 from exl3_core.generator.graphs import DecodeGraphs, PrefillGraphs
 from exl3_core.generator.job import Job
 from exl3_core.lora.config import LoraError
 from exl3_core.lora.registry import LoraSet, attached
 from exl3_core.plan.plan import ExecutionPlan
-
-#: rows per sequence a decode step may carry (drafted tokens being verified), reserved ahead of graph captures
-MAX_TOKENS_PER_SEQ = 8
 
 
 class GraphHost(Protocol):
@@ -110,12 +108,13 @@ class StepLoras:
         previous, self._seen = self._seen, key
         return previous is not None and previous != key
 
-    def refresh(self, gen: GraphHost, rows_per_seq: int = MAX_TOKENS_PER_SEQ) -> bool:
-        """Reserve the generator's largest step (decode steps of up to ``rows_per_seq`` rows per sequence) in the
-        choice's buffers; after adapters were loaded or unloaded (or the buffers grew) since the last call, drop
-        the captured graphs (created again, captured as steps need them). The first call only records the state
-        (the generator's graphs were just made for it). True when the graphs were dropped."""
-        rows = max(gen.max_chunk_tokens, max(rows_per_seq, MAX_TOKENS_PER_SEQ) * max(gen.max_batch_size, 1))
+    def refresh(self, gen: GraphHost, rows_per_seq: int = 1) -> bool:
+        """Reserve the generator's largest step (a prefill chunk, or a decode step of up to ``rows_per_seq`` rows
+        for each sequence of its batch bucket) in the choice's buffers; after adapters were loaded or unloaded (or
+        the buffers grew) since the last call, drop the captured graphs (created again, captured as steps need
+        them). The first call only records the state (the generator's graphs were just made for it). True when
+        the graphs were dropped."""
+        rows = max(gen.max_chunk_tokens, rows_per_seq * bucket_size(max(gen.max_batch_size, 1)))
         if not self.changed(rows):
             return False
         # adapters on experts can make a module's forward uncapturable, so whether to graph is asked again

@@ -13,7 +13,9 @@ from exl3_core.archkit.config import Config
 from exl3_core.archkit.model import Model
 from exl3_core.cache import Cache
 from exl3_core.generator import Generator, Job, JobError
+from exl3_core.generator.batching import bucket_size
 from exl3_core.lora import LoraError
+from exl3_core.lora.registry import attached
 from exl3_core.testing.arch import build_checkpoint, tiny_variants
 from exl3_core.testing.lora import random_adapter
 
@@ -130,6 +132,22 @@ def test_speculative_rows_verify_under_their_jobs_adapters(setup: tuple[Model, P
     finally:
         for n in "abcd":
             model.unload_lora(n)
+
+
+@pytest.mark.parametrize(("batch", "k"), [(5, 8), (100, 8), (3, 2)])
+def test_choice_buffers_hold_the_largest_padded_verification_step(setup: tuple[Model, Path, int], batch: int,
+                                                                   k: int) -> None:
+    """A graph of a verification step (its batch padded to a bucket, k + 1 rows per sequence) finds every row it
+    needs in the adapter choice's buffers, which cannot grow while a graph is captured."""
+    model, ads, _ = setup
+    model.load_lora(ads / "a", name="a")
+    try:
+        Generator(model, Cache(model, max_num_tokens=1024, page_size=16), max_batch_size=batch, max_chunk_tokens=64,
+                  ngram_draft_tokens=k)
+        selection = attached(model).selection  # type: ignore[union-attr]
+        selection.ensure(bucket_size(batch) * (k + 1), capturing=True)  # raises where it would have to grow
+    finally:
+        model.unload_lora("a")
 
 
 def test_load_and_unload_while_jobs_run(setup: tuple[Model, Path, int]) -> None:
