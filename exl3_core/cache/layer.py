@@ -88,6 +88,13 @@ class CacheLayer(ABC):
         ops.rope_apply(q, k, cos, sin, rotary_dim, interleaved)
         self.write(k, v, slot_mapping)
 
+    def stored(self, k: torch.Tensor, v: torch.Tensor | None,
+               slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This step's keys and values (already written at ``slot_mapping``) as a read of the cache returns them,
+        in their own dtype: attention that takes them without the cache (a fresh sequence's own rows) must see
+        what later steps will read. Layers that store them exactly return them as given."""
+        return k, v
+
     def fused_write_target(self) -> FusedKVTarget | None:
         """Tensors a projection kernel may store rotated fp16 rows into directly (see
         :class:`FusedKVTarget`), or None: this layer's storage is something else."""

@@ -187,11 +187,14 @@ class Attention(Module):
         """Attention of ``q`` over ``layer``'s cache (this step's keys and values already stored there),
         or over ``k``/``v`` alone when ``layer`` is None; ``[T, Hq * Dv]``.
 
-        A fresh single sequence (no earlier tokens) attends to its own new rows: its keys are exactly
-        ``k``/``v``, so the backend gets them without the cache. Activations in another dtype than the
-        cache's (a bf16 prefill over an fp16 cache) attend in the cache's dtype."""
+        A fresh single sequence (no earlier tokens) attends to its own new rows without the cache, as the
+        layer stores them (:meth:`~exl3_core.cache.layer.CacheLayer.stored`: a quantized cache's values, so
+        that its output does not depend on how a prompt was chunked or batched). Activations in another dtype
+        than the cache's (a bf16 prefill over an fp16 cache) attend in the cache's dtype."""
         meta = state.meta
         if layer is not None and meta.fresh_single_sequence:
+            k, v = layer.stored(k, v, state.slots())
+            assert v is not None
             layer = None
         out_dtype = q.dtype
         if layer is not None and q.dtype != layer.dtype:

@@ -259,7 +259,9 @@ class LatentAttention(Module):
                   "max_seqlen_q": meta.max_seqlen_q, "max_seqlen_k": meta.max_seqlen_k, "scale": self.scale}
         if layer is not None:
             layer.write(kv, None, state.slots())
-        if layer is None or meta.fresh_single_sequence:  # a fresh sequence's keys are its own rows
+        if layer is None or meta.fresh_single_sequence:  # a fresh sequence's keys are its own rows, as stored
+            if layer is not None:
+                kv, _ = layer.stored(kv, None, state.slots())
             spec = self.attn_spec(dt, x.device, None, shape)
             backend = dispatcher.select(spec, state.allowed_backends)
             args = AttnArgs(spec=spec, k=kv, v=kv[..., : self.kv_lora_rank], **common)

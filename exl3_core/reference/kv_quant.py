@@ -135,10 +135,10 @@ def hadamard_matrix(device: torch.device | str = "cpu") -> torch.Tensor:
 
 
 def dequantize(words: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
-    """fp32 ``[..., C]``: what :func:`quantize` stored, rotated back (one matrix product: the stored values are
-    exact, the rotation back is the same linear map as :func:`hadamard32`, within fp32 rounding)."""
-    r = dequantize_rotated(words, scales, bits)
-    return (r.view(-1, GROUP) @ hadamard_matrix(r.device)).view(r.shape)
+    """fp32 ``[..., C]``: what :func:`quantize` stored, rotated back by :func:`hadamard32`, whose fixed order makes
+    each token's values the same bit for bit however many tokens are read together (a matrix product's
+    rounding may depend on its row count)."""
+    return hadamard32(dequantize_rotated(words, scales, bits))
 
 
 def bytes_per_value_group(bits: int) -> int:

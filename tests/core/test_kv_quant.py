@@ -274,6 +274,29 @@ def test_copy_page_and_dequantized() -> None:
     assert ((kd[1] - k).norm() / k.norm()).item() < 2.0 ** -4 and ((vd[1] - v).norm() / v.norm()).item() < 2.0 ** -1
 
 
+def test_stored_rows_are_what_the_cache_returns() -> None:
+    """``stored`` hands back a step's rows as a read of the cache returns them, in their own dtype."""
+    g = _gen(7)
+    layer = KVQuantLayer(num_pages=3, page_size=PAGE, num_kv_heads=2, head_dim=64, head_dim_v=32,
+                         dtype=torch.float16, device="cpu", k_bits=3, v_bits=5)
+    k, v = torch.randn(5, 2, 64, generator=g).half(), torch.randn(5, 2, 32, generator=g).half()
+    slots = torch.tensor([17, 3, 40, 41, 0])
+    layer.write(k, v, slots)
+    ks, vs = layer.stored(k, v, slots)
+    keys, values = layer.dequantized()
+    assert vs is not None and ks.dtype == vs.dtype == torch.float16
+    assert torch.equal(ks, keys.view(-1, 2, 64)[slots].half()) and torch.equal(vs, values.view(-1, 2, 32)[slots].half())
+    assert not torch.equal(ks, k)  # 3 bits moved them
+    mla = MLAQuantLayer(num_pages=3, page_size=PAGE, num_kv_heads=1, head_dim=72, head_dim_v=64,
+                        dtype=torch.float32, device="cpu", k_bits=4)
+    kv = torch.randn(5, 1, 72, generator=g)
+    mla.write(kv, None, slots)
+    got, none = mla.stored(kv, None, slots)
+    assert none is None and got.shape == kv.shape
+    latent = ref.dequantize(mla.codes.view(-1, mla.codes.shape[-1])[slots], mla.scales.view(-1, 2)[slots], 4)
+    assert torch.equal(got[:, 0, :64], latent) and torch.equal(got[:, 0, 64:], kv[:, 0, 64:])
+
+
 def test_bad_options_fail_before_allocation() -> None:
     model = _geometry_model()
     for kw, match in (({"k_bits": 9}, "k_bits=9"), ({"v_bits": 1}, "v_bits=1"), ({"k_bits": 16}, "k_bits=16"),
@@ -396,14 +419,48 @@ def test_multi_token_step_over_a_quantized_cache(fused: None, k: int) -> None:
     torch.testing.assert_close(multi, single, rtol=2e-2, atol=2e-2)
 
 
-def test_generator_batches_and_reuses_prefix_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("variant", ["quant", "fp16"])
+def test_a_prompt_reads_the_same_keys_alone_batched_and_chunked(variant: str) -> None:
+    """A fresh prompt alone attends to its own rows without the cache, yet sees them as the cache stores them:
+    its logits equal those of the same prompt prefilled beside another sequence or in two chunks (both read
+    the cache), while K3V3 quantization itself moves them far more than that."""
+    model, _ = build_model(parse_shape("custom(128,256,2,4,2,300)"), device="cpu", dtype=torch.float32, seed=5,
+                           page_size=PAGE)
+    prompt, other = list(range(10, 10 + 2 * PAGE + 5)), list(range(100, 120))
+    opts: dict[str, Any] = {"variant": "quant", "k_bits": 3, "v_bits": 3} if variant == "quant" else {}
+
+    def last_logits(steps: list[list[tuple[list[int], int]]]) -> torch.Tensor:
+        """``steps``: per forward, ``(tokens, past)`` of the prompt, then of the other sequence if given."""
+        cache = Cache(model, 12 * PAGE, page_size=PAGE, **opts)
+        table = torch.tensor([cache.allocator.allocate(4) for _ in range(2)], dtype=torch.int32)
+        out = torch.empty(0)
+        for step in steps:
+            toks, past = [t for t, _ in step], [p for _, p in step]
+            ends = torch.tensor([len(t) for t in toks]).cumsum(0) - 1
+            meta = BatchMeta.from_lists(toks, past, page_table=table[:len(step)], page_size=PAGE, logits_indices=ends)
+            assert meta.fresh_single_sequence == (len(step) == 1 and past == [0])
+            out = model.forward_batch(meta, cache)[0]
+        return out
+
+    alone = last_logits([[(prompt, 0)]])
+    batched = last_logits([[(prompt, 0), (other, 0)]])
+    chunked = last_logits([[(prompt[:PAGE + 3], 0)], [(prompt[PAGE + 3:], PAGE + 3)]])
+    for got in (batched, chunked):
+        torch.testing.assert_close(got, alone, rtol=1e-4, atol=1e-4)
+    if variant == "quant":
+        unquantized = Cache(model, 12 * PAGE, page_size=PAGE)
+        table = torch.tensor([unquantized.allocator.allocate(4)], dtype=torch.int32)
+        exact = model.forward_batch(BatchMeta.from_lists([prompt], [0], page_table=table, page_size=PAGE,
+                                                         logits_indices=torch.tensor([len(prompt) - 1])), unquantized)[0]
+        assert (exact - alone).abs().max() > 100 * 1e-4, "3-bit keys changed nothing: the check is vacuous"
+
+
+def test_generator_batches_and_reuses_prefix_pages() -> None:
     """Continuous batching and the prefix cache over a quantized cache: jobs sharing a prompt prefix run
     together, the later ones reuse the first's full pages (bit-equal to the pages they would write), and every
-    job's tokens equal its run alone. A fresh prompt alone attends to its own unquantized rows, in a batch to
-    the cache's; so that both read the same keys, every prefill here reads the cache."""
+    job's tokens equal its run alone: a fresh prompt alone attends to its own rows as the cache stores them,
+    as it does through the cache in a batch."""
     from exl3_core.generator import Generator, Job
-
-    monkeypatch.setattr(BatchMeta, "fresh_single_sequence", property(lambda self: False))
 
     model, _ = build_model(parse_shape("custom(128,256,2,4,2,300)"), device="cpu", dtype=torch.float32, seed=5,
                            page_size=PAGE)
