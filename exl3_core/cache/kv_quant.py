@@ -69,8 +69,10 @@ def _bits(cls: str, options: dict[str, object], latent: bool) -> tuple[int, int]
 
 
 def _read_rows(codes: torch.Tensor, scales: torch.Tensor, bits: int, slot_mapping: torch.Tensor,
-               like: torch.Tensor) -> torch.Tensor:
-    """The tokens at ``slot_mapping`` dequantized, shaped and typed as ``like`` (graph-capturable torch ops)."""
+               like: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:
+    """The tokens at ``slot_mapping`` dequantized, shaped and typed as ``like``: one launch on CUDA."""
+    if _triton(impl, like) and like.is_contiguous():
+        return _kernels().read_rows(codes, scales, bits, slot_mapping, like)
     idx = slot_mapping.long()
     w = codes.view(-1, codes.shape[-1]).index_select(0, idx)
     s = scales.view(-1, scales.shape[-1]).index_select(0, idx)
@@ -137,11 +139,11 @@ class KVQuantLayer(CacheLayer):
         ops.rope_apply(q, k, cos, sin, rotary_dim, interleaved, impl="torch" if impl == "torch" else "auto")
         self.write(k, v, slot_mapping, impl=impl)
 
-    def stored(self, k: torch.Tensor, v: torch.Tensor | None,
-               slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def stored(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor, *,
+               impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
         assert v is not None
-        return (_read_rows(self.k_codes, self.k_scales, self.k_bits, slot_mapping, k),
-                _read_rows(self.v_codes, self.v_scales, self.v_bits, slot_mapping, v))
+        return (_read_rows(self.k_codes, self.k_scales, self.k_bits, slot_mapping, k, impl),
+                _read_rows(self.v_codes, self.v_scales, self.v_bits, slot_mapping, v, impl))
 
     def attn_view(self, view: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         if view not in self.views():
@@ -222,10 +224,10 @@ class MLAQuantLayer(CacheLayer):
             ref.quant_write(self.codes, self.scales, k[:, :, :L], slot_mapping, self.bits)
         self.rope.view(-1, self.rope.shape[-1]).index_copy_(0, slot_mapping, k[:, 0, L:].to(self.dtype))
 
-    def stored(self, k: torch.Tensor, v: torch.Tensor | None,
-               slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def stored(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor, *,
+               impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
         L = self.head_dim_v
-        latent = _read_rows(self.codes, self.scales, self.bits, slot_mapping, k[:, :, :L].contiguous())
+        latent = _read_rows(self.codes, self.scales, self.bits, slot_mapping, k[:, :, :L].contiguous(), impl)
         rope = self.rope.view(-1, self.rope.shape[-1]).index_select(0, slot_mapping.long())
         return torch.cat([latent, rope[:, None].to(k.dtype)], dim=-1), v
 

@@ -112,6 +112,23 @@ def dequant_tile(Codes, Scales, code_row, scale_row, n_ok, G0, NG, BITS: tl.cons
     return tl.reshape(v, [BLOCK_N, BLOCK_G * 32])
 
 
+@triton.jit
+def _read_rows_kernel(Codes, Scales, Slots, Out, NG: tl.constexpr, BITS: tl.constexpr, BLOCK_G: tl.constexpr,
+                      PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent of the store: wait for it, let the next start
+        gdc_wait()
+        gdc_launch_dependents()
+    # one program per token: its groups dequantized and rotated back, as the reference in the same order
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Slots + t).to(tl.int64)
+    one = tl.full([1], 1, tl.int1)
+    v = dequant_tile(Codes, Scales, tl.full([1], 0, tl.int64) + slot * (NG * BITS),
+                     tl.full([1], 0, tl.int64) + slot * NG, one, 0, NG, BITS, 1, BLOCK_G)
+    v = hadamard_cols(v, 1, BLOCK_G * 32)
+    cols = tl.arange(0, BLOCK_G * 32)
+    tl.store(Out + t * (NG * 32) + cols[None, :], v.to(Out.dtype.element_ty), mask=(cols < NG * 32)[None, :])
+
+
 # -- writing pages ------------------------------------------------------------------------------------
 
 
@@ -263,3 +280,18 @@ def rope_quant_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_map
         BLOCK_HK=triton.next_power_of_2(hk), BLOCK_R=triton.next_power_of_2(max(half, 1)),
         num_warps=4 if max(ngk, ngv, q.shape[1] * half // 32) >= 16 else 2, **launch_opts(q),
     )
+
+
+def read_rows(codes: torch.Tensor, scales: torch.Tensor, bits: int, slot_mapping: torch.Tensor,
+              like: torch.Tensor) -> torch.Tensor:
+    """The tokens at ``slot_mapping [T]`` of the pages dequantized and rotated back (bit for bit the reference's
+    :func:`~exl3_core.reference.kv_quant.dequantize`), shaped and typed as ``like [T, ...]``: one launch."""
+    T = slot_mapping.shape[0]
+    out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    if T == 0:
+        return out
+    channels = like[0].numel()
+    ng = _groups("read_rows", "stored", out.view(T, 1, channels), codes, scales, bits, channels)
+    _read_rows_kernel[(T,)](codes, scales, slot_mapping, out, NG=ng, BITS=bits, BLOCK_G=triton.next_power_of_2(ng),
+                            num_warps=4 if ng >= 16 else 2, **launch_opts(out))
+    return out

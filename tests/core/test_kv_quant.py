@@ -274,24 +274,31 @@ def test_copy_page_and_dequantized() -> None:
     assert ((kd[1] - k).norm() / k.norm()).item() < 2.0 ** -4 and ((vd[1] - v).norm() / v.norm()).item() < 2.0 ** -1
 
 
-def test_stored_rows_are_what_the_cache_returns() -> None:
-    """``stored`` hands back a step's rows as a read of the cache returns them, in their own dtype."""
-    g = _gen(7)
-    layer = KVQuantLayer(num_pages=3, page_size=PAGE, num_kv_heads=2, head_dim=64, head_dim_v=32,
-                         dtype=torch.float16, device="cpu", k_bits=3, v_bits=5)
-    k, v = torch.randn(5, 2, 64, generator=g).half(), torch.randn(5, 2, 32, generator=g).half()
+@pytest.mark.parametrize(("kb", "vb"), [(3, 5), (8, 2), (4, 7)])
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_stored_rows_are_what_the_cache_returns(kb: int, vb: int, impl: str) -> None:
+    """``stored`` hands back a step's rows as a read of the cache returns them, in their own dtype; the one-launch
+    read equals the reference bit for bit."""
+    g = _gen(7 + kb)
+    layer = KVQuantLayer(num_pages=3, page_size=PAGE, num_kv_heads=3, head_dim=64, head_dim_v=32,
+                         dtype=torch.float16, device="cpu", k_bits=kb, v_bits=vb)
+    k = (torch.randn(5, 3, 64, generator=g) * torch.rand(5, 1, 1, generator=g) * 30).half()
+    v = torch.randn(5, 3, 32, generator=g).half()
     slots = torch.tensor([17, 3, 40, 41, 0])
-    layer.write(k, v, slots)
-    ks, vs = layer.stored(k, v, slots)
+    layer.write(k, v, slots, impl="torch")
+    ks, vs = layer.stored(k, v, slots, impl=impl)  # type: ignore[arg-type]
     keys, values = layer.dequantized()
-    assert vs is not None and ks.dtype == vs.dtype == torch.float16
-    assert torch.equal(ks, keys.view(-1, 2, 64)[slots].half()) and torch.equal(vs, values.view(-1, 2, 32)[slots].half())
-    assert not torch.equal(ks, k)  # 3 bits moved them
+    assert vs is not None and ks.dtype == vs.dtype == torch.float16 and ks.shape == k.shape and vs.shape == v.shape
+    assert torch.equal(ks, keys.view(-1, 3, 64)[slots].half()) and torch.equal(vs, values.view(-1, 3, 32)[slots].half())
+    assert not torch.equal(vs if vb < kb else ks, v if vb < kb else k)  # the fewer bits moved them
+    if impl == "triton":
+        f32 = kq.read_rows(layer.k_codes, layer.k_scales, kb, slots, k.float())  # fp32: no rounding after
+        assert f32.dtype == torch.float32 and torch.equal(f32, keys.view(-1, 3, 64)[slots])
     mla = MLAQuantLayer(num_pages=3, page_size=PAGE, num_kv_heads=1, head_dim=72, head_dim_v=64,
                         dtype=torch.float32, device="cpu", k_bits=4)
     kv = torch.randn(5, 1, 72, generator=g)
     mla.write(kv, None, slots)
-    got, none = mla.stored(kv, None, slots)
+    got, none = mla.stored(kv, None, slots, impl=impl)  # type: ignore[arg-type]
     assert none is None and got.shape == kv.shape
     latent = ref.dequantize(mla.codes.view(-1, mla.codes.shape[-1])[slots], mla.scales.view(-1, 2)[slots], 4)
     assert torch.equal(got[:, 0, :64], latent) and torch.equal(got[:, 0, 64:], kv[:, 0, 64:])

@@ -63,6 +63,29 @@ def test_quant_write_bit_exact_on_gpu(bits: tuple[int, int], dtype: torch.dtype)
         assert torch.equal(got.cpu(), exp)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_read_rows_equals_the_reference_on_gpu(bits: int, dtype: torch.dtype) -> None:
+    """A fresh prompt's rows read back in one launch: the reference's dequantization, in the rows' dtype (within
+    a rounding)."""
+    from exl3_core.kernels import kv_quant as kq
+
+    T, H, D = 300, 8, 128
+    g = torch.Generator().manual_seed(bits)
+    x = (torch.randn(T, H, D, generator=g) * torch.rand(T, 1, 1, generator=g) * 30).to(dtype)
+    slots = torch.randperm(8 * 256, generator=g)[:T]
+    ng = H * D // 32
+    codes = torch.zeros(8, 256, ng * bits, dtype=torch.int32, device=DEV)
+    scales = torch.zeros(8, 256, ng, dtype=torch.float16, device=DEV)
+    kq.quant_write(x.to(DEV), None, slots.to(DEV), codes, scales, None, None, bits, bits)
+    got = kq.read_rows(codes, scales, bits, slots.to(DEV), x.to(DEV))
+    want = ref.dequantize(codes.cpu().view(-1, ng * bits)[slots], scales.cpu().view(-1, ng)[slots], bits)
+    assert got.dtype == dtype
+    # equal in the interpreter (tests/core); here the compiler may contract a product into the butterfly's add
+    rtol = {torch.float16: 1e-3, torch.bfloat16: 8e-3, torch.float32: 1e-6}[dtype]
+    torch.testing.assert_close(got.cpu(), want.view(T, H, D).to(dtype), atol=1e-4, rtol=rtol)
+
+
 def test_rope_quant_write_on_gpu() -> None:
     from exl3_core.kernels import kv_quant as kq
 
