@@ -132,7 +132,7 @@ class RotaryEmbedding(Module):
     def unload_weights(self) -> None:
         self.inv_freq = self._inv_freq_cpu
 
-    def dynamic_inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
+    def _dynamic_inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
         """Dynamic NTK: fp32 ``inv_freq [T, rotary_dim/2]``, each token's for the length its position ends."""
         s = self.settings
         max_pos = float(s.max_position_embeddings)  # type: ignore[arg-type]
@@ -145,7 +145,7 @@ class RotaryEmbedding(Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``(cos, sin)`` of shape ``[T, rotary_dim/2]`` for int positions ``[T]``."""
         if self.dynamic:  # per-token tables computed on the device: torch ops
-            f = positions.float()[:, None] * self.dynamic_inv_freq(positions)
+            f = positions.float()[:, None] * self._dynamic_inv_freq(positions)
             return f.cos() * self.attention_factor, f.sin() * self.attention_factor
         return ops.rope_tables(positions, self.inv_freq, self.attention_factor)  # CUDA: one launch instead of 4-6
 

@@ -129,11 +129,6 @@ def dequantize_rotated(words: torch.Tensor, scales: torch.Tensor, bits: int) -> 
     return ((code - (m - 0.5)) * (scales.float()[..., None] / m)).reshape(*scales.shape[:-1], -1)
 
 
-def hadamard_matrix(device: torch.device | str = "cpu") -> torch.Tensor:
-    """fp32 H32 / sqrt(32) (symmetric): ``x @ hadamard_matrix()`` is :func:`hadamard32` up to fp32 rounding."""
-    return hadamard32(torch.eye(GROUP, device=device))
-
-
 def dequantize(words: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
     """fp32 ``[..., C]``: what :func:`quantize` stored, rotated back by :func:`hadamard32`, whose fixed order makes
     each token's values the same bit for bit however many tokens are read together (a matrix product's
