@@ -15,10 +15,11 @@ proves it cannot fit the context is refused before it is tokenized at all (see
 Supported request fields: ``max_tokens`` (chat: also ``max_completion_tokens``), ``temperature``,
 ``top_p``, ``top_k`` and ``min_p`` (extensions), ``repetition_penalty`` (extension),
 ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``stop``, ``seed``, ``n`` (1 only),
-``stream``, ``stream_options.include_usage``, ``ignore_eos`` (extension), ``response_format``
+``stream``, ``stream_options.include_usage``, ``ignore_eos`` (extension), ``logprobs`` (and chat's
+``top_logprobs``; :mod:`exl3_core.server.logprobs`), ``response_format``
 (``json_object`` / ``json_schema`` through the ``llguidance`` filter plugin), and LoRA adapters through
 ``model`` (``"BASE:ADAPTER"``) and ``loras`` (extension; see :mod:`exl3_core.server.loras`). Fields that would
-change the answer but are not implemented (``logprobs``, ``tools``, ``echo``, ``suffix``, n > 1, ...)
+change the answer but are not implemented (``tools``, ``echo``, ``suffix``, n > 1, ...)
 are refused with 400 rather than ignored; unknown fields are refused as OpenAI refuses them.
 """
 from __future__ import annotations
@@ -59,6 +60,7 @@ from exl3_core.server.asgi import (
     wait_disconnect,
 )
 from exl3_core.server.errors import APIError
+from exl3_core.server.logprobs import TokenTexts, completion_logprobs, token_logprobs
 from exl3_core.server.loras import ServedLoras
 from exl3_core.server.metrics import MetricsMiddleware, ServerMetrics
 from exl3_core.server.schemas import (
@@ -70,12 +72,14 @@ from exl3_core.server.schemas import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
     CompletionRequest,
     ModelCard,
     ModelList,
     ResponseFormat,
+    TokenLogprob,
     Usage,
     refuse_unsupported,
     validation_error,
@@ -171,6 +175,7 @@ class _Params:
     stream: bool
     include_usage: bool
     response_format: ResponseFormat | None
+    logprobs: int | None  # alternatives listed per generated token; None: no log probabilities
 
 
 def _parse(model: type[_M], body: bytes) -> _M:
@@ -217,8 +222,12 @@ def _params(req: CompletionRequest | ChatCompletionRequest) -> _Params:
         raise APIError(400, f"invalid sampling parameters: {e}") from None
     seed = None if req.seed is None else req.seed % 2**63  # any JSON integer is a valid OpenAI seed
     rf = req.response_format if req.response_format is not None and req.response_format.type != "text" else None
+    if isinstance(req, ChatCompletionRequest):
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    else:
+        logprobs = req.logprobs
     return _Params(max_tokens, sampler, seed, [s for s in stop if s], bool(req.ignore_eos), bool(req.stream),
-                   bool(req.stream_options and req.stream_options.include_usage), rf)
+                   bool(req.stream_options and req.stream_options.include_usage), rf, logprobs)
 
 
 class OpenAIApp:
@@ -258,6 +267,7 @@ class OpenAIApp:
         #: tokenizer does with it, so it is refused without being tokenized
         self.max_prompt_bytes = self.max_context * self.max_token_bytes * NORMALIZATION_SLACK
         self._pool = ThreadPoolExecutor(max_workers=PROMPT_THREADS, thread_name_prefix="exl3-prompt")
+        self._texts = TokenTexts(tok.get_vocab_bytes())
         self._asgi: FastAPI | None = None
 
     # -- application ------------------------------------------------------------------------------
@@ -495,13 +505,14 @@ class OpenAIApp:
         try:
             job = Job(ids, max_new_tokens=p.max_tokens or room, sampler=p.sampler, seed=p.seed,
                       stop_conditions=p.stop, stop_at_eos=not p.ignore_eos, filters=filters, identifier=rid,
-                      loras=loras)
+                      loras=loras, return_logits=p.logprobs is not None)
             aj = await self.agen.submit(job)
         except SamplerValueError as e:
             raise APIError(400, f"invalid sampling parameters: {e}", param="logit_bias") from None
         except (ValueError, TypeError) as e:
             raise APIError(400, str(e)) from None
-        meta = _Meta(rid, int(time.time()), self.loras.response_model(req.model), chat, p.include_usage, t0, deadline)
+        meta = _Meta(rid, int(time.time()), self.loras.response_model(req.model), chat, p.include_usage, t0, deadline,
+                     p.logprobs)
         headers = {"X-Request-Id": rid}
         try:
             if p.stream:
@@ -534,9 +545,12 @@ class OpenAIApp:
                         code="timeout")
 
     async def _whole(self, request: Request, aj: AsyncJob, meta: _Meta, headers: dict[str, str]) -> Response:
+        entries: list[TokenLogprob] = []
+
         async def collect() -> Result:
             last: Result = {}
             async for r in self._results(aj, meta):
+                entries.extend(self._logprobs(r, meta))
                 last = r
             return last
 
@@ -561,27 +575,42 @@ class OpenAIApp:
         finish = FINISH_REASONS[last["eos_reason"]]
         usage = self._usage(aj.job, last)
         doc: BaseModel
+        want = meta.logprobs is not None
         if meta.chat:
             doc = ChatCompletion(id=meta.id, created=meta.created, model=meta.model, usage=usage,
-                                 choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish)])
+                                 choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish,
+                                                     logprobs=ChatLogprobs(content=entries) if want else None)])
         else:
+            lp = completion_logprobs(entries, 0, meta.logprobs or 0) if want else None
             doc = Completion(id=meta.id, created=meta.created, model=meta.model, usage=usage,
-                             choices=[CompletionChoice(text=text, finish_reason=finish)])
+                             choices=[CompletionChoice(text=text, finish_reason=finish, logprobs=lp)])
         return _json(doc, headers)
+
+    def _logprobs(self, r: Result, meta: _Meta) -> list[TokenLogprob]:
+        """The log probabilities of the tokens ``r`` emits, when the request asked for them."""
+        if meta.logprobs is None or not r.get("token_ids"):
+            return []
+        return token_logprobs(r["token_ids"], r["logits"], meta.logprobs, self._texts)
 
     async def _events(self, aj: AsyncJob, meta: _Meta) -> collections.abc.AsyncGenerator[str, None]:
         """The SSE payloads of a streamed (chat) completion."""
         exclude = None if meta.include_usage else {"usage"}
+        offset = 0  # of the next token's text in the completion (the completions shape's text_offset)
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(text: str | None, finish: str | None, first: bool = False,
+                  entries: list[TokenLogprob] | None = None) -> str:
+            nonlocal offset
             doc: BaseModel
             if meta.chat:
                 delta = ChatDelta(role="assistant", content="") if first else ChatDelta(content=text)
+                lp = ChatLogprobs(content=entries) if entries else None
                 doc = ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model,
-                                          choices=[ChatChunkChoice(delta=delta, finish_reason=finish)])
+                                          choices=[ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=lp)])
             else:
+                clp = completion_logprobs(entries, offset, meta.logprobs or 0) if entries else None
+                offset += sum(len(e.token) for e in entries or ())
                 doc = Completion(id=meta.id, created=meta.created, model=meta.model,
-                                 choices=[CompletionChoice(text=text or "", finish_reason=finish)])
+                                 choices=[CompletionChoice(text=text or "", finish_reason=finish, logprobs=clp)])
             return doc.model_dump_json(exclude=exclude)
 
         if meta.chat:
@@ -590,8 +619,9 @@ class OpenAIApp:
             if r["eos"] and r.get("eos_reason") not in FINISH_REASONS:
                 yield json.dumps(self._job_error(r).body())
                 return
-            if r["text"]:
-                yield chunk(r["text"], None)
+            entries = self._logprobs(r, meta)
+            if r["text"] or entries:
+                yield chunk(r["text"], None, entries=entries)
             if r["eos"]:
                 yield chunk(None, FINISH_REASONS[r["eos_reason"]])
                 if meta.include_usage:
@@ -632,6 +662,7 @@ class _Meta:
     include_usage: bool
     t0: float  # perf_counter at arrival (time to first token)
     deadline: float | None  # monotonic
+    logprobs: int | None  # as _Params.logprobs
 
 
 def _json(doc: BaseModel, headers: dict[str, str] | None = None) -> Response:

@@ -17,6 +17,8 @@ from exl3_core.server.errors import APIError
 
 #: most stop strings per request
 MAX_STOP_STRINGS = 16
+#: most alternatives a request may ask to see beside each generated token (OpenAI allows 20 in chat)
+MAX_TOP_LOGPROBS = 20
 
 JSONObject = dict[str, object]
 
@@ -90,8 +92,8 @@ class _GenerationRequest(_Strict):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None  # how many most likely tokens to report beside each chosen one
     # refused unless neutral
-    logprobs: int | None = None
     best_of: int | None = None
     echo: bool | None = None
     suffix: str | None = None
@@ -101,9 +103,9 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     parallel_tool_calls: bool | None = None  # only meaningful with tools, which are refused
-    # refused unless neutral
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # refused unless neutral
     tools: list[JSONObject] | None = None
     tool_choice: str | JSONObject | None = None
     functions: list[JSONObject] | None = None
@@ -125,15 +127,20 @@ def refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
     if isinstance(req, CompletionRequest):
         if req.best_of not in (None, 1):
             raise APIError.bad("best_of", f"best_of={req.best_of} is not supported; omit it or send 1")
-        if req.logprobs is not None:
-            raise APIError.bad("logprobs", "logprobs are not supported by this server; omit 'logprobs'")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError.bad("logprobs", f"'logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}] (how many most "
+                                           f"likely tokens to list beside each chosen one), got {req.logprobs}")
         if req.echo:
             raise APIError.bad("echo", "echo=true is not supported; omit 'echo' and prepend the prompt yourself")
         if req.suffix:
             raise APIError.bad("suffix", "'suffix' (insertion) is not supported; omit it")
         return
-    if req.logprobs or req.top_logprobs:
-        raise APIError.bad("logprobs", "logprobs are not supported by this server; omit 'logprobs'/'top_logprobs'")
+    if req.top_logprobs is not None:
+        if not req.logprobs:
+            raise APIError.bad("top_logprobs", "'top_logprobs' needs \"logprobs\": true")
+        if not 0 <= req.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError.bad("top_logprobs", f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got "
+                                               f"{req.top_logprobs}")
     if req.tools or req.functions or req.tool_choice not in (None, "none") or req.function_call not in (None, "none"):
         raise APIError.bad("tools", "tool/function calling is not supported by this server; omit "
                                     "'tools'/'tool_choice'/'functions'/'function_call'")
@@ -270,10 +277,20 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """Per generated token: its text, its log probability and the most likely alternatives (``logprobs`` of
+    the request), and where its text starts in the completion."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -293,10 +310,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
 
 
@@ -323,7 +354,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -18,10 +18,12 @@ from typing import Any
 
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from exl3_core.server.openai import NORMALIZATION_SLACK, OpenAIApp
 from exl3_core.server.runner import exposure_warning, is_loopback
+from exl3_core.server.schemas import ChatCompletionRequest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
@@ -188,15 +190,20 @@ def test_invalid_sampler_values_are_400_and_server_keeps_serving(toy: tuple[int,
     base = {"prompt": "hello", "max_tokens": 4}
     for field, value in [("temperature", -1), ("top_p", 2), ("top_p", 0), ("min_p", 1.5), ("top_k", -3),
                          ("presence_penalty", 3), ("frequency_penalty", "x"), ("max_tokens", 0), ("seed", 1.5),
-                         ("n", 2), ("logprobs", 1), ("stop", [1]), ("logit_bias", {"a": 1}), ("echo", True),
+                         ("n", 2), ("logprobs", 21), ("logprobs", -1), ("stop", [1]), ("logit_bias", {"a": 1}),
+                         ("echo", True),
                          ("best_of", 3), ("stream_options", {"include_usage": True})]:
         status, body, _ = request(port, "POST", "/v1/completions", {**base, field: value})
         err = assert_openai_error(status, body, 400, field)
         assert field in err["message"], err
     chat = {"messages": CAPITAL, "max_tokens": 4}
-    for field, value in [("logprobs", True), ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    for field, value in [("top_logprobs", 2), ("tools", [{"type": "function", "function": {"name": "f"}}]),
                          ("tool_choice", "required")]:
-        assert_openai_error(*request(port, "POST", "/v1/chat/completions", {**chat, field: value})[:2], 400)
+        err = assert_openai_error(*request(port, "POST", "/v1/chat/completions", {**chat, field: value})[:2], 400)
+        assert field.split("_")[0] in err["param"], err
+    err = assert_openai_error(*request(port, "POST", "/v1/chat/completions", {
+        **chat, "logprobs": True, "top_logprobs": 21})[:2], 400, "top_logprobs")
+    assert "[0, 20]" in err["message"]
     err = assert_openai_error(*request(port, "POST", "/v1/completions", {**base, "logit_bias": {"99999": 1}})[:2], 400)
     assert "99999" in err["message"]
     err = assert_openai_error(*request(port, "POST", "/v1/chat/completions", {
@@ -204,6 +211,51 @@ def test_invalid_sampler_values_are_400_and_server_keeps_serving(toy: tuple[int,
     assert "exl3-filters" in err["message"]
     status, body, _ = request(port, "POST", "/v1/completions", {**base, "temperature": 0.7, "top_p": 0.9, "seed": 1})
     assert status == 200 and body["usage"]["prompt_tokens"] == len(b"hello")
+    assert wait_idle(port)["cache"]["pages_in_use"] == 0
+
+
+def test_logprobs_in_both_shapes_streamed_and_whole(toy: tuple[int, OpenAIApp]) -> None:
+    """Each generated token's log probability and its most likely alternatives, in the chat and completions shapes,
+    streamed and whole: the chosen token's entry is its row's log-softmax (greedy: the first alternative)."""
+    port, app = toy
+    c = client(port)
+    kw: dict[str, Any] = {"max_tokens": 10, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    chat = c.chat.completions.create(model="toy", messages=CAPITAL, logprobs=True, top_logprobs=3, **kw)
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 10 == chat.usage.completion_tokens  # type: ignore[union-attr]
+    vocab = app.tokenizer.get_vocab_bytes()
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.logprob <= 0
+        assert [a.logprob for a in e.top_logprobs] == sorted((a.logprob for a in e.top_logprobs), reverse=True)
+        assert e.token == e.top_logprobs[0].token and e.logprob == e.top_logprobs[0].logprob  # greedy: the argmax
+        assert bytes(e.bytes or []) in vocab
+    # the same request streamed: the chunks' entries in order are the whole answer's
+    streamed = [entry for ch in c.chat.completions.create(model="toy", messages=CAPITAL, logprobs=True,
+                                                          top_logprobs=3, stream=True, **kw)
+                if ch.choices and ch.choices[0].logprobs for entry in ch.choices[0].logprobs.content or []]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # the reference: the model's own next-token distribution over the prompt and the tokens chosen so far
+    ids = app._chat_prompt(ChatCompletionRequest(messages=CAPITAL))  # type: ignore[arg-type]
+    chosen = [vocab.index(bytes(e.bytes or [])) for e in content]
+    from exl3_core.archkit.batch import BatchMeta
+
+    seq = ids + chosen
+    logits = app.generator.model.forward_batch(BatchMeta.full(torch.tensor([seq])))
+    want = torch.log_softmax(logits.float(), -1)[len(ids) - 1:-1].gather(1, torch.tensor(chosen)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor([e.logprob for e in content]), want, atol=1e-4)
+    # completions: parallel lists, offsets counting the tokens' texts; logprobs=0 lists no alternatives
+    comp = c.completions.create(model="toy", prompt="hello world", logprobs=2, **kw)
+    lp = comp.choices[0].logprobs
+    assert lp is not None and lp.tokens is not None and len(lp.tokens) == 10 == len(lp.token_logprobs or [])
+    assert lp.top_logprobs is not None and all(0 < len(t) <= 2 for t in lp.top_logprobs)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(10)]
+    pieces = [ch.choices[0].logprobs for ch in c.completions.create(model="toy", prompt="hello world", logprobs=2,
+                                                                     stream=True, **kw) if ch.choices[0].logprobs]
+    assert [t for p in pieces for t in p.tokens or []] == lp.tokens
+    assert [o for p in pieces for o in p.text_offset or []] == lp.text_offset
+    none = c.completions.create(model="toy", prompt="hello world", logprobs=0, **kw).choices[0].logprobs
+    assert none is not None and none.top_logprobs is None and len(none.token_logprobs or []) == 10
+    assert c.completions.create(model="toy", prompt="hello", **kw).choices[0].logprobs is None
     assert wait_idle(port)["cache"]["pages_in_use"] == 0
 
 
