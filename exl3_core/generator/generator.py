@@ -76,7 +76,7 @@ class Generator:
     :param step_tokens: token budget of a step while jobs decode, shared by the decode rows and
         prefill chunks (None: :func:`~exl3_core.generator.scheduler.default_step_tokens` of the
         device); smaller keeps streams smoother while long prompts are prefilled.
-    :param max_seq_len: longest sequence (prompt + output); sets the page-table width.
+    :param max_seq_len: longest sequence (prompt + output); sets the page-table width (whole pages).
     :param overlap_decode: run plain greedy decode one step ahead (see
         :mod:`exl3_core.generator.overlap`); None: the tuning's ``graphs.overlap_decode`` (on).
     :param tuning: what the execution plan and the CUDA graphs may do (default: the device's).
@@ -115,7 +115,10 @@ class Generator:
         self.max_chunk_tokens = max_chunk_tokens
         self.page_size = cache.page_size
         self.table_width = cache.max_pages_per_seq(max_seq_len)
+        # the page table holds whole pages; a sequence still ends at the length asked for
         self.max_seq_len = self.table_width * self.page_size
+        if max_seq_len is not None:
+            self.max_seq_len = min(self.max_seq_len, max_seq_len)
         self.device = torch.device(model.device)
         #: admission, preemption and the per-step token budget
         self.scheduler = Scheduler(self, step_tokens if step_tokens is not None else default_step_tokens(self.device))

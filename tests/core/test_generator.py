@@ -169,6 +169,23 @@ def test_prompt_longer_than_cache_fails_alone(model, plugins) -> None:
     assert res["ok"]["eos_reason"] == "max_new_tokens" and len(res["ok"]["all_tokens"]) == 5
 
 
+@pytest.mark.parametrize("draft", [0, 5])
+def test_sequences_end_at_max_seq_len_between_page_boundaries(model, plugins, draft: int) -> None:
+    """max_seq_len 41 with 16-token pages: the page table holds 3 pages, sequences still end at 41 tokens (with
+    n-gram drafts proposing past it too), and a 41-token prompt is refused."""
+    gen = make_gen(model, plugins, max_seq_len=41, ngram_draft_tokens=draft)
+    assert gen.table_width == 3 and gen.max_seq_len == 41
+    jobs = [Job(rand_prompt(n, n) + [7, 8, 9] * 3, max_new_tokens=100, stop_at_eos=False, identifier=n)
+            for n in (5, 17, 30)]
+    gen.enqueue(jobs)
+    res = run_all(gen)
+    for j in jobs:
+        assert res[j.identifier]["eos_reason"] == "max_seq_len" and len(j.seq) == 41
+    with pytest.raises(ValueError, match="at most 40 prompt tokens"):
+        gen.enqueue(Job(rand_prompt(41, 3), max_new_tokens=1))
+    assert gen.cache.allocator.num_live() == 0
+
+
 def alone(model, plugins, job: Job, **kw) -> list[int]:
     """``job``'s tokens when it runs by itself in a cache that holds it easily."""
     gen = make_gen(model, plugins, tokens=4096, **kw)
