@@ -71,7 +71,7 @@ def _bits(cls: str, options: dict[str, object], latent: bool) -> tuple[int, int]
 def _read_rows(codes: torch.Tensor, scales: torch.Tensor, bits: int, slot_mapping: torch.Tensor,
                like: torch.Tensor, impl: Impl = "auto") -> torch.Tensor:
     """The tokens at ``slot_mapping`` dequantized, shaped and typed as ``like``: one launch on CUDA."""
-    if _triton(impl, like) and like.is_contiguous():
+    if _triton(impl, like):  # ``like`` gives only the shape and dtype: a strided q/k/v split serves too
         return _kernels().read_rows(codes, scales, bits, slot_mapping, like)
     idx = slot_mapping.long()
     w = codes.view(-1, codes.shape[-1]).index_select(0, idx)

@@ -282,8 +282,10 @@ def test_stored_rows_are_what_the_cache_returns(kb: int, vb: int, impl: str) -> 
     g = _gen(7 + kb)
     layer = KVQuantLayer(num_pages=3, page_size=PAGE, num_kv_heads=3, head_dim=64, head_dim_v=32,
                          dtype=torch.float16, device="cpu", k_bits=kb, v_bits=vb)
-    k = (torch.randn(5, 3, 64, generator=g) * torch.rand(5, 1, 1, generator=g) * 30).half()
-    v = torch.randn(5, 3, 32, generator=g).half()
+    # k and v as strided column slices of one projection output, as the q/k/v split hands them over
+    kv = (torch.randn(5, 3 * 96 + 8, generator=g) * torch.rand(5, 1, generator=g) * 30).half()
+    k, v = kv[:, :3 * 64].view(5, 3, 64), kv[:, 3 * 64:3 * 96].view(5, 3, 32)
+    assert not k.is_contiguous() and not v.is_contiguous()
     slots = torch.tensor([17, 3, 40, 41, 0])
     layer.write(k, v, slots, impl="torch")
     ks, vs = layer.stored(k, v, slots, impl=impl)  # type: ignore[arg-type]
