@@ -7,12 +7,11 @@ import pytest
 import torch
 
 from exl3_core.archkit.batch import BatchMeta
-from exl3_core.cache import Cache, CacheExhausted
-from exl3_core.generator import Generator, Job, JobError
+from exl3_core.cache import Cache
+from exl3_core.generator import Generator, Job
 from exl3_core.generator.batching import Chunk, build_batch
 from exl3_core.generator.toy import ByteTokenizer, ToyModel
 from exl3_core.sampling import SamplerValueError
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
