@@ -227,7 +227,7 @@ class MLAQuantLayer(CacheLayer):
     def stored(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor, *,
                impl: Impl = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
         L = self.head_dim_v
-        latent = _read_rows(self.codes, self.scales, self.bits, slot_mapping, k[:, :, :L].contiguous(), impl)
+        latent = _read_rows(self.codes, self.scales, self.bits, slot_mapping, k[:, :, :L], impl)
         rope = self.rope.view(-1, self.rope.shape[-1]).index_select(0, slot_mapping.long())
         return torch.cat([latent, rope[:, None].to(k.dtype)], dim=-1), v
 

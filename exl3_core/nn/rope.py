@@ -138,9 +138,8 @@ class RotaryEmbedding(Module):
         max_pos = float(s.max_position_embeddings)  # type: ignore[arg-type]
         length = (positions.to(torch.float64) + 1).clamp_min(max_pos)
         d = self.rotary_dim
-        log_theta = math.log(s.theta) + (d / (d - 2)) * torch.log(s.factor * length / max_pos - (s.factor - 1))
-        exps = torch.arange(0, d, 2, dtype=torch.int64, device=positions.device).to(torch.float64) / d
-        return torch.exp(-log_theta[:, None] * exps[None, :]).float()
+        theta = s.theta * (s.factor * length / max_pos - (s.factor - 1)) ** (d / (d - 2))
+        return _base_inv_freq(theta[:, None], d, positions.device).float()
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``(cos, sin)`` of shape ``[T, rotary_dim/2]`` for int positions ``[T]``."""

@@ -8,6 +8,7 @@ temperature, truncation, penalties or a response format shape the draw (as vLLM 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -42,10 +43,10 @@ def token_logprobs(tokens: Sequence[int], logits: torch.Tensor, top: int, texts:
         values, indices = lp.topk(min(top, lp.shape[1]), dim=-1)
         alts = [list(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
 
-    def entry(token: int, logprob: float) -> TopLogprob:
-        return TopLogprob(token=texts.text_of(token), logprob=logprob, bytes=list(texts.bytes_of(token)))
+    def fields(token: int, logprob: float) -> dict[str, Any]:
+        return {"token": texts.text_of(token), "logprob": logprob, "bytes": list(texts.bytes_of(token))}
 
-    return [TokenLogprob(**entry(t, c).model_dump(), top_logprobs=[entry(i, v) for i, v in alt])
+    return [TokenLogprob(**fields(t, c), top_logprobs=[TopLogprob(**fields(i, v)) for i, v in alt])
             for t, c, alt in zip(tokens, chosen, alts)]
 
 
