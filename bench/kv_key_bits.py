@@ -305,12 +305,14 @@ def main() -> None:
         schemes[f"k{bits}v{bits} hhead+h32"] = lambda i, k, v: (head_rotated(k, bits), h32(v, bits))
     windows: dict[str, int] = {}
     for w in a.window:
+        tag = f"window{w}" + (f" page{a.window_page}" if a.window_page else "") + \
+            (f" {a.window_bits}bit" if a.window_bits < 16 else "")
         for kb, vb in ((bits, bits), (bits, bits - 1), (bits - 1, bits - 1)):
-            name = f"k{kb}v{vb} h32 window{w}"
+            name = f"k{kb}v{vb} h32 {tag}"
             schemes[name] = lambda i, k, v, kb=kb, vb=vb: (h32(k, kb), h32(v, vb))
             windows[name] = w
-        schemes[f"k{bits}v{bits} pairs+h32 window{w}"] = pairs
-        windows[f"k{bits}v{bits} pairs+h32 window{w}"] = w
+        schemes[f"k{bits}v{bits} pairs+h32 {tag}"] = pairs
+        windows[f"k{bits}v{bits} pairs+h32 {tag}"] = w
     ids = tok.encode(builtin_text("eval"))[0][: a.positions + 256]
     for name, (kl, top1) in run(model, plan, tap, ids, schemes, windows=windows).items():
         print(f"{name:<20} KL {kl:.5f}  top-1 {top1:.4f}  ({a.positions} positions)")
