@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from exl3_core.attention.spec import CallShape, pow2_bucket
+from exl3_core.cache_bits import add_cache_bits_arg
 
 
 def add_cli(sub: Any) -> None:
@@ -26,7 +27,10 @@ def add_cli(sub: Any) -> None:
                    help="instead of a folder, a random EXL3 model of a bench shape (e.g. 8B, 1B; see exl3 bench)")
     p.add_argument("--device", default=None, help="torch device (default: cuda:0 if available, else cpu)")
     p.add_argument("--cache-tokens", type=int, default=4096, help="cache size the shapes are planned for")
-    p.add_argument("--variant", default="fp16", help="cache layer variant")
+    p.add_argument("--variant", default="fp16",
+                   help="cache layer variant, by its registered name (a plugin's too); for the quantized cache "
+                        "--cache-bits is the short form")
+    add_cache_bits_arg(p)
     p.add_argument("--max-batch", type=int, default=32, help="largest decode batch to show backends for")
     p.add_argument("--plan", action="store_true", default=True, help="show the plan (always on; kept for clarity)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -42,7 +46,8 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.shape:
         from exl3_core.bench.models import build_model, parse_shape
 
-        model, cache = build_model(parse_shape(args.shape), device=device, cache_tokens=args.cache_tokens)
+        model, cache = build_model(parse_shape(args.shape), device=device, cache_tokens=args.cache_tokens,
+                                   cache_kwargs=_cache_kwargs(args))
         return model, cache
     from exl3_core.archkit import Config, Model
 
@@ -52,9 +57,19 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
 
         model_dir = default_model_dir(progress=True)
     model = Model.from_config(Config.from_directory(model_dir))
-    cache = Cache(model, max_num_tokens=args.cache_tokens, variant=args.variant)
+    cache = Cache(model, max_num_tokens=args.cache_tokens, **_cache_kwargs(args))
     model.load(device=device, caches=[cache])
     return model, cache
+
+
+def _cache_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The cache's variant and options from ``--variant`` and ``--cache-bits`` (which names variant 'quant')."""
+    if not args.cache_bits.quantized:
+        return {"variant": args.variant}
+    if args.variant not in ("fp16", "quant"):
+        raise ValueError(f"--variant {args.variant} and --cache-bits {args.cache_bits.k_bits},{args.cache_bits.v_bits}"
+                         f": --cache-bits chooses the quantized variant; give one of the two")
+    return args.cache_bits.cache_kwargs()
 
 
 def inspect_model(model: Any, cache: Any, max_batch: int = 32) -> dict[str, Any]:
@@ -77,7 +92,7 @@ def inspect_model(model: Any, cache: Any, max_batch: int = 32) -> dict[str, Any]
 
 
 def _inspect_cmd(args: argparse.Namespace) -> int:
-    from exl3_core.plan.report import Decision, PartReport
+    from exl3_core.plan.report import Decision, PartReport, compact_report, merge_layer_runs
 
     model, cache = _load(args)
     data = inspect_model(model, cache, args.max_batch)
@@ -85,14 +100,14 @@ def _inspect_cmd(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=2))
         return 0
     print(f"device {data['device']}, tuning {data['tuning']}")
-    for part in data["plan"]:
-        rep = PartReport(part["part"], part["kind"],
-                         [Decision(d["name"], d["taken"], tuple(d["why"])) for d in part["decisions"]])
-        print("\n".join(rep.lines()))
+    parts = [PartReport(part["part"], part["kind"],
+                        [Decision(d["name"], d["taken"], tuple(d["why"])) for d in part["decisions"]])
+             for part in data["plan"]]
+    print("\n".join(compact_report(parts)))
     print("cache layers")
     for line in data["cache"]:
         print(f"    {line}")
     print("attention (per layer and static call shape)")
-    for line in data["attention"]:
+    for line in merge_layer_runs(data["attention"]):
         print(f"    {line}")
     return 0

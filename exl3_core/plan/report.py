@@ -1,7 +1,11 @@
 """What the execution plan decided, and why: the typed record that ``exl3 inspect --plan`` prints."""
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+_LAYER = re.compile(r"^layer (\d+)(.*)$", re.DOTALL)
 
 
 @dataclass(frozen=True)
@@ -37,3 +41,66 @@ class PartReport:
         out = [f"{self.part} ({self.kind})"]
         out += [f"    {d.line()}" for d in self.decisions]
         return out
+
+
+def _span(first: int, last: int) -> str:
+    return f"layer {first}" if first == last else f"layers {first}-{last}"
+
+
+def _layers(indices: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"layers 0-2, 5"``."""
+    runs: list[list[int]] = []
+    for i in sorted(set(indices)):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    if len(runs) == 1:
+        return _span(*runs[0])
+    return "layers " + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def merge_layer_runs(items: Sequence[str]) -> list[str]:
+    """``items`` with the ``"layer N<rest>"`` entries that share ``<rest>`` written once, where the first of them
+    stood, as ``"layers A-B, C<rest>"``; other entries as they are. Keeps a 30-layer report to one line where
+    every layer says the same."""
+    groups: dict[str, list[int]] = {}
+    order: list[str | tuple[str]] = []  # plain entries, and (rest,) where a group is printed
+    for item in items:
+        m = _LAYER.match(item)
+        if m is None:
+            order.append(item)
+            continue
+        rest = m.group(2)
+        if rest not in groups:
+            groups[rest] = []
+            order.append((rest,))
+        groups[rest].append(int(m.group(1)))
+    return [e if isinstance(e, str) else _layers(groups[e[0]]) + e[0] for e in order]
+
+
+def compact_report(parts: Sequence[PartReport]) -> list[str]:
+    """Text lines of ``parts`` for a reader: reasons that repeat per layer merged (:func:`merge_layer_runs`), and
+    consecutive layers whose decisions are all the same printed once under ``layers A-B (kind)``."""
+    def body(part: PartReport) -> list[str]:
+        return [f"    {Decision(d.name, d.taken, tuple(merge_layer_runs(d.why))).line()}" for d in part.decisions]
+
+    out: list[str] = []
+    run: tuple[int, int, str, list[str]] | None = None  # first layer, last layer, kind, lines
+    for part in parts:
+        m = _LAYER.match(part.part)
+        lines = body(part)
+        if m and m.group(2) == "" and run is not None and int(m.group(1)) == run[1] + 1 and \
+                part.kind == run[2] and lines == run[3]:
+            run = (run[0], int(m.group(1)), run[2], run[3])
+            continue
+        if run is not None:
+            out += [f"{_span(run[0], run[1])} ({run[2]})", *run[3]]
+            run = None
+        if m and m.group(2) == "":
+            run = (int(m.group(1)), int(m.group(1)), part.kind, lines)
+        else:
+            out += [f"{part.part} ({part.kind})", *lines]
+    if run is not None:
+        out += [f"{_span(run[0], run[1])} ({run[2]})", *run[3]]
+    return out
