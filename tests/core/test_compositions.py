@@ -23,10 +23,11 @@ from exl3_core.testing.lora import random_adapter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-#: (architecture, variant): a Qwen3 whose head dim allows the quantized cache, a GQA Llama with dynamic RoPE
-#: and a Qwen2 with a sliding window
+#: (architecture, variant): a Qwen3 whose head dim allows the quantized cache, a GQA Llama with dynamic RoPE,
+#: a Qwen2 with a sliding window, a mixture of experts and a latent (MLA) cache, which may be quantized too
 MODELS = (("Qwen3ForCausalLM", "h192_untied_bias"), ("LlamaForCausalLM", "rope_dynamic"),
-          ("Qwen2ForCausalLM", "sliding_upper"))
+          ("Qwen2ForCausalLM", "sliding_upper"), ("Qwen3MoeForCausalLM", "norm_topk_dense_first"),
+          ("DeepseekV3ForCausalLM", "q_full_halfsplit"))
 CHOICES: tuple[dict[str, float] | None, ...] = (None, {"a": 1.0}, {"b": 0.7}, {"a": 0.5, "b": 0.5})
 
 
@@ -34,7 +35,8 @@ CHOICES: tuple[dict[str, float] | None, ...] = (None, {"a": 1.0}, {"b": 0.7}, {"
 class Tiny:
     model: Model
     vocab: int
-    head_dim: int
+    quantizable: bool  # its cache geometry fits the quantized cache's groups
+    latent: bool  # an MLA cache: one width for keys and values
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +52,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> list[Tiny]:
         for i, name in enumerate("ab"):
             random_adapter(d / f"lora_{name}", linears, r=4 + 4 * i, seed=20 + i, gain=3.0)
             model.load_lora(d / f"lora_{name}", name=name)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        out.append(Tiny(model, cfg.vocab_size, head_dim))
+        try:
+            Cache(model, max_num_tokens=64, variant="quant")
+            quantizable = True
+        except ValueError:
+            quantizable = False
+        latent = any(getattr(m, "cache_kind", "") == "mla" for m in model.modules())
+        out.append(Tiny(model, cfg.vocab_size, quantizable, latent))
     return out
 
 
@@ -78,7 +85,9 @@ def _trial(models: list[Tiny], seed: int) -> list[str]:
     """One random composition; what went wrong (empty: nothing)."""
     rng = random.Random(seed)
     t = rng.choice(models)
-    bits = None if rng.random() < 0.4 or t.head_dim % 32 else (rng.randint(3, 8), rng.randint(3, 8))
+    bits = None if rng.random() < 0.4 or not t.quantizable else (rng.randint(3, 8), rng.randint(3, 8))
+    if bits is not None and t.latent:
+        bits = (bits[0], bits[0])
     kind = {} if bits is None else {"variant": "quant", "k_bits": bits[0], "v_bits": bits[1]}
     page_size = rng.choice([8, 16, 32])
     max_seq_len = rng.randint(90, 130) if rng.random() < 0.3 else None
