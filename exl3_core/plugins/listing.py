@@ -50,13 +50,31 @@ def probe_device() -> tuple[str, tuple[int, int]]:
     return "cpu", (0, 0)
 
 
-def backend_status(plugins: Any) -> dict[str, BackendStatus]:
-    """Every registered attention backend's :class:`BackendStatus`, probed with a typical model's
-    attention (128-dim heads, 32 query / 8 key-value heads, fp16 KV cache, exl3's default dtype on
-    this device) in both phases; a backend's own ``unsupported_reasons`` say why it declines."""
+def _probes(dtype: Any, dev: str, cc: tuple[int, int]) -> dict[str, list[Any]]:
+    """The calls a backend is asked about, per phase: a fresh prompt attending to its own rows (one alone, or a
+    batch), a prefill over the paged fp16 cache and a decode step, with a typical model's attention."""
     import torch
 
-    from exl3_core.attention.spec import AttnSpec
+    from exl3_core.attention.spec import AttnSpec, sm_count
+
+    sm = sm_count(torch.device("cuda")) if dev == "cuda" else 0
+
+    def spec(**kw: Any) -> AttnSpec:
+        return AttnSpec(head_dim=128, num_q_heads=32, num_kv_heads=8, dtype=dtype, device_type=dev, device_cc=cc,
+                        **kw)
+
+    return {"fresh prefill": [spec(phase="prefill", num_seqs=n, max_keys=2048) for n in (1, 4)],
+            "prefill": [spec(cache="kv/fp16", phase="prefill", page_size=256, num_seqs=n, max_keys=4096) for n in (1, 4)],
+            "decode": [spec(cache="kv/fp16", phase="decode", page_size=256, num_seqs=n, max_keys=4096, q_per_seq=1,
+                            sm_count=sm) for n in (1, 32)]}
+
+
+def backend_status(plugins: Any) -> dict[str, BackendStatus]:
+    """Every registered attention backend's :class:`BackendStatus`, probed with a typical model's
+    attention (128-dim heads, 32 query / 8 key-value heads, exl3's default dtype on this device) in each
+    phase of :func:`_probes` (a phase counts when any of its calls is taken); a backend's own
+    ``unsupported_reasons`` say why it declines."""
+    import torch
 
     dev, cc = probe_device()
     dtype = torch.float16 if dev == "cuda" else torch.float32
@@ -72,16 +90,17 @@ def backend_status(plugins: Any) -> dict[str, BackendStatus]:
             out[name] = BackendStatus(name, False, (), f"failed to load: {type(e).__name__}: {e}")
             continue
         why: dict[str, list[str]] = {}
-        for phase in ("prefill", "decode"):
-            probe = AttnSpec(head_dim=128, num_q_heads=32, num_kv_heads=8, dtype=dtype, cache="kv/fp16", phase=phase,
-                             device_type=dev, device_cc=cc, page_size=256)
-            try:
-                why[phase] = list(backend.unsupported_reasons(probe))
-            except Exception as e:  # noqa: BLE001
-                why[phase] = [f"unsupported_reasons failed: {type(e).__name__}: {e}"]
+        for phase, probes in _probes(dtype, dev, cc).items():
+            reasons: list[list[str]] = []
+            for probe in probes:
+                try:
+                    reasons.append(list(backend.unsupported_reasons(probe)))
+                except Exception as e:  # noqa: BLE001
+                    reasons.append([f"unsupported_reasons failed: {type(e).__name__}: {e}"])
+            why[phase] = [] if any(not r for r in reasons) else reasons[0]
         phases = tuple(p for p, r in why.items() if not r)
         # what stops it in every phase is the reason; a phase it leaves to others by design is not
-        common = [r for r in why["decode"] if r in why["prefill"]] or why["decode"] + why["prefill"]
+        common = [r for r in why["decode"] if all(r in w for w in why.values())] or why["decode"] + why["prefill"]
         out[name] = BackendStatus(name, bool(phases), phases, None if phases else "; ".join(common))
     return out
 

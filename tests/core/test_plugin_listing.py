@@ -38,6 +38,15 @@ class PrefillOnly:
         raise NotImplementedError
 
 
+class FreshOnly(PrefillOnly):
+    """Takes a fresh prompt's own rows only (no cache), as the SDPA routes do."""
+
+    name = "fresh_only"
+
+    def unsupported_reasons(self, spec: AttnSpec) -> list[str]:
+        return super().unsupported_reasons(spec) + (["no cache only"] if spec.cache is not None else [])
+
+
 class CudaOnly(PrefillOnly):
     name = "cuda_only"
     needs_cuda = True
@@ -50,6 +59,7 @@ def _plugin() -> types.ModuleType:
     def exl3_attention_backends() -> list[AttentionBackendSpec]:
         return [AttentionBackendSpec(name="prefill_only", impl=f"{__name__}:PrefillOnly"),
                 AttentionBackendSpec(name="cuda_only", impl=f"{__name__}:CudaOnly"),
+                AttentionBackendSpec(name="fresh_only", impl=f"{__name__}:FreshOnly"),
                 AttentionBackendSpec(name="needs_pkg", impl=f"{__name__}:PrefillOnly",
                                      requires=("exl3_no_such_module_for_tests",)),
                 AttentionBackendSpec(name="broken_impl", impl=f"{__name__}:NoSuchClass")]
@@ -60,10 +70,11 @@ def _plugin() -> types.ModuleType:
 
 def test_backend_usability_and_reasons() -> None:
     st = backend_status(load_plugins(autoload=False, extra=[_plugin()]))
-    assert st["prefill_only"].usable and st["prefill_only"].phases == ("prefill",)
+    assert st["prefill_only"].usable and st["prefill_only"].phases == ("fresh prefill", "prefill")
+    assert st["fresh_only"].usable and st["fresh_only"].phases == ("fresh prefill",)  # not "not usable here"
     assert not st["needs_pkg"].usable and "exl3_no_such_module_for_tests" in (st["needs_pkg"].reason or "")
     assert not st["broken_impl"].usable and "failed to load" in (st["broken_impl"].reason or "")
-    assert st["torch"].usable and st["torch"].phases == ("prefill", "decode")  # the built-in reference
+    assert st["torch"].usable and st["torch"].phases == ("fresh prefill", "prefill", "decode")  # the reference
     if torch.cuda.is_available():
         assert st["cuda_only"].usable
     else:  # the reason stopping it in every phase, not the phase it leaves to others
@@ -89,8 +100,8 @@ def test_rows_share_keys_and_json_cli() -> None:
     assert len({tuple(sorted(r)) for r in rows}) == 1
     assert [r["kind"] for r in rows].count("extension") == 1 and rows[-1]["name"] == "exl3_core._C"
     mine = next(r for r in rows if any(b["name"] == "cuda_only" for b in r["attention_backends"]))
-    assert {b["name"] for b in mine["attention_backends"]} == {"prefill_only", "cuda_only", "needs_pkg",
-                                                               "broken_impl"}
+    assert {b["name"] for b in mine["attention_backends"]} == {"prefill_only", "cuda_only", "fresh_only",
+                                                               "needs_pkg", "broken_impl"}
     env = {**os.environ, "EXL3_DISABLE_PLUGINS": "broken"}
     env.pop("TRITON_INTERPRET", None)  # tests/conftest.py sets it; a user's shell does not
     out = subprocess.run([sys.executable, "-m", "exl3_core", "plugins", "--json"], capture_output=True, text=True,
@@ -102,3 +113,4 @@ def test_rows_share_keys_and_json_cli() -> None:
     assert "attention backend torch: usable here" in text and "compiled extension exl3_core._C:" in text
     if not torch.cuda.is_available():
         assert "triton_paged: not usable here (cpu): needs a CUDA device" in text
+        assert "torch_sdpa_rows: usable here (cpu: fresh prefill)" in text  # it serves batches of fresh prompts
