@@ -10,9 +10,14 @@ import argparse
 import importlib.util
 import json
 from dataclasses import asdict, dataclass
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from exl3_core.plugins.registry import missing_requires
+
+if TYPE_CHECKING:  # torch loads lazily: the listing starts before it is needed
+    import torch
+
+    from exl3_core.attention.spec import AttnSpec
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ def probe_device() -> tuple[str, tuple[int, int]]:
     return "cpu", (0, 0)
 
 
-def _probes(dtype: Any, dev: str, cc: tuple[int, int]) -> dict[str, list[Any]]:
+def _probes(dtype: torch.dtype, dev: str, cc: tuple[int, int]) -> dict[str, list[AttnSpec]]:
     """The calls a backend is asked about, per phase: a fresh prompt attending to its own rows (one alone, or a
     batch), a prefill over the paged fp16 cache and a decode step, with a typical model's attention."""
     import torch
