@@ -1,6 +1,7 @@
 """Features composed at random: each seed draws a tiny architecture, a cache (fp16 or quantized at random widths,
 page size, a size small enough to preempt), a drafter (none, n-gram or the model itself), batch and chunk limits,
-``max_seq_len``, and jobs with LoRA choices, penalties, priorities, shared prefixes, staggered arrivals and a
+``max_seq_len``, and jobs with LoRA choices, penalties, seeded sampling (without a drafter: drafted samples
+follow the same distribution, not the same draws), priorities, shared prefixes, staggered arrivals and a
 cancel. Every job that is not cancelled must give what it gives alone on a plain generator over the same cache
 kind, and no page may stay live. A quantized cache may part a job at a near-tie only (its codes can round
 across a step when a batched product differs in the last bit: README, quantized cache)."""
@@ -91,6 +92,7 @@ def _trial(models: list[Tiny], seed: int) -> list[str]:
     kind = {} if bits is None else {"variant": "quant", "k_bits": bits[0], "v_bits": bits[1]}
     page_size = rng.choice([8, 16, 32])
     max_seq_len = rng.randint(90, 130) if rng.random() < 0.3 else None
+    drafter = rng.choice(["none", "ngram", "self"])
     jobs_spec = []
     for i in range(rng.randint(3, 8)):
         n = rng.randint(1, 40)
@@ -100,13 +102,18 @@ def _trial(models: list[Tiny], seed: int) -> list[str]:
             first = jobs_spec[0]["prompt"]
             prompt = first[:rng.randint(1, len(first))] + prompt
         jobs_spec.append({"prompt": prompt, "new": rng.randint(1, 14), "loras": rng.choice(CHOICES),
-                          "penalties": rng.random() < 0.3, "priority": rng.choice([0, 0, 1, -1])})
+                          "penalties": rng.random() < 0.3, "priority": rng.choice([0, 0, 1, -1]),
+                          "sampled": drafter == "none" and rng.random() < 0.4, "seed": rng.randrange(2**31)})
 
     def job(i: int) -> Job:
         s = jobs_spec[i]
-        sampler = Sampler.build(temperature=0, repetition_penalty=1.3, frequency_penalty=0.2) if s["penalties"] else None
+        sampler = None
+        if s["sampled"] or s["penalties"]:
+            sampler = Sampler.build(temperature=0.9 if s["sampled"] else 0, top_p=0.95 if s["sampled"] else 1.0,
+                                    repetition_penalty=1.3 if s["penalties"] else 1.0,
+                                    frequency_penalty=0.2 if s["penalties"] else 0.0)
         return Job(s["prompt"], max_new_tokens=s["new"], stop_at_eos=False, identifier=i, loras=s["loras"],
-                   sampler=sampler, priority=s["priority"], return_logits=True)
+                   sampler=sampler, priority=s["priority"], seed=s["seed"], return_logits=True)
 
     alone: dict[Any, dict[str, Any]] = {}
     for i in range(len(jobs_spec)):
@@ -114,7 +121,6 @@ def _trial(models: list[Tiny], seed: int) -> list[str]:
                         max_chunk_tokens=64, max_seq_len=max_seq_len)
         alone.update(_drive(gen, {0: [job(i)]}, {}))
 
-    drafter = rng.choice(["none", "ngram", "self"])
     draft: dict[str, Any] = {}
     if drafter == "ngram":
         draft = {"ngram_draft_tokens": rng.randint(1, 5), "dynamic_draft": rng.random() < 0.5}
@@ -144,13 +150,14 @@ def _trial(models: list[Tiny], seed: int) -> list[str]:
             if got["tokens"] != want["tokens"]:
                 problems.append(f"job {i}: {got['tokens']} against {want['tokens']} alone")
         else:
-            why = parted_only_at_near_tie(want["tokens"], got["tokens"], torch.cat(want["logits"]))
+            why = parted_only_at_near_tie(want["tokens"], got["tokens"], torch.cat(want["logits"]),
+                                          got_logits=torch.cat(got["logits"]) if jobs_spec[i]["sampled"] else None)
             if why:
                 problems.append(f"job {i}: {why}")
         if got["tokens"] == want["tokens"] and got.get("end") != want.get("end"):
             problems.append(f"job {i}: ended by {got.get('end')} against {want.get('end')} alone")
     where = (f"seed {seed}: {MODELS[models.index(t)]}, cache {kind or 'fp16'} page {page_size}, drafter {drafter}, "
-             f"jobs {[(len(s['prompt']), s['new'], s['loras'], s['penalties'], s['priority']) for s in jobs_spec]}")
+             f"jobs {[(len(s['prompt']), s['new'], s['loras'], s['penalties'], s['sampled'], s['priority']) for s in jobs_spec]}")
     return [f"{where}: {p}" for p in problems]
 
 
