@@ -50,13 +50,15 @@ def token_logprobs(tokens: Sequence[int], logits: torch.Tensor, top: int, texts:
             for t, c, alt in zip(tokens, chosen, alts)]
 
 
-def completion_logprobs(entries: Sequence[TokenLogprob], offset: int, top: int) -> CompletionLogprobs:
+def completion_logprobs(entries: Sequence[TokenLogprob], offset: int,
+                        top: int) -> tuple[CompletionLogprobs, int]:
     """The completions endpoint's shape of ``entries``, whose first token's text starts at character ``offset``
-    of the completion (offsets count the tokens' texts, so they run past a completion cut at a stop string)."""
+    of the completion, and the offset after their last token (where a stream's next entries start). Offsets
+    count the tokens' texts, so they run past a completion cut at a stop string."""
     offsets = []
     for e in entries:
         offsets.append(offset)
         offset += len(e.token)
     return CompletionLogprobs(tokens=[e.token for e in entries], token_logprobs=[e.logprob for e in entries],
                               top_logprobs=[{a.token: a.logprob for a in e.top_logprobs} for e in entries] if top
-                              else None, text_offset=offsets)
+                              else None, text_offset=offsets), offset

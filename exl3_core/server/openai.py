@@ -581,7 +581,7 @@ class OpenAIApp:
                                  choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish,
                                                      logprobs=ChatLogprobs(content=entries) if want else None)])
         else:
-            lp = completion_logprobs(entries, 0, meta.logprobs or 0) if want else None
+            lp = completion_logprobs(entries, 0, meta.logprobs or 0)[0] if want else None
             doc = Completion(id=meta.id, created=meta.created, model=meta.model, usage=usage,
                              choices=[CompletionChoice(text=text, finish_reason=finish, logprobs=lp)])
         return _json(doc, headers)
@@ -607,8 +607,9 @@ class OpenAIApp:
                 doc = ChatCompletionChunk(id=meta.id, created=meta.created, model=meta.model,
                                           choices=[ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=lp)])
             else:
-                clp = completion_logprobs(entries, offset, meta.logprobs or 0) if entries else None
-                offset += sum(len(e.token) for e in entries or ())
+                clp = None
+                if entries:
+                    clp, offset = completion_logprobs(entries, offset, meta.logprobs or 0)
                 doc = Completion(id=meta.id, created=meta.created, model=meta.model,
                                  choices=[CompletionChoice(text=text or "", finish_reason=finish, logprobs=clp)])
             return doc.model_dump_json(exclude=exclude)
