@@ -82,25 +82,20 @@ def merge_layer_runs(items: Sequence[str]) -> list[str]:
 def compact_report(parts: Sequence[PartReport]) -> list[str]:
     """Text lines of ``parts`` for a reader: reasons that repeat per layer merged (:func:`merge_layer_runs`), and
     consecutive layers whose decisions are all the same printed once under ``layers A-B (kind)``."""
-    def body(part: PartReport) -> list[str]:
-        return [f"    {Decision(d.name, d.taken, tuple(merge_layer_runs(d.why))).line()}" for d in part.decisions]
-
-    out: list[str] = []
-    run: tuple[int, int, str, list[str]] | None = None  # first layer, last layer, kind, lines
+    runs: list[tuple[int, int, PartReport]] = []  # first layer, last layer (-1: not a layer), merged report
     for part in parts:
+        merged = PartReport(part.part, part.kind,
+                            [Decision(d.name, d.taken, tuple(merge_layer_runs(d.why))) for d in part.decisions])
         m = _LAYER.match(part.part)
-        lines = body(part)
-        if m and m.group(2) == "" and run is not None and int(m.group(1)) == run[1] + 1 and \
-                part.kind == run[2] and lines == run[3]:
-            run = (run[0], int(m.group(1)), run[2], run[3])
-            continue
-        if run is not None:
-            out += [f"{_span(run[0], run[1])} ({run[2]})", *run[3]]
-            run = None
-        if m and m.group(2) == "":
-            run = (int(m.group(1)), int(m.group(1)), part.kind, lines)
+        i = int(m.group(1)) if m and not m.group(2) else -1  # a part named exactly "layer N"
+        prev = runs[-1] if runs else None
+        if (i >= 0 and prev is not None and prev[1] == i - 1 and prev[2].kind == merged.kind
+                and prev[2].decisions == merged.decisions):
+            runs[-1] = (prev[0], i, prev[2])
         else:
-            out += [f"{part.part} ({part.kind})", *lines]
-    if run is not None:
-        out += [f"{_span(run[0], run[1])} ({run[2]})", *run[3]]
+            runs.append((i, i, merged))
+    out: list[str] = []
+    for first, last, rep in runs:
+        name = rep.part if first < 0 else _span(first, last)
+        out += PartReport(name, rep.kind, rep.decisions).lines()
     return out
