@@ -49,13 +49,13 @@ if [ "$stage" = prepare ]; then
 fi
 
 # The n-gram figure needs the default model, whose 93 MB wheel does not fit one call's 64 MiB with the tree:
-# `model-parts` here cuts it into .model/part.NN of 15 MB; carry one part per call (ignored paths a call does not
+# `model-parts` here cuts it into .model/part.NN of $PART_MB (15) MB; carry one part per call (ignored paths a call does not
 # name stay on a warm machine), then `model` there joins them into the wheel cache, checked against its sha256.
 if [ "$stage" = model-parts ]; then
   grep -qxF '/.model/' .git/info/exclude 2>/dev/null || echo '/.model/' >> .git/info/exclude
   wheel=$(python3 -c "from exl3_core.convert.default_model import default_model_dir, default_model_info, wheel_dir
 default_model_dir(progress=False); print(wheel_dir() / default_model_info()['wheel'])")
-  rm -rf .model && mkdir .model && split -b 15M -d "$wheel" .model/part. && (cd .model && sha256sum part.* > SHA256)
+  rm -rf .model && mkdir .model && split -b "${PART_MB:-15}M" -d "$wheel" .model/part. && (cd .model && sha256sum part.* > SHA256)
   sha256sum "$wheel" | cut -d' ' -f1 > .model/WHEEL_SHA256 && ls -la .model
   exit 0
 fi
