@@ -96,10 +96,14 @@ class GraphTuning:
     prefill_min_fill: float = 0.9
     #: run plain greedy decode one step ahead of the host's token handling
     overlap_decode: bool = True
+    #: longest run of a draft model's one-token steps replayed as one graph (longer runs, and 0: step by step)
+    draft_chain_steps: int = 15
 
     def __post_init__(self) -> None:
         if self.prefill_max_tokens < 0:
             raise ValueError(f"GraphTuning.prefill_max_tokens={self.prefill_max_tokens} must be >= 0")
+        if self.draft_chain_steps < 0:
+            raise ValueError(f"GraphTuning.draft_chain_steps={self.draft_chain_steps} must be >= 0")
         if list(self.prefill_buckets) != sorted(set(self.prefill_buckets)) or not self.prefill_buckets:
             raise ValueError(f"GraphTuning.prefill_buckets={self.prefill_buckets} must be increasing")
 

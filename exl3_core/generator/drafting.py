@@ -17,7 +17,8 @@ them in one forward. Two drafters:
   sequence missed fewer. Only a longer gap (a new prompt) or a sequence shorter than the rows is first
   caught up by an eager prefill.
   Greedy jobs take the draft's argmax; sampled jobs draw from their sampler's distribution over the
-  draft's logits, which is returned (``q``) for the acceptance rule.
+  draft's logits, which is returned (``q``) for the acceptance rule. On CUDA the one-token steps of a
+  greedy batch replay as one graph (:mod:`exl3_core.generator.draft_chain`).
 
 Neither drafter owns jobs: the speculator calls :meth:`commit` after a verification (the draft keeps
 the keys of the drafted tokens the target accepted and frees the pages past them) and :meth:`release`
@@ -35,6 +36,7 @@ import torch
 from exl3_core.cache.cache import Cache
 from exl3_core.cache.pages import CacheExhausted
 from exl3_core.generator.batching import Chunk, build_batch, meta_to_device, to_device_async
+from exl3_core.generator.draft_chain import DraftChain
 from exl3_core.generator.graphs import DecodeGraphs
 from exl3_core.generator.job import Job
 from exl3_core.generator.loras import StepLoras
@@ -235,10 +237,18 @@ class ModelDrafter:
         #: captured again after adapters are loaded or unloaded
         self.loras = StepLoras(model)
         self.loras.changed(0)
+        #: greedy (or forced) one-token steps after the first, replayed as one graph (None: step by step)
+        self.chain: DraftChain | None = self._new_chain()
         self._seqs: dict[Job, _DraftSeq] = {}
         self.forward_calls = 0
         self.catch_up_calls = 0  # eager catch-up prefills (among forward_calls)
         self.folded_steps = 0  # first draft steps that also fed tokens the draft had missed
+
+    def _new_chain(self) -> DraftChain | None:
+        steps = self.plan.tuning.graphs.draft_chain_steps
+        if self.graphs is None or steps < 1:
+            return None
+        return DraftChain(self.plan, self.cache, self.table_width, steps)
 
     # -- per-job state -------------------------------------------------------------------------
     def _state(self, job: Job) -> _DraftSeq:
@@ -282,6 +292,9 @@ class ModelDrafter:
     def propose(self, jobs: list[Job], ks: list[int]) -> Proposal:
         if self.loras.changed(0):  # adapters loaded or unloaded on the draft's model (the target itself)
             self.graphs = DecodeGraphs.renew(self.graphs, self.plan, self.cache, self.table_width)
+            if self.chain is not None:
+                self.chain.reset()
+            self.chain = self._new_chain()
         K = max(ks, default=0)
         keep: list[int] = []  # indices into jobs of those that draft
         for b, job in enumerate(jobs):
@@ -405,6 +418,8 @@ class ModelDrafter:
         cur: torch.Tensor | None = None
         forced = self._forced(jobs, K)
         for i in range(K):
+            if i == 1 and not sampled and self._chain(jobs, K, cur, forced, ids):
+                break
             if i == 0:
                 R = first_rows
                 chunks = [Chunk(j.seq[-R:], len(j.seq) - R, self._seqs[j].pages, True) for j in jobs]
@@ -429,6 +444,24 @@ class ModelDrafter:
             ids[:, i] = nxt
             cur = nxt
         return ids, q
+
+    def _chain(self, jobs: list[Job], K: int, first: torch.Tensor | None, forced: torch.Tensor | None,
+               ids: torch.Tensor) -> bool:
+        """Draft steps 1 .. K-1 of greedy (or forced) ``jobs`` as one replayed chain, writing ``ids[:, 1:]``; False
+        (nothing run) when no chain takes them."""
+        chain = self.chain
+        if chain is None or first is None:
+            return False
+        chunks = [Chunk([0], len(j.seq), self._seqs[j].pages, True) for j in jobs]
+        meta, _ = build_batch(chunks, page_size=self.page_size, table_width=self.table_width,
+                              scratch_page=self.cache.scratch_page, device=torch.device("cpu"), decode=True)
+        if not chain.accepts(meta, K - 1):
+            return False
+        self.loras.select([], meta.input_ids.shape[0])
+        out = chain.run(meta, first, K - 1, forced[:, 1:] if forced is not None else None)
+        ids[:, 1:].copy_(out[:len(jobs)])
+        self.forward_calls += K - 1
+        return True
 
     def _forced(self, jobs: list[Job], K: int) -> torch.Tensor | None:
         """Tokens ``[B, K]`` (device) to propose instead of the draft's own picks, fed to its later steps as a

@@ -309,15 +309,20 @@ class Speculator:
 
     def capture_graphs(self, max_batch: int) -> None:
         """Capture the verification graphs of every draft length (k + 1 rows per sequence) and, with a draft
-        model, its step shapes (one row, and the first step's rows, widened after plain steps), for every
-        batch bucket up to ``max_batch`` (see
+        model, its step shapes (one row, and the first step's rows, widened after plain steps) and its chains of
+        one-token steps, for every batch bucket up to ``max_batch`` (see
         :meth:`Generator.capture_graphs <exl3_core.generator.Generator.capture_graphs>`)."""
         if self.host.graphs is not None:
             for k in range(1, self.length.max_k + 1):
                 self.host.graphs.capture_buckets(max_batch, k + 1)
         if isinstance(self.drafter, ModelDrafter) and self.drafter.graphs is not None:
+            buckets: list[int] = []
             for rows in (1, *FOLD_ROW_BUCKETS):
-                self.drafter.graphs.capture_buckets(max_batch, rows)
+                buckets = self.drafter.graphs.capture_buckets(max_batch, rows)
+            chain = self.drafter.chain
+            if chain is not None:
+                for n in range(1, min(self.length.max_k - 1, chain.max_steps) + 1):
+                    chain.capture(buckets, n)
 
     def wants_step(self) -> bool:
         """Whether the next decode step should be speculative (asked by the overlapped plain loop before

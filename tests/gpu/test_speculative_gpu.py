@@ -16,6 +16,7 @@ import torch
 from exl3_core.bench.models import bench_plugins, build_model, parse_shape
 from exl3_core.cache import Cache
 from exl3_core.generator import Generator, Job
+from exl3_core.generator.drafting import ModelDrafter
 from exl3_core.generator.speculative import speculative_rule
 
 SHAPE = "custom(512,1024,3,8,2,2000)"
@@ -88,10 +89,49 @@ def test_speculative_greedy_equals_plain_with_graphs(models, kind: str, batch: i
     assert s.steps > 0 and gen.graphs.replays > replays
     if kind != "ngram":
         assert gen.spec.drafter.graphs is not None and gen.spec.drafter.graphs.replays > 0
+        assert gen.spec.drafter.chain is not None and gen.spec.drafter.chain.replays > 0
         assert gen.spec.drafter.cache.allocator.num_live() == 0
     if kind == "self":
         assert s.accepted >= 0.8 * s.drafted
     assert cache.allocator.num_live() == 0
+
+
+class _Forcing(ModelDrafter):
+    def _forced(self, jobs: list[Job], K: int) -> torch.Tensor | None:
+        ids = [[(31 * len(j.seq) + 7 * i + j.identifier) % 2000 for i in range(K)] for j in jobs]
+        return torch.tensor(ids, device="cuda")
+
+
+@pytest.mark.parametrize("cls", [ModelDrafter, _Forcing], ids=["greedy", "forced"])
+def test_draft_chain_equals_step_by_step(models, cls: type[ModelDrafter]) -> None:
+    """The replayed draft chain gives the drafts of the draft's step-by-step graphs (the same kernels at the same
+    shapes: equal ids), over rounds of partial acceptance for three jobs (a padded bucket), and frees every page."""
+    _, _, draft, dcache, _ = models
+
+    def rounds(chain: bool) -> tuple[list[list[list[int]]], int]:
+        d = cls(draft, dcache, max_seq_len=512)
+        if not chain:
+            d.chain = None
+        jobs = [Job(torch.randint(0, 2000, (n,), generator=torch.Generator().manual_seed(n)).tolist(),
+                    max_new_tokens=64, identifier=i) for i, n in enumerate((40, 90, 13))]
+        out = []
+        for r in range(4):
+            prop = d.propose(jobs, [5] * len(jobs))
+            assert prop.ids is not None
+            drafted = prop.ids.tolist()
+            out.append(drafted)
+            for b, j in enumerate(jobs):
+                keep = (b + r) % 5
+                j.seq += drafted[b][:keep] + [(drafted[b][keep] + 1) % 2000]
+                d.commit(j, drafted[b])
+        for j in jobs:
+            d.release(j)
+        return out, d.chain.replays if d.chain is not None else 0
+
+    ref, _ = rounds(False)
+    got, replays = rounds(True)
+    assert got == ref and replays == 4
+    assert dcache.allocator.num_live() == 0
 
 
 def test_rule_on_cuda_samples_the_target() -> None:
