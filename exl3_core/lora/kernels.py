@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
 from exl3_core.lora.selection import Selection
 from exl3_core.lora.stack import LoraStack
 
@@ -50,7 +51,10 @@ WIDE_MAX_ROWS = 32
 def _shrink_kernel(X, A0, A1, A2, L0, L1, L2, S0, S1, S2, SLOTS, COEF, ROWMAP, NACT, XA,
                    R, K, RK0, RK1, RK2, sas0, sas1, sas2, sar0, sar1, sar2, stride_x, stride_coef, U, KS, SPLIT,
                    NUM: tl.constexpr, HAS_MAP: tl.constexpr, IEEE: tl.constexpr,
-                   BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr):
+                   BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent of the base linear: wait for it, let the expand start
+        gdc_wait()
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     u = tl.program_id(1)
     g = tl.program_id(2) // KS
@@ -128,7 +132,10 @@ def _expand_kernel(XA, B0, B1, B2, L0, L1, L2, S0, S1, S2, Y0, Y1, Y2, O0, O1, O
                    R, N0, N1, N2, NB0, NB1, RK0, RK1, RK2, sbs0, sbs1, sbs2, sbr0, sbr1, sbr2,
                    sy0, sy1, sy2, so0, so1, so2, U, KS,
                    NUM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                   KS_BLOCK: tl.constexpr, UB: tl.constexpr, WIDE: tl.constexpr):
+                   KS_BLOCK: tl.constexpr, UB: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # waits for the shrink; the kernel after (an EXL3 linear) may start prefetching its weights now
+        gdc_wait()
+        gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = pid_n * 0
@@ -210,7 +217,8 @@ def shrink(x2: torch.Tensor, stacks: Sequence[LoraStack], sel: Selection,
         sel.slots, sel.coef, rowmap, sel.active, xa,
         n, k, *pad([s.rank for s in stacks]), *pad([s.a.stride(0) for s in stacks]),
         *pad([s.a.stride(1) for s in stacks]), x2.stride(0), sel.coef.stride(0), U, ks, split,
-        NUM=num, HAS_MAP=rows is not None, IEEE=stacks[0].a.dtype == torch.float32, BM=bm, BR=br, BK=bk)
+        NUM=num, HAS_MAP=rows is not None, IEEE=stacks[0].a.dtype == torch.float32, BM=bm, BR=br, BK=bk,
+        **launch_opts(xa))
     return xa, ks, bm, br
 
 
@@ -238,7 +246,7 @@ def lora_add_group(x2: torch.Tensor, ys: Sequence[torch.Tensor], outs: Sequence[
         n, *pad(widths), *(pad(blocks)[:2]), *pad([s.rank for s in stacks]), *pad([s.bt.stride(0) for s in stacks]),
         *pad([s.bt.stride(1) for s in stacks]), *pad([y.stride(0) for y in ys]), *pad([o.stride(0) for o in outs]),
         sel.capacity, ks, NUM=num, IEEE=stacks[0].a.dtype == torch.float32, BM=bm, BN=bn, BR=br,
-        KS_BLOCK=triton.next_power_of_2(ks), UB=ub, WIDE=wide)
+        KS_BLOCK=triton.next_power_of_2(ks), UB=ub, WIDE=wide, **launch_opts(outs[0]))
 
 
 def lora_add(x2: torch.Tensor, y2: torch.Tensor, out2: torch.Tensor, stack: LoraStack, sel: Selection,
