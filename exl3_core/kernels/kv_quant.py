@@ -65,13 +65,17 @@ def _halves(x, h: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, n:
 
 
 @triton.jit
-def _plane(Codes, base, ok, W: tl.constexpr, LOW: tl.constexpr, FIRST: tl.constexpr, BLOCK_N: tl.constexpr,
-           BLOCK_G: tl.constexpr):
-    # uint32 [BLOCK_N, BLOCK_G, 32]: the W-bit plane of every code of the groups at word offsets base, moved to
-    # its bits LOW .. LOW + W - 1. Each word is halved into its fields (16, 8, ... W bits) by joins, which keep
-    # the values in the threads that loaded them, in value order (a field's low half holds the earlier values).
+def _plane_words(Codes, base, ok, W: tl.constexpr, FIRST: tl.constexpr):
+    # uint32 [BLOCK_N, BLOCK_G, W]: the W words of the W-bit plane of the groups at word offsets base
     x = tl.load(Codes + base[:, :, None] + FIRST + tl.arange(0, W)[None, None, :], mask=ok[:, :, None], other=0)
-    x = x.to(tl.uint32, bitcast=True)
+    return x.to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _plane(x, W: tl.constexpr, LOW: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    # uint32 [BLOCK_N, BLOCK_G, 32]: the plane's words x split into the W-bit fields of the groups' codes, moved to
+    # bits LOW .. LOW + W - 1. Each word is halved into its fields (16, 8, ... W bits) by joins, which keep the
+    # values in the threads that loaded them, in value order (a field's low half holds the earlier values).
     if W < 32:
         x = _halves(x, 16, BLOCK_N, BLOCK_G, W)
     if W < 16:
@@ -86,30 +90,65 @@ def _plane(Codes, base, ok, W: tl.constexpr, LOW: tl.constexpr, FIRST: tl.conste
 
 
 @triton.jit
-def dequant_tile(Codes, Scales, code_row, scale_row, n_ok, G0, NG, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_G: tl.constexpr):
-    """fp32 ``[BLOCK_N, BLOCK_G * 32]``: groups ``G0 .. G0 + NG - 1`` of the rows at element offsets
-    ``code_row``/``scale_row`` ``[BLOCK_N]`` (int64) of the code words and scales, dequantized in the rotated
-    basis; zeros for rows not ``n_ok`` and groups past NG."""
+def _absent(BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    # the stand-in of a plane a width does not have (never read)
+    return tl.zeros([BLOCK_N, BLOCK_G, 1], tl.uint32)
+
+
+@triton.jit
+def load_tile(Codes, Scales, code_row, scale_row, n_ok, G0, NG, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_G: tl.constexpr):
+    """The memory reads of :func:`dequant_tile`: ``(w8, w4, w2, w1, s)``, each plane's words (a one-wide stand-in
+    for planes ``BITS`` lacks) and the fp32 scales ``[BLOCK_N, BLOCK_G]``; :func:`decode_tile` makes the values.
+    Apart so that a loop can issue the next chunk's reads before it decodes this one."""
     g = tl.arange(0, BLOCK_G)
     ok = n_ok[:, None] & (g < NG)[None, :]
     s = tl.load(Scales + scale_row[:, None] + (G0 + g)[None, :], mask=ok, other=0.0).to(tl.float32)
     base = code_row[:, None] + (G0 + g)[None, :] * BITS
+    w8 = _absent(BLOCK_N, BLOCK_G)
+    w4 = _absent(BLOCK_N, BLOCK_G)
+    w2 = _absent(BLOCK_N, BLOCK_G)
+    w1 = _absent(BLOCK_N, BLOCK_G)
+    if BITS & 8:
+        w8 = _plane_words(Codes, base, ok, 8, 0)
+    if BITS & 4:
+        w4 = _plane_words(Codes, base, ok, 4, BITS & 8)
+    if BITS & 2:
+        w2 = _plane_words(Codes, base, ok, 2, BITS & 12)
+    if BITS & 1:
+        w1 = _plane_words(Codes, base, ok, 1, BITS & 14)
+    return w8, w4, w2, w1, s
+
+
+@triton.jit
+def decode_tile(w8, w4, w2, w1, s, BITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    """fp32 ``[BLOCK_N, BLOCK_G * 32]`` from :func:`load_tile`'s reads: the values in the rotated basis (zeros where
+    the reads were masked: their scale is 0)."""
     # 2 * code + 1 as the low bits of the fp32 2^23 (exponent bits 0x4B000000, whose units are 1), so the float is
     # 2^23 + 2 * code + 1: integer ops instead of the slower int-to-float conversion; the midpoint grid's
     # (code + 1/2 - M) / M * scale is then (float - 2^23 - 2M) / 2M * scale, the subtraction exact
     code = tl.full([BLOCK_N, BLOCK_G, 32], 0x4B000001, tl.uint32)
     if BITS & 8:
-        code = code | _plane(Codes, base, ok, 8, (BITS & 7) + 1, 0, BLOCK_N, BLOCK_G)
+        code = code | _plane(w8, 8, (BITS & 7) + 1, BLOCK_N, BLOCK_G)
     if BITS & 4:
-        code = code | _plane(Codes, base, ok, 4, (BITS & 3) + 1, BITS & 8, BLOCK_N, BLOCK_G)
+        code = code | _plane(w4, 4, (BITS & 3) + 1, BLOCK_N, BLOCK_G)
     if BITS & 2:
-        code = code | _plane(Codes, base, ok, 2, (BITS & 1) + 1, BITS & 12, BLOCK_N, BLOCK_G)
+        code = code | _plane(w2, 2, (BITS & 1) + 1, BLOCK_N, BLOCK_G)
     if BITS & 1:
-        code = code | _plane(Codes, base, ok, 1, 1, BITS & 14, BLOCK_N, BLOCK_G)
+        code = code | _plane(w1, 1, 1, BLOCK_N, BLOCK_G)
     M: tl.constexpr = 1 << (BITS - 1)
     v = (code.to(tl.float32, bitcast=True) - (8388608.0 + 2 * M)) * (s * (0.5 / M))[:, :, None]
     return tl.reshape(v, [BLOCK_N, BLOCK_G * 32])
+
+
+@triton.jit
+def dequant_tile(Codes, Scales, code_row, scale_row, n_ok, G0, NG, BITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_G: tl.constexpr):
+    """fp32 ``[BLOCK_N, BLOCK_G * 32]``: groups ``G0 .. G0 + NG - 1`` of the rows at element offsets
+    ``code_row``/``scale_row`` ``[BLOCK_N]`` (int64) of the code words and scales, dequantized in the rotated
+    basis; zeros for rows not ``n_ok`` and groups past NG."""
+    w8, w4, w2, w1, s = load_tile(Codes, Scales, code_row, scale_row, n_ok, G0, NG, BITS, BLOCK_N, BLOCK_G)
+    return decode_tile(w8, w4, w2, w1, s, BITS, BLOCK_N, BLOCK_G)
 
 
 @triton.jit

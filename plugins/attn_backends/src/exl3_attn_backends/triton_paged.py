@@ -30,7 +30,7 @@ import triton.language as tl
 
 from exl3_core.attention.spec import AttnArgs, AttnSpec
 from exl3_core.kernels.counters import arrival_counters
-from exl3_core.kernels.kv_quant import dequant_tile, hadamard_cols
+from exl3_core.kernels.kv_quant import decode_tile, dequant_tile, hadamard_cols, load_tile
 from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
 
 
@@ -42,12 +42,45 @@ def _quant_keys(K, KS, RP, row, n_ok, kvh, HK: tl.constexpr, NGK: tl.constexpr, 
     # channels from QK_DIM on are the unquantized rotary key
     kt = dequant_tile(K, KS, row * (HK * NGK * K_BITS), row * (HK * NGK), n_ok, kvh * NGK, NGK, K_BITS, BLOCK_N,
                       BLOCK_D // 32)
+    return tl.trans(_rope_channels(kt, RP, row, n_ok, QK_DIM, HEAD_DIM, BLOCK_D))
+
+
+@triton.jit
+def _rope_channels(kt, RP, row, n_ok, QK_DIM: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    # keys [BLOCK_N, BLOCK_D] with channels QK_DIM .. HEAD_DIM - 1 from the unquantized rotary keys of "mla/quant"
     if QK_DIM < HEAD_DIM:
         c = tl.arange(0, BLOCK_D)
         r_ok = n_ok[:, None] & ((c >= QK_DIM) & (c < HEAD_DIM))[None, :]
         rope = tl.load(RP + row[:, None] * (HEAD_DIM - QK_DIM) + (c - QK_DIM)[None, :], mask=r_ok, other=0.0)
         kt = tl.where((c < QK_DIM)[None, :], kt, rope.to(tl.float32))
-    return tl.trans(kt)
+    return kt
+
+
+@triton.jit
+def _split_reads(K, V, KS, VS, PageTable, b, kvh, start, hi, stride_pt, PAGE_SIZE: tl.constexpr, HK: tl.constexpr,
+                 NGK: tl.constexpr, NGV: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    # a quantized view's reads for positions start .. start + BLOCK_N - 1 below hi: the cache rows, which exist,
+    # and the key and value words and scales (load_tile), decoded later by _split_decode
+    n_ok = start + tl.arange(0, BLOCK_N) < hi
+    page, slot = _split_rows(PageTable, b, start, stride_pt, PAGE_SIZE, BLOCK_N, n_ok)
+    row = page * PAGE_SIZE + slot
+    kr = load_tile(K, KS, row * (HK * NGK * K_BITS), row * (HK * NGK), n_ok, kvh * NGK, NGK, K_BITS, BLOCK_N,
+                   BLOCK_D // 32)
+    vr = load_tile(V, VS, row * (HK * NGV * V_BITS), row * (HK * NGV), n_ok, kvh * NGV, NGV, V_BITS, BLOCK_N,
+                   BLOCK_DV // 32)
+    return row, n_ok, kr, vr
+
+
+@triton.jit
+def _split_decode(reads, Q, RP, K_BITS: tl.constexpr, V_BITS: tl.constexpr, QK_DIM: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    # keys [BLOCK_D, BLOCK_N] and values [BLOCK_N, BLOCK_DV] in q's dtype from _split_reads (rotated basis)
+    row, n_ok, kr, vr = reads
+    kt = decode_tile(kr[0], kr[1], kr[2], kr[3], kr[4], K_BITS, BLOCK_N, BLOCK_D // 32)
+    k = tl.trans(_rope_channels(kt, RP, row, n_ok, QK_DIM, HEAD_DIM, BLOCK_D))
+    v = decode_tile(vr[0], vr[1], vr[2], vr[3], vr[4], V_BITS, BLOCK_N, BLOCK_DV // 32)
+    return k.to(Q.dtype.element_ty), v.to(Q.dtype.element_ty)
 
 
 @triton.jit
@@ -414,12 +447,25 @@ def _decode_split(
             v0 = tl.where(new[:, None], vn, v0)
         m_i, l_i, acc = _split_step(q, k0, v0, lo, hi, m_i, l_i, acc, scale, softcap, q_pos, BLOCK_N, SOFTCAP,
                                     DOT_PREC, ROWS)
-    for start in range(lo + BLOCK_N, hi, BLOCK_N):
-        k, v = _split_tiles(K, V, PageTable, b, kvh, start, hi, stride_pt, stride_kp, stride_ks, stride_kh, stride_vp,
-                            stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                            Q, KS, VS, RP, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM)
-        m_i, l_i, acc = _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, q_pos, BLOCK_N, SOFTCAP,
-                                    DOT_PREC, ROWS)
+    if QUANT:
+        # a chunk's words and scales are read one chunk ahead, so that their latency passes under this chunk's
+        # decoding and products (fp16 pages get the same from the compiler's pipelined copies)
+        reads = _split_reads(K, V, KS, VS, PageTable, b, kvh, lo + BLOCK_N, hi, stride_pt, PAGE_SIZE, HK, NGK, NGV,
+                             K_BITS, V_BITS, BLOCK_N, BLOCK_D, BLOCK_DV)
+        for start in range(lo + BLOCK_N, hi, BLOCK_N):
+            ahead = _split_reads(K, V, KS, VS, PageTable, b, kvh, start + BLOCK_N, hi, stride_pt, PAGE_SIZE, HK, NGK,
+                                 NGV, K_BITS, V_BITS, BLOCK_N, BLOCK_D, BLOCK_DV)
+            k, v = _split_decode(reads, Q, RP, K_BITS, V_BITS, QK_DIM, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_DV)
+            m_i, l_i, acc = _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, q_pos, BLOCK_N, SOFTCAP,
+                                        DOT_PREC, ROWS)
+            reads = ahead
+    else:
+        for start in range(lo + BLOCK_N, hi, BLOCK_N):
+            k, v = _split_tiles(K, V, PageTable, b, kvh, start, hi, stride_pt, stride_kp, stride_ks, stride_kh,
+                                stride_vp, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                                BLOCK_N, Q, KS, VS, RP, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM)
+            m_i, l_i, acc = _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, q_pos, BLOCK_N, SOFTCAP,
+                                        DOT_PREC, ROWS)
 
     # partials [B, ROWS, Hq, NUM_SPLITS] and [B, ROWS, Hq, NUM_SPLITS, HEAD_DIM_V]; empty splits: (-inf, 0, 0).
     # With USED_ONLY (several sequences), splits past the sequence's used ones (a graph captured at the
