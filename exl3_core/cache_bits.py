@@ -10,8 +10,11 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 OPTION = "--cache-bits"
 UNQUANTIZED = 16
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 @dataclass(frozen=True)
@@ -25,10 +28,12 @@ class CacheBits:
     def quantized(self) -> bool:
         return self.k_bits != UNQUANTIZED
 
-    @property
-    def label(self) -> str:
-        """``"fp16"`` or ``"k4v4"``-style, for reports."""
-        return "fp16" if not self.quantized else f"k{self.k_bits}v{self.v_bits}"
+    def label(self, dtype: torch.dtype) -> str:
+        """``"k4v4"``-style, or for the unquantized cache the ``dtype`` it holds (``"fp16"``, ``"bf16"``,
+        ``"fp32"``), for reports."""
+        if self.quantized:
+            return f"k{self.k_bits}v{self.v_bits}"
+        return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
     def cache_kwargs(self) -> dict[str, Any]:
         """``Cache(model, n, **cache_kwargs())``: the variant and its options."""

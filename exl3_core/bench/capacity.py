@@ -36,7 +36,7 @@ def max_sequences(model: Any, variants: Sequence[CacheBits], memory: int, dtype:
     for bits in variants:
         per_page, ps = page_bytes(model, bits, dtype, page_size)
         pages = max(memory // per_page - 1, 0)  # one scratch page per cache
-        out.append({"cache": bits.label, "memory_bytes": memory, "bytes_per_token": per_page / ps,
+        out.append({"cache": bits.label(dtype), "memory_bytes": memory, "bytes_per_token": per_page / ps,
                     "tokens": pages * ps, "seq_tokens": seq_tokens,
                     "sequences": pages // math.ceil(seq_tokens / ps)})
     return out

@@ -483,7 +483,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
         kv_token = cache.bytes_for(model.dtype) // ((cache.num_pages + 1) * cache.page_size)
         rows = []
         for ctx in contexts:
-            next_step(f"decode b=1 ctx={ctx}" + (f" {bits.label} cache" if len(variants) > 1 else ""))
+            next_step(f"decode b=1 ctx={ctx}" + (f" {bits.label(model.dtype)} cache" if len(variants) > 1 else ""))
             r = bench_decode(model, cache, batch=1, ctx=ctx, new_tokens=new_tokens)
             step = graph_step_time(model, cache, batch=1, ctx=ctx)
             r["graph_step_ms"] = None if step is None else step * 1e3
@@ -491,16 +491,16 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
         if ceilings and ceiling is None:  # measured again with the card as warm as the b=1 runs left it
             ceiling = combine_ceilings(ceilings + _ceiling_samples(model, op), log)
         for b in batches:
-            next_step(f"decode b={b} ctx={min(contexts)}" + (f" {bits.label} cache" if len(variants) > 1 else ""))
+            next_step(f"decode b={b} ctx={min(contexts)}" + (f" {bits.label(model.dtype)} cache" if len(variants) > 1 else ""))
             r = bench_decode(model, cache, batch=b, ctx=min(contexts), new_tokens=new_tokens)
             step = graph_step_time(model, cache, batch=b, ctx=min(contexts)) if b <= 32 else None
             r["graph_step_ms"] = None if step is None else step * 1e3
             rows.append(r)
         for r in rows:
-            r["cache"] = bits.label
+            r["cache"] = bits.label(model.dtype)
             r["kv_bytes"] = r["batch"] * kv_token * r["ctx"]
         decode += rows
-        _bench_prefills(out, model, cache, prefills, longest, prefill_past, bits.label if len(variants) > 1 else "",
+        _bench_prefills(out, model, cache, prefills, longest, prefill_past, bits.label(model.dtype) if len(variants) > 1 else "",
                         first=vi == 0, log=log, step=next_step)
     out["decode_ceiling"] = ceiling
     for r in decode:
@@ -520,7 +520,7 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
                f"({100 * r['fraction_of_decode_ceiling']:.1f}%; fastest sample "
                f"{100 * r['strict_fraction_of_decode_ceiling']:.1f}%)" if ceiling else ""))
     out["decode"] = decode
-    base = variants[0].label
+    base = variants[0].label(model.dtype)
     b1 = [r for r in decode if r["batch"] == 1 and r["ctx"] == min(contexts) and r["cache"] == base]
     if b1:
         out["batch_scaling"] = {str(r["batch"]): r["tok_s"] / b1[0]["tok_s"] for r in decode

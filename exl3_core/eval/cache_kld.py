@@ -64,4 +64,4 @@ def cache_kld(model: Any, ids: torch.Tensor, variants: Sequence[CacheBits], *, c
             total[i] += float(kl_per_token(ref, lg).sum())
             agree[i] += int((ref.argmax(-1) == lg.argmax(-1)).sum())
         counted += len(toks)
-    return [CacheKLD(v.label, total[i] / counted, agree[i] / counted, counted) for i, v in enumerate(variants)]
+    return [CacheKLD(v.label(model.dtype), total[i] / counted, agree[i] / counted, counted) for i, v in enumerate(variants)]

@@ -569,9 +569,10 @@ def test_bench_measures_each_cache_and_reports_capacity(one_torch_thread: None) 
     variants = (CacheBits(), CacheBits(4, 4))
     res = run_bench(shape, device="cpu", contexts=(16,), batches=(2,), prefill_tokens=(8,), new_tokens=2,
                     cache_bits=variants, cache_memory=3 << 20, log=lambda s: None)
-    assert {(r["cache"], r["batch"]) for r in res["decode"]} == {("fp16", 1), ("fp16", 2), ("k4v4", 1), ("k4v4", 2)}
+    # the CPU bench runs in fp32: the unquantized cache is named by the dtype it holds
+    assert {(r["cache"], r["batch"]) for r in res["decode"]} == {("fp32", 1), ("fp32", 2), ("k4v4", 1), ("k4v4", 2)}
     kv = {r["cache"]: r["bytes_per_step"] for r in res["decode"] if r["batch"] == 1}
-    assert kv["k4v4"] < kv["fp16"]  # the roofline counts the quantized bytes
+    assert kv["k4v4"] < kv["fp32"]  # the roofline counts the quantized bytes
     ratios = {c["what"]: c for c in res["cache_compare"]}
     assert set(ratios) == {"decode b=1 ctx=16", "decode b=2 ctx=16", "prefill 8 after 0"}
     assert all(c["cache"] == "k4v4" and c["ratio"] == c["tok_s"] / c["base_tok_s"] > 0 for c in ratios.values())
@@ -583,7 +584,8 @@ def test_bench_measures_each_cache_and_reports_capacity(one_torch_thread: None) 
         per_page = cache.storage_size() // 2
         assert c["tokens"] == ((3 << 20) // per_page - 1) * PAGE and c["sequences"] == c["tokens"] // 4096
     cap = {c["cache"]: c for c in res["capacity"]}
-    assert cap["k4v4"]["tokens"] >= 3.5 * cap["fp16"]["tokens"]
+    assert cap["k4v4"]["tokens"] >= 3.5 * cap["fp32"]["tokens"]
+    assert [CacheBits().label(t) for t in (torch.float16, torch.bfloat16)] == ["fp16", "bf16"]
 
 
 # -- the latent (MLA) cache quantized -------------------------------------------------------------------------

@@ -250,7 +250,7 @@ def test_speed_bars_8b() -> None:
     for bits in (CacheBits(), CacheBits(4, 4)):
         cache = fp16 if not bits.quantized else Cache(model, tokens, **bits.cache_kwargs())
         for batch, ctx in ((1, 256), (1, 32768), (32, 4096)):
-            rates[(bits.label, batch, ctx)] = bench_decode(model, cache, batch=batch, ctx=ctx, new_tokens=128)["tok_s"]
+            rates[(bits.label(model.dtype), batch, ctx)] = bench_decode(model, cache, batch=batch, ctx=ctx, new_tokens=128)["tok_s"]
         cache.free()
     ratio = {k[1:]: rates[("k4v4", *k[1:])] / rates[("fp16", *k[1:])] for k in rates if k[0] == "fp16"}
     print("K4V4 / fp16 decode rates:", {f"b={b} ctx={c}": f"{r:.3f}" for (b, c), r in ratio.items()})
