@@ -587,7 +587,7 @@ class Generator:
               eos: bool, **more: Any) -> Result | None:
         if not text and not toks and not eos:
             return None
-        job.completion += text
+        job.add_completion(text)
         r: Result = {"job": job, "identifier": job.identifier, "stage": "streaming", "eos": eos, "text": text,
                      "token_ids": toks}
         if job.return_probs:

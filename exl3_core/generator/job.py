@@ -94,11 +94,23 @@ class Job:
         self.rollbacks = 0  # banned-string rollbacks so far (drafters re-check their copies of seq)
         self.draft_tokens = 0  # speculative decoding: draft tokens verified for this job
         self.accepted_draft_tokens = 0  # of which the target accepted
-        self.completion = ""
+        self._completion: list[str] = []  # the text streamed so far, in pieces (see completion)
         self.rng: torch.Generator | None = None
         self.stream: Any = None
         self.held: Any = None
         self.t_enqueue = self.t_admit = self.t_first = self.t_end = 0.0
+
+    @property
+    def completion(self) -> str:
+        """The text streamed so far. Kept in pieces and joined when read: a string grown a token at a time
+        would be copied whole at every token."""
+        if len(self._completion) > 1:
+            self._completion = ["".join(self._completion)]
+        return self._completion[0] if self._completion else ""
+
+    def add_completion(self, text: str) -> None:
+        if text:
+            self._completion.append(text)
 
     @property
     def prefill_done(self) -> bool:
