@@ -5,7 +5,9 @@ one row in seven of uniformly random token ids (format spec 5.1: text weights 11
 Our text is the corpus vendored in ``exl3_core/data/calibration`` (Python documentation and
 standard-library source, the Debian Reference in seven languages; licences in its README): every
 fifth unit of each collection is held out as *evaluation* text, so perplexity and KL divergence are
-never measured on what the model was calibrated on. Everything here is seeded: the same arguments
+never measured on what the model was calibrated on. Every row begins as the tokenizer begins an input:
+with BOS where it adds one (``add_bos_token``), so the first position of each row, which every later
+position attends to, is calibrated as it is met at inference. Everything here is seeded: the same arguments
 give the same rows on every run, which resumable conversion relies on.
 """
 from __future__ import annotations
@@ -16,9 +18,12 @@ import lzma
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+if TYPE_CHECKING:
+    from exl3_core.tokenizer import Tokenizer
 
 DATA_DIR = Path(__file__).resolve().parents[1] / "data" / "calibration"
 CORPUS_FILE = DATA_DIR / "corpus.json.xz"
@@ -107,7 +112,7 @@ def postpass_rows(ids: torch.Tensor, widest_input: int) -> torch.Tensor:
     return ids[[(i * rows) // want for i in range(want)]]
 
 
-def load_tokenizer(model_dir: str | Path) -> object | None:
+def load_tokenizer(model_dir: str | Path) -> Tokenizer | None:
     """The model's tokenizer, or None when the directory has no ``tokenizer.json``."""
     d = Path(model_dir)
     if not (d / "tokenizer.json").is_file():
@@ -158,13 +163,22 @@ def calibration_ids(model_dir: str | Path, vocab_size: int, rows: int, cols: int
         raise ValueError(f"calibration size {rows} rows x {cols} cols: need rows >= 1 and cols >= 2")
     if not 0.0 <= random_fraction <= 1.0:
         raise ValueError(f"random calibration fraction {random_fraction} must be in [0, 1]")
-    if random_fraction == 1.0:
-        return random_rows(rows, cols, vocab_size, seed)
     tok = load_tokenizer(model_dir)
+    if random_fraction == 1.0:
+        return begin_like_inputs(random_rows(rows, cols, vocab_size, seed), tok)
     if tok is None:
         warnings.warn(f"{model_dir} has no tokenizer.json: calibrating on random token ids only", stacklevel=2)
         return random_rows(rows, cols, vocab_size, seed)
     n_random = round(rows * random_fraction) if rows > 1 else 0
     ids = tokenize_text(tok, text if text is not None else builtin_text("calibration"), vocab_size,
                         "calibration text")
-    return torch.cat([text_windows(ids, rows - n_random, cols), random_rows(n_random, cols, vocab_size, seed)])
+    rows_ = torch.cat([text_windows(ids, rows - n_random, cols), random_rows(n_random, cols, vocab_size, seed)])
+    return begin_like_inputs(rows_, tok)
+
+
+def begin_like_inputs(ids: torch.Tensor, tokenizer: Tokenizer | None) -> torch.Tensor:
+    """``ids [rows, cols]`` with every row's first token replaced by BOS where ``tokenizer`` prepends BOS to
+    what it encodes (in place; returned)."""
+    if tokenizer is not None and tokenizer.add_bos_token and tokenizer.bos_token_id is not None:
+        ids[:, 0] = int(tokenizer.bos_token_id)
+    return ids

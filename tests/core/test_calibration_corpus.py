@@ -55,3 +55,31 @@ def test_postpass_rows_are_an_even_subset_keeping_the_random_share(widest: int) 
         assert abs(share - (rows - n_text) / rows) < 2 / len(picked) + 1e-9
         gaps = [b - a for a, b in itertools.pairwise(picked)]
         assert max(gaps) - min(gaps) <= 1  # evenly spread over the whole set
+
+
+@pytest.mark.parametrize("random_fraction", [cal.RANDOM_FRACTION, 1.0])
+@pytest.mark.parametrize("adds_bos", [True, False])
+def test_rows_begin_as_the_tokenizer_begins_an_input(tmp_path, adds_bos: bool, random_fraction: float) -> None:
+    """Where the tokenizer prepends BOS to what it encodes, every calibration row (text and random) starts with
+    BOS and is otherwise the plain row; where it does not, the rows are the plain ones."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "data" / "exl3-golden" / "hf" / "model_a"
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(src / name, tmp_path / name)
+    conf = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    conf["add_bos_token"] = adds_bos
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
+    rows, cols, vocab = 14, 16, 1024
+    ids = cal.calibration_ids(tmp_path, vocab, rows, cols, seed=3, random_fraction=random_fraction)
+    tok = cal.load_tokenizer(tmp_path)
+    assert tok is not None and tok.bos_token_id == 1
+    n_random = rows if random_fraction == 1.0 else round(rows * random_fraction)
+    plain = cal.random_rows(n_random, cols, vocab, 3)
+    if n_random < rows:
+        text = cal.tokenize_text(tok, cal.builtin_text("calibration"), vocab)
+        plain = torch.cat([cal.text_windows(text, rows - n_random, cols), plain])
+    assert ids.shape == (rows, cols) and torch.equal(ids[:, 1:], plain[:, 1:])
+    assert torch.equal(ids[:, 0], torch.full((rows,), 1) if adds_bos else plain[:, 0])
