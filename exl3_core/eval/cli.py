@@ -59,12 +59,16 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _windows(args: argparse.Namespace, model_dir: str, vocab: int | None) -> torch.Tensor:
+    """The windows to evaluate: token ids given as rows are taken as they are; text is cut into windows that
+    each begin as the tokenizer begins an input (with BOS where it adds one, as llama.cpp's perplexity does)."""
+    from exl3_core.convert.calibration import begin_like_inputs, load_tokenizer
     from exl3_core.eval.ppl import make_windows
 
     ids = eval_ids(model_dir, args.text, args.ids, vocab)
     if ids.dim() == 2:
         return ids[: args.rows] if args.rows else ids
-    return make_windows(ids, args.ctx, args.rows)
+    w = make_windows(ids, args.ctx, args.rows)
+    return w if args.ids is not None else begin_like_inputs(w.clone(), load_tokenizer(model_dir))
 
 
 def _ppl(args: argparse.Namespace) -> int:
@@ -138,7 +142,8 @@ def add_cli(subparsers: Any) -> None:
     sub = p.add_subparsers(dest="eval_command", metavar="WHAT", required=True)
     pp = sub.add_parser("ppl", help="perplexity over fixed windows",
                         description="Perplexity of a model over non-overlapping windows of --ctx tokens (each "
-                                    "window run alone, no cache).")
+                                    "window run alone, no cache; windows of text begin with BOS where the "
+                                    "tokenizer adds one).")
     pp.add_argument("-m", "--model", required=True, help="model directory")
     _common(pp)
     pp.set_defaults(func=_ppl)

@@ -83,6 +83,28 @@ def test_eval_cli_ppl_matches_api(tiny: tuple[Path, torch.nn.Module], tmp_path: 
     assert got["ppl"] == pytest.approx(perplexity(Model.from_pretrained(d), ids, ctx=CTX).ppl, rel=1e-9)
 
 
+def test_eval_cli_windows_of_text_begin_with_bos_where_the_tokenizer_adds_it(tmp_path: Path) -> None:
+    """Text is cut into windows that begin as inputs do: the golden tokenizer adds BOS, so each window's first
+    token is BOS (the prediction count is unchanged: a window's first token is never predicted)."""
+    from exl3_core import Tokenizer
+    from exl3_core.convert.calibration import builtin_text
+
+    d = GOLDEN / "hf" / "model_c"
+    text = builtin_text("eval")[:3000]
+    (tmp_path / "t.txt").write_text(text, encoding="utf-8")
+    out = subprocess.run([sys.executable, "-m", "exl3_core", "eval", "ppl", "-m", str(d), "--text",
+                          str(tmp_path / "t.txt"), "--ctx", str(CTX), "--rows", "3", "--json"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    ids = Tokenizer.from_directory(d).encode(text, add_bos=False)[0]
+    w = make_windows(ids, CTX, 3).clone()
+    w[:, 0] = 1  # the golden tokenizer's BOS
+    model = Model.from_pretrained(d)
+    assert got["ppl"] == pytest.approx(perplexity(model, w.reshape(-1), ctx=CTX).ppl, rel=1e-9)
+    assert got["ppl"] != pytest.approx(perplexity(model, ids, ctx=CTX, rows=3).ppl, rel=1e-6)
+
+
 def test_model_bpw_matches_reference_engine_figures() -> None:
     stats = json.loads((GOLDEN / "stats.json").read_text())["exl3_vs_hf_fp32"]
     for name in ("model_a_exl3_2.0bpw", "model_c_exl3_2.5bpw", "model_c_exl3_8.0bpw"):
