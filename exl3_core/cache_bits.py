@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads lazily: options are parsed before any model or cache is built
+    import torch
 
 OPTION = "--cache-bits"
 UNQUANTIZED = 16
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,9 @@ class CacheBits:
         ``"fp32"``), for reports."""
         if self.quantized:
             return f"k{self.k_bits}v{self.v_bits}"
-        return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+        from exl3_core.cache.layer import DTYPE_VIEWS
+
+        return DTYPE_VIEWS.get(dtype, str(dtype).removeprefix("torch."))
 
     def cache_kwargs(self) -> dict[str, Any]:
         """``Cache(model, n, **cache_kwargs())``: the variant and its options."""

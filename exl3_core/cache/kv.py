@@ -6,9 +6,7 @@ from typing import ClassVar
 import torch
 
 from exl3_core import ops
-from exl3_core.cache.layer import CacheLayer, FusedKVTarget
-
-_VIEW = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+from exl3_core.cache.layer import DTYPE_VIEWS, CacheLayer, FusedKVTarget
 
 
 class KVCacheLayer(CacheLayer):
@@ -23,14 +21,14 @@ class KVCacheLayer(CacheLayer):
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
-        if self.dtype not in _VIEW:
+        if self.dtype not in DTYPE_VIEWS:
             raise ValueError(f"KVCacheLayer: dtype {self.dtype} is not a float dtype (use fp16, bf16 or fp32)")
         shape = (self.num_pages, self.page_size, self.num_kv_heads)
         self.k = torch.zeros((*shape, self.head_dim), dtype=self.dtype, device=self.device)
         self.v = torch.zeros((*shape, self.head_dim_v), dtype=self.dtype, device=self.device)
 
     def views(self) -> tuple[str, ...]:
-        return (f"kv/{_VIEW[self.dtype]}",)
+        return (f"kv/{DTYPE_VIEWS[self.dtype]}",)
 
     def write(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
         if v is None:

@@ -30,6 +30,9 @@ import torch
 from exl3_core import ops
 from exl3_core.attention.spec import QuantPages
 
+#: the name unquantized storage in a float dtype goes by, in layer views ("kv/fp16") and reports
+DTYPE_VIEWS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
 
 @dataclass(frozen=True)
 class FusedKVTarget:

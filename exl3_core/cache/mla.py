@@ -10,9 +10,7 @@ from typing import ClassVar
 
 import torch
 
-from exl3_core.cache.layer import CacheLayer
-
-_VIEW = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+from exl3_core.cache.layer import DTYPE_VIEWS, CacheLayer
 
 
 class MLACacheLayer(CacheLayer):
@@ -27,7 +25,7 @@ class MLACacheLayer(CacheLayer):
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
-        if self.dtype not in _VIEW:
+        if self.dtype not in DTYPE_VIEWS:
             raise ValueError(f"MLACacheLayer: dtype {self.dtype} is not a float dtype (use fp16, bf16 or fp32)")
         if self.num_kv_heads != 1:
             raise ValueError(f"MLACacheLayer: num_kv_heads={self.num_kv_heads}; a latent cache holds one shared "
@@ -39,7 +37,7 @@ class MLACacheLayer(CacheLayer):
                                   device=self.device)
 
     def views(self) -> tuple[str, ...]:
-        return (f"mla/{_VIEW[self.dtype]}",)
+        return (f"mla/{DTYPE_VIEWS[self.dtype]}",)
 
     def write(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
         """``k [T, 1, head_dim]`` (latent then rope key); ``v`` must be None (values live in ``k``)."""
