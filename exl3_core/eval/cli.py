@@ -4,9 +4,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from exl3_core.tokenizer import Tokenizer
 
 
 def load_model(path: str, device: str) -> Any:
@@ -36,6 +39,11 @@ def eval_ids(model_dir: str, text_file: str | None, ids_file: str | None, vocab_
         if "input_ids" not in t:
             raise ValueError(f"{ids_file} has no tensor named input_ids (found {sorted(t)})")
         return t["input_ids"].to(torch.int64)
+    return _eval_text(model_dir, text_file, vocab_size)[0]
+
+
+def _eval_text(model_dir: str, text_file: str | None, vocab_size: int | None) -> tuple[torch.Tensor, Tokenizer]:
+    """The token ids of a text file or the built-in held-out text, and the tokenizer that made them."""
     from exl3_core.convert.calibration import builtin_text, load_tokenizer, tokenize_text
 
     tok = load_tokenizer(model_dir)
@@ -43,7 +51,7 @@ def eval_ids(model_dir: str, text_file: str | None, ids_file: str | None, vocab_
         raise FileNotFoundError(f"{model_dir} has no tokenizer.json to tokenize the evaluation text; pass token ids "
                                 f"with --ids FILE.safetensors (tensor input_ids)")
     text = Path(text_file).read_text(encoding="utf-8") if text_file else builtin_text("eval")
-    return tokenize_text(tok, text, vocab_size, text_file or "built-in evaluation text")
+    return tokenize_text(tok, text, vocab_size, text_file or "built-in evaluation text"), tok
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -61,14 +69,16 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _windows(args: argparse.Namespace, model_dir: str, vocab: int | None) -> torch.Tensor:
     """The windows to evaluate: token ids given as rows are taken as they are; text is cut into windows that
     each begin as the tokenizer begins an input (with BOS where it adds one, as llama.cpp's perplexity does)."""
-    from exl3_core.convert.calibration import begin_like_inputs, load_tokenizer
+    from exl3_core.convert.calibration import begin_like_inputs
     from exl3_core.eval.ppl import make_windows
 
-    ids = eval_ids(model_dir, args.text, args.ids, vocab)
+    if args.ids is None:
+        ids, tok = _eval_text(model_dir, args.text, vocab)
+        return begin_like_inputs(make_windows(ids, args.ctx, args.rows).clone(), tok)
+    ids = eval_ids(model_dir, None, args.ids, vocab)
     if ids.dim() == 2:
         return ids[: args.rows] if args.rows else ids
-    w = make_windows(ids, args.ctx, args.rows)
-    return w if args.ids is not None else begin_like_inputs(w.clone(), load_tokenizer(model_dir))
+    return make_windows(ids, args.ctx, args.rows)
 
 
 def _ppl(args: argparse.Namespace) -> int:
