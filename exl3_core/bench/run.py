@@ -481,9 +481,11 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
             cache.free()
             cache = Cache(model, cache_tokens, **bits.cache_kwargs())
         kv_token = cache.bytes_for(model.dtype) // ((cache.num_pages + 1) * cache.page_size)
+        cache_name = bits.label(model.dtype)
+        shown = f" {cache_name} cache" if len(variants) > 1 else ""
         rows = []
         for ctx in contexts:
-            next_step(f"decode b=1 ctx={ctx}" + (f" {bits.label(model.dtype)} cache" if len(variants) > 1 else ""))
+            next_step(f"decode b=1 ctx={ctx}{shown}")
             r = bench_decode(model, cache, batch=1, ctx=ctx, new_tokens=new_tokens)
             step = graph_step_time(model, cache, batch=1, ctx=ctx)
             r["graph_step_ms"] = None if step is None else step * 1e3
@@ -491,16 +493,16 @@ def run_bench(shape: BenchShape, *, bpw: float = 4.0, head_bits: int | None = 6,
         if ceilings and ceiling is None:  # measured again with the card as warm as the b=1 runs left it
             ceiling = combine_ceilings(ceilings + _ceiling_samples(model, op), log)
         for b in batches:
-            next_step(f"decode b={b} ctx={min(contexts)}" + (f" {bits.label(model.dtype)} cache" if len(variants) > 1 else ""))
+            next_step(f"decode b={b} ctx={min(contexts)}{shown}")
             r = bench_decode(model, cache, batch=b, ctx=min(contexts), new_tokens=new_tokens)
             step = graph_step_time(model, cache, batch=b, ctx=min(contexts)) if b <= 32 else None
             r["graph_step_ms"] = None if step is None else step * 1e3
             rows.append(r)
         for r in rows:
-            r["cache"] = bits.label(model.dtype)
+            r["cache"] = cache_name
             r["kv_bytes"] = r["batch"] * kv_token * r["ctx"]
         decode += rows
-        _bench_prefills(out, model, cache, prefills, longest, prefill_past, bits.label(model.dtype) if len(variants) > 1 else "",
+        _bench_prefills(out, model, cache, prefills, longest, prefill_past, cache_name if len(variants) > 1 else "",
                         first=vi == 0, log=log, step=next_step)
     out["decode_ceiling"] = ceiling
     for r in decode:
