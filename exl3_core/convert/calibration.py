@@ -172,8 +172,8 @@ def calibration_ids(model_dir: str | Path, vocab_size: int, rows: int, cols: int
     n_random = round(rows * random_fraction) if rows > 1 else 0
     ids = tokenize_text(tok, text if text is not None else builtin_text("calibration"), vocab_size,
                         "calibration text")
-    rows_ = torch.cat([text_windows(ids, rows - n_random, cols), random_rows(n_random, cols, vocab_size, seed)])
-    return begin_like_inputs(rows_, tok)
+    mixed = torch.cat([text_windows(ids, rows - n_random, cols), random_rows(n_random, cols, vocab_size, seed)])
+    return begin_like_inputs(mixed, tok)
 
 
 def begin_like_inputs(ids: torch.Tensor, tokenizer: Tokenizer | None) -> torch.Tensor:
