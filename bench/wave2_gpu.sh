@@ -170,7 +170,7 @@ case "$stage" in
     # fairness figure, the feature figures, the GPU tests), then the A/B runs,
     # which need the baseline's build, then the n-gram figure. Also: one feature figure by name (spec, kvq_b1, ...),
     # spprobe (bench/spec_target_probe.py), qtests (the test files in $QTESTS), cand:NAME (bench/candidates/NAME.patch,
-    # see the candidate stage)
+    # see the candidate stage), golden (every golden cell converted on CUDA, bench/golden_seeds.py)
     stages=${STAGES:-fairness features tests ab1b ab8b ngram}
     echo "HEAD built $(date +%T); stages: $stages"; export SKIP_BUILD=1
     for st in $stages; do
@@ -186,8 +186,13 @@ case "$stage" in
         cand:*) echo "== candidate ${st#cand:}"; bash bench/wave2_gpu.sh candidate "${st#cand:}" ;;
         spprobe) echo "== spec target probe"; timeout 240 python3 bench/spec_target_probe.py > "$OUT/spprobe.log" 2>&1
           echo "rc=$?"; grep self_predicting "$OUT/spprobe.log" ;;
-        ngram)  # where earlier calls have carried every part of the default model into $REPO/.model
-          (cd "$REPO" && sha256sum -c --quiet .model/SHA256 2>/dev/null && bash bench/wave2_gpu.sh model) \
+        golden)  # 41's CUDA half: every golden cell converted on the GPU, three seeds each
+          for cell in "model_a 2.0" "model_a 3.0" "model_a 4.0" "model_c 2.5" "model_c 3.0" "model_c 5.0" "model_c 8.0"; do
+            timeout 300 python3 bench/golden_seeds.py $cell 0,1,2 '{"device": "cuda"}' >> "$OUT/golden.log" 2>&1
+            echo "$cell rc=$?"; grep "^MEAN" "$OUT/golden.log" | tail -1
+          done ;;
+        ngram)  # where earlier calls have stashed every part of the default model (model-stash)
+          (cd "$REPO" && bash bench/wave2_gpu.sh model) \
             && bash bench/wave2_gpu.sh features ngram ;;
         *) echo "unknown pipeline stage $st" ;;
       esac
