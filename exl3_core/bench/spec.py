@@ -212,7 +212,9 @@ PARAGRAPH = ("The old lighthouse stood at the edge of the cliff for more than tw
 
 def run_ngram_bench(*, batches: tuple[int, ...] = (1, 16), new_tokens: int = 128, k: int = 4,
                     device: str | torch.device | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Prompt lookup on the default model for a rewriting prompt, against the plain generator, per batch size."""
+    """Prompt lookup on the default model for a rewriting prompt, against the plain generator, per batch size:
+    the dynamic draft length and a fixed ``k``, over ``new_tokens`` tokens (past the end of the answer) and over
+    the answer alone (up to its end-of-turn token, as the plain run wrote it)."""
     from exl3_core import Cache, Config, Generator, Model, Tokenizer
     from exl3_core.convert.default_model import default_model_dir
 
@@ -228,21 +230,40 @@ def run_ngram_bench(*, batches: tuple[int, ...] = (1, 16), new_tokens: int = 128
                                      "'tower' instead of 'lighthouse':\n\n" + PARAGRAPH}], add_generation_prompt=True)
     prompt = tok.encode(text, add_bos=False)[0].tolist()
     out: dict[str, Any] = {"prompt_tokens": len(prompt), "new_tokens": new_tokens, "k": k, "runs": []}
+    variants: tuple[tuple[str, dict[str, Any]], ...] = (
+        ("plain", {}), ("dynamic", {"ngram_draft_tokens": k}),
+        (f"k={k}", {"ngram_draft_tokens": k, "dynamic_draft": False}))
+    answer = 0
     for b in batches:
-        res: dict[str, tuple[float, dict[int, list[int]], dict[str, float] | None]] = {}
-        for name, kw in (("plain", {}), ("ngram", {"ngram_draft_tokens": k})):
-            gen = Generator(model, cache, tok, max_batch_size=b, **kw)
-            _decode_tokens(gen, [prompt] * b, 8)
-            gen.capture_graphs()
-            tok_s, got = _decode_tokens(gen, [prompt] * b, new_tokens)
-            res[name] = (tok_s, got, gen.spec.stats.as_dict() if gen.spec is not None else None)
-        same = res["plain"][1] == res["ngram"][1]
-        stats = res["ngram"][2] or {}
-        r: dict[str, Any] = {"batch": b, "plain_tok_s": res["plain"][0], "ngram_tok_s": res["ngram"][0],
-             "speedup": res["ngram"][0] / res["plain"][0], "same_tokens": same, "ngram_stats": stats}
-        out["runs"].append(r)
-        log(f"n-gram b={b}: {r['ngram_tok_s']:.1f} tok/s vs plain {r['plain_tok_s']:.1f}: x{r['speedup']:.2f}; "
-            f"acceptance {stats.get('acceptance_rate', 0.0):.2f}; same tokens: {same}")
-    out["sample"] = tok.decode(torch.tensor(res["plain"][1][0][:80]))
+        for span in ("tokens", "answer"):
+            n = new_tokens if span == "tokens" else answer
+            if n < 2:
+                continue
+            res: dict[str, tuple[float, dict[int, list[int]], Any]] = {}
+            for name, kw in variants:
+                gen = Generator(model, cache, tok, max_batch_size=b, **kw)
+                _decode_tokens(gen, [prompt] * b, 8)
+                gen.capture_graphs()
+                tok_s, got = _decode_tokens(gen, [prompt] * b, n)
+                spec = gen.spec
+                res[name] = (tok_s, got, None if spec is None else
+                             {**spec.stats.as_dict(), **({"policy": spec.length.estimates()} if spec.length.dynamic else {})})
+            base_rate, ref, _ = res["plain"]
+            if span == "tokens" and not answer:
+                ends = [i for i, t in enumerate(ref[0]) if t in tok.eos_token_ids]
+                answer = ends[0] + 1 if ends else 0
+                out["answer_tokens"] = answer
+            for name, (rate, got, stats) in res.items():
+                if name == "plain":
+                    continue
+                r: dict[str, Any] = {"batch": b, "span": span, "new_tokens": n, "draft": name, "plain_tok_s": base_rate,
+                                     "ngram_tok_s": rate, "speedup": rate / base_rate, "same_tokens": got == ref,
+                                     "ngram_stats": stats}
+                out["runs"].append(r)
+                log(f"n-gram b={b} {name}, {n} tokens{' (the answer)' if span == 'answer' else ''}: {rate:.1f} tok/s "
+                    f"vs plain {base_rate:.1f}: x{r['speedup']:.2f}; acceptance {stats['acceptance_rate']:.2f}, "
+                    f"{stats['spec_steps']} speculative / {stats['plain_steps']} plain steps; same tokens: {got == ref}"
+                    + (f"; policy's estimates {stats['policy']}" if "policy" in stats else ""))
+    out["sample"] = tok.decode(torch.tensor(ref[0][:80]))
     model.unload()
     return out
