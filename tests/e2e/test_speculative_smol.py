@@ -148,3 +148,24 @@ def test_greedy_identity_batched_with_arrivals_and_cancels(smol, prompts, plain,
     for i in cancelled:
         assert out.get(i, []) == plain[i][:len(out.get(i, []))]
     assert gen.spec.stats.steps > 0
+
+
+def test_ngram_bench_reports_each_draft_rule_over_the_answer_and_past_it() -> None:
+    """``exl3 bench --ngram-bench`` on the CPU: the dynamic and the fixed draft length give the plain run's tokens,
+    over ``new_tokens`` and over the answer alone (which ends at the model's end-of-turn), with the statistics and
+    the dynamic policy's estimates each row needs to be read."""
+    from exl3_core.bench.spec import run_ngram_bench
+
+    out = run_ngram_bench(batches=(1,), new_tokens=84, k=4, device="cpu", log=lambda s: None)
+    answer = out["answer_tokens"]
+    assert 8 < answer < 84  # the rewrite ends inside the run
+    rows = {(r["span"], r["draft"]): r for r in out["runs"]}
+    assert set(rows) == {(s, d) for s in ("tokens", "answer") for d in ("dynamic", "k=4")}
+    for (span, draft), r in rows.items():
+        assert r["same_tokens"], (span, draft)
+        assert r["new_tokens"] == (84 if span == "tokens" else answer)
+        st = r["ngram_stats"]
+        assert st["draft_tokens"] > 0 and 0.0 < st["acceptance_rate"] <= 1.0
+        assert ("policy" in st) == (draft == "dynamic")
+    # a copying answer is drafted in long runs: far fewer speculative steps than tokens
+    assert rows[("answer", "k=4")]["ngram_stats"]["spec_steps"] < answer / 2
