@@ -4,12 +4,13 @@ Each step asks the policy for a draft length; a plain step costs the target's on
 k drafts costs the target at k + 1 rows, k draft forwards and the host work, and accepts each draft with
 probability alpha until the first rejection. The policy is fed what the speculator would record (target and draft
 times, host time, acceptance). Printed per alpha: the plain rate, the best fixed k and the policy's rate (median and
-minimum over seeds): what the policy loses by deciding, with no first-use compiles, catch-up prefills or noise.
+minimum over seeds): what the policy loses by deciding, with no catch-up prefills or noise, and no first-use cost
+unless ``--first-use-ms`` gives one (added to what the policy records of the first step of each row count).
 
 Default costs: an H100 (8B target with graphs, 1B draft): target 2.95 ms at one row, the verification rows as
 measured there, a draft forward 1.33 ms with its host share (0.63 ms on the device), 0.5 ms of host work a step.
 
-    python bench/draft_policy_sim.py [--draft-ms 1.33] [--host-ms 0.5] [--tokens 256] [--seeds 20]
+    python bench/draft_policy_sim.py [--draft-ms 1.33] [--host-ms 0.5] [--tokens 256] [--seeds 20] [--first-use-ms 200]
 """
 from __future__ import annotations
 
@@ -25,17 +26,26 @@ TARGET_MS = {1: 2.95, 2: 2.74, 3: 2.96, 4: 3.12, 5: 3.38, 6: 3.53, 7: 3.74, 8: 4
 
 
 def simulate(alpha: float, draft_ms: float, host_ms: float, tokens: int, seed: int,
-             max_k: int = 8) -> tuple[float, int, int]:
-    """``(tokens/s, speculative steps, plain steps)`` of the policy decoding ``tokens`` tokens."""
+             max_k: int = 8, first_use_ms: float = 0.0) -> tuple[float, int, int]:
+    """``(tokens/s, speculative steps, plain steps)`` of the policy decoding ``tokens`` tokens. The first step of
+    each row count is recorded ``first_use_ms`` longer (a kernel compile, a graph capture): a cost paid once per
+    process, so left out of the rate, which shows what the policy's choices are worth after it."""
     rng = random.Random(seed)
     policy = DraftLength(max_k, dynamic=True, draft_cost=draft_ms / TARGET_MS[1])
     job = Job([1, 2, 3], max_new_tokens=tokens)
     done, ms, spec, plain = 0, 0.0, 0, 0
+    used: set[int] = set()
+
+    def target_ms(rows: int) -> float:
+        extra = first_use_ms if rows not in used else 0.0
+        used.add(rows)
+        return TARGET_MS[rows] + extra
+
     while done < tokens:
         k = policy.choose([job], [max_k])[0]
         if k == 0:
-            if policy.needs_timing(1):  # the speculator times one plain step through its own path
-                policy.record_target(1, 1, TARGET_MS[1] / 1e3)
+            if policy.needs_timing(1):  # the speculator times a plain step through its own path
+                policy.record_target(1, 1, target_ms(1) / 1e3)
             ms, done, plain = ms + TARGET_MS[1], done + 1, plain + 1
             policy.note_step(False)
             continue
@@ -45,7 +55,7 @@ def simulate(alpha: float, draft_ms: float, host_ms: float, tokens: int, seed: i
         ms += TARGET_MS[k + 1] + k * draft_ms + host_ms
         done, spec = done + accepted + 1, spec + 1
         policy.record_acceptance(job, k, accepted)
-        policy.record_target(1, k + 1, TARGET_MS[k + 1] / 1e3)
+        policy.record_target(1, k + 1, target_ms(k + 1) / 1e3)
         policy.record_draft(1, draft_ms / 1e3)
         policy.record_host(host_ms / 1e3)
         policy.note_step(True)
@@ -58,12 +68,15 @@ def main() -> None:
     ap.add_argument("--host-ms", type=float, default=0.5)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--first-use-ms", type=float, default=0.0,
+                    help="extra cost of the first step of each row count (a compile, a capture)")
     a = ap.parse_args()
     plain = 1e3 / TARGET_MS[1]
     for alpha in (0.6, 0.8, 0.9):
         best_rate, best_k = max((expected_tokens(alpha, k) / (TARGET_MS[k + 1] + k * a.draft_ms + a.host_ms) * 1e3, k)
                                 for k in range(1, 9))
-        runs = [simulate(alpha, a.draft_ms, a.host_ms, a.tokens, s) for s in range(a.seeds)]
+        runs = [simulate(alpha, a.draft_ms, a.host_ms, a.tokens, s, first_use_ms=a.first_use_ms)
+                for s in range(a.seeds)]
         rates = [r[0] for r in runs]
         print(f"alpha {alpha}: plain {plain:.0f} tok/s; best fixed k={best_k} {best_rate / plain:.2f}x; policy median "
               f"{statistics.median(rates) / plain:.2f}x, min {min(rates) / plain:.2f}x "
