@@ -8,7 +8,7 @@ alone (up to its end-of-turn token, as the plain run writes it), then, with ``--
 batch and span: the plain rate, each policy's median rate and speedup, its drafts, speculative and plain steps.
 
     python bench/ngram_policy_ab.py --candidate /tmp/cand/exl3_core/generator/draft_policy.py [--batches 1,16]
-        [--rounds 3] [--k 4] [--tokens 128] [--device cuda]
+        [--rounds 3] [--k 4] [--tokens 128] [--device cuda] [--product exl3_core/generator/draft_policy.py]
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ from exl3_core.generator.draft_policy import DraftLength
 from exl3_core.generator.speculative import SpecStats
 
 
-def load_policy(path: Path) -> type[DraftLength]:
-    spec = importlib.util.spec_from_file_location("candidate_draft_policy", path)
+def load_policy(path: Path, name: str) -> type[DraftLength]:
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise SystemExit(f"--candidate {path}: not a Python module")
+        raise SystemExit(f"{path}: not a Python module")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # its dataclasses look their module up while being built
     spec.loader.exec_module(mod)
@@ -41,13 +41,17 @@ def load_policy(path: Path) -> type[DraftLength]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--candidate", type=Path, required=True, help="a draft_policy.py to compare with the product's")
+    ap.add_argument("--product", type=Path, default=None,
+                    help="the product's draft_policy.py (default: the one this interpreter imports)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--rounds", type=int, default=3, help="runs of each policy per batch size and span")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=0, help="also decode this many tokens (past the answer)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
-    policies: dict[str, type[DraftLength]] = {"product": DraftLength, "candidate": load_policy(a.candidate)}
+    policies: dict[str, type[DraftLength]] = {
+        "product": DraftLength if a.product is None else load_policy(a.product, "product_draft_policy"),
+        "candidate": load_policy(a.candidate, "candidate_draft_policy")}
     dev = torch.device(a.device)
     d = default_model_dir(progress=False)
     cfg = Config.from_directory(d)

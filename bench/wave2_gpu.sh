@@ -158,6 +158,7 @@ case "$stage" in
     # a measured-before-landing change kept in the repo: bench/candidates/NAME.patch applied to a copy of this
     # tree (rebuilt where it touches csrc), then bench/candidates/NAME.run there with OUT=$OUT/cand_NAME
     name=${2:?usage: candidate NAME (bench/candidates/NAME.patch and NAME.run)}
+    export BASE_TREE=$PWD  # the unpatched tree, for a .run that compares the two in one process
     rm -rf /tmp/cand && cp -r "$PWD" /tmp/cand && cd /tmp/cand
     patch -p1 -s < "bench/candidates/$name.patch" || { echo "candidate $name: patch failed"; exit 1; }
     grep -q "^+++ b/csrc/" "bench/candidates/$name.patch" && unset SKIP_BUILD
