@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from exl3_core import Cache, Config, Generator, Model, Tokenizer
-from exl3_core.bench.spec import PARAGRAPH, _decode_tokens
+from exl3_core.bench.spec import _decode_tokens, rewrite_prompt
 from exl3_core.convert.default_model import default_model_dir
 from exl3_core.generator.draft_policy import DraftLength
 from exl3_core.generator.speculative import SpecStats
@@ -60,9 +60,7 @@ def main() -> None:
     cache = Cache(model, max_num_tokens=max(batches) * 1024)
     model.load(device=dev, dtype=torch.float16 if dev.type == "cuda" else torch.float32, caches=[cache])
     tok = Tokenizer.from_config(cfg)
-    text = tok.apply_chat_template([{"role": "user", "content": "Rewrite this paragraph word for word, but say "
-                                     "'tower' instead of 'lighthouse':\n\n" + PARAGRAPH}], add_generation_prompt=True)
-    prompt = tok.encode(text, add_bos=False)[0].tolist()
+    prompt = rewrite_prompt(tok)
     for b in batches:
         plain = Generator(model, cache, tok, max_batch_size=b)
         _decode_tokens(plain, [prompt] * b, 8)

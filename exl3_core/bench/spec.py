@@ -212,6 +212,13 @@ PARAGRAPH = ("The old lighthouse stood at the edge of the cliff for more than tw
              "lives to the quiet man who never missed a single night.")
 
 
+def rewrite_prompt(tok: Any) -> list[int]:
+    """The n-gram bench's prompt: the chat-formatted request to rewrite :data:`PARAGRAPH` (copy-heavy output)."""
+    text = tok.apply_chat_template([{"role": "user", "content": "Rewrite this paragraph word for word, but say "
+                                     "'tower' instead of 'lighthouse':\n\n" + PARAGRAPH}], add_generation_prompt=True)
+    return tok.encode(text, add_bos=False)[0].tolist()
+
+
 def run_ngram_bench(*, batches: tuple[int, ...] = (1, 16), new_tokens: int = 128, k: int = 4,
                     device: str | torch.device | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Prompt lookup on the default model for a rewriting prompt, against the plain generator, per batch size:
@@ -228,26 +235,29 @@ def run_ngram_bench(*, batches: tuple[int, ...] = (1, 16), new_tokens: int = 128
     cache = Cache(model, max_num_tokens=tokens)
     model.load(device=dev, dtype=torch.float16 if dev.type == "cuda" else torch.float32, caches=[cache])
     tok = Tokenizer.from_config(cfg)
-    text = tok.apply_chat_template([{"role": "user", "content": "Rewrite this paragraph word for word, but say "
-                                     "'tower' instead of 'lighthouse':\n\n" + PARAGRAPH}], add_generation_prompt=True)
-    prompt = tok.encode(text, add_bos=False)[0].tolist()
+    prompt = rewrite_prompt(tok)
     out: dict[str, Any] = {"prompt_tokens": len(prompt), "new_tokens": new_tokens, "k": k, "runs": []}
     variants: tuple[tuple[str, dict[str, Any]], ...] = (
         ("plain", {}), ("dynamic", {"ngram_draft_tokens": k}),
         (f"k={k}", {"ngram_draft_tokens": k, "dynamic_draft": False}))
     answer = 0
     for b in batches:
+        gens = {}
+        for name, kw in variants:  # each captured once, for both spans
+            gens[name] = gen = Generator(model, cache, tok, max_batch_size=b, **kw)
+            _decode_tokens(gen, [prompt] * b, 8)
+            gen.capture_graphs()
         for span in ("tokens", "answer"):
             n = new_tokens if span == "tokens" else answer
             if n < 2:
                 continue
             res: dict[str, tuple[float, dict[int, list[int]], Any]] = {}
-            for name, kw in variants:
-                gen = Generator(model, cache, tok, max_batch_size=b, **kw)
-                _decode_tokens(gen, [prompt] * b, 8)
-                gen.capture_graphs()
-                tok_s, got = _decode_tokens(gen, [prompt] * b, n)
+            for name, gen in gens.items():
                 spec = gen.spec
+                if spec is not None:  # each run starts with what the policy learns from nothing
+                    spec.length = DraftLength(k, dynamic=spec.length.dynamic)
+                    spec.stats = SpecStats()
+                tok_s, got = _decode_tokens(gen, [prompt] * b, n)
                 res[name] = (tok_s, got, None if spec is None else
                              {**spec.stats.as_dict(), **({"policy": spec.length.estimates()} if spec.length.dynamic else {})})
             base_rate, ref, _ = res["plain"]
@@ -258,13 +268,14 @@ def run_ngram_bench(*, batches: tuple[int, ...] = (1, 16), new_tokens: int = 128
             for name, (rate, got, stats) in res.items():
                 if name == "plain":
                     continue
+                same = got == ref
                 r: dict[str, Any] = {"batch": b, "span": span, "new_tokens": n, "draft": name, "plain_tok_s": base_rate,
-                                     "ngram_tok_s": rate, "speedup": rate / base_rate, "same_tokens": got == ref,
+                                     "ngram_tok_s": rate, "speedup": rate / base_rate, "same_tokens": same,
                                      "ngram_stats": stats}
                 out["runs"].append(r)
                 log(f"n-gram b={b} {name}, {n} tokens{' (the answer)' if span == 'answer' else ''}: {rate:.1f} tok/s "
                     f"vs plain {base_rate:.1f}: x{r['speedup']:.2f}; acceptance {stats['acceptance_rate']:.2f}, "
-                    f"{stats['spec_steps']} speculative / {stats['plain_steps']} plain steps; same tokens: {got == ref}"
+                    f"{stats['spec_steps']} speculative / {stats['plain_steps']} plain steps; same tokens: {same}"
                     + (f"; policy's estimates {stats['policy']}" if "policy" in stats else ""))
     out["sample"] = tok.decode(torch.tensor(ref[0][:80]))
     model.unload()
