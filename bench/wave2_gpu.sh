@@ -171,7 +171,8 @@ case "$stage" in
     # fairness figure, the feature figures, the GPU tests), then the A/B runs,
     # which need the baseline's build, then the n-gram figure. Also: one feature figure by name (spec, kvq_b1, ...),
     # spprobe (bench/spec_target_probe.py), qtests (the test files in $QTESTS), cand:NAME (bench/candidates/NAME.patch,
-    # see the candidate stage), golden (every golden cell converted on CUDA, bench/golden_seeds.py)
+    # see the candidate stage), golden (every golden cell converted on CUDA, bench/golden_seeds.py), profsmol (the
+    # SmolLM2 shape's decode step per kernel at b=1 and b=16)
     stages=${STAGES:-fairness features tests ab1b ab8b ngram}
     echo "HEAD built $(date +%T); stages: $stages"; export SKIP_BUILD=1
     for st in $stages; do
@@ -187,6 +188,11 @@ case "$stage" in
         cand:*) echo "== candidate ${st#cand:}"; bash bench/wave2_gpu.sh candidate "${st#cand:}" ;;
         spprobe) echo "== spec target probe"; timeout 240 python3 bench/spec_target_probe.py > "$OUT/spprobe.log" 2>&1
           echo "rc=$?"; grep self_predicting "$OUT/spprobe.log" ;;
+        profsmol)  # the SmolLM2 shape's decode step at b=1 and b=16, per kernel (its b=1 step is the slower one)
+          for b in 1 16; do
+            timeout 200 python3 bench/profile_gpu.py decode --shape "custom(576,1536,30,9,3,49152,64)" --tokens 256 \
+              --batch $b > "$OUT/profsmol_b$b.log" 2>&1; echo "b=$b rc=$?"; head -30 "$OUT/profsmol_b$b.log"
+          done ;;
         golden)  # 41's CUDA half: every golden cell converted on the GPU, three seeds each
           for cell in "model_a 2.0" "model_a 3.0" "model_a 4.0" "model_c 2.5" "model_c 3.0" "model_c 5.0" "model_c 8.0"; do
             timeout 300 python3 bench/golden_seeds.py $cell 0,1,2 '{"device": "cuda"}' >> "$OUT/golden.log" 2>&1
