@@ -179,14 +179,17 @@ class ResidualOut:
         self.device = device
         self.kernels = kernels
         self.max_rows = tuning.kernels.fused_linear_max_rows
-        why: list[str] = kernels.unavailable(device, "residual")
+        shape_why: list[str] = []
         if not isinstance(layer, EXL3Linear):
-            why.append(f"{type(layer).__name__}, not EXL3")
+            shape_why.append(f"{type(layer).__name__}, not EXL3")
         else:
             if layer.bias is not None:
-                why.append("has a bias")
+                shape_why.append("has a bias")
             if layer.out_features != layer.padded_out_features:
-                why.append("output width not a multiple of 128")
+                shape_why.append("output width not a multiple of 128")
+        #: [] when the layer itself suits the residual launch (whatever the device and sharding)
+        self.shape_why = shape_why
+        why: list[str] = kernels.unavailable(device, "residual") + shape_why
         if getattr(layer, "shard", None) is not None and layer.shard.needs_reduce:  # type: ignore[union-attr]
             why.append("row-parallel shard: the all-reduce comes between the projection and the residual add")
         #: [] when the residual launch applies at decode sizes

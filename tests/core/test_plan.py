@@ -131,6 +131,35 @@ def test_fused_forms_with_triton_on_cpu_match_reference(monkeypatch: pytest.Monk
     assert decode_calls == [1], "the one-row decode step took the deferred form"
 
 
+def test_residual_widths_off_128_take_the_chain_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hidden width off a multiple of 128 (SmolLM2's 576) leaves o_proj and down without their residual
+    launch, so decode steps take the chain form (the add inside the next norm) and the report says why; the
+    step stays within fp16 rounding of the reference."""
+    pytest.importorskip("triton")
+    from exl3_core.cache import Cache
+
+    monkeypatch.setattr(ops, "fused_enabled", lambda t: True)
+    hidden = 128 * torch.randint(1, 4, ()).item() + 64
+    model, cache = build_model(parse_shape(f"custom({hidden},256,1,{hidden // 64},1,300,64)"), device="cpu",
+                               dtype=torch.float16, seed=int(torch.randint(0, 1000, ())), cache_tokens=4 * PAGE,
+                               page_size=PAGE)
+    ref_cache = Cache(model, 4 * PAGE, page_size=PAGE)
+    plan = ExecutionPlan(model)
+    assert plan.executor is not None and not plan.executor.chain_why
+    why = plan.executor.deferred_why
+    assert len(why) == 1 and "o_proj's residual launch declines: output width not a multiple of 128" in why[0] \
+        and "down's residual launch declines" in why[0]
+    monkeypatch.setattr(plan.executor, "_deferred", lambda *a, **k: pytest.fail("took the deferred form"))
+    pages = [cache.allocator.allocate(1)]
+    assert ref_cache.allocator.allocate(1) == pages[0]
+    for meta_args in (([6], [0], pages, [5]), ([1], [6], pages, None)):
+        got = plan.forward(_paged_meta(*meta_args), cache)
+        with monkeypatch.context() as m:
+            m.setattr(ops, "fused_enabled", lambda t: False)
+            ref = model.forward_batch(_paged_meta(*meta_args), ref_cache)
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+
+
 def test_forced_bf16_forward_close_to_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
     """The bf16 prefill's dtype flow, forced on CPU: bf16 activations, keys and values stored in the
     cache's fp16, a fresh sequence attending to its own rows, a later chunk attending through the cache in
