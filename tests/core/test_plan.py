@@ -105,6 +105,18 @@ def test_add_residual_ss_accumulates() -> None:
     assert ss[2] == 7.0
 
 
+def _prefill_then_decode(plan: ExecutionPlan, model, cache, ref_cache, pages: list[list[int]], n: int,
+                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill of ``n`` tokens, then one decode step, through ``plan`` on ``cache`` and through the reference
+    forward (the fused ops off) on ``ref_cache``: logits within fp16 rounding of each other."""
+    for meta_args in (([n], [0], pages, [n - 1]), ([1], [n], pages, None)):
+        got = plan.forward(_paged_meta(*meta_args), cache)
+        with monkeypatch.context() as m:
+            m.setattr(ops, "fused_enabled", lambda t: False)
+            ref = model.forward_batch(_paged_meta(*meta_args), ref_cache)
+        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+
+
 def test_fused_forms_with_triton_on_cpu_match_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the Triton kernels run by the interpreter, the plan takes its chain and deferred forms (what CUDA
     would take); a prefill chunk and a decode step stay within fp16 rounding of the reference."""
@@ -122,12 +134,7 @@ def test_fused_forms_with_triton_on_cpu_match_reference(monkeypatch: pytest.Monk
     monkeypatch.setattr(plan.executor, "_deferred", lambda *a, **k: decode_calls.append(1) or real(*a, **k))
     pages = [cache.allocator.allocate(2)]
     assert ref_cache.allocator.allocate(2) == pages[0]
-    for meta_args in (([20], [0], pages, [19]), ([1], [20], pages, None)):
-        got = plan.forward(_paged_meta(*meta_args), cache)
-        with monkeypatch.context() as m:
-            m.setattr(ops, "fused_enabled", lambda t: False)
-            ref = model.forward_batch(_paged_meta(*meta_args), ref_cache)
-        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    _prefill_then_decode(plan, model, cache, ref_cache, pages, 20, monkeypatch)
     assert decode_calls == [1], "the one-row decode step took the deferred form"
 
 
@@ -152,12 +159,7 @@ def test_residual_widths_off_128_take_the_chain_form(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(plan.executor, "_deferred", lambda *a, **k: pytest.fail("took the deferred form"))
     pages = [cache.allocator.allocate(1)]
     assert ref_cache.allocator.allocate(1) == pages[0]
-    for meta_args in (([6], [0], pages, [5]), ([1], [6], pages, None)):
-        got = plan.forward(_paged_meta(*meta_args), cache)
-        with monkeypatch.context() as m:
-            m.setattr(ops, "fused_enabled", lambda t: False)
-            ref = model.forward_batch(_paged_meta(*meta_args), ref_cache)
-        torch.testing.assert_close(got, ref, rtol=2e-2, atol=2e-2)
+    _prefill_then_decode(plan, model, cache, ref_cache, pages, 6, monkeypatch)
 
 
 def test_forced_bf16_forward_close_to_fp16(monkeypatch: pytest.MonkeyPatch) -> None:
