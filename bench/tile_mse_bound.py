@@ -2,7 +2,7 @@
 
 The encoder (exl3_core/quant/exl3/viterbi.py) picks a path that starts and ends in the same state (tail-biting,
 format spec 3.4). Without that constraint a plain Viterbi over the tile finds the cheapest path with a free
-start and end; its MSE is a lower bound on any encoder's, and a loose one, because a free start also makes the
+start and end (the encoder's first pass, unrotated); its MSE is a lower bound on any encoder's, and a loose one, because a free start also makes the
 first ~16/K positions nearly free. Prints both on N(0, 1) tiles scaled to the codebook's RMS (the tiles of
 ``tests/core/test_viterbi.py::test_mse_mul1_k2`` at the defaults).
 
@@ -19,18 +19,13 @@ from exl3_core.quant.exl3 import codebook as cb
 from exl3_core.quant.exl3 import viterbi as V
 
 
-def unconstrained_mse(tiles: torch.Tensor, K: int, codebook: int) -> torch.Tensor:
-    """Per tile, the least MSE over every state path with a free start and end (fp32, no FMA)."""
-    lut = cb.lut(codebook).float()
-    L, NN = 1 << K, V.STATES >> K
-    M = NN >> K
-    lut3 = lut.view(1, L, NN)
-    B = tiles.shape[0]
-    D = torch.zeros(B, NN)
-    for i in range(V.SEQ):
-        d = lut3 - tiles[:, i].view(B, 1, 1)
-        D = (d * d + D.view(B, L, M, 1).expand(B, L, M, L).reshape(B, L, NN)).min(dim=1).values
-    return D.min(dim=1).values / V.SEQ
+def unconstrained_mse(tiles: torch.Tensor, K: int, codebook: int, chunk: int = 16) -> torch.Tensor:
+    """Per tile, the least MSE over every state path with a free start and end: the encoder's own first pass
+    (its torch reference, exact fp32 FMA) on the tiles in natural order, in chunks that bound its survivor table."""
+    lut = V._lut32(codebook)
+    costs = [V._viterbi_torch(tiles[i:i + chunk], lut, K, None)[0].min(dim=1).values
+             for i in range(0, tiles.shape[0], chunk)]
+    return torch.cat(costs) / V.SEQ
 
 
 def main() -> None:
