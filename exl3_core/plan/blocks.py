@@ -225,10 +225,10 @@ class BlockRunner:
             deferred.append(f"MLP is {kind(block.mlp)}, not GatedMLP")  # type: ignore[union-attr]
         # a residual launch that cannot take its layer leaves the add and the sums to several eager kernels,
         # where the chain form adds inside the next norm's one kernel
-        for out in (r.out if isinstance(r, AttentionRunner) else r.down for r in (self.attn_runner, self.mlp_runner)
-                    if r is not None):
-            if out.shape_why:
-                deferred.append(f"{out.name}'s residual launch declines: {'; '.join(out.shape_why)}")
+        producers = ([self.attn_runner.out] if self.attn_runner is not None else []) + \
+            ([self.mlp_runner.down] if self.mlp_runner is not None else [])
+        deferred += [f"{out.name}'s residual launch declines: {'; '.join(out.shape_why)}" for out in producers
+                     if out.shape_why]
         #: [] when, at decode sizes, this block's norms run inside the linears around them
         self.deferred_why = deferred
 
