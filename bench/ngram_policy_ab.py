@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from exl3_core import Cache, Config, Generator, Model, Tokenizer
-from exl3_core.bench.spec import _decode_tokens, rewrite_prompt
+from exl3_core.bench.spec import _decode_tokens, answer_length, rewrite_prompt
 from exl3_core.convert.default_model import default_model_dir
 from exl3_core.generator.draft_policy import DraftLength
 from exl3_core.generator.speculative import SpecStats
@@ -66,8 +66,8 @@ def main() -> None:
         _decode_tokens(plain, [prompt] * b, 8)
         plain.capture_graphs()
         _, ref = _decode_tokens(plain, [prompt] * b, max(a.tokens, 160))
-        ends = [i for i, t in enumerate(ref[0]) if t in tok.eos_token_ids]
-        spans = ([ends[0] + 1] if ends else []) + ([a.tokens] if a.tokens else [])
+        answer = answer_length(ref[0], tok)
+        spans = ([answer] if answer else []) + ([a.tokens] if a.tokens else [])
         gen = Generator(model, cache, tok, max_batch_size=b, ngram_draft_tokens=a.k)
         assert gen.spec is not None
         _decode_tokens(gen, [prompt] * b, 8)
@@ -85,7 +85,7 @@ def main() -> None:
                         raise SystemExit(f"{name}: b={b}, {n} tokens: output differs from the plain generator's")
                     rates[name].append(rate)
                     last[name] = {**gen.spec.stats.as_dict(), "policy": gen.spec.length.estimates()}
-            print(f"b={b}, {n} tokens{' (the answer)' if ends and n == ends[0] + 1 else ''}: plain {base:.1f} tok/s",
+            print(f"b={b}, {n} tokens{' (the answer)' if n == answer else ''}: plain {base:.1f} tok/s",
                   flush=True)
             for name in policies:
                 r, st = statistics.median(rates[name]), last[name]

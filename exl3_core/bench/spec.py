@@ -219,6 +219,11 @@ def rewrite_prompt(tok: Any) -> list[int]:
     return tok.encode(text, add_bos=False)[0].tolist()
 
 
+def answer_length(tokens: list[int], tok: Any) -> int:
+    """Tokens of a generated answer up to and including its first end-of-turn token (0: it has none)."""
+    return next((i + 1 for i, t in enumerate(tokens) if t in tok.eos_token_ids), 0)
+
+
 def run_ngram_bench(*, batches: tuple[int, ...] = (1, 16), new_tokens: int = 128, k: int = 4,
                     device: str | torch.device | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Prompt lookup on the default model for a rewriting prompt, against the plain generator, per batch size:
@@ -262,9 +267,7 @@ def run_ngram_bench(*, batches: tuple[int, ...] = (1, 16), new_tokens: int = 128
                              {**spec.stats.as_dict(), **({"policy": spec.length.estimates()} if spec.length.dynamic else {})})
             base_rate, ref, _ = res["plain"]
             if span == "tokens" and not answer:
-                ends = [i for i, t in enumerate(ref[0]) if t in tok.eos_token_ids]
-                answer = ends[0] + 1 if ends else 0
-                out["answer_tokens"] = answer
+                answer = out["answer_tokens"] = answer_length(ref[0], tok)
             for name, (rate, got, stats) in res.items():
                 if name == "plain":
                     continue
