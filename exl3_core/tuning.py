@@ -47,8 +47,13 @@ class KernelTuning:
     """Launch choices of the compiled EXL3 linear kernels."""
 
     #: rows up to which the one-launch linear (grouped, residual, deferred-norm forms) runs; its
-    #: kernel takes at most 8
-    fused_linear_max_rows: int = 8
+    #: kernel takes at most 16 (from 9 rows its m16 loop)
+    fused_linear_max_rows: int = 16
+    #: models whose residual stream is wider than this take the one-launch forms up to
+    #: ``fused_linear_wide_max_rows`` rows: past 8 rows their split-k GEMM does as well, while on
+    #: narrower models the launches it saves are most of a step
+    fused_linear_wide_width: int = 2048
+    fused_linear_wide_max_rows: int = 8
     #: programmatic dependent launch between the decode step's kernels (Hopper and newer)
     pdl: bool = True
     #: the decode-size linear decodes its weights before waiting for its input: 0 off, 1 on,
@@ -60,9 +65,11 @@ class KernelTuning:
     xh_min_rows: int = 8
 
     def __post_init__(self) -> None:
-        if not 1 <= self.fused_linear_max_rows <= 8:
-            raise ValueError(f"KernelTuning.fused_linear_max_rows={self.fused_linear_max_rows}: the one-launch "
-                             f"linear takes 1..8 rows")
+        for name in ("fused_linear_max_rows", "fused_linear_wide_max_rows"):
+            if not 1 <= getattr(self, name) <= 16:
+                raise ValueError(f"KernelTuning.{name}={getattr(self, name)}: the one-launch linear takes 1..16 rows")
+        if self.fused_linear_wide_width < 0:
+            raise ValueError(f"KernelTuning.fused_linear_wide_width={self.fused_linear_wide_width}: want a width >= 0")
         if self.predecode not in (0, 1, 2):
             raise ValueError(f"KernelTuning.predecode={self.predecode}: want 0 (off), 1 (on) or 2 (on, early signal)")
         if not 0 <= self.predecode_max_kt <= 32:
@@ -70,6 +77,12 @@ class KernelTuning:
                              f"to 32 k tiles")
         if not 0 <= self.xh_min_rows <= 16:
             raise ValueError(f"KernelTuning.xh_min_rows={self.xh_min_rows}: want 0 (never) to 16 rows")
+
+    def one_launch_rows(self, width: int) -> int:
+        """The most rows the one-launch forms take in a model whose residual stream is ``width`` wide."""
+        if width <= self.fused_linear_wide_width:
+            return self.fused_linear_max_rows
+        return min(self.fused_linear_max_rows, self.fused_linear_wide_max_rows)
 
 
 #: token buckets of graphed prefill chunks (a chunk runs padded to the smallest that holds it)

@@ -14,6 +14,8 @@ In every form the last block runs past its attention only on the rows whose logi
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from exl3_core import ops
@@ -42,9 +44,12 @@ class DecoderExecutor:
     def __init__(self, model: StandardDecoder, tuning: Tuning, device: torch.device, fused: bool,
                  kernels: LinearKernels) -> None:
         self.model = model
+        # the one-launch forms' row limit depends on the model's width: every runner reads this model's own
+        rows = tuning.kernels.one_launch_rows(model.arch_config.hidden_size)
+        tuning = replace(tuning, kernels=replace(tuning.kernels, fused_linear_max_rows=rows))
         self.tuning = tuning
         self.fused = fused
-        self.max_rows = tuning.kernels.fused_linear_max_rows
+        self.max_rows = rows
         self.blocks = [BlockRunner(i, b, tuning, device, fused, kernels) for i, b in enumerate(model.layers)]
         n = len(self.blocks)
         self.embed_known = type(model.embed) is Embedding

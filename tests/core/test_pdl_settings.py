@@ -49,7 +49,7 @@ def test_kernel_tuning_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match="predecode"):
         KernelTuning(predecode=3)
     with pytest.raises(ValueError, match="fused_linear_max_rows"):
-        KernelTuning(fused_linear_max_rows=9)
+        KernelTuning(fused_linear_max_rows=17)
 
 
 def test_cpu_tensors_get_no_pdl_launch() -> None:

@@ -13,6 +13,7 @@ compiled kernels and CUDA graphs.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,6 +29,7 @@ from exl3_core.plan import ExecutionPlan
 from exl3_core.plugins import load_plugins
 from exl3_core.testing.kernels import EmulatedKernels
 from exl3_core.testing.toy_cache import HeadMajorLayer, toy_cache_plugin
+from exl3_core.tuning import Tuning
 
 pytest.importorskip("triton")  # the interpreter runs the Triton half of the fused forms
 
@@ -312,3 +314,43 @@ def test_build_batch_pads_k_token_decode_steps() -> None:
     with pytest.raises(ValueError, match="same number of tokens"):
         build_batch([Chunk([1], 0, [0], True), Chunk([1, 2], 0, [1], True)], page_size=PAGE, table_width=2,
                     scratch_page=9, device=torch.device("cpu"), decode=True)
+
+
+def test_decode_steps_of_9_to_16_rows_take_the_one_launch_forms(fused: None) -> None:
+    """A decode step of 9-16 sequences runs the one-launch forms (the kernels' m16 loop: deferred norms, residual
+    launches) as a step of up to 8 does, with the reference's logits within fp16 rounding."""
+    n = int(torch.randint(9, 17, ()))
+    model = _model()
+    kernels = EmulatedKernels()
+    plan = ExecutionPlan(model, kernels=kernels)
+    assert plan.executor is not None and plan.executor.max_rows >= n and not plan.executor.deferred_why
+    prompts = [list(range(3 + b, 9 + b)) for b in range(n)]
+    got = _steps(model, plan.forward, Cache(model, 4 * n * PAGE, page_size=PAGE), prompts, 2)
+    ref = _steps(model, _reference(model), Cache(model, 4 * n * PAGE, page_size=PAGE), prompts, 2)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, **TOL)
+    # o_proj and down of both layers in both decode steps (the prefill's rows take the chain form)
+    assert kernels.calls.get("residual", 0) + kernels.calls.get("residual_gated", 0) == 2 * 2 * len(model.layers)
+
+
+def test_models_wider_than_the_rule_keep_8_one_launch_rows(fused: None) -> None:
+    """A model whose residual stream is wider than ``fused_linear_wide_width`` takes the one-launch forms up to
+    ``fused_linear_wide_max_rows`` rows: a decode step of 9-16 sequences runs no residual launch there, and its
+    logits still equal the reference's."""
+    n = int(torch.randint(9, 17, ()))
+    model = _model()
+    hidden = model.arch_config.hidden_size
+    base = Tuning.for_device(torch.device("cpu"))
+    narrow = replace(base, kernels=replace(base.kernels, fused_linear_wide_width=hidden))
+    wide = replace(base, kernels=replace(base.kernels, fused_linear_wide_width=hidden - 1))
+    assert ExecutionPlan(model, tuning=narrow, kernels=EmulatedKernels()).executor.max_rows == 16
+    kernels = EmulatedKernels()
+    plan = ExecutionPlan(model, tuning=wide, kernels=kernels)
+    assert plan.executor is not None and plan.executor.max_rows == 8
+    assert "1-8 rows" in plan.executor.report()[0].decisions[0].line()
+    prompts = [list(range(3 + b, 9 + b)) for b in range(n)]
+    got = _steps(model, plan.forward, Cache(model, 4 * n * PAGE, page_size=PAGE), prompts, 2)
+    ref = _steps(model, _reference(model), Cache(model, 4 * n * PAGE, page_size=PAGE), prompts, 2)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, **TOL)
+    assert kernels.calls.get("residual", 0) + kernels.calls.get("residual_gated", 0) == 0
