@@ -45,8 +45,13 @@ class DecoderExecutor:
                  kernels: LinearKernels) -> None:
         self.model = model
         # the one-launch forms' row limit depends on the model's width: every runner reads this model's own
-        rows = tuning.kernels.one_launch_rows(model.arch_config.hidden_size)
-        tuning = replace(tuning, kernels=replace(tuning.kernels, fused_linear_max_rows=rows))
+        k, width = tuning.kernels, model.arch_config.hidden_size
+        rows = k.one_launch_rows(width)
+        #: [] when the one-launch forms take more than 8 rows
+        self.rows16_why = [] if rows > 8 else (
+            [f"residual stream {width} wide, over fused_linear_wide_width {k.fused_linear_wide_width}"]
+            if width > k.fused_linear_wide_width else [f"fused_linear_max_rows {k.fused_linear_max_rows}"])
+        tuning = replace(tuning, kernels=replace(k, fused_linear_max_rows=rows))
         self.tuning = tuning
         self.fused = fused
         self.max_rows = rows
@@ -111,6 +116,7 @@ class DecoderExecutor:
             decide("decode steps with every norm deferred into the linears", self.deferred_why,
                    f"1-{self.max_rows} rows, fp16"),
             decide("residual adds inside the norms after them", self.chain_why),
+            decide("one-launch linears from 9 rows (the kernel's m16 loop)", self.rows16_why, f"up to {self.max_rows} rows"),
             decide("decode step start: lookup, first norm sums, RoPE tables in one launch", self.step_start_why),
             decide("last layer past its attention on the logits rows alone", self.rows_why),
             decide("fresh prompt's prefill in bf16", self.bf16_why,

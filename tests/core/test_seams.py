@@ -343,11 +343,16 @@ def test_models_wider_than_the_rule_keep_8_one_launch_rows(fused: None) -> None:
     base = Tuning.for_device(torch.device("cpu"))
     narrow = replace(base, kernels=replace(base.kernels, fused_linear_wide_width=hidden))
     wide = replace(base, kernels=replace(base.kernels, fused_linear_wide_width=hidden - 1))
-    assert ExecutionPlan(model, tuning=narrow, kernels=EmulatedKernels()).executor.max_rows == 16
+    narrow_plan = ExecutionPlan(model, tuning=narrow, kernels=EmulatedKernels()).executor
+    assert narrow_plan.max_rows == 16
+    assert "yes one-launch linears from 9 rows (the kernel's m16 loop): up to 16 rows" in \
+        [d.line() for d in narrow_plan.report()[0].decisions]
     kernels = EmulatedKernels()
     plan = ExecutionPlan(model, tuning=wide, kernels=kernels)
     assert plan.executor is not None and plan.executor.max_rows == 8
-    assert "1-8 rows" in plan.executor.report()[0].decisions[0].line()
+    lines = [d.line() for d in plan.executor.report()[0].decisions]
+    assert "1-8 rows" in lines[0]
+    assert f"no  one-launch linears from 9 rows (the kernel's m16 loop): residual stream {hidden} wide" in lines[2]
     prompts = [list(range(3 + b, 9 + b)) for b in range(n)]
     got = _steps(model, plan.forward, Cache(model, 4 * n * PAGE, page_size=PAGE), prompts, 2)
     ref = _steps(model, _reference(model), Cache(model, 4 * n * PAGE, page_size=PAGE), prompts, 2)
