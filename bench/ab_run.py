@@ -12,7 +12,8 @@ without one of their own (``Generator(model, ...)``, ``ExecutionPlan(model)``), 
 ``dataclasses.replace``; the compiled ops then get the kernel fields as their per-call ``launch`` argument).
 --tune PART.FIELD=VALUE (repeatable): any field of the tuning's ``fusion``, ``kernels`` or ``graphs`` part
 (booleans: on/off, 1/0, true/false; tuples: comma-separated). Shorthands: --fused-rows N (kernels.
-fused_linear_max_rows: the one-launch linear and the deferred norms up to N rows), --xh-min-rows N
+fused_linear_max_rows: the one-launch linear and the deferred norms up to N rows; models wider than
+kernels.fused_linear_wide_width stop at kernels.fused_linear_wide_max_rows), --xh-min-rows N
 (kernels.xh_min_rows: x transformed once per fused launch from N rows), --predecode 0|1|2
 (kernels.predecode: the fused linear's pre-decoding mode), --pd-max-kt N (kernels.predecode_max_kt: its
 longest chunk; 0: the ring's length), --pdl 0|1 (kernels.pdl: programmatic dependent launch).
@@ -130,7 +131,8 @@ def main() -> None:
     ap.add_argument("--tune", action="append", default=[], metavar="PART.FIELD=VALUE",
                     help="a field of the engine's tuning (fusion, kernels, graphs), e.g. fusion.deferred_norm=off")
     ap.add_argument("--fused-rows", type=int, default=0,
-                    help="kernels.fused_linear_max_rows: rows up to which the one-launch linear runs (0: default)")
+                    help="kernels.fused_linear_max_rows: rows up to which the one-launch linear runs (0: default; "
+                         "models wider than kernels.fused_linear_wide_width stop at kernels.fused_linear_wide_max_rows)")
     ap.add_argument("--xh-min-rows", type=int, default=-1,
                     help="kernels.xh_min_rows: rows from which the fused linear transforms x once per launch "
                          "(0: never; -1: default)")
