@@ -38,23 +38,9 @@ def unconstrained_mse(tiles: torch.Tensor, K: int, codebook: int, chunk: int = 1
     return torch.cat(costs) / V.SEQ
 
 
-def _forward(tiles: torch.Tensor, lut: torch.Tensor, K: int) -> torch.Tensor:
-    """``[B, NN]``: per node n, the least cost of the tiles' positions from a free start, ending in node n (the
-    encoder's first-pass step, :func:`~exl3_core.quant.exl3.viterbi._viterbi_torch`, over any length)."""
-    B, NN = tiles.shape[0], V.STATES >> K
-    L, M = 1 << K, NN >> K
-    cost = torch.zeros(B, NN, dtype=torch.float32)
-    lut3 = lut.view(1, L, NN)
-    for i in range(tiles.shape[1]):
-        d = lut3 - tiles[:, i].view(B, 1, 1)
-        prev = cost.view(B, L, M, 1).expand(B, L, M, L).reshape(B, L, NN)
-        cost = V.fma32(d, d, prev).min(dim=1).values
-    return cost
-
-
 def _backward(tiles: torch.Tensor, lut: torch.Tensor, K: int) -> torch.Tensor:
     """``[B, NN]``: per node n, the least cost of the tiles' positions with the state before the first one ending
-    in node n and a free end (the forward recursion's mirror, with the same exact fp32 FMA)."""
+    in node n and a free end (the mirror of the encoder's first pass, with the same exact fp32 FMA)."""
     B, NN = tiles.shape[0], V.STATES >> K
     L = 1 << K
     cost = torch.zeros(B, NN, dtype=torch.float32)
@@ -66,24 +52,25 @@ def _backward(tiles: torch.Tensor, lut: torch.Tensor, K: int) -> torch.Tensor:
     return cost
 
 
-def best_overlap_mse(tiles: torch.Tensor, K: int, codebook: int, candidates: int, chunk: int = 16) -> list[float]:
-    """Mean MSE when the best of the first 1, 2, 4, ... ``candidates`` overlaps (by their lower bound) is kept."""
+def best_overlap_mse(tiles: torch.Tensor, K: int, codebook: int, candidates: int, chunk: int = 16) -> dict[int, float]:
+    """Mean MSE per count N = 1, 2, 4, ... up to ``candidates`` when the best of the first N overlaps (by their lower
+    bound) is kept."""
     lut = V._lut32(codebook)
     half = V.SEQ // 2
-    counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= candidates]
-    sums = [0.0] * len(counts)
+    sums = {n: 0.0 for n in (1, 2, 4, 8, 16, 32, 64) if n <= candidates}
     for c0 in range(0, tiles.shape[0], chunk):
         w = tiles[c0:c0 + chunk]
         rows = torch.arange(w.shape[0])
-        order = (_forward(w[:, half:], lut, K) + _backward(w[:, :half], lut, K)).argsort(dim=1)
+        # the encoder's first pass over positions 128..255 from a free start, and its mirror over 0..127
+        order = (V._viterbi_torch(w[:, half:], lut, K, None)[0] + _backward(w[:, :half], lut, K)).argsort(dim=1)
         best = torch.full((w.shape[0],), float("inf"))
         for j in range(candidates):
             o = order[:, j]
             cost, _ = V._viterbi_torch(w, lut, K, o)
             best = torch.minimum(best, cost[rows, o])
-            if j + 1 in counts:
-                sums[counts.index(j + 1)] += float(best.sum())
-    return [s / tiles.shape[0] / V.SEQ for s in sums]
+            if j + 1 in sums:
+                sums[j + 1] += float(best.sum())
+    return {n: v / tiles.shape[0] / V.SEQ for n, v in sums.items()}
 
 
 def main() -> None:
@@ -106,8 +93,7 @@ def main() -> None:
     if a.candidates > 0:
         t = time.perf_counter()
         got = best_overlap_mse(x, a.K, a.codebook, a.candidates)
-        counts = [n for n in (1, 2, 4, 8, 16, 32, 64) if n <= a.candidates]
-        print("best of N overlaps: " + ", ".join(f"N={n} {m:.5f}" for n, m in zip(counts, got))
+        print("best of N overlaps: " + ", ".join(f"N={n} {m:.5f}" for n, m in got.items())
               + f" ({time.perf_counter() - t:.0f} s)")
 
 

@@ -115,8 +115,9 @@ def fma32(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
 def _viterbi_torch(seq: torch.Tensor, lut: torch.Tensor, K: int, forced: torch.Tensor | None) -> tuple[
     torch.Tensor, torch.Tensor
 ]:
-    """Forward pass over seq [B, 256]; returns final costs [B, NN] and survivors [256, B, NN] uint8."""
-    B = seq.shape[0]
+    """Forward pass over seq [B, T] (T = 256 for a tile); returns final costs [B, NN] and survivors [T, B, NN]
+    uint8."""
+    B, T = seq.shape
     L, NN = 1 << K, STATES >> K
     M = NN >> K
     lut3 = lut.view(1, L, NN)
@@ -125,8 +126,8 @@ def _viterbi_torch(seq: torch.Tensor, lut: torch.Tensor, K: int, forced: torch.T
     else:
         D = torch.full((B, NN), float("inf"), dtype=torch.float32)
         D[torch.arange(B), forced] = 0.0
-    surv = torch.empty(SEQ, B, NN, dtype=torch.uint8)
-    for i in range(SEQ):
+    surv = torch.empty(T, B, NN, dtype=torch.uint8)
+    for i in range(T):
         d = lut3 - seq[:, i].view(B, 1, 1)
         # predecessor of (a, n) is a*M + (n >> K): each of D's L*M entries repeated L times
         Dp = D.view(B, L, M, 1).expand(B, L, M, L).reshape(B, L, NN)
