@@ -75,6 +75,18 @@ def _reference(model):
     return run
 
 
+def _matches_reference(model, forward, prompts: list[list[int]], decode: int,
+                       cache_tokens: int | None = None) -> list[torch.Tensor]:
+    """``forward``'s logits over :func:`_steps` on a fresh fp16 cache (4 pages a prompt unless ``cache_tokens``),
+    checked within fp16 rounding of the reference forward's on another; returns them."""
+    tokens = cache_tokens or 4 * len(prompts) * PAGE
+    got = _steps(model, forward, Cache(model, tokens, page_size=PAGE), prompts, decode)
+    ref = _steps(model, _reference(model), Cache(model, tokens, page_size=PAGE), prompts, decode)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, **TOL)
+    return got
+
+
 PROMPTS = [list(range(5, 25)), list(range(40, 53))]
 
 
@@ -141,10 +153,7 @@ def test_linear_adapter_seam(fused: None) -> None:
     runner = plan.executor.blocks[0].attn_runner
     assert runner is not None and "an adapter's delta must join q/k/v before RoPE" in runner.epilogue_why
     assert not plan.executor.blocks[1].attn_runner.epilogue_why  # type: ignore[union-attr]
-    got = _steps(model, plan.forward, Cache(model, 12 * PAGE, page_size=PAGE), PROMPTS, 3)
-    ref = _steps(model, _reference(model), Cache(model, 12 * PAGE, page_size=PAGE), PROMPTS, 3)
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, **TOL)
+    got = _matches_reference(model, plan.forward, PROMPTS, 3, cache_tokens=12 * PAGE)
     assert all(a.calls >= 8 for a in adapters), "every adapter ran in both forwards"
     assert kernels.calls.get("residual_gated", 0) >= 2 * 3, "down kept its fused launch with the adapter on it"
     # the adapters change the result (the test would pass vacuously otherwise)
@@ -324,11 +333,7 @@ def test_decode_steps_of_9_to_16_rows_take_the_one_launch_forms(fused: None) -> 
     kernels = EmulatedKernels()
     plan = ExecutionPlan(model, kernels=kernels)
     assert plan.executor is not None and plan.executor.max_rows >= n and not plan.executor.deferred_why
-    prompts = [list(range(3 + b, 9 + b)) for b in range(n)]
-    got = _steps(model, plan.forward, Cache(model, 4 * n * PAGE, page_size=PAGE), prompts, 2)
-    ref = _steps(model, _reference(model), Cache(model, 4 * n * PAGE, page_size=PAGE), prompts, 2)
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, **TOL)
+    _matches_reference(model, plan.forward, [list(range(3 + b, 9 + b)) for b in range(n)], 2)
     # o_proj and down of both layers in both decode steps (the prefill's rows take the chain form)
     assert kernels.calls.get("residual", 0) + kernels.calls.get("residual_gated", 0) == 2 * 2 * len(model.layers)
 
@@ -353,9 +358,5 @@ def test_models_wider_than_the_rule_keep_8_one_launch_rows(fused: None) -> None:
     lines = [d.line() for d in plan.executor.report()[0].decisions]
     assert "1-8 rows" in lines[0]
     assert f"no  one-launch linears from 9 rows (the kernel's m16 loop): residual stream {hidden} wide" in lines[2]
-    prompts = [list(range(3 + b, 9 + b)) for b in range(n)]
-    got = _steps(model, plan.forward, Cache(model, 4 * n * PAGE, page_size=PAGE), prompts, 2)
-    ref = _steps(model, _reference(model), Cache(model, 4 * n * PAGE, page_size=PAGE), prompts, 2)
-    for a, b in zip(got, ref):
-        torch.testing.assert_close(a, b, **TOL)
+    _matches_reference(model, plan.forward, [list(range(3 + b, 9 + b)) for b in range(n)], 2)
     assert kernels.calls.get("residual", 0) + kernels.calls.get("residual_gated", 0) == 0
