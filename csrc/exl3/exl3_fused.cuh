@@ -55,7 +55,10 @@ __device__ __forceinline__ __half fused_act_mul(__half gh, __half uh, int act) {
 }
 
 struct FusedArgs {
-    const __half* x;  // [m, k] fp16, row-major
+    const __half* x;  // [m, x_cols] fp16, row-major
+    // x's width: k (= k_tiles * 16), or the layer's unpadded input width (a multiple of 4 within 128 of k),
+    // whose missing columns read as zeros: the same product as x padded with zeros, without the pad's launch
+    int x_cols;
     const __half* gate;  // nullptr, or [m, k] fp16: the input is act(gate) * x (a gated MLP's down projection)
     int act;             // FUSED_ACT_* when gate is set
     int m, k_tiles;
@@ -66,7 +69,7 @@ struct FusedArgs {
     // norm_ss set, x is the unnormalised residual stream h and the prologue uses
     // fp16(fp32(h) * rsqrt(norm_ss[r] * norm_inv_dim + norm_eps) * (norm_w + norm_offset)), the norm
     // kernel's math (exl3_core/kernels/fused.py). norm_ss [m]: h's row sums of squares, added up by
-    // the linear that produced h (res_ss below); norm_w [k] fp32 or nullptr (no weight).
+    // the linear that produced h (res_ss below); norm_w [x_cols] fp32 or nullptr (no weight).
     const float* norm_ss;
     const float* norm_w;
     float norm_eps, norm_offset, norm_inv_dim;
@@ -74,8 +77,11 @@ struct FusedArgs {
     // `h = h + y`, and res_ss[r] += Σ over this launch's columns of y[r]² (fp32 atomics, one per row and
     // 128 columns; res_ss must be zero before the launch). The next linear's prologue normalises
     // with it, so no norm kernel runs between the two.
-    const __half* res;  // nullptr: plain output; else [m, n] fp16
+    const __half* res;  // nullptr: plain output; else [m, res_cols] fp16
     float* res_ss;      // with res: [m] fp32
+    // with res: the stream's width, n or the layer's unpadded output width (a multiple of 4 within 128 of
+    // n); y is then [m, res_cols] too, and the columns past it are neither read, stored nor summed
+    int res_cols;
     // Attention's RoPE and KV-cache write in q/k/v's epilogue (problems in rope_mask / with a cache): row r's
     // heads of rope_head = 2 * rope_half columns (32, 64 or 128, rotary over the whole head) are rotated
     // by the fp32 tables rope_cos/rope_sin [m, rope_half] (halves, or adjacent pairs if
@@ -185,11 +191,12 @@ __device__ __forceinline__ void rope_apply(const FusedArgs& a, int d0, const flo
 // One prologue item: x' = (gate ? act(gate) * x : x), normalised if deferred, times suh, Hadamard over
 // the 128 columns of row r whose lane's 4 start at gc, rounded to fp16. The fused linear's prologue and
 // fused_xh_kernel share it (the same arithmetic bit for bit).
-__device__ __forceinline__ uint2 prologue_item(const FusedArgs& a, const __half* suh, int r, long gc, long kdim,
-                                               int lane) {
-    uint2 xu = __ldg(reinterpret_cast<const uint2*>(a.x + (long)r * kdim + gc));
-    if (a.gate != nullptr) {  // the gated MLP's act(gate) * up, fused here instead of its own launch
-        const uint2 gu = __ldg(reinterpret_cast<const uint2*>(a.gate + (long)r * kdim + gc));
+__device__ __forceinline__ uint2 prologue_item(const FusedArgs& a, const __half* suh, int r, long gc, int lane) {
+    const bool in = gc < a.x_cols;  // a lane's 4 columns are all in x or all past its width (x_cols % 4 == 0)
+    uint2 xu = make_uint2(0u, 0u);
+    if (in) xu = __ldg(reinterpret_cast<const uint2*>(a.x + (long)r * a.x_cols + gc));
+    if (a.gate != nullptr && in) {  // the gated MLP's act(gate) * up, fused here instead of its own launch
+        const uint2 gu = __ldg(reinterpret_cast<const uint2*>(a.gate + (long)r * a.x_cols + gc));
         const __half2 g0 = bits_h2(gu.x), g1 = bits_h2(gu.y), u0 = bits_h2(xu.x), u1 = bits_h2(xu.y);
         xu.x = h2_bits(__halves2half2(fused_act_mul(__low2half(g0), __low2half(u0), a.act),
                                       fused_act_mul(__high2half(g0), __high2half(u0), a.act)));
@@ -199,7 +206,7 @@ __device__ __forceinline__ uint2 prologue_item(const FusedArgs& a, const __half*
     if (a.norm_ss != nullptr) {  // the deferred RMSNorm (fp32 math, one rounding, as the norm kernel)
         const float rs = rsqrtf(__ldcg(a.norm_ss + r) * a.norm_inv_dim + a.norm_eps);
         float4 w = make_float4(1.f, 1.f, 1.f, 1.f);
-        if (a.norm_w != nullptr) {
+        if (a.norm_w != nullptr && in) {
             w = __ldg(reinterpret_cast<const float4*>(a.norm_w + gc));
             w.x += a.norm_offset, w.y += a.norm_offset, w.z += a.norm_offset, w.w += a.norm_offset;
         }
@@ -239,7 +246,7 @@ __global__ void __launch_bounds__(128) fused_xh_kernel(FusedArgs a) {
     const int pi = item / (a.m * kb), r = (item / kb) % a.m;
     const long gc = (long)(item % kb) * 128 + 4 * lane;
     const __half* suh = pi == 0 ? a.p[0].suh : pi == 1 ? a.p[1].suh : a.p[2].suh;
-    const uint2 h = prologue_item(a, suh, r, gc, kdim, lane);
+    const uint2 h = prologue_item(a, suh, r, gc, lane);
     *reinterpret_cast<uint2*>(a.xh_buf + ((long)pi * a.m + r) * kdim + gc) = h;
 }
 
@@ -332,7 +339,7 @@ __global__ void __launch_bounds__(warps_for(NT) * 32, (PD > 0 ? PD_MIN_BLOCKS : 
                 const int r = i / hb;
                 const long gc = (long)(hb0 + i % hb) * 128 + 4 * lane;
                 const int c = (int)(gc - c0);  // a lane's 4 columns are in or out of the chunk together
-                const uint2 h = prologue_item(a, P.suh, r, gc, kdim, lane);
+                const uint2 h = prologue_item(a, P.suh, r, gc, lane);
                 if (c >= 0 && c < cols) *reinterpret_cast<uint2*>(&xs[r * XS + c]) = h;
             }
         }
@@ -412,6 +419,11 @@ __global__ void __launch_bounds__(warps_for(NT) * 32, (PD > 0 ? PD_MIN_BLOCKS : 
     const uint2 sv = __ldg(reinterpret_cast<const uint2*>(P.svh + col0));
     const __half svh4[4] = {__low2half(bits_h2(sv.x)), __high2half(bits_h2(sv.x)), __low2half(bits_h2(sv.y)),
                             __high2half(bits_h2(sv.y))};
+    const bool res = a.res != nullptr;
+    // an unpadded stream is compiled out of the x-once variants (their 32 registers would spill for it): the
+    // launcher takes those for streams of the full width only
+    const long yld = !XH && res ? a.res_cols : ndim;     // y's row stride: the stream's width for a residual producer
+    const bool col_ok = XH || !res || col0 < a.res_cols;  // a lane's 4 columns are all in the stream or all past it
     for (int r = warp; r < a.m; r += WARPS) {
         // q/k/v's RoPE and cache rows: which problem this block serves (kept off the common path)
         const int pi = (a.n_problems > 2 && (int)blockIdx.x >= a.p[2].block0) ? 2
@@ -422,7 +434,7 @@ __global__ void __launch_bounds__(warps_for(NT) * 32, (PD > 0 ? PD_MIN_BLOCKS : 
         float4* zp = reinterpret_cast<float4*>(P.z + (long)r * ndim + col0);
         // everything the epilogue reads besides z, loaded before z's values are used: one round trip
         uint2 ru = make_uint2(0u, 0u);
-        if (a.res != nullptr) ru = *reinterpret_cast<const uint2*>(a.res + (long)r * ndim + col0);
+        if (res && col_ok) ru = *reinterpret_cast<const uint2*>(a.res + (long)r * yld + col0);
         const long slot = cache != nullptr ? __ldg(a.slots + r) : 0;
         float rc[4] = {0.f, 0.f, 0.f, 0.f}, rs[4] = {0.f, 0.f, 0.f, 0.f};
         if (rope) rope_tables(a, r, d0, rc, rs);
@@ -434,7 +446,7 @@ __global__ void __launch_bounds__(warps_for(NT) * 32, (PD > 0 ? PD_MIN_BLOCKS : 
         for (int j = 0; j < 4; ++j) h[j] = __hmul(__float2half_rn(v[j]), svh4[j]);
         if (rope) rope_apply(a, d0, rc, rs, h);
         if (cache != nullptr) *reinterpret_cast<uint2*>(cache + slot * ndim + col0) = pack_half4(h);
-        if (a.res != nullptr) {  // residual producer: the stream's add, then this row's partial sum of squares
+        if (res) {  // residual producer: the stream's add, then this row's partial sum of squares
             const __half rh[4] = {__low2half(bits_h2(ru.x)), __high2half(bits_h2(ru.x)), __low2half(bits_h2(ru.y)),
                                   __high2half(bits_h2(ru.y))};
             float ss = 0.f;
@@ -442,13 +454,13 @@ __global__ void __launch_bounds__(warps_for(NT) * 32, (PD > 0 ? PD_MIN_BLOCKS : 
             for (int j = 0; j < 4; ++j) {
                 h[j] = __hadd(rh[j], h[j]);  // correctly rounded, as fp16(fp32(res) + fp32(y))
                 const float f = __half2float(h[j]);
-                ss += f * f;
+                ss += col_ok ? f * f : 0.f;
             }
 #pragma unroll
             for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
             if (lane == 0) atomicAdd(a.res_ss + r, ss);
         }
-        *reinterpret_cast<uint2*>(P.y + (long)r * ndim + col0) = pack_half4(h);
+        if (col_ok) *reinterpret_cast<uint2*>(P.y + (long)r * yld + col0) = pack_half4(h);
         __stcg(zp, make_float4(0.f, 0.f, 0.f, 0.f));
     }
     if (threadIdx.x == 0) P.counters[cblk] = 0;  // every chunk has arrived: no block of this launch reads it again
@@ -543,7 +555,9 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     const bool tr = a.m <= 8;
     long col_blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) col_blocks += a.p[i].n_tiles / BLOCK_TILES;
-    const bool xh = tr && a.xh_buf != nullptr && xh_wanted(a.m, a.k_tiles, col_blocks, a.xh_min_rows);
+    // the x-once variants take a residual stream of the full width only (fused_linear_kernel's epilogue)
+    const bool full_stream = a.res == nullptr || (long)a.res_cols == col_blocks * FUSED_COLS;
+    const bool xh = tr && full_stream && a.xh_buf != nullptr && xh_wanted(a.m, a.k_tiles, col_blocks, a.xh_min_rows);
     // x once for the rows (a decoder linear at m >= xh_min_rows), not for the width (a head): 2 n tiles per
     // warp, so that the short chunks' fixed work (x copy, 8 rows' epilogue) has twice the warps.
     const bool xh_few = xh && col_blocks < XH_WIDE_COL_BLOCKS;

@@ -290,7 +290,10 @@ void check_x(const Tensor& x, int64_t kd, int64_t max_m, const char* op, bool bf
                     x.dim() == 2,
                 op, ": x must be a CUDA fp16 [m, k] tensor", bf16_ok ? " (or bf16 from 65 rows)" : "", ", got ",
                 x.scalar_type(), " ", x.sizes());
-    TORCH_CHECK(x.size(1) == kd, op, ": x has ", x.size(1), " columns, the trellis ", kd);
+    // the padded width, or the layer's own (the kernels read the missing columns as zeros)
+    TORCH_CHECK(x.size(1) == kd || (x.size(1) < kd && x.size(1) > kd - 128 && x.size(1) % 4 == 0), op, ": x has ",
+                x.size(1), " columns; the trellis takes ", kd, " (or the unpadded width: a multiple of 4 within 128 "
+                "of it)");
     TORCH_CHECK(max_m <= 0 || x.size(0) <= max_m, op, ": x has ", x.size(0), " rows; the fused op takes at most ",
                 max_m, " (use exl3_gemm)");
 }
@@ -303,7 +306,10 @@ void check_scales(const Tensor& suh, const Tensor& svh, int64_t kd, int64_t nd, 
 // the unfused chain (had128, split-k GEMM or reconstruct + cuBLAS, had128); su/sv fp16 contiguous.
 // From FULL_MIN_M rows: one cuBLAS GEMM against W reconstructed in the original basis instead.
 // x may be bf16 from FULL_MIN_M rows (the bf16 prefill): W is then rebuilt in bf16.
-Tensor gemm_4kernel(const Tensor& x, const Tensor& trellis, const Tensor& su, const Tensor& sv, int k, int64_t codebook) {
+Tensor gemm_4kernel(const Tensor& x_in, const Tensor& trellis, const Tensor& su, const Tensor& sv, int k,
+                    int64_t codebook) {
+    const int64_t kd = trellis.size(0) * 16;
+    const Tensor x = x_in.size(1) < kd ? at::constant_pad_nd(x_in, {0, kd - x_in.size(1)}) : x_in;
     if (x.size(0) >= FULL_MIN_M && trellis.size(0) % 8 == 0 && trellis.size(1) % 8 == 0) {
         Tensor w = at::empty({trellis.size(0) * 16, trellis.size(1) * 16}, x.options());
         // cuBLAS in x's dtype, fp32 accumulation
@@ -327,6 +333,7 @@ struct FusedExtras {
     float norm_eps = 0.f, norm_offset = 0.f;
     const __half* res = nullptr;
     float* res_ss = nullptr;
+    int res_cols = 0;
     const float* rope_cos = nullptr;
     const float* rope_sin = nullptr;
     int rope_half = 0, rope_interleaved = 0;
@@ -351,6 +358,7 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
     a.gate = gate != nullptr ? reinterpret_cast<const __half*>(gate->data_ptr()) : nullptr;
     a.act = act;
     a.m = (int)x.size(0);
+    a.x_cols = (int)x.size(1);
     a.k_tiles = (int)trellis[0].size(0);
     a.kt_per_chunk = (int)kt_per_chunk;
     a.n_problems = (int)trellis.size();
@@ -361,13 +369,14 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
     a.norm_inv_dim = 1.f / (float)x.size(1);
     a.res = ex.res;
     a.res_ss = ex.res_ss;
+    a.res_cols = ex.res_cols;
     a.rope_cos = ex.rope_cos;
     a.rope_sin = ex.rope_sin;
     a.rope_half = ex.rope_half;
     a.rope_interleaved = ex.rope_interleaved;
     a.slots = ex.slots;
     a.xh_min_rows = lo.xh_min_rows;
-    a.xh_buf = fused_xh_workspace(x, x.size(0), x.size(1), n_total / exl3::FUSED_COLS, a.xh_min_rows);
+    a.xh_buf = fused_xh_workspace(x, x.size(0), trellis[0].size(0) * 16, n_total / exl3::FUSED_COLS, a.xh_min_rows);
     // programmatic dependent launch is Hopper's (sm_90+); torch caches the device properties
     a.pdl = lo.pdl && at::cuda::getDeviceProperties(x.device().index())->major >= 9;
     a.predecode = lo.predecode;
@@ -552,8 +561,9 @@ std::vector<Tensor> linear_group_ex(const Tensor& x, at::TensorList trellis, at:
         check_ss(*norm_ss, m, op, "norm_ss");
         if (norm_w.has_value())
             TORCH_CHECK(norm_w->is_cuda() && norm_w->scalar_type() == at::kFloat && norm_w->dim() == 1 &&
-                            norm_w->numel() == g.kd,
-                        op, ": norm_w must be a CUDA fp32 vector of ", g.kd, " elements, got ", norm_w->scalar_type(),
+                            norm_w->numel() == x.size(1),
+                        op, ": norm_w must be a CUDA fp32 vector of ", x.size(1), " elements (x's width), got ",
+                        norm_w->scalar_type(),
                         " ", norm_w->sizes());
         wc = norm_w.has_value() ? aligned16(norm_w->contiguous()) : Tensor();
         ex.norm_ss = norm_ss->data_ptr<float>();
@@ -632,10 +642,14 @@ Tensor linear_residual(const Tensor& x, const c10::optional<Tensor>& gate, int64
     Group g = prepare_group(op, x, {trellis}, {suh}, {svh}, codebook);
     const int64_t nd = trellis.size(1) * 16;
     TORCH_CHECK(g.kd > 0, op, ": k = 0");
+    // the stream's width: n, or the layer's unpadded output width
     TORCH_CHECK(res.is_cuda() && res.scalar_type() == at::kHalf && res.dim() == 2 && res.size(0) == x.size(0) &&
-                    res.size(1) == nd && res.device() == x.device(),
-                op, ": res must be a CUDA fp16 [", x.size(0), ", ", nd, "] tensor on x's device, got ",
-                res.scalar_type(), " ", res.sizes());
+                    (res.size(1) == nd || (res.size(1) < nd && res.size(1) > nd - 128 && res.size(1) % 4 == 0)) &&
+                    res.device() == x.device(),
+                op, ": res must be a CUDA fp16 [", x.size(0), ", ", nd, "] tensor on x's device (or as wide as the "
+                "unpadded output: a multiple of 4 within 128 of ", nd, "), got ", res.scalar_type(), " ", res.sizes());
+    const int64_t n = res.size(1);
+    if (n < nd) g.ys[0] = at::empty({x.size(0), n}, x.options());
     check_ss(ss, x.size(0), op, "ss");
     if (gate.has_value()) check_gate(*gate, x, act, op);
     Tensor xc = aligned16(x.contiguous()), rc = aligned16(res.contiguous());
@@ -644,12 +658,13 @@ Tensor linear_residual(const Tensor& x, const c10::optional<Tensor>& gate, int64
     FusedExtras ex;
     ex.res = reinterpret_cast<const __half*>(rc.data_ptr());
     ex.res_ss = ss.data_ptr<float>();
+    ex.res_cols = (int)n;
     if (fused_launch(xc, {trellis}, g.su, g.sv, g.ys, g.k, codebook, 0, lo, gc.defined() ? &gc : nullptr, (int)act, ex))
         return g.ys[0];
     // no workspace during capture: ATen for the activation product, the chain, the add and the sums
     Tensor xin = gc.defined() ? aten_act_mul(gc, xc, act) : xc;
-    Tensor y = (gemm_4kernel(xin, trellis, g.su[0], g.sv[0], g.k, codebook).to(at::kFloat) + rc.to(at::kFloat))
-                   .to(at::kHalf);
+    Tensor y = (gemm_4kernel(xin, trellis, g.su[0], g.sv[0], g.k, codebook).narrow(1, 0, n).to(at::kFloat) +
+                rc.to(at::kFloat)).to(at::kHalf);
     Tensor head = ss.narrow(0, 0, x.size(0));
     head.add_(y.to(at::kFloat).pow(2).sum(-1));
     return y;

@@ -26,6 +26,7 @@ from exl3_core.quant.exl3.linear import (
     launch_outputs,
     launch_unsupported,
     rebuild_unsupported,
+    takes_unpadded,
 )
 from exl3_core.tuning import Tuning
 
@@ -111,7 +112,7 @@ class Projection:
         """Runtime conditions of the one-launch kernel on ``h`` (fp16, 1..max rows, no hooks)."""
         return (not self.launch_why and h.device == self.device and h.dtype == torch.float16
                 and 1 <= _rows(h) <= self.max_rows
-                and h.shape[-1] == self._lins()[0].padded_in_features and not hooked(self.layers)
+                and h.shape[-1] in self._widths() and not hooked(self.layers)
                 and all(m.trellis.device == h.device and not (no_bias and m.bias is not None) for m in self._lins()))
 
     def _prologue_ok(self, d: DeferredNorm) -> bool:
@@ -150,10 +151,18 @@ class Projection:
         h = x.materialize() if isinstance(x, DeferredNorm) else x
         return self._finish(self.kernels.group_ex(h.reshape(-1, h.shape[-1]), self._lins(), None, ep), h, None)
 
+    def _widths(self) -> tuple[int, int]:
+        """The input widths the kernels take: the layers' own and the padded one."""
+        m = self._lins()[0]
+        return m.in_features, m.padded_in_features
+
     def _padded2(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as rows, padded only where the kernels cannot read it unpadded."""
         x2 = x.reshape(-1, x.shape[-1])
         width = self._lins()[0].padded_in_features
-        return torch.nn.functional.pad(x2, (0, width - x2.shape[-1])) if x2.shape[-1] < width else x2
+        if x2.shape[-1] < width and not takes_unpadded(x2.shape[-1], width):
+            return torch.nn.functional.pad(x2, (0, width - x2.shape[-1]))
+        return x2
 
     def _finish(self, ys: list[torch.Tensor], like: torch.Tensor, x: torch.Tensor | None) -> list[torch.Tensor]:
         out = launch_outputs(self._lins(), ys, tuple(like.shape[:-1]), like.dtype)
@@ -185,8 +194,10 @@ class ResidualOut:
         else:
             if layer.bias is not None:
                 shape_why.append("has a bias")
-            if layer.out_features != layer.padded_out_features:
-                shape_why.append("output width not a multiple of 128")
+            if not takes_unpadded(layer.out_features, layer.padded_out_features):
+                shape_why.append("output width not a multiple of 4")
+            if not takes_unpadded(layer.in_features, layer.padded_in_features):
+                shape_why.append("input width not a multiple of 4")
         #: [] when the layer itself suits the residual launch (whatever the device and sharding)
         self.shape_why = shape_why
         why: list[str] = kernels.unavailable(device, "residual") + shape_why
@@ -219,7 +230,7 @@ class ResidualOut:
         rows = _rows(x)
         return (x.device == self.device and x.dtype == torch.float16 and residual.dtype == torch.float16
                 and rows <= self.max_rows
-                and x.shape[-1] == m.padded_in_features and m.out_features == residual.shape[-1]
+                and x.shape[-1] in (m.in_features, m.padded_in_features) and m.out_features == residual.shape[-1]
                 and residual.numel() == rows * residual.shape[-1] and m.trellis.device == x.device
                 and not hooked((m,)) and (gate is None or (gate.shape == x.shape and gate.dtype == torch.float16)))
 
@@ -227,7 +238,8 @@ class ResidualOut:
         """``layer(act(gate) * up)``, the product in the launch's prologue where it fits."""
         m = self.layer
         if (not self.act_why and self.act is not None and isinstance(m, EXL3Linear) and up.device == self.device
-                and gate.shape == up.shape and up.shape[-1] == m.padded_in_features and _rows(up) <= self.max_rows
+                and gate.shape == up.shape and takes_unpadded(up.shape[-1], m.padded_in_features)
+                and up.shape[-1] in (m.in_features, m.padded_in_features) and _rows(up) <= self.max_rows
                 and up.dtype == torch.float16 and gate.dtype == torch.float16 and not hooked((m,))):
             rows = _rows(up)
             y = self.kernels.act(m, gate.reshape(rows, -1), up.reshape(rows, -1), self.act)

@@ -16,6 +16,7 @@ from exl3_core.nn.attention import Attention
 from exl3_core.nn.module import ForwardState
 from exl3_core.plan import ExecutionPlan
 from exl3_core.plan.linears import DeferredNorm, add_residual_ss
+from exl3_core.testing.kernels import EmulatedKernels
 from exl3_core.tuning import FusionTuning, Tuning
 
 PAGE = 16
@@ -138,28 +139,65 @@ def test_fused_forms_with_triton_on_cpu_match_reference(monkeypatch: pytest.Monk
     assert decode_calls == [1], "the one-row decode step took the deferred form"
 
 
-def test_residual_widths_off_128_take_the_chain_form(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A hidden width off a multiple of 128 (SmolLM2's 576) leaves o_proj and down without their residual
-    launch, so decode steps take the chain form (the add inside the next norm) and the report says why; the
-    step stays within fp16 rounding of the reference."""
+class _WidthKernels(EmulatedKernels):
+    """The emulated launches, recording the input width each one was handed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.widths: set[int] = set()
+
+    def group(self, x2, lins):  # type: ignore[no-untyped-def]
+        self.widths.add(x2.shape[-1])
+        return super().group(x2, lins)
+
+    def group_ex(self, h2, lins, norm, epilogue):  # type: ignore[no-untyped-def]
+        self.widths.add(h2.shape[-1])
+        return super().group_ex(h2, lins, norm, epilogue)
+
+    def residual(self, layer, x, residual, ss, gate, act):  # type: ignore[no-untyped-def]
+        self.widths.add(x.shape[-1])
+        return super().residual(layer, x, residual, ss, gate, act)
+
+    def rebuild_gemm(self, x2, lins):  # type: ignore[no-untyped-def]
+        self.widths.add(x2.shape[-1])
+        return super().rebuild_gemm(x2, lins)
+
+
+@pytest.mark.parametrize("bias_o", [False, True])
+def test_widths_off_128_reach_the_launches_unpadded(monkeypatch: pytest.MonkeyPatch, bias_o: bool) -> None:
+    """A hidden width off a multiple of 128 (SmolLM2's 576) takes the deferred form, every launch handed the
+    stream unpadded (the kernels read the missing columns as zeros); an o_proj with a bias leaves its residual
+    launch out, so the decode step takes the chain form instead (its eager add would cost more than the
+    chain's fused norm) and the report says why. Both stay within fp16 rounding of the reference, through a
+    prefill long enough to rebuild W."""
     pytest.importorskip("triton")
     from exl3_core.cache import Cache
 
     monkeypatch.setattr(ops, "fused_enabled", lambda t: True)
-    hidden = 128 * torch.randint(1, 4, ()).item() + 64
-    model, cache = build_model(parse_shape(f"custom({hidden},256,1,{hidden // 64},1,300,64)"), device="cpu",
-                               dtype=torch.float16, seed=int(torch.randint(0, 1000, ())), cache_tokens=4 * PAGE,
+    hidden = 128 * int(torch.randint(1, 4, ())) + 64
+    model, cache = build_model(parse_shape(f"custom({hidden},384,1,{hidden // 64},1,300,64)"), device="cpu",
+                               dtype=torch.float16, seed=int(torch.randint(0, 1000, ())), cache_tokens=6 * PAGE,
                                page_size=PAGE)
-    ref_cache = Cache(model, 4 * PAGE, page_size=PAGE)
-    plan = ExecutionPlan(model)
+    if bias_o:
+        o = model.layers[0].attn.o_proj
+        o.bias = 0.1 * torch.randn(o.padded_out_features, dtype=torch.float16)
+    ref_cache = Cache(model, 6 * PAGE, page_size=PAGE)
+    kernels = _WidthKernels()
+    fp16 = dataclasses.replace(Tuning(), fusion=FusionTuning(prefill_bf16=False))  # the reference's precision
+    plan = ExecutionPlan(model, tuning=fp16, kernels=kernels)
     assert plan.executor is not None and not plan.executor.chain_why
-    why = plan.executor.deferred_why
-    assert len(why) == 1 and "o_proj's residual launch declines: output width not a multiple of 128" in why[0] \
-        and "down's residual launch declines" in why[0]
-    monkeypatch.setattr(plan.executor, "_deferred", lambda *a, **k: pytest.fail("took the deferred form"))
-    pages = [cache.allocator.allocate(1)]
-    assert ref_cache.allocator.allocate(1) == pages[0]
-    _prefill_then_decode(plan, model, cache, ref_cache, pages, 6, monkeypatch)
+    forms: list[str] = []
+    for name in ("_deferred", "_chain"):
+        real = getattr(plan.executor, name)
+        monkeypatch.setattr(plan.executor, name, lambda *a, _r=real, _n=name, **k: forms.append(_n) or _r(*a, **k))
+    assert plan.executor.deferred_why == (["layer 0: o_proj's residual launch declines: has a bias"] if bias_o else [])
+    pages = [cache.allocator.allocate(5)]
+    assert ref_cache.allocator.allocate(5) == pages[0]
+    _prefill_then_decode(plan, model, cache, ref_cache, pages, 70, monkeypatch)
+    assert forms == ["_chain", "_chain" if bias_o else "_deferred"]
+    assert hidden in kernels.widths and kernels.widths <= {hidden, 384}, "a launch was handed a padded input"
+    if not bias_o:
+        assert kernels.calls.get("residual", 0) + kernels.calls.get("residual_gated", 0) == 2
 
 
 def test_forced_bf16_forward_close_to_fp16(monkeypatch: pytest.MonkeyPatch) -> None:

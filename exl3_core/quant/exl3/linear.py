@@ -215,10 +215,7 @@ class EXL3Linear(torch.nn.Module):
                 f"{self.key}: input last dim {width}, expected {self.in_features} "
                 f"(or padded {self.padded_in_features})"
             )
-        xp = x
-        if width < self.padded_in_features:
-            xp = torch.nn.functional.pad(x, (0, self.padded_in_features - width))
-        y = exl3_matmul(xp, self)
+        y = exl3_matmul(x, self)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         y = y[..., : self.out_features].to(x.dtype)
@@ -236,7 +233,10 @@ class EXL3Linear(torch.nn.Module):
 
 
 def exl3_matmul_reference(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
-    """fp32 ``x @ W`` (padded widths, no bias) via spec 4.3 without intermediate fp16 rounding."""
+    """fp32 ``x @ W`` (padded output width, no bias) via spec 4.3 without intermediate fp16 rounding; an input
+    narrower than the padded width is padded with zeros."""
+    if x.shape[-1] < layer.padded_in_features:
+        x = torch.nn.functional.pad(x, (0, layer.padded_in_features - x.shape[-1]))
     xs = x.to(torch.float32) * layer.suh.to(torch.float32)
     xh = had_blockwise(xs, dim=-1)
     z = xh @ layer.inner().to(torch.float32)
@@ -248,8 +248,15 @@ def exl3_matmul_reference(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
 REBUILD_MIN_ROWS = 65
 
 
+def takes_unpadded(width: int, padded_width: int) -> bool:
+    """Whether the compiled ops take an input (or a residual stream) of ``width`` columns for a layer padded to
+    ``padded_width``, reading the missing columns as zeros: a multiple of 4 within 128 of it."""
+    return width == padded_width or (padded_width - 128 < width < padded_width and width % 4 == 0)
+
+
 def exl3_matmul(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
-    """Op-dispatch seam for ``x[..., k] @ W -> [..., n]`` (padded widths, no bias).
+    """Op-dispatch seam for ``x[..., k] @ W -> [..., n]`` (``k``: the padded input width, or the layer's own,
+    padded here where the path needs it; ``n`` padded; no bias).
 
     On CUDA with the compiled op present it calls
     ``torch.ops.exl3.exl3_gemm(x2d fp16 [m, k] contiguous, trellis, suh, svh, codebook: int, launch) -> fp16 [m, n]``
@@ -258,6 +265,9 @@ def exl3_matmul(x: torch.Tensor, layer: EXL3Linear) -> torch.Tensor:
     one-launch kernel); otherwise the fp32 torch reference. The result's dtype is the path's (fp16, bf16 or
     fp32); the caller casts.
     """
+    k = layer.padded_in_features
+    if x.shape[-1] < k and not (x.is_cuda and takes_unpadded(x.shape[-1], k)):
+        x = torch.nn.functional.pad(x, (0, k - x.shape[-1]))
     if x.is_cuda and ext.has_op("exl3_gemm"):
         bf16 = x.dtype == torch.bfloat16 and x.numel() // max(x.shape[-1], 1) >= REBUILD_MIN_ROWS \
             and layer.padded_in_features % 128 == 0 and layer.trellis.shape[1] % 8 == 0
@@ -291,8 +301,8 @@ def rebuild_unsupported(layers: Sequence[torch.nn.Module]) -> list[str]:
 
 def launch_unsupported(layers: Sequence[torch.nn.Module], pads_input: bool = False) -> list[str]:
     """Why the one-launch kernels cannot take ``layers`` as one problem group ([]: they can): 1-3 EXL3
-    linears of one K and codebook sharing an input of a 128-multiple width (``pads_input``: any width, the
-    caller pads it; the norm prologue cannot)."""
+    linears of one K and codebook sharing an input the kernels take unpadded (:func:`takes_unpadded`;
+    ``pads_input``: any width, the caller pads it; the norm prologue cannot)."""
     if not 1 <= len(layers) <= 3:
         return [f"{len(layers)} linears (the kernel takes 1 to 3)"]
     if not all(isinstance(m, EXL3Linear) for m in layers):
@@ -303,8 +313,8 @@ def launch_unsupported(layers: Sequence[torch.nn.Module], pads_input: bool = Fal
         r.append("bitrates or codebooks differ (" + ", ".join(f"K={m.K}/{CODEBOOK_LABELS[m.codebook]}" for m in lins) + ")")
     if len({m.in_features for m in lins}) != 1:
         r.append("input widths differ")
-    if not pads_input and any(m.in_features != m.padded_in_features for m in lins):
-        r.append("input width not a multiple of 128")
+    if not pads_input and any(not takes_unpadded(m.in_features, m.padded_in_features) for m in lins):
+        r.append("input width not a multiple of 4")
     return r
 
 
@@ -387,19 +397,19 @@ def launch_residual(layer: EXL3Linear, x: torch.Tensor, residual: torch.Tensor, 
 
 
 def group_gemm(x2: torch.Tensor, lins: Sequence[EXL3Linear]) -> list[torch.Tensor]:
-    """``[x2 @ W_i]`` (padded output widths, no bias) for linears sharing ``x2 [m, k_pad]``: every
+    """``[x2 @ W_i]`` (padded output widths, no bias) for linears sharing ``x2 [m, k]`` (padded or not): every
     W_i rebuilt into its column block of one ``[k, Σ n_i]`` matrix, then one GEMM. At prefill sizes
     this is one cuBLAS call instead of 2-3 (each costs tens of us of host time, and k/v alone are
     narrow), and the outputs are column views of one result. fp16 operands and output, or bf16 when
     ``x2`` is bf16 (W rebuilt in bf16)."""
     widths = [m.trellis.shape[1] * 16 for m in lins]
     dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float16
-    w = torch.empty((x2.shape[-1], sum(widths)), dtype=dtype, device=x2.device)
+    w = torch.empty((lins[0].padded_in_features, sum(widths)), dtype=dtype, device=x2.device)
     off = 0
     for m, n in zip(lins, widths, strict=True):
         reconstruct_full_into_cuda(m.trellis, m.suh, m.svh, m.K, m.codebook, w[:, off:off + n])
         off += n
-    y = x2.to(dtype) @ w
+    y = x2.to(dtype) @ w[: x2.shape[-1]]  # an unpadded x skips the rows its zero columns would multiply
     return list(y.split(widths, dim=1))
 
 
