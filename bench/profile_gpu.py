@@ -14,7 +14,7 @@
     python bench/profile_gpu.py decode [--shape 8b] [--tokens 256] [--batch 1]
         a decode step of --batch sequences (a graph bucket: 1, 2, 4, 8, 16, 32) replayed from its
         CUDA graph at context --tokens: GPU time per kernel group
-        per step, and one step's kernel timeline (start, duration, gap after the previous kernel's
+        per step, and one step's kernel timeline (--cache-bits 4: on a K4V4 cache, as exl3 bench's option) (start, duration, gap after the previous kernel's
         end; with PDL a kernel may start before the previous one ends, so gaps can be negative).
 
 Output goes to stdout and, with --out DIR, to DIR/profile_<what>_<shape>.txt.
@@ -34,6 +34,7 @@ import torch
 
 from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.bench.run import _sync, bench_prefill, decode_meta, graph_step_time, prefill_meta
+from exl3_core.cache_bits import parse_cache_bits
 from exl3_core.plan import ExecutionPlan
 
 
@@ -255,14 +256,15 @@ def _group(name: str) -> str:
 
 
 def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "cuda", steps: int = 5,
-                   batch: int = 1) -> None:
+                   batch: int = 1, cache_bits: str = "16") -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from exl3_core.generator.graphs import DecodeGraphs
 
     shape = parse_shape(shape_name)
+    bits = parse_cache_bits(cache_bits, "--cache-bits")
     model, cache = build_model(shape, bpw=4.0, head_bits=6, codebook="mul1", device=device,
-                               cache_tokens=batch * (ctx + 1024))
+                               cache_tokens=batch * (ctx + 1024), cache_kwargs=bits.cache_kwargs())
     graphs = DecodeGraphs.create(ExecutionPlan(model), cache, cache.max_pages_per_seq(ctx + 1))
     if graphs is None:
         raise SystemExit("decode graphs declined for this model/device: nothing to profile")
@@ -286,7 +288,7 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
         groups.setdefault(_group(name), []).append(t1 - t0)
     last = kern[per * (steps - 1): per * steps]
     wall = last[-1][2] - last[0][1]
-    lines = [(f"decode {shape_name} b={batch} ctx={ctx}: graph step {(step or 0) * 1e3:.3f} ms (events); {per} kernels per step; "
+    lines = [(f"decode {shape_name} b={batch} ctx={ctx} cache {cache_bits}: graph step {(step or 0) * 1e3:.3f} ms (events); {per} kernels per step; "
               f"last profiled step {wall:.1f} us first start to last end\n"),
              f"{'group':24s} {'kernels/step':>12s} {'us/step (sum of durations)':>28s}\n"]
     for g, ds in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
@@ -299,7 +301,8 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
         prev_end = max(prev_end, t1)
     cache.allocator.release(pages)
     graphs.reset()
-    _emit("".join(lines), out, f"profile_decode_{shape_name}" + (f"_b{batch}" if batch > 1 else "") + ".txt")
+    _emit("".join(lines), out, f"profile_decode_{shape_name}" + (f"_b{batch}" if batch > 1 else "")
+          + (f"_kv{cache_bits}" if bits.quantized else "") + ".txt")
 
 
 def main() -> None:
@@ -310,13 +313,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, default=1, help="decode: sequences per step (a captured bucket, <= 32)")
+    ap.add_argument("--cache-bits", default="16", help="decode: the cache's bits, as exl3 bench's option (16, 4, 8,4)")
     a = ap.parse_args()
     if a.what == "prefill":
         profile_prefill(a.shape or "8b", a.tokens or 2048, a.out, a.device)
     elif a.what == "loop":
         profile_loop(a.shape or "1b", a.tokens or 128, a.out, a.device, batch=a.batch)
     elif a.what == "decode":
-        profile_decode(a.shape or "8b", a.tokens or 256, a.out, a.device, batch=a.batch)
+        profile_decode(a.shape or "8b", a.tokens or 256, a.out, a.device, batch=a.batch, cache_bits=a.cache_bits)
     else:
         profile_host(a.shape or "1b", a.tokens or 128, a.out, a.device)
 

@@ -172,7 +172,7 @@ case "$stage" in
     # which need the baseline's build, then the n-gram figure. Also: one feature figure by name (spec, kvq_b1, ...),
     # spprobe (bench/spec_target_probe.py), qtests (the test files in $QTESTS), cand:NAME (bench/candidates/NAME.patch,
     # see the candidate stage), golden (every golden cell converted on CUDA, bench/golden_seeds.py), profsmol (the
-    # SmolLM2 shape's decode step per kernel at b=1 and b=16)
+    # SmolLM2 shape's decode step per kernel at b=1 and b=16), profkvq (the 8B step per kernel, fp16 and K4V4 caches)
     stages=${STAGES:-fairness features tests ab1b ab8b ngram}
     echo "HEAD built $(date +%T); stages: $stages"; export SKIP_BUILD=1
     for st in $stages; do
@@ -188,6 +188,11 @@ case "$stage" in
         cand:*) echo "== candidate ${st#cand:}"; bash bench/wave2_gpu.sh candidate "${st#cand:}" ;;
         spprobe) echo "== spec target probe"; timeout 240 python3 bench/spec_target_probe.py > "$OUT/spprobe.log" 2>&1
           echo "rc=$?"; grep self_predicting "$OUT/spprobe.log" ;;
+        profkvq)  # the 8B shape's decode step at b=1, ctx 256, on fp16 and K4V4 caches, per kernel
+          for kb in 16 4; do
+            timeout 200 python3 bench/profile_gpu.py decode --shape 8b --tokens 256 --cache-bits $kb \
+              > "$OUT/profkvq_$kb.log" 2>&1; echo "cache $kb rc=$?"; head -24 "$OUT/profkvq_$kb.log"
+          done ;;
         profsmol)  # the SmolLM2 shape's decode step at b=1 and b=16, per kernel (its b=1 step is the slower one)
           for b in 1 16; do
             timeout 200 python3 bench/profile_gpu.py decode --shape "custom(576,1536,30,9,3,49152,64)" --tokens 256 \
