@@ -288,25 +288,9 @@ def model_cache():
     cache.free()
 
 
-def _greedy(model, cache, prompts: list[list[int]], n: int, tuning: Tuning) -> list[tuple[list[int], torch.Tensor]]:
-    from exl3_core.generator import Generator, Job
-
-    gen = Generator(model, cache, None, max_batch_size=4, max_seq_len=512, tuning=tuning)
-    assert gen.graphs is None, "eager steps: each tuning's path is taken by the forward itself"
-    jobs = [Job(p, max_new_tokens=n, stop_at_eos=False, identifier=i, return_logits=True) for i, p in enumerate(prompts)]
-    gen.enqueue(jobs)
-    ids: dict[int, list[int]] = {i: [] for i in range(len(jobs))}
-    lg: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(jobs))}
-    while gen.num_remaining():
-        for r in gen.iterate():
-            ids[r["identifier"]] += r["token_ids"]
-            if len(r.get("logits", [])):
-                lg[r["identifier"]].append(r["logits"])
-    return [(ids[i], torch.cat(lg[i])) for i in range(len(jobs))]
-
-
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_decode_with_fused_extras_equals_separate_kernels(ops_, model_cache, batch: int, monkeypatch) -> None:
+def test_decode_with_fused_extras_equals_separate_kernels(ops_, model_cache, batch: int, monkeypatch,
+                                                          greedy_with_logits) -> None:
     """Greedy decode (32 steps) with the norms deferred into the linears and RoPE + KV write in q/k/v's
     epilogue equals the chain with separate kernels (``FusionTuning(deferred_norm=False,
     qkv_epilogue=False)``): logits within fp16 tolerance until a near-tie, and the fused paths actually ran
@@ -348,11 +332,11 @@ def test_decode_with_fused_extras_equals_separate_kernels(ops_, model_cache, bat
     # eager steps: no capture needed for the comparison
     base = dataclasses.replace(base, graphs=GraphTuning(enabled=False))
     fused = dataclasses.replace(base, fusion=FusionTuning(deferred_norm=True, qkv_epilogue=True))
-    deferred = _greedy(model, cache, prompts, 32, fused)
+    deferred = greedy_with_logits(model, cache, prompts, 32, fused)
     assert calls["norm"] > 0 and calls["res"] > 0 and calls["qkv"] > 0 and calls["embed"] > 0, calls
     separate = dataclasses.replace(base, fusion=FusionTuning(deferred_norm=False, qkv_epilogue=False))
     before = dict(calls)
-    plain = _greedy(model, cache, prompts, 32, separate)
+    plain = greedy_with_logits(model, cache, prompts, 32, separate)
     assert calls == before, "a tuning with deferred_norm=False, qkv_epilogue=False still took the fused paths"
     for (ta, la), (tb, lb) in zip(deferred, plain):
         n = next((i for i in range(32) if ta[i] != tb[i]), 32)

@@ -152,24 +152,9 @@ def model_cache():
     cache.free()
 
 
-def _greedy(model, cache, prompts: list[list[int]], n: int, tuning: Tuning) -> list[tuple[list[int], torch.Tensor]]:
-    from exl3_core.generator import Generator, Job
-
-    gen = Generator(model, cache, None, max_batch_size=4, max_seq_len=512, tuning=tuning)
-    jobs = [Job(p, max_new_tokens=n, stop_at_eos=False, identifier=i, return_logits=True) for i, p in enumerate(prompts)]
-    gen.enqueue(jobs)
-    ids: dict[int, list[int]] = {i: [] for i in range(len(jobs))}
-    lg: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(jobs))}
-    while gen.num_remaining():
-        for r in gen.iterate():
-            ids[r["identifier"]] += r["token_ids"]
-            if len(r.get("logits", [])):
-                lg[r["identifier"]].append(r["logits"])
-    return [(ids[i], torch.cat(lg[i])) for i in range(len(jobs))]
-
-
 @pytest.mark.parametrize("batch", [1, 3])
-def test_off_128_decode_deferred_equals_separate_kernels(model_cache, batch: int, monkeypatch) -> None:
+def test_off_128_decode_deferred_equals_separate_kernels(model_cache, batch: int, monkeypatch,
+                                                          greedy_with_logits) -> None:
     """Greedy decode of a model of SmolLM2's widths: the plan defers its norms, every residual producer and
     norm consumer launched with the stream unpadded (no pad before them), and the logits equal those of the
     chain with separate kernels (``deferred_norm=False``) within fp16 tolerance until a near-tie."""
@@ -194,9 +179,11 @@ def test_off_128_decode_deferred_equals_separate_kernels(model_cache, batch: int
     monkeypatch.setattr(plan_kernels, "launch_group_ex", count_ex)
     monkeypatch.setattr(plan_kernels, "launch_residual", count_res)
     base = dataclasses.replace(Tuning.for_device(model.device), graphs=GraphTuning(enabled=False))
-    deferred = _greedy(model, cache, prompts, 24, dataclasses.replace(base, fusion=FusionTuning(deferred_norm=True)))
+    deferred = greedy_with_logits(model, cache, prompts, 24,
+                                  dataclasses.replace(base, fusion=FusionTuning(deferred_norm=True)))
     assert widths and set(widths) == {576}, f"launch widths {sorted(set(widths))}"
-    plain = _greedy(model, cache, prompts, 24, dataclasses.replace(base, fusion=FusionTuning(deferred_norm=False)))
+    plain = greedy_with_logits(model, cache, prompts, 24,
+                               dataclasses.replace(base, fusion=FusionTuning(deferred_norm=False)))
     for (ta, la), (tb, lb) in zip(deferred, plain):
         n = next((i for i in range(24) if ta[i] != tb[i]), 24)
         if n < 24:
