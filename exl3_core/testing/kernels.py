@@ -104,3 +104,28 @@ class EmulatedKernels:
         self._count("rebuild_gemm")
         dtype = torch.bfloat16 if x2.dtype == torch.bfloat16 else torch.float16
         return [self._mm(x2.to(dtype), m).to(dtype) for m in lins]
+
+
+def random_exl3_problem(k: int, n: int, K: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                      torch.Tensor]:
+    """Random packed trellis ``[k / 16, n / 16, 16 K]`` (int16) and sign-random fp16 input / output scales of
+    magnitude 0.025-0.1 / 0.5-2, for kernel tests that need an EXL3 linear of any content."""
+    def scales(size: int) -> torch.Tensor:
+        sign = torch.randint(0, 2, (size,), device=device) * 2 - 1
+        return (sign * (0.5 + 1.5 * torch.rand(size, device=device))).to(torch.float16)
+
+    t = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * K), dtype=torch.int16, device=device)
+    return t, scales(k) * 0.05, scales(n)
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` (Frobenius norms, in fp64)."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def assert_workspace_clean(ops: object) -> None:
+    """The fused linears' shared workspace and arrival counters are back to zero (every launch cleans up after
+    itself, which the next launch relies on); ``ops`` is ``torch.ops.exl3``."""
+    z, counters = ops.exl3_linear_workspace(torch.empty(1, device="cuda"))  # type: ignore[attr-defined]
+    assert z.count_nonzero().item() == 0 and counters.count_nonzero().item() == 0, "fused workspace left dirty"

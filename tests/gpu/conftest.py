@@ -103,3 +103,16 @@ def greedy_with_logits():
     """``f(model, cache, prompts, n, tuning)``: each prompt's ``n`` greedy tokens and their logits, decoded eagerly
     (``tuning`` must turn graphs off) by a generator of 4 sequences, as ``[(tokens, logits [n, vocab])]``."""
     return _greedy_with_logits
+
+
+@pytest.fixture(scope="module")
+def shape_model_cache(request: pytest.FixtureRequest):
+    """``(model, cache)``: a random-weight EXL3 model (4.0 bpw, 6-bit head) of the test module's ``SHAPE`` on the GPU
+    with a 2048-token cache of 64-token pages, freed after the module."""
+    from exl3_core.bench.models import bench_plugins, build_model, parse_shape
+
+    model, cache = build_model(parse_shape(request.module.SHAPE), bpw=4.0, head_bits=6, device="cuda",
+                               cache_tokens=2048, page_size=64, plugins=bench_plugins())
+    yield model, cache
+    model.unload()
+    cache.free()

@@ -12,6 +12,9 @@ import torch
 
 from exl3_core.quant.exl3 import CB_3INST, CB_MCG, CB_MUL1, cuda_ops
 from exl3_core.reference import fused as ref
+from exl3_core.testing.kernels import assert_workspace_clean as workspace_clean
+from exl3_core.testing.kernels import random_exl3_problem
+from exl3_core.testing.kernels import rel_error as rel
 from exl3_core.tuning import FusionTuning, GraphTuning, Tuning
 
 DEV = "cuda"
@@ -25,28 +28,12 @@ def ops_(exl3_ops):
     return exl3_ops
 
 
-def scales(size: int) -> torch.Tensor:
-    sign = torch.randint(0, 2, (size,), device=DEV) * 2 - 1
-    return (sign * (0.5 + 1.5 * torch.rand(size, device=DEV))).to(torch.float16)
-
-
 def problem(k: int, n: int, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    t = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * K), dtype=torch.int16, device=DEV)
-    return t, scales(k) * 0.05, scales(n)
+    return random_exl3_problem(k, n, K, DEV)
 
 
 def torch_linear(x: torch.Tensor, p: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cb: int) -> torch.Tensor:
     return cuda_ops._fallback_linear(x, p[0], p[1], p[2], cb)  # fp32 spec 4.3 with torch ops only
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def workspace_clean(ops_) -> None:
-    z, counters = ops_.exl3_linear_workspace(torch.empty(1, device=DEV))
-    assert z.count_nonzero().item() == 0 and counters.count_nonzero().item() == 0, "fused workspace left dirty"
 
 
 @pytest.mark.parametrize("K,cb", [(4, CB_MUL1), (2, CB_3INST), (6, CB_MCG), (8, CB_MUL1)])
@@ -277,19 +264,9 @@ def test_plan_launches_only_what_the_ops_can_take(counting_kernels) -> None:
 SHAPE = "custom(512,1024,3,8,2,2000)"
 
 
-@pytest.fixture(scope="module")
-def model_cache():
-    from exl3_core.bench.models import bench_plugins, build_model, parse_shape
-
-    model, cache = build_model(parse_shape(SHAPE), bpw=4.0, head_bits=6, device="cuda", cache_tokens=2048,
-                               page_size=64, plugins=bench_plugins())
-    yield model, cache
-    model.unload()
-    cache.free()
-
-
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_decode_with_fused_extras_equals_separate_kernels(ops_, model_cache, batch: int, monkeypatch,
+def test_decode_with_fused_extras_equals_separate_kernels(ops_, shape_model_cache, batch: int,
+                                                          monkeypatch,
                                                           greedy_with_logits) -> None:
     """Greedy decode (32 steps) with the norms deferred into the linears and RoPE + KV write in q/k/v's
     epilogue equals the chain with separate kernels (``FusionTuning(deferred_norm=False,
@@ -298,7 +275,7 @@ def test_decode_with_fused_extras_equals_separate_kernels(ops_, model_cache, bat
     import exl3_core.ops as eops
     import exl3_core.plan.kernels as plan_kernels
 
-    model, cache = model_cache
+    model, cache = shape_model_cache
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, 2000, (int(n),), generator=g).tolist() for n in torch.randint(10, 80, (batch,), generator=g)]
 

@@ -19,6 +19,9 @@ from exl3_core.kernels.launch import LaunchConfig
 from exl3_core.ops import ACT_CODES
 from exl3_core.quant.exl3 import CB_3INST, CB_MCG, CB_MUL1, cuda_ops
 from exl3_core.reference import fused as ref
+from exl3_core.testing.kernels import assert_workspace_clean as workspace_clean
+from exl3_core.testing.kernels import random_exl3_problem
+from exl3_core.testing.kernels import rel_error as rel
 from exl3_core.tuning import FusionTuning, GraphTuning, Tuning
 
 pytestmark = pytest.mark.cuda
@@ -29,28 +32,12 @@ WIDTHS = [(576, 640), (64, 128), (1984, 2048)]
 REL_SAME = 1e-4
 
 
-def scales(size: int) -> torch.Tensor:
-    sign = torch.randint(0, 2, (size,), device=DEV) * 2 - 1
-    return (sign * (0.5 + 1.5 * torch.rand(size, device=DEV))).to(torch.float16)
-
-
 def problem(k: int, n: int, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    t = torch.randint(-32768, 32768, (k // 16, n // 16, 16 * K), dtype=torch.int16, device=DEV)
-    return t, scales(k) * 0.05, scales(n)
+    return random_exl3_problem(k, n, K, DEV)
 
 
 def padded(x: torch.Tensor, width: int) -> torch.Tensor:
     return F.pad(x, (0, width - x.shape[-1]))
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
-def workspace_clean(ops_) -> None:
-    z, counters = ops_.exl3_linear_workspace(torch.empty(1, device=DEV))
-    assert z.count_nonzero().item() == 0 and counters.count_nonzero().item() == 0, "fused workspace left dirty"
 
 
 @pytest.fixture(scope="module")
@@ -141,19 +128,9 @@ def test_unpadded_residual(ops_, cols: int, n: int, act: str | None) -> None:
 SHAPE = "custom(576,1536,3,9,3,2000,64)"
 
 
-@pytest.fixture(scope="module")
-def model_cache():
-    from exl3_core.bench.models import bench_plugins, build_model, parse_shape
-
-    model, cache = build_model(parse_shape(SHAPE), bpw=4.0, head_bits=6, device="cuda", cache_tokens=2048,
-                               page_size=64, plugins=bench_plugins())
-    yield model, cache
-    model.unload()
-    cache.free()
-
-
 @pytest.mark.parametrize("batch", [1, 3])
-def test_off_128_decode_deferred_equals_separate_kernels(model_cache, batch: int, monkeypatch,
+def test_off_128_decode_deferred_equals_separate_kernels(shape_model_cache, batch: int,
+                                                          monkeypatch,
                                                           greedy_with_logits) -> None:
     """Greedy decode of a model of SmolLM2's widths: the plan defers its norms, every residual producer and
     norm consumer launched with the stream unpadded (no pad before them), and the logits equal those of the
@@ -161,7 +138,7 @@ def test_off_128_decode_deferred_equals_separate_kernels(model_cache, batch: int
     import exl3_core.plan.kernels as plan_kernels
     from exl3_core.plan import ExecutionPlan
 
-    model, cache = model_cache
+    model, cache = shape_model_cache
     assert ExecutionPlan(model).executor.deferred_why == []
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, 2000, (int(n),), generator=g).tolist() for n in torch.randint(10, 80, (batch,), generator=g)]
