@@ -11,11 +11,12 @@
         the generator's decode loop at --batch: tok/s against the graph step, the overlapped
         pipeline's launches, and what the GPU runs between two replays.
 
-    python bench/profile_gpu.py decode [--shape 8b] [--tokens 256] [--batch 1]
+    python bench/profile_gpu.py decode [--shape 8b] [--tokens 256] [--batch 1] [--cache-bits 16]
         a decode step of --batch sequences (a graph bucket: 1, 2, 4, 8, 16, 32) replayed from its
-        CUDA graph at context --tokens: GPU time per kernel group
-        per step, and one step's kernel timeline (--cache-bits 4: on a K4V4 cache, as exl3 bench's option) (start, duration, gap after the previous kernel's
-        end; with PDL a kernel may start before the previous one ends, so gaps can be negative).
+        CUDA graph at context --tokens over a cache of --cache-bits (exl3 bench's option: 16, 4, 8,4):
+        GPU time per kernel group per step, and one step's kernel timeline (start, duration, gap after
+        the previous kernel's end; with PDL a kernel may start before the previous one ends, so gaps
+        can be negative).
 
 Output goes to stdout and, with --out DIR, to DIR/profile_<what>_<shape>.txt.
 """
@@ -288,7 +289,8 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
         groups.setdefault(_group(name), []).append(t1 - t0)
     last = kern[per * (steps - 1): per * steps]
     wall = last[-1][2] - last[0][1]
-    lines = [(f"decode {shape_name} b={batch} ctx={ctx} cache {cache_bits}: graph step {(step or 0) * 1e3:.3f} ms (events); {per} kernels per step; "
+    lines = [(f"decode {shape_name} b={batch} ctx={ctx} cache {cache_bits}: graph step {(step or 0) * 1e3:.3f} ms "
+              f"(events); {per} kernels per step; "
               f"last profiled step {wall:.1f} us first start to last end\n"),
              f"{'group':24s} {'kernels/step':>12s} {'us/step (sum of durations)':>28s}\n"]
     for g, ds in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
