@@ -18,7 +18,10 @@ K{bits}V{bits}, K{bits}V{bits-1} and K{bits-1}V{bits-1} with H32, and with the p
 W tokens of fp16 per sequence, not per token. ``--window-page P`` stops each window at the start of the query's
 page of P tokens (a query then needs exact rows of its own page only, which a forked sequence never shares);
 ``--window-bits B`` stores the window's rows as format spec 6 does at B bits. At 4096 positions, K4V4 H32:
-``--window 32`` 0.0072; ``--window 32 --window-page 256 --window-bits 8`` 0.0080 (W = 64: 0.0062).
+``--window 32`` 0.0072; ``--window 32 --window-page 256 --window-bits 8`` 0.0080 (W = 64: 0.0062); ``--window 16``
+0.0110 and ``--window 8`` 0.0178 (with the per-pair keys 0.0046 and 0.0064). Kept beside the 4-bit rows, a window
+costs capacity: per 4096-token sequence K4V4 holds 3.56x / (1 + W x row bytes / (4096 x 36)) of fp16's tokens,
+3.46x for fp16 rows at W = 32, 3.51x at W = 16, 3.50x for 8-bit rows at W = 32.
 
 With ``--smooth``: ``ksmooth`` divides each key channel by sigma = (E[k^2] / E[q^2])^(1/4) (pair means) before
 H32 and the reader would multiply the query by it (the scores are unchanged; the sigma that minimises
