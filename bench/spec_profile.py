@@ -7,6 +7,10 @@ host, by own time and by cumulative time, with the step count so that per-step f
 
     python bench/spec_profile.py [--shape 8b] [--draft 1b] [--alpha 0.9] [--k 3] [--batch 1] [--out DIR]
     (``--device cpu --shape 'custom(64,128,2,4,2,256)'``: a smoke run of the script itself)
+
+On CUDA it then runs a few more steps under torch.profiler with the step's phases marked (draft, verification,
+acceptance, commits) and prints the device's idle gaps: per step the wall time, the time some kernel or copy ran,
+and the longest gaps with the host phase that was running when each began.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import torch
 
 from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.bench.spec import OracleDrafter, _decode_tokens
-from exl3_core.generator import Generator
+from exl3_core.generator import Generator, Job
 from exl3_core.generator.draft_policy import DraftLength
 from exl3_core.generator.speculative import SpecStats
 
@@ -77,6 +81,93 @@ def main() -> None:
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         pr.dump_stats(str(a.out / "spec_profile.prof"))
+    if dev.type == "cuda":
+        gaps(gen, prompts, a.out)
+
+
+# host phases marked in the timeline: (object, method name, label)
+def _phases(gen: Generator) -> list[tuple[object, str, str]]:
+    assert gen.spec is not None
+    spec, drafter = gen.spec, gen.spec.drafter
+    out: list[tuple[object, str, str]] = [
+        (spec, "_propose", "propose"), (spec, "_verify", "verify"), (spec, "_accept_drafts", "accept"),
+        (spec, "_commit", "commit"), (spec, "_trim_pages", "trim"), (spec, "_record_times", "record_times"),
+        (drafter, "_step", "draft_step"), (drafter, "_chain", "draft_chain"), (drafter, "_forced", "forced"),
+        (drafter, "commit", "draft_commit"), (gen, "_step", "gen_step")]
+    if gen.graphs is not None:
+        out.append((gen.graphs, "run", "verify_replay"))
+    return out
+
+
+def gaps(gen: Generator, prompts: list[list[int]], out: Path | None, steps: int = 24) -> None:
+    """Device idle gaps over ``steps`` speculative steps, with the host phase running at each gap's start."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def marked(fn, label):
+        def inner(*args, **kw):
+            with record_function("phase:" + label):
+                return fn(*args, **kw)
+        return inner
+
+    saved = []
+    for obj, name, label in _phases(gen):
+        fn = getattr(obj, name)
+        saved.append((obj, name))
+        setattr(obj, name, marked(fn, label))
+    jobs = [Job(p, max_new_tokens=steps * 8, stop_at_eos=False, identifier=i) for i, p in enumerate(prompts)]
+    for j in jobs:
+        gen.enqueue(j)
+    for _ in range(4):  # prefill and the first steps outside the window
+        gen.iterate()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            gen.iterate()
+        torch.cuda.synchronize()
+    for obj, name in saved:
+        delattr(obj, name)  # back to the class's method
+    while gen.num_remaining():
+        gen.iterate()
+    if out is not None:
+        prof.export_chrome_trace(str(out / "spec_trace.json"))
+    ev = prof.events()
+    dev_iv = sorted((e.time_range.start, e.time_range.end) for e in ev
+                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    host = [(e.time_range.start, e.time_range.end, e.name[6:]) for e in ev if e.name.startswith("phase:")]
+    steps_iv = sorted((s, t) for s, t, n in host if n == "gen_step")
+    if not dev_iv or not steps_iv:
+        print("no device activity recorded")
+        return
+    t0, t1 = steps_iv[0][0], steps_iv[-1][1]
+    busy, idle = 0.0, []
+    cur_s, cur_e = dev_iv[0]
+    for s, e in dev_iv[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            idle.append((cur_e, s))
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    idle = [(s, e) for s, e in idle if t0 <= s <= t1]
+    n = len(steps_iv)
+    wall = (t1 - t0) / n
+    print(f"\ntimeline over {n} generator steps: {wall / 1e3:.3f} ms wall a step, device busy "
+          f"{busy / (t1 - t0) * 100:.0f}% of it; idle {sum(e - s for s, e in idle) / n / 1e3:.3f} ms a step "
+          f"in {len(idle) / n:.1f} gaps")
+
+    def phase_at(t: float) -> str:
+        inner = [(e - s, n) for s, e, n in host if s <= t <= e]
+        return min(inner)[1] if inner else "(none)"
+    by_phase: dict[str, float] = {}
+    for s, e in idle:
+        k = phase_at(s)
+        by_phase[k] = by_phase.get(k, 0.0) + (e - s)
+    print("device idle a step, by the innermost host phase at the gap's start:")
+    for k, v in sorted(by_phase.items(), key=lambda x: -x[1]):
+        print(f"  {k:14s} {v / n / 1e3:.3f} ms")
+    print("longest gaps (us, host phase):",
+          ", ".join(f"{(e - s):.0f} {phase_at(s)}" for s, e in sorted(idle, key=lambda x: x[0] - x[1])[:12]))
 
 
 if __name__ == "__main__":
