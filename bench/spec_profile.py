@@ -130,18 +130,30 @@ def gaps(gen: Generator, prompts: list[list[int]], out: Path | None, steps: int 
         gen.iterate()
     if out is not None:
         prof.export_chrome_trace(str(out / "spec_trace.json"))
-    ev = prof.events()
-    dev_iv = sorted((e.time_range.start, e.time_range.end) for e in ev
-                    if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    host = [(e.time_range.start, e.time_range.end, e.name[6:]) for e in ev if e.name.startswith("phase:")]
+    _report(prof.profiler.kineto_results.events(), len(prompts))
+
+
+def _report(events, batch: int) -> None:
+    """Device busy and idle time per generator step from profiler (kineto) events: the idle gaps with the host
+    phase running at each one's start, and the device time by the host phase that launched it and by kernel."""
+    host = [(e.start_ns(), e.end_ns(), e.name()[6:]) for e in events if e.name().startswith("phase:")]
     steps_iv = sorted((s, t) for s, t, n in host if n == "gen_step")
-    if not dev_iv or not steps_iv:
+    dev = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
+    if not dev or not steps_iv:
         print("no device activity recorded")
         return
     t0, t1 = steps_iv[0][0], steps_iv[-1][1]
-    busy, idle = 0.0, []
-    cur_s, cur_e = dev_iv[0]
-    for s, e in dev_iv[1:]:
+    dev = [e for e in dev if t0 <= e.start_ns() <= t1]
+    n = len(steps_iv)
+
+    def phase_at(t: float) -> str:
+        inner = [(e - s, name) for s, e, name in host if s <= t <= e]
+        return min(inner)[1] if inner else "(none)"
+
+    iv = sorted((e.start_ns(), e.end_ns()) for e in dev)
+    busy, idle = 0, []
+    cur_s, cur_e = iv[0]
+    for s, e in iv[1:]:
         if s > cur_e:
             busy += cur_e - cur_s
             idle.append((cur_e, s))
@@ -149,26 +161,36 @@ def gaps(gen: Generator, prompts: list[list[int]], out: Path | None, steps: int 
         else:
             cur_e = max(cur_e, e)
     busy += cur_e - cur_s
-    idle = [(s, e) for s, e in idle if t0 <= s <= t1]
-    n = len(steps_iv)
-    wall = (t1 - t0) / n
-    print(f"\ntimeline over {n} generator steps: {wall / 1e3:.3f} ms wall a step, device busy "
-          f"{busy / (t1 - t0) * 100:.0f}% of it; idle {sum(e - s for s, e in idle) / n / 1e3:.3f} ms a step "
-          f"in {len(idle) / n:.1f} gaps")
-
-    def phase_at(t: float) -> str:
-        inner = [(e - s, n) for s, e, n in host if s <= t <= e]
-        return min(inner)[1] if inner else "(none)"
+    ms = 1e6 * n  # ns -> ms per step
+    print(f"\ntimeline over {n} generator steps (b={batch}): {(t1 - t0) / ms:.3f} ms wall a step, device busy "
+          f"{busy / ms:.3f} ms, idle {sum(e - s for s, e in idle) / ms:.3f} ms in {len(idle) / n:.1f} gaps")
     by_phase: dict[str, float] = {}
     for s, e in idle:
         k = phase_at(s)
         by_phase[k] = by_phase.get(k, 0.0) + (e - s)
     print("device idle a step, by the innermost host phase at the gap's start:")
     for k, v in sorted(by_phase.items(), key=lambda x: -x[1]):
-        print(f"  {k:14s} {v / n / 1e3:.3f} ms")
+        print(f"  {k:14s} {v / ms:.3f} ms")
     print("longest gaps (us, host phase):",
-          ", ".join(f"{(e - s):.0f} {phase_at(s)}" for s, e in sorted(idle, key=lambda x: x[0] - x[1])[:12]))
-
-
-if __name__ == "__main__":
-    main()
+          ", ".join(f"{(e - s) / 1e3:.0f} {phase_at(s)}" for s, e in sorted(idle, key=lambda x: x[0] - x[1])[:12]))
+    # device time by the phase whose host code launched it (runtime calls share a correlation id with their work)
+    launch = {e.correlation_id(): e.start_ns() for e in events
+              if e.device_type() == torch.autograd.DeviceType.CPU and e.name().startswith("cu")}
+    by_launch: dict[str, list[float]] = {}
+    for e in dev:
+        t = launch.get(e.correlation_id())
+        k = phase_at(t) if t is not None else "(unmatched)"
+        by_launch.setdefault(k, [0, 0.0])
+        by_launch[k][0] += 1
+        by_launch[k][1] += e.duration_ns()
+    print("device time a step (sum of durations), by the innermost host phase that launched it:")
+    for k, (c, d) in sorted(by_launch.items(), key=lambda x: -x[1][1]):
+        print(f"  {k:14s} {d / ms:.3f} ms in {c / n:.1f} kernels/copies")
+    by_name: dict[str, list[float]] = {}
+    for e in dev:
+        by_name.setdefault(e.name()[:90], [0, 0.0])
+        by_name[e.name()[:90]][0] += 1
+        by_name[e.name()[:90]][1] += e.duration_ns()
+    print("device time a step by kernel (top 25):")
+    for k, (c, d) in sorted(by_name.items(), key=lambda x: -x[1][1])[:25]:
+        print(f"  {d / ms:8.3f} ms {c / n:6.1f}x  {k}")
