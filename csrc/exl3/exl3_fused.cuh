@@ -91,7 +91,9 @@ struct FusedArgs {
     const float* rope_sin;
     int rope_half, rope_interleaved;
     int rope_mask;                          // bit i: rotate problem i's heads
-    __half* cache[FUSED_MAX_PROBLEMS];      // nullptr, or a KV cache [slots, n_i] fp16 that problem i's row r also goes to
+    __half* cache[FUSED_MAX_PROBLEMS];      // nullptr, or a KV cache [slots, cache_ld_i] fp16 that problem i's row r also goes to
+    int cache_ld[FUSED_MAX_PROBLEMS];       // a cache slot's width: n_i, or the layer's unpadded width (a multiple of 4
+                                            // within 128 of n_i), whose columns alone are stored
     const int64_t* slots;                   // [m] each row's cache slot
     // (kept out of FusedProblem: fields there are selected per block before the main loop and cost
     // registers across it; these are read in the epilogue only, with constant indices)
@@ -430,6 +432,8 @@ __global__ void __launch_bounds__(warps_for(NT) * 32, (PD > 0 ? PD_MIN_BLOCKS : 
                        : (a.n_problems > 1 && (int)blockIdx.x >= a.p[1].block0) ? 1 : 0;
         const bool rope = (a.rope_mask >> pi) & 1;
         __half* cache = pi == 0 ? a.cache[0] : pi == 1 ? a.cache[1] : a.cache[2];
+        // the x-once variants store whole slots of n only (their 32 registers would spill for a narrower one)
+        const long cld = XH ? ndim : pi == 0 ? a.cache_ld[0] : pi == 1 ? a.cache_ld[1] : a.cache_ld[2];
         const int d0 = rope ? (int)(col0 % (2 * a.rope_half)) : 0;
         float4* zp = reinterpret_cast<float4*>(P.z + (long)r * ndim + col0);
         // everything the epilogue reads besides z, loaded before z's values are used: one round trip
@@ -445,7 +449,8 @@ __global__ void __launch_bounds__(warps_for(NT) * 32, (PD > 0 ? PD_MIN_BLOCKS : 
 #pragma unroll
         for (int j = 0; j < 4; ++j) h[j] = __hmul(__float2half_rn(v[j]), svh4[j]);
         if (rope) rope_apply(a, d0, rc, rs, h);
-        if (cache != nullptr) *reinterpret_cast<uint2*>(cache + slot * ndim + col0) = pack_half4(h);
+        if (cache != nullptr && (XH || col0 < cld))
+            *reinterpret_cast<uint2*>(cache + slot * cld + col0) = pack_half4(h);
         if (res) {  // residual producer: the stream's add, then this row's partial sum of squares
             const __half rh[4] = {__low2half(bits_h2(ru.x)), __high2half(bits_h2(ru.x)), __low2half(bits_h2(ru.y)),
                                   __high2half(bits_h2(ru.y))};
@@ -555,8 +560,11 @@ int launch_fused_t(FusedArgs a, cudaStream_t st) {
     const bool tr = a.m <= 8;
     long col_blocks = 0;
     for (int i = 0; i < a.n_problems; ++i) col_blocks += a.p[i].n_tiles / BLOCK_TILES;
-    // the x-once variants take a residual stream of the full width only (fused_linear_kernel's epilogue)
-    const bool full_stream = a.res == nullptr || (long)a.res_cols == col_blocks * FUSED_COLS;
+    // the x-once variants take a residual stream and cache slots of the full width only (fused_linear_kernel's
+    // epilogue)
+    bool full_stream = a.res == nullptr || (long)a.res_cols == col_blocks * FUSED_COLS;
+    for (int i = 0; i < a.n_problems; ++i)
+        full_stream = full_stream && (a.cache[i] == nullptr || a.cache_ld[i] == a.p[i].n_tiles * 16);
     const bool xh = tr && full_stream && a.xh_buf != nullptr && xh_wanted(a.m, a.k_tiles, col_blocks, a.xh_min_rows);
     // x once for the rows (a decoder linear at m >= xh_min_rows), not for the width (a head): 2 n tiles per
     // warp, so that the short chunks' fixed work (x copy, 8 rows' epilogue) has twice the warps.

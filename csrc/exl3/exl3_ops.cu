@@ -340,6 +340,7 @@ struct FusedExtras {
     const int64_t* slots = nullptr;
     int rope[exl3::FUSED_MAX_PROBLEMS] = {0, 0, 0};
     __half* cache[exl3::FUSED_MAX_PROBLEMS] = {nullptr, nullptr, nullptr};
+    int cache_ld[exl3::FUSED_MAX_PROBLEMS] = {0, 0, 0};
 };
 
 // One launch for up to 3 problems sharing x (same K, codebook) with the launch options lo; returns false
@@ -392,6 +393,7 @@ bool fused_launch(const Tensor& x, const std::vector<Tensor>& trellis, const std
         p.counters = counters + n_off / exl3::FUSED_COLS;
         p.n_tiles = (int)trellis[i].size(1);
         a.cache[i] = ex.cache[i];
+        a.cache_ld[i] = ex.cache_ld[i];
         a.rope_mask |= ex.rope[i] ? 1 << i : 0;
         n_off += trellis[i].size(1) * 16;
     }
@@ -538,16 +540,18 @@ Tensor aten_rope(const Tensor& y, const Tensor& cos, const Tensor& sin, bool int
 //    kernel between the two linears;
 //  - rope_cos/rope_sin set (fp32 [m, half], half in 16, 32, 64): problems i with rope_on[i] have their
 //    output heads (2 * half columns, rotary over the whole head) rotated in the epilogue;
-//  - caches[i] set (fp16, contiguous, n_i values per slot): problem i's rows also go to the cache at
-//    slots[r] (int64 [m]; the caller keeps them in range). Attention's q/k/v: RoPE and the paged KV
-//    write without launches of their own.
+//  - caches[i] set (fp16, contiguous, cache_widths[i] values per slot: n_i where not given, or the layer's
+//    unpadded width, a multiple of 4 within 128 of n_i): problem i's rows (their first cache_widths[i] columns)
+//    also go to the cache at slots[r] (int64 [m]; the caller keeps them in range). Attention's q/k/v: RoPE and
+//    the paged KV write without launches of their own.
 // Same roundings as the norm kernel, linear_group and the RoPE kernel one after the other.
 std::vector<Tensor> linear_group_ex(const Tensor& x, at::TensorList trellis, at::TensorList suh, at::TensorList svh,
                                     int64_t codebook, const c10::optional<Tensor>& norm_ss,
                                     const c10::optional<Tensor>& norm_w, double eps, double offset,
                                     const c10::optional<Tensor>& rope_cos, const c10::optional<Tensor>& rope_sin,
                                     bool rope_interleaved, at::IntArrayRef rope_on, const c10::optional<Tensor>& slots,
-                                    const c10::List<c10::optional<Tensor>>& caches, at::IntArrayRef launch) {
+                                    const c10::List<c10::optional<Tensor>>& caches, at::IntArrayRef launch,
+                                    at::IntArrayRef cache_widths) {
     const char* op = "exl3::exl3_linear_group_ex";
     c10::cuda::CUDAGuard guard(x.device());
     const LaunchOpts lo = launch_opts(launch, op);
@@ -593,15 +597,22 @@ std::vector<Tensor> linear_group_ex(const Tensor& x, at::TensorList trellis, at:
         sn = aligned16(rope_sin->contiguous());
     }
     TORCH_CHECK(caches.size() == 0 || caches.size() == np, op, ": caches must be empty or one (or None) per problem");
+    TORCH_CHECK(cache_widths.size() == 0 || cache_widths.size() == np, op,
+                ": cache_widths must be empty or one per problem (", np, "), got ", cache_widths.size());
     std::vector<Tensor> cache(np);
+    std::vector<int64_t> cache_w(np, 0);
     for (size_t i = 0; i < caches.size(); ++i) {
         const c10::optional<Tensor> c = caches.get(i);
         if (!c.has_value()) continue;
-        const int64_t nd = trellis[i].size(1) * 16;
+        const int64_t n = trellis[i].size(1) * 16;
+        const int64_t nd = cache_widths.size() ? cache_widths[i] : n;
+        TORCH_CHECK(nd == n || (nd > n - 128 && nd < n && nd % 4 == 0), op, ": cache ", i, " slots of ", nd,
+                    " values for a problem of n = ", n, "; give n or a multiple of 4 within 128 of it");
         TORCH_CHECK(c->is_cuda() && c->scalar_type() == at::kHalf && c->is_contiguous() && c->numel() % nd == 0 &&
                         c->device() == x.device(),
                     op, ": cache ", i, " must be a contiguous CUDA fp16 tensor of whole ", nd, "-value slots, got ",
                     c->scalar_type(), " ", c->sizes());
+        cache_w[i] = nd;
         TORCH_CHECK(slots.has_value() && slots->is_cuda() && slots->scalar_type() == at::kLong && slots->dim() == 1 &&
                         slots->numel() == m,
                     op, ": caches need slots, a CUDA int64 vector of ", m, " slots");
@@ -617,6 +628,7 @@ std::vector<Tensor> linear_group_ex(const Tensor& x, at::TensorList trellis, at:
     for (size_t i = 0; i < np; ++i) {
         ex.rope[i] = rope[i];
         ex.cache[i] = cache[i].defined() ? reinterpret_cast<__half*>(cache[i].data_ptr()) : nullptr;
+        ex.cache_ld[i] = (int)cache_w[i];
     }
     if (fused_launch(xc, trellis.vec(), g.su, g.sv, g.ys, g.k, codebook, 0, lo, nullptr, 0, ex)) return g.ys;
     // no workspace during capture: norm, the chain, RoPE and the cache writes with ATen
@@ -624,7 +636,7 @@ std::vector<Tensor> linear_group_ex(const Tensor& x, at::TensorList trellis, at:
     for (size_t i = 0; i < np; ++i) {
         g.ys[i] = gemm_4kernel(xin, trellis[i], g.su[i], g.sv[i], g.k, codebook);
         if (rope[i]) g.ys[i] = aten_rope(g.ys[i], cs, sn, rope_interleaved);
-        if (cache[i].defined()) cache[i].view({-1, g.ys[i].size(1)}).index_copy_(0, *slots, g.ys[i]);
+        if (cache[i].defined()) cache[i].view({-1, cache_w[i]}).index_copy_(0, *slots, g.ys[i].narrow(1, 0, cache_w[i]));
     }
     return g.ys;
 }
@@ -724,7 +736,8 @@ TORCH_LIBRARY_FRAGMENT(exl3, m) {
           "int[] launch=[]) -> Tensor");
     m.def("exl3_linear_group_ex(Tensor x, Tensor[] trellis, Tensor[] suh, Tensor[] svh, int codebook, "
           "Tensor? norm_ss, Tensor? norm_w, float eps, float offset, Tensor? rope_cos, Tensor? rope_sin, "
-          "bool rope_interleaved, int[] rope_on, Tensor? slots, Tensor?[] caches, int[] launch=[]) -> Tensor[]");
+          "bool rope_interleaved, int[] rope_on, Tensor? slots, Tensor?[] caches, int[] launch=[], "
+          "int[] cache_widths=[]) -> Tensor[]");
     m.def("exl3_linear_residual(Tensor x, Tensor? gate, int act, Tensor trellis, Tensor suh, Tensor svh, int codebook, "
           "Tensor res, Tensor(a!) ss, int[] launch=[]) -> Tensor");
 }

@@ -59,8 +59,8 @@ class AttentionRunner:
         why += self.qkv.launch_why
         if any(getattr(m, "bias", None) is not None for m in layers):
             why.append("q/k/v have biases (added after the epilogue)")
-        if any(getattr(m, "out_features", 0) != getattr(m, "padded_out_features", -1) for m in layers):
-            why.append("q/k/v widths not multiples of 128")
+        if any(getattr(m, "out_features", 1) % 4 for m in layers):
+            why.append("q/k/v widths not multiples of 4 (the epilogue stores 4 columns a lane)")
         if self.qkv.has_adapters:
             why.append("an adapter's delta must join q/k/v before RoPE")
         #: [] when q/k/v may rotate and store keys and values in their launch's epilogue

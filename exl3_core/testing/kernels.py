@@ -79,8 +79,9 @@ class EmulatedKernels:
                 heads = ys[i].view(rows, -1, d)
                 ys[i] = _rotate(heads, epilogue.cos, epilogue.sin, epilogue.interleaved).half().view(rows, -1)
             for y, cache in ((ys[1], epilogue.k_cache), (ys[2], epilogue.v_cache)):
-                flat = cache.view(-1, *cache.shape[2:])
-                flat.index_copy_(0, epilogue.slots, y.view(rows, *cache.shape[2:]).to(cache.dtype))
+                flat = cache.view(-1, *cache.shape[2:])  # slots of the linear's unpadded width: y's first columns
+                width = cache.shape[2:].numel()
+                flat.index_copy_(0, epilogue.slots, y[:, :width].reshape(rows, *cache.shape[2:]).to(cache.dtype))
         return ys
 
     def act(self, layer: EXL3Linear, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:

@@ -198,6 +198,9 @@ def test_widths_off_128_reach_the_launches_unpadded(monkeypatch: pytest.MonkeyPa
     assert hidden in kernels.widths and kernels.widths <= {hidden, 384}, "a launch was handed a padded input"
     if not bias_o:
         assert kernels.calls.get("residual", 0) + kernels.calls.get("residual_gated", 0) == 2
+    # q/k/v of widths off 128 (k and v: one 64-wide head) rotate and store their rows in the launch's epilogue,
+    # each cache slot as wide as the layer's own output
+    assert kernels.calls.get("group_ex_epilogue", 0) == 1
 
 
 def test_forced_bf16_forward_close_to_fp16(monkeypatch: pytest.MonkeyPatch) -> None:

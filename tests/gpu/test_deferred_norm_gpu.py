@@ -137,6 +137,45 @@ def test_qkv_epilogue_matches_reference(ops_, hd: int, interleaved: bool, deferr
     workspace_clean(ops_)
 
 
+def test_qkv_epilogue_stores_unpadded_widths(ops_) -> None:
+    """q/k/v of SmolLM2's widths (9 and 3 heads of 64: 576 and 192 columns, padded to 640 and 256): the epilogue
+    rotates them and stores k and v into cache slots of 192 values (``cache_widths``), their padding columns
+    neither stored nor spilling into the next slot; a width the kernel cannot store is refused."""
+    hd, hq, hkv, k, pages, page = 64, 9, 3, 512, 4, 16
+    widths = [hq * hd, hkv * hd, hkv * hd]
+    probs = [problem(k, 640, 4), problem(k, 256, 4), problem(k, 256, 4)]
+    for m in (1, 3, 8):
+        h = torch.randn(m, k, device=DEV).half()
+        pos = torch.randint(0, 4000, (m,), device=DEV).float()
+        inv = 1.0 / (10000 ** (torch.arange(hd // 2, device=DEV).float() / (hd // 2)))
+        cos, sin = (pos[:, None] * inv[None]).cos(), (pos[:, None] * inv[None]).sin()
+        slots = torch.randperm(pages * page, device=DEV)[:m]
+        kc = torch.full((pages, page, hkv, hd), 7.0, dtype=torch.float16, device=DEV)
+        vc = kc.clone()
+        ys = ops_.exl3_linear_group_ex(h, [p[0] for p in probs], [p[1] for p in probs], [p[2] for p in probs],
+                                       CB_MUL1, None, None, 1e-6, 0.0, cos, sin, False, [1, 1, 0], slots,
+                                       [None, kc, vc], [], widths)
+        q, kk, v = (torch_linear(h, p, CB_MUL1).half()[:, :w] for p, w in zip(probs, widths))
+        q, kk, v = q.reshape(m, hq, hd), kk.reshape(m, hkv, hd), v.reshape(m, hkv, hd)
+        kc_ref, vc_ref = torch.full_like(kc, 7.0), torch.full_like(vc, 7.0)
+        ref.rope_kv_write(q, kk, v, kc_ref, vc_ref, slots, cos, sin, hd, False)
+        for got, want, w, what in ((ys[0], q, widths[0], "q"), (ys[1], kk, widths[1], "k"), (ys[2], v, widths[2], "v")):
+            err = rel(got[:, :w].reshape(want.shape), want)
+            assert err < 2e-3, f"m={m} {what}: {err:.2e}"
+        flat_k, flat_v = kc.view(-1, hkv, hd), vc.view(-1, hkv, hd)
+        assert rel(flat_k[slots], kc_ref.view(-1, hkv, hd)[slots]) < 2e-3
+        assert rel(flat_v[slots], vc_ref.view(-1, hkv, hd)[slots]) < 2e-3
+        assert torch.equal(flat_k[slots], ys[1][:, :widths[1]].reshape(m, hkv, hd)), "the cache holds other than k"
+        untouched = torch.ones(pages * page, dtype=torch.bool, device=DEV)
+        untouched[slots] = False
+        assert (flat_k[untouched] == 7.0).all() and (flat_v[untouched] == 7.0).all()
+    with pytest.raises(RuntimeError, match="within 128"):
+        ops_.exl3_linear_group_ex(h, [p[0] for p in probs], [p[1] for p in probs], [p[2] for p in probs], CB_MUL1,
+                                  None, None, 1e-6, 0.0, cos, sin, False, [1, 1, 0], slots, [None, kc, vc], [],
+                                  [576, 100, 192])
+    workspace_clean(ops_)
+
+
 def test_capture_time_fallbacks_match_references(ops_) -> None:
     """An op whose fused workspace would have to grow while a CUDA graph is being captured takes its
     ATen path instead (exl3_ops.cu, fused_workspace): for ``linear_residual`` the chain, the add and

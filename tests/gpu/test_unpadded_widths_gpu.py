@@ -133,8 +133,9 @@ def test_off_128_decode_deferred_equals_separate_kernels(shape_model_cache, batc
                                                           monkeypatch,
                                                           greedy_with_logits) -> None:
     """Greedy decode of a model of SmolLM2's widths: the plan defers its norms, every residual producer and
-    norm consumer launched with the stream unpadded (no pad before them), and the logits equal those of the
-    chain with separate kernels (``deferred_norm=False``) within fp16 tolerance until a near-tie."""
+    norm consumer launched with the stream unpadded (no pad before them), q/k/v storing k and v (192 wide) from
+    their launch's epilogue, and the logits equal those of the chain with separate kernels
+    (``deferred_norm=False, qkv_epilogue=False``) within fp16 tolerance until a near-tie."""
     import exl3_core.plan.kernels as plan_kernels
     from exl3_core.plan import ExecutionPlan
 
@@ -143,10 +144,13 @@ def test_off_128_decode_deferred_equals_separate_kernels(shape_model_cache, batc
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(0, 2000, (int(n),), generator=g).tolist() for n in torch.randint(10, 80, (batch,), generator=g)]
     widths: list[int] = []
+    epilogues: list[int] = []
     real_ex, real_res = plan_kernels.launch_group_ex, plan_kernels.launch_residual
 
     def count_ex(h2, lins, norm=None, epilogue=None):
         widths.append(h2.shape[-1])
+        if epilogue is not None:
+            epilogues.append(epilogue.k_cache.shape[2:].numel())
         return real_ex(h2, lins, norm, epilogue)
 
     def count_res(layer, x, residual, ss, gate=None, act=None):
@@ -159,8 +163,9 @@ def test_off_128_decode_deferred_equals_separate_kernels(shape_model_cache, batc
     deferred = greedy_with_logits(model, cache, prompts, 24,
                                   dataclasses.replace(base, fusion=FusionTuning(deferred_norm=True)))
     assert widths and set(widths) == {576}, f"launch widths {sorted(set(widths))}"
-    plain = greedy_with_logits(model, cache, prompts, 24,
-                               dataclasses.replace(base, fusion=FusionTuning(deferred_norm=False)))
+    assert epilogues and set(epilogues) == {192}, "q/k/v did not store their 192-wide k/v rows in the epilogue"
+    off = FusionTuning(deferred_norm=False, qkv_epilogue=False)
+    plain = greedy_with_logits(model, cache, prompts, 24, dataclasses.replace(base, fusion=off))
     for (ta, la), (tb, lb) in zip(deferred, plain):
         n = next((i for i in range(24) if ta[i] != tb[i]), 24)
         if n < 24:

@@ -364,14 +364,15 @@ class RopeCacheEpilogue:
 def launch_group_ex(h2: torch.Tensor, lins: Sequence[EXL3Linear], norm: NormPrologue | None = None,
                     epilogue: RopeCacheEpilogue | None = None) -> list[torch.Tensor]:
     """``[norm(h2) @ W_i]`` (padded, no bias) for 1-3 linears on ``h2 [m <= 8, k]`` in one launch, the norm
-    in the prologue and RoPE + the cache write in the epilogue where given."""
+    in the prologue and RoPE + the cache write in the epilogue where given (each cache slot as wide as its
+    linear's unpadded output)."""
     rope = (epilogue.cos, epilogue.sin, epilogue.interleaved, [1, 1, 0], epilogue.slots,
             [None, epilogue.k_cache, epilogue.v_cache]) if epilogue is not None else (None, None, False, [], None, [])
     return ext.op("exl3_linear_group_ex")(
         h2.contiguous(), [m.trellis for m in lins], [m.suh for m in lins], [m.svh for m in lins], lins[0].codebook,
         norm.ss if norm is not None else None, norm.weight if norm is not None else None,
         float(norm.eps) if norm is not None else 0.0, float(norm.offset) if norm is not None else 0.0, *rope,
-        _launch.current().ints())
+        _launch.current().ints(), [m.out_features for m in lins] if epilogue is not None else [])
 
 
 def launch_act(layer: EXL3Linear, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
