@@ -194,3 +194,7 @@ def _report(events, batch: int) -> None:
     print("device time a step by kernel (top 25):")
     for k, (c, d) in sorted(by_name.items(), key=lambda x: -x[1][1])[:25]:
         print(f"  {d / ms:8.3f} ms {c / n:6.1f}x  {k}")
+
+
+if __name__ == "__main__":
+    main()
