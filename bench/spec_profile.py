@@ -138,7 +138,9 @@ def _report(events, batch: int) -> None:
     phase running at each one's start, and the device time by the host phase that launched it and by kernel."""
     host = [(e.start_ns(), e.end_ns(), e.name()[6:]) for e in events if e.name().startswith("phase:")]
     steps_iv = sorted((s, t) for s, t, n in host if n == "gen_step")
-    dev = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
+    # kernels and copies only: the phases' own ranges also appear on the device's timeline (as annotations)
+    dev = [e for e in events if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0
+           and not e.name().startswith("phase:")]
     if not dev or not steps_iv:
         print("no device activity recorded")
         return
