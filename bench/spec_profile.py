@@ -81,8 +81,84 @@ def main() -> None:
     if a.out is not None:
         a.out.mkdir(parents=True, exist_ok=True)
         pr.dump_stats(str(a.out / "spec_profile.prof"))
+    spans(gen, prompts, dev)
     if dev.type == "cuda":
         gaps(gen, prompts, a.out)
+
+
+class _HostEvent:
+    """A CUDA event's interface on the host clock (the CPU smoke run)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def spans(gen: Generator, prompts: list[list[int]], dev: torch.device, steps: int = 48) -> None:
+    """Without the profiler: events on the stream just before and just after each launch of a speculative step
+    (the draft's first step, its chain, the verification), so that the device time between two events is either
+    a launch's own time in the step or what passed between two launches (eager kernels, and the device waiting
+    for the host). Printed per step, beside the step's wall time."""
+    assert gen.spec is not None
+    drafter = gen.spec.drafter
+    marks: list[tuple[str, object]] = []
+
+    def event() -> object:
+        e = torch.cuda.Event(enable_timing=True) if dev.type == "cuda" else _HostEvent()
+        e.record()
+        return e
+
+    def wrapped(fn, label):
+        def inner(*args, **kw):
+            marks.append((label + "<", event()))
+            out = fn(*args, **kw)
+            marks.append((label + ">", event()))
+            return out
+        return inner
+
+    targets = [(drafter, "_step", "draft_step"), (drafter, "_chain", "draft_chain")]
+    if gen.graphs is not None:
+        targets.append((gen.graphs, "run", "verify"))
+    else:
+        targets.append((gen.plan, "forward", "verify"))
+    for obj, name, label in targets:
+        setattr(obj, name, wrapped(getattr(obj, name), label))
+    jobs = [Job(p, max_new_tokens=steps * 8, stop_at_eos=False, identifier=i) for i, p in enumerate(prompts)]
+    gen.enqueue(jobs)
+    for _ in range(4):
+        gen.iterate()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    marks.clear()
+    spec_steps = gen.spec.stats.steps
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        gen.iterate()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    n = max(gen.spec.stats.steps - spec_steps, 1)
+    for obj, name, _ in targets:
+        delattr(obj, name)
+    while gen.num_remaining():
+        gen.iterate()
+    sums: dict[str, float] = {}
+    for (a, ea), (b, eb) in zip(marks, marks[1:]):
+        key = a[:-1] if a[-1] == "<" and b == a[:-1] + ">" else f"{a[:-1]} -> {b[:-1]}"
+        sums[key] = sums.get(key, 0.0) + ea.elapsed_time(eb)  # type: ignore[attr-defined]
+    total = sum(sums.values())
+    print(f"\nunprofiled spans over {n} speculative steps: {wall / n * 1e3:.3f} ms wall a step; device time between "
+          f"the first and last event {total / n:.3f} ms a step:")
+    for k, v in sorted(sums.items(), key=lambda x: -x[1]):
+        print(f"  {k:32s} {v / n:.3f} ms")
 
 
 # host phases marked in the timeline: (object, method name, label)
