@@ -99,6 +99,17 @@ def test_producer_consumer_chain(ops_) -> None:
     assert rel(y, want) < 2e-3
 
 
+def rope_case(m: int, hd: int, hkv: int, pages: int, page: int) -> tuple[torch.Tensor, ...]:
+    """RoPE tables of m random positions, m distinct random cache slots, and k/v caches filled with 7.0 (so that
+    what the epilogue did not store stays visible)."""
+    pos = torch.randint(0, 4000, (m,), device=DEV).float()
+    inv = 1.0 / (10000 ** (torch.arange(hd // 2, device=DEV).float() / (hd // 2)))
+    cos, sin = (pos[:, None] * inv[None]).cos(), (pos[:, None] * inv[None]).sin()
+    slots = torch.randperm(pages * page, device=DEV)[:m]
+    kc = torch.full((pages, page, hkv, hd), 7.0, dtype=torch.float16, device=DEV)
+    return cos, sin, slots, kc, kc.clone()
+
+
 @pytest.mark.parametrize("hd,interleaved", [(128, False), (64, False), (64, True), (32, False)])
 @pytest.mark.parametrize("deferred", [False, True])
 def test_qkv_epilogue_matches_reference(ops_, hd: int, interleaved: bool, deferred: bool) -> None:
@@ -111,12 +122,7 @@ def test_qkv_epilogue_matches_reference(ops_, hd: int, interleaved: bool, deferr
         h = torch.randn(m, k, device=DEV).half()
         w = torch.rand(k, device=DEV) + 0.5
         ss = h.float().pow(2).sum(-1) if deferred else None
-        pos = torch.randint(0, 4000, (m,), device=DEV).float()
-        inv = 1.0 / (10000 ** (torch.arange(hd // 2, device=DEV).float() / (hd // 2)))
-        cos, sin = (pos[:, None] * inv[None]).cos(), (pos[:, None] * inv[None]).sin()
-        slots = torch.randperm(pages * page, device=DEV)[:m]
-        kc = torch.full((pages, page, hkv, hd), 7.0, dtype=torch.float16, device=DEV)
-        vc = kc.clone()
+        cos, sin, slots, kc, vc = rope_case(m, hd, hkv, pages, page)
         ys = ops_.exl3_linear_group_ex(h, [p[0] for p in probs], [p[1] for p in probs], [p[2] for p in probs],
                                        CB_MUL1, ss, w if deferred else None, 1e-6, 0.0, cos, sin, interleaved,
                                        [1, 1, 0], slots, [None, kc, vc])
@@ -146,12 +152,7 @@ def test_qkv_epilogue_stores_unpadded_widths(ops_) -> None:
     probs = [problem(k, 640, 4), problem(k, 256, 4), problem(k, 256, 4)]
     for m in (1, 3, 8):
         h = torch.randn(m, k, device=DEV).half()
-        pos = torch.randint(0, 4000, (m,), device=DEV).float()
-        inv = 1.0 / (10000 ** (torch.arange(hd // 2, device=DEV).float() / (hd // 2)))
-        cos, sin = (pos[:, None] * inv[None]).cos(), (pos[:, None] * inv[None]).sin()
-        slots = torch.randperm(pages * page, device=DEV)[:m]
-        kc = torch.full((pages, page, hkv, hd), 7.0, dtype=torch.float16, device=DEV)
-        vc = kc.clone()
+        cos, sin, slots, kc, vc = rope_case(m, hd, hkv, pages, page)
         ys = ops_.exl3_linear_group_ex(h, [p[0] for p in probs], [p[1] for p in probs], [p[2] for p in probs],
                                        CB_MUL1, None, None, 1e-6, 0.0, cos, sin, False, [1, 1, 0], slots,
                                        [None, kc, vc], [], widths)
