@@ -8,9 +8,12 @@ host, by own time and by cumulative time, with the step count so that per-step f
     python bench/spec_profile.py [--shape 8b] [--draft 1b] [--alpha 0.9] [--k 3] [--batch 1] [--out DIR]
     (``--device cpu --shape 'custom(64,128,2,4,2,256)'``: a smoke run of the script itself)
 
-On CUDA it then runs a few more steps under torch.profiler with the step's phases marked (draft, verification,
-acceptance, commits) and prints the device's idle gaps: per step the wall time, the time some kernel or copy ran,
-and the longest gaps with the host phase that was running when each began.
+Then, without the profiler, events just before and after each launch of a step (the draft's first step, its
+chain, the verification) give each launch's device time in the step and the device time between launches, and
+the host clock the time each launch call (and each graph launch alone) holds the host. On CUDA it last runs a
+few more steps under torch.profiler with the step's phases marked (draft, verification, acceptance, commits) and
+prints the device's idle gaps with the host phase running when each began, and the device time by the phase
+that launched it and by kernel.
 """
 from __future__ import annotations
 
@@ -143,7 +146,8 @@ def spans(gen: Generator, prompts: list[list[int]], dev: torch.device, steps: in
         host["graph launches"] = host.get("graph launches", 0.0) + time.perf_counter() - t
 
     torch.cuda.CUDAGraph.replay = timed_replay  # type: ignore[method-assign]
-    jobs = [Job(p, max_new_tokens=steps * 8, stop_at_eos=False, identifier=i) for i, p in enumerate(prompts)]
+    jobs = [Job(p, max_new_tokens=min(steps * 8, gen.max_seq_len - len(p) - 1), stop_at_eos=False, identifier=i)
+            for i, p in enumerate(prompts)]
     gen.enqueue(jobs)
     for _ in range(4):
         gen.iterate()
