@@ -132,6 +132,8 @@ def spans(gen: Generator, prompts: list[list[int]], dev: torch.device, steps: in
         return inner
 
     targets = [(drafter, "_step", "draft_step"), (drafter, "_chain", "draft_chain")]
+    if getattr(drafter, "propose_shifted", None) is not None:  # drafts launched before the read-back
+        targets.append((drafter, "propose_shifted", "draft_ahead"))
     if gen.graphs is not None:
         targets.append((gen.graphs, "run", "verify"))
     else:
@@ -191,6 +193,8 @@ def _phases(gen: Generator) -> list[tuple[object, str, str]]:
         (spec, "_commit", "commit"), (spec, "_trim_pages", "trim"), (spec, "_record_times", "record_times"),
         (drafter, "_step", "draft_step"), (drafter, "_chain", "draft_chain"), (drafter, "_forced", "forced"),
         (drafter, "commit", "draft_commit"), (gen, "_step", "gen_step")]
+    if getattr(drafter, "propose_shifted", None) is not None:
+        out.append((drafter, "propose_shifted", "draft_ahead"))
     if gen.graphs is not None:
         out.append((gen.graphs, "run", "verify_replay"))
     return out
