@@ -8,6 +8,7 @@ import torch
 
 from exl3_core.plan.kernels import CompiledKernels
 from exl3_core.quant.exl3.linear import EXL3Linear, NormPrologue, RopeCacheEpilogue
+from exl3_core.testing.generation import run_to_end
 from exl3_core.tuning import Tuning
 
 
@@ -82,20 +83,13 @@ def counting_kernels() -> type[CountingKernels]:
 
 def _greedy_with_logits(model, cache, prompts: list[list[int]], n: int,
                         tuning: Tuning) -> list[tuple[list[int], torch.Tensor]]:
-    from exl3_core.generator import Generator, Job
+    from exl3_core.generator import Generator
 
     gen = Generator(model, cache, None, max_batch_size=4, max_seq_len=512, tuning=tuning)
     assert gen.graphs is None, "eager steps: each tuning's path is taken by the forward itself"
-    jobs = [Job(p, max_new_tokens=n, stop_at_eos=False, identifier=i, return_logits=True) for i, p in enumerate(prompts)]
-    gen.enqueue(jobs)
-    ids: dict[int, list[int]] = {i: [] for i in range(len(jobs))}
-    lg: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(jobs))}
-    while gen.num_remaining():
-        for r in gen.iterate():
-            ids[r["identifier"]] += r["token_ids"]
-            if len(r.get("logits", [])):
-                lg[r["identifier"]].append(r["logits"])
-    return [(ids[i], torch.cat(lg[i])) for i in range(len(jobs))]
+    out = run_to_end(gen, prompts, n, logits=True)
+    assert all(lg is not None for _, lg in out)
+    return out  # type: ignore[return-value]
 
 
 @pytest.fixture

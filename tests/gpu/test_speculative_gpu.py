@@ -18,6 +18,7 @@ from exl3_core.cache import Cache
 from exl3_core.generator import Generator, Job
 from exl3_core.generator.drafting import ModelDrafter
 from exl3_core.generator.speculative import speculative_rule
+from exl3_core.testing.generation import run_to_end
 
 SHAPE = "custom(512,1024,3,8,2,2000)"
 DRAFT = "custom(256,512,1,4,2,2000)"
@@ -37,20 +38,6 @@ def models():
     draft.unload()
 
 
-def _run(gen: Generator, prompts: list[list[int]], n: int, logits: bool) -> list[tuple[list[int], torch.Tensor | None]]:
-    jobs = [Job(p, max_new_tokens=n, stop_at_eos=False, identifier=i, return_logits=logits)
-            for i, p in enumerate(prompts)]
-    gen.enqueue(jobs)
-    toks: dict[int, list[int]] = {i: [] for i in range(len(jobs))}
-    lg: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(jobs))}
-    while gen.num_remaining():
-        for r in gen.iterate():
-            toks[r["identifier"]] += r["token_ids"]
-            if logits and len(r.get("logits", [])):
-                lg[r["identifier"]].append(r["logits"])
-    return [(toks[i], torch.cat(lg[i]) if logits else None) for i in range(len(jobs))]
-
-
 def _near_tie(row: torch.Tensor) -> bool:
     top = row.float().topk(2).values
     return bool(top[0] - top[1] <= TOL * row.abs().max())
@@ -66,7 +53,7 @@ def test_speculative_greedy_equals_plain_with_graphs(models, kind: str, batch: i
         p = torch.randint(0, 2000, (n,), generator=g).tolist()
         prompts.append(p + p[:40])  # a repeat: the n-gram lookup finds matches
     plain = Generator(target, cache, None, max_batch_size=8, max_seq_len=512)
-    ref = _run(plain, prompts, 64, True)
+    ref = run_to_end(plain, prompts, 64, True)
     if kind == "ngram":
         kw: dict = {"ngram_draft_tokens": 4}
     else:
@@ -76,7 +63,7 @@ def test_speculative_greedy_equals_plain_with_graphs(models, kind: str, batch: i
     assert gen.graphs is not None
     gen.capture_graphs()
     replays = gen.graphs.replays
-    got = _run(gen, prompts, 64, False)
+    got = run_to_end(gen, prompts, 64, False)
     compared = 0
     for (want, logits), (have, _) in zip(ref, got):
         assert len(have) == 64
