@@ -111,6 +111,9 @@ class GraphTuning:
     overlap_decode: bool = True
     #: longest run of a draft model's one-token steps replayed as one graph (longer runs, and 0: step by step)
     draft_chain_steps: int = 15
+    #: launch a draft model's next proposal before a greedy verification is read, its positions moved on the
+    #: device, so that the device drafts while the host reads and commits
+    draft_ahead: bool = True
 
     def __post_init__(self) -> None:
         if self.prefill_max_tokens < 0:

@@ -20,7 +20,7 @@ the plain generator.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,13 +49,13 @@ class OracleDrafter(ModelDrafter):
         self.vocab = vocab
         self._rng = random.Random(seed)
 
-    def _forced(self, jobs: list[Job], K: int) -> torch.Tensor | None:
+    def _forced(self, jobs: list[Job], seqs: Sequence[list[int]], K: int) -> torch.Tensor | None:
         # plain Python on the host: the bench's own work per step stays small beside the engine's host time
         rng = self._rng
         out: list[int] = []
-        for job in jobs:
+        for job, seq in zip(jobs, seqs):
             ref = self.reference[job.identifier]
-            done = len(job.seq) - len(job.prompt)
+            done = len(seq) - len(job.prompt)
             for i in range(K):
                 want = ref[done + i] if done + i < len(ref) else 0
                 out.append(want if rng.random() < self.alpha else (want + rng.randrange(1, self.vocab)) % self.vocab)

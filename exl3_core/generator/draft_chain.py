@@ -37,6 +37,21 @@ def advance(meta: BatchMeta, page_size: int) -> None:
     torch.add(meta.positions.remainder(page_size), pages.squeeze(1), alpha=page_size, out=meta.slot_mapping)
 
 
+def shift(meta: BatchMeta, by: torch.Tensor, page_size: int) -> None:
+    """Move decode inputs ``meta`` (on the device, padded to a bucket, the same rows per sequence) on by ``by[b]``
+    positions for each of the first ``len(by)`` sequences, in place: positions and key counts, cache slots from
+    the page table (which must already hold the pages)."""
+    assert meta.page_table is not None and meta.slot_mapping is not None
+    B, R = meta.batch_size, meta.q_per_seq
+    s = torch.zeros(B, dtype=torch.int64, device=by.device)
+    s[:by.shape[0]] = by
+    meta.positions.add_(s.repeat_interleave(R))
+    meta.seq_lens_k.add_(s.to(meta.seq_lens_k.dtype))
+    seq = torch.arange(B, device=by.device).repeat_interleave(R)
+    pages = meta.page_table[seq, torch.div(meta.positions, page_size, rounding_mode="floor")].to(torch.int64)
+    torch.add(meta.positions.remainder(page_size), pages, alpha=page_size, out=meta.slot_mapping)
+
+
 def chain_steps(plan: ExecutionPlan, cache: Cache, meta: BatchMeta, steps: int, out: torch.Tensor,
                 forced: torch.Tensor | None = None) -> torch.Tensor:
     """Run ``steps`` one-token draft steps from the inputs ``meta`` (one row per sequence; mutated: left at
@@ -89,10 +104,11 @@ class DraftChain(_GraphSet):
         self._init_state()
 
     def accepts(self, meta: BatchMeta, steps: int) -> bool:
-        """Whether a chain of ``steps`` from the host-built one-token inputs ``meta`` can be replayed."""
+        """Whether a chain of ``steps`` from the one-token inputs ``meta`` (host-built, or on the device) can be
+        replayed."""
         return (1 <= steps <= self.max_steps and meta.phase == "decode" and meta.q_per_seq == 1
                 and meta.batch_size <= self.max_bucket and meta.page_table is not None
-                and meta.page_table.shape[1] == self.table_width and not meta.input_ids.is_cuda)
+                and meta.page_table.shape[1] == self.table_width)
 
     def capture(self, buckets: list[int], steps: int, forced: bool = False) -> None:
         """Capture now the chains of ``steps`` for each batch bucket in ``buckets``."""
@@ -101,22 +117,27 @@ class DraftChain(_GraphSet):
 
     def run(self, meta: BatchMeta, first: torch.Tensor, steps: int,
             forced: torch.Tensor | None = None) -> torch.Tensor:
-        """Replay the chain of ``steps`` from ``meta`` (built on the host, one row per sequence of a batch
-        bucket) whose first input ids are ``first`` (device int64, the real sequences'); ``forced``
-        (device int64 ``[sequences, steps]``) replaces the picks. Returns the picks ``[bucket, steps]``
-        (a static buffer, valid until this chain's next replay)."""
+        """Replay the chain of ``steps`` from ``meta`` (one row per sequence of a batch bucket: built on the host,
+        staged through a pinned buffer, or on the device, copied field by field) whose first input ids are
+        ``first`` (device int64, the real sequences'); ``forced`` (device int64 ``[sequences, steps]``) replaces
+        the picks. Returns the picks ``[bucket, steps]`` (a static buffer, valid until this chain's next
+        replay)."""
         B = meta.batch_size
         key = (B, steps, int(forced is not None))
         g = self._graph(key)
-        ring = self._rings[B]
-        host, done = ring[self._uses % len(ring)]
-        self._uses += 1
-        done.synchronize()  # this pinned buffer's previous copy has read it
-        for name in _FIELDS:
-            host.views[name].copy_(getattr(meta, name))
         blob = self._blobs[key]
-        blob.buf.copy_(host.buf, non_blocking=True)
-        done.record()
+        if meta.input_ids.is_cuda:
+            for name in _FIELDS:
+                blob.views[name].copy_(getattr(meta, name), non_blocking=True)
+        else:
+            ring = self._rings[B]
+            host, done = ring[self._uses % len(ring)]
+            self._uses += 1
+            done.synchronize()  # this pinned buffer's previous copy has read it
+            for name in _FIELDS:
+                host.views[name].copy_(getattr(meta, name))
+            blob.buf.copy_(host.buf, non_blocking=True)
+            done.record()
         g.meta.input_ids[:first.shape[0]].copy_(first)
         if forced is not None:
             self._forced[key][:forced.shape[0]].copy_(forced)

@@ -33,10 +33,11 @@ from typing import Protocol
 
 import torch
 
+from exl3_core.archkit.batch import BatchMeta
 from exl3_core.cache.cache import Cache
 from exl3_core.cache.pages import CacheExhausted
 from exl3_core.generator.batching import Chunk, build_batch, meta_to_device, to_device_async
-from exl3_core.generator.draft_chain import DraftChain
+from exl3_core.generator.draft_chain import DraftChain, shift
 from exl3_core.generator.graphs import DecodeGraphs
 from exl3_core.generator.job import Job
 from exl3_core.generator.loras import StepLoras
@@ -289,12 +290,17 @@ class ModelDrafter:
             self.cache.allocator.release(st.pages)
 
     # -- drafting ------------------------------------------------------------------------------
-    def propose(self, jobs: list[Job], ks: list[int]) -> Proposal:
-        if self.loras.changed(0):  # adapters loaded or unloaded on the draft's model (the target itself)
+    def _adapters_changed(self) -> None:
+        """Capture the draft's graphs again where adapters were loaded or unloaded on its model (the target
+        itself) since the last proposal."""
+        if self.loras.changed(0):
             self.graphs = DecodeGraphs.renew(self.graphs, self.plan, self.cache, self.table_width)
             if self.chain is not None:
                 self.chain.reset()
             self.chain = self._new_chain()
+
+    def propose(self, jobs: list[Job], ks: list[int]) -> Proposal:
+        self._adapters_changed()
         K = max(ks, default=0)
         keep: list[int] = []  # indices into jobs of those that draft
         for b, job in enumerate(jobs):
@@ -336,6 +342,94 @@ class ModelDrafter:
             full_q = torch.zeros((len(jobs), K, q.shape[-1]), dtype=q.dtype, device=q.device).index_copy_(0, idx, q)
         # no read here: the drafts reach the host with the verification's result (one sync per step)
         return Proposal(None, full, lens, full_q, K, catch_up)
+
+    def propose_shifted(self, jobs: list[Job], ks: list[int], by: torch.Tensor,
+                        last_two: torch.Tensor) -> Proposal | None:
+        """Greedy drafts after sequences the device knows before the host does: job b's sequence will be its
+        current one (length L_b, which this drafter's latest proposal drafted after) plus ``by[b] + 1`` tokens,
+        ``by[b]`` (device int64 ``[B]``) of them that proposal's first drafts and the last two ``last_two[b]``
+        (device int64 ``[B, 2]``). The steps' positions move on the device (no read-back before the launch).
+        None, with nothing launched, where a job's draft state is not that proposal's or the cache cannot hold
+        the longest outcome; after the launch :meth:`settle` records the sequences once the host has them."""
+        self._adapters_changed()
+        if not jobs:
+            return None
+        K = max(ks)
+        states = [self._seqs.get(j) for j in jobs]
+        if K < 1 or any(st is None or st.drafted_from != len(j.seq) or len(st.tokens) != len(j.seq) or st.pending < 1
+                        for j, st in zip(jobs, states)):
+            return None
+        # the longest outcome: every draft of that proposal accepted, then K draft steps after it
+        try:
+            for j, st in zip(jobs, states):
+                assert st is not None
+                need = math.ceil((len(j.seq) + st.pending + K) / self.page_size) - len(st.pages)
+                if need > 0:
+                    st.pages += self.cache.allocator.allocate(need)
+        except CacheExhausted:
+            return None
+        B = len(jobs)
+        dev = self.device
+        pages = [st.pages for st in states if st is not None]
+        # the first step feeds the last two tokens at positions L + by - 1 and L + by (built for by = 0, moved)
+        meta = self._device_meta([Chunk([0, 0], len(j.seq) - 1, pg, True) for j, pg in zip(jobs, pages)], by)
+        meta.input_ids[:2 * B].copy_(last_two.reshape(-1))
+        fb = [self._forced(jobs, [j.seq + [-1] * (m + 1) for j in jobs], K)
+              for m in range(max(st.pending for st in states if st is not None) + 1)]
+        forced = None
+        if fb[0] is not None:
+            forced = torch.stack([f.to(dev) for f in fb if f is not None])[by, torch.arange(B, device=dev)]
+        rows = torch.arange(1, B + 1, device=dev) * 2 - 1
+        self.forward_calls += 1
+        self.loras.select([], meta.input_ids.shape[0])
+        logits = self._step_meta(meta).index_select(0, rows)
+        cur = logits.argmax(-1) if forced is None else forced[:, 0]
+        ids = torch.empty((B, K), dtype=torch.int64, device=dev)
+        ids[:, 0] = cur
+        if K > 1:
+            chain = self.chain
+            one = self._device_meta([Chunk([0], len(j.seq) + 1, pg, True) for j, pg in zip(jobs, pages)], by)
+            if chain is not None and chain.accepts(one, K - 1):
+                out = chain.run(one, cur, K - 1, forced[:, 1:] if forced is not None else None)
+                ids[:, 1:].copy_(out[:B])
+                self.forward_calls += K - 1
+            else:
+                for i in range(1, K):
+                    step = self._device_meta([Chunk([0], len(j.seq) + i, pg, True) for j, pg in zip(jobs, pages)],
+                                             by)
+                    step.input_ids[:B].copy_(cur)
+                    self.forward_calls += 1
+                    pick = self._step_meta(step)[:B].argmax(-1)
+                    cur = pick if forced is None else forced[:, i]
+                    ids[:, i] = cur
+        return Proposal(None, ids, list(ks), None, K, 0)
+
+    def settle(self, job: Job, drafted: list[int], seq: list[int], k: int) -> None:
+        """After :meth:`propose_shifted`: the host now knows ``job``'s sequence ``seq`` (the drafts of the proposal
+        before, ``drafted``, as far as they were accepted, and the token after). Records what the draft cache
+        holds (as :meth:`commit` and :meth:`propose` would have, keeping the pages the new drafts write)."""
+        st = self._seqs[job]
+        st.tokens += drafted[:st.pending - 1]
+        del st.tokens[common_prefix(st.tokens, seq, max(0, st.drafted_from - 2)):]
+        L = len(seq)
+        st.tokens[L - 2:] = seq[L - 2:]
+        st.drafted_from, st.pending = L, k
+
+    def _device_meta(self, chunks: list[Chunk], by: torch.Tensor) -> BatchMeta:
+        """Decode inputs of ``chunks`` on the device, each sequence moved on by ``by[b]`` positions."""
+        meta, _ = build_batch(chunks, page_size=self.page_size, table_width=self.table_width,
+                              scratch_page=self.cache.scratch_page, device=torch.device("cpu"), decode=True)
+        meta = meta_to_device(meta, self.device) if self.device.type != "cpu" else meta
+        shift(meta, by, self.page_size)
+        return meta
+
+    def _step_meta(self, meta: BatchMeta) -> torch.Tensor:
+        """Logits of one draft decode step over device inputs ``meta``."""
+        graphs = self.graphs
+        if graphs is not None and graphs.accepts(meta):
+            logits, _ = graphs.run(meta)
+            return logits
+        return self.plan.forward(meta, self.cache, fp32_logits=False)
 
     def _first_rows(self, jobs: list[Job]) -> int | None:
         """Rows per sequence of the first draft step: its last two tokens plus what the draft has not seen
@@ -416,7 +510,7 @@ class ModelDrafter:
         ids = torch.empty((B, K), dtype=torch.int64, device=dev)
         q = None
         cur: torch.Tensor | None = None
-        forced = self._forced(jobs, K)
+        forced = self._forced(jobs, [j.seq for j in jobs], K)
         for i in range(K):
             if i == 1 and not sampled and self._chain(jobs, K, cur, forced, ids):
                 break
@@ -463,8 +557,9 @@ class ModelDrafter:
         self.forward_calls += K - 1
         return True
 
-    def _forced(self, jobs: list[Job], K: int) -> torch.Tensor | None:
-        """Tokens ``[B, K]`` (device) to propose instead of the draft's own picks, fed to its later steps as a
-        real draft's would be; None: the draft's picks. A benchmark's stand-in draft overrides this to set
-        the acceptance rate while paying every forward (exl3_core.bench.spec)."""
+    def _forced(self, jobs: list[Job], seqs: Sequence[list[int]], K: int) -> torch.Tensor | None:
+        """Tokens ``[B, K]`` (device) to propose after ``seqs`` (whose tokens not yet known on the host are -1)
+        instead of the draft's own picks, fed to its later steps as a real draft's would be; None: the draft's
+        picks. A benchmark's stand-in draft overrides this to set the acceptance rate while paying every forward
+        (exl3_core.bench.spec)."""
         return None

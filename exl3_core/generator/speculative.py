@@ -23,6 +23,14 @@ policy (:mod:`exl3_core.generator.draft_policy`) says drafting pays:
    ends, or whose banned string rolls it back, drops the rest. Pages the verification wrote past the
    committed tokens are released; the drafter keeps its keys up to the first rejected draft.
 
+With a draft model, a greedy step whose every job drafted launches the next step's drafts before it reads the
+verification (*drafting ahead*): each job's accepted count and the token after are worked out on the device,
+and the draft's steps are moved on by them there (:meth:`ModelDrafter.propose_shifted`), so the device drafts
+while the host reads the verification and commits its tokens, and a graph launch's own host time no longer
+sits between the two. The next step verifies those drafts when it runs the same jobs at the sequences that
+follow; otherwise (a job ended or was rolled back, a job joined, the step is not speculative) they are dropped,
+the draft's cache holding nothing it would not recompute.
+
 Speculation touches the generator through :class:`SpecHost` only (its page bookkeeping and per-job token
 handling), and the generator calls :meth:`Speculator.step`, :meth:`Speculator.release` and
 :meth:`Speculator.wants_step` (the overlapped plain loop drains when a speculative step is due).
@@ -34,15 +42,16 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
 from exl3_core.cache.cache import Cache
-from exl3_core.generator.batching import Chunk, build_batch, meta_to_device, to_device_async
+from exl3_core.generator.batching import Chunk, HostRead, build_batch, meta_to_device, to_device_async
 from exl3_core.generator.draft_policy import DraftLength
-from exl3_core.generator.drafting import FOLD_MAX_ROWS, FOLD_ROW_BUCKETS, Drafter, ModelDrafter, NgramDrafter
+from exl3_core.generator.drafting import (FOLD_MAX_ROWS, FOLD_ROW_BUCKETS, Drafter, ModelDrafter, NgramDrafter,
+                                          Proposal)
 from exl3_core.generator.graphs import DecodeGraphs
 from exl3_core.generator.job import Job
 from exl3_core.generator.loras import StepLoras
@@ -151,13 +160,17 @@ class SpecStats:
     accepted: int = 0  # of which accepted
     committed: int = 0  # tokens committed by speculative steps (accepted drafts plus one per drafting job)
     draft_forwards: int = 0
+    ahead: int = 0  # speculative steps whose drafts were launched before the step before read its verification
+    ahead_dropped: int = 0  # drafts launched ahead that no step verified
+    not_ahead: dict[str, int] = field(default_factory=dict)  # why a speculative step did not draft ahead, counted
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, object]:
         return {"spec_steps": self.steps, "plain_steps": self.plain_steps,
                 "timed_plain_steps": self.timed_plain_steps, "draft_tokens": self.drafted,
                 "accepted_draft_tokens": self.accepted,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-                "draft_forwards": self.draft_forwards}
+                "draft_forwards": self.draft_forwards, "ahead_steps": self.ahead,
+                "ahead_dropped": self.ahead_dropped, "not_ahead": dict(self.not_ahead)}
 
 
 @dataclass
@@ -170,6 +183,25 @@ class _StepDrafts:
     q: torch.Tensor | None  # float32 [B, K, V]: what sampled drafts were drawn from (None: point masses)
     forwards: int  # draft-model forwards that drafted
     catch_up: int = 0  # draft-model forwards before those, over tokens the draft had not seen
+
+
+@dataclass
+class _Ahead:
+    """Drafts launched before the step that precedes their verification read its own."""
+
+    jobs: list[Job]
+    lengths: list[int]  # each job's sequence length once that step's tokens are committed
+    rollbacks: list[int]  # each job's rollback count then
+    ks: list[int]
+    proposal: Proposal
+    clock: _Clock
+    t0: float
+
+    def matches(self, jobs: list[Job]) -> bool:
+        """Whether ``jobs`` are the same jobs, active, at the sequences these drafts follow."""
+        return (len(jobs) == len(self.jobs) and all(a is b for a, b in zip(jobs, self.jobs))
+                and all(j.status == "active" and len(j.seq) == n and j.rollbacks == r
+                        for j, n, r in zip(jobs, self.lengths, self.rollbacks)))
 
 
 class _Clock:
@@ -264,6 +296,8 @@ class Speculator:
         self.drafter = drafter
         self.length = length
         self.stats = SpecStats()
+        self._ahead: _Ahead | None = None  # drafts launched for the next step
+        self._cycle_end: float | None = None  # host clock when this step launched the next one's drafts
 
     @classmethod
     def create(cls, host: SpecHost, *, model: BatchModel, tokenizer: Any, draft_model: BatchModel | None,
@@ -339,9 +373,15 @@ class Speculator:
     def step(self, work: list[tuple[Job, Chunk]], results: list[Result]) -> bool:
         """Run the decode step ``work`` (one pending token per job) speculatively; False (nothing done)
         when it should run as a plain step."""
-        if not all(j.prefill_done and c.want_logits and len(c.tokens) == 1 for j, c in work):
-            return False
+        ahead, self._ahead = self._ahead, None
         jobs = [j for j, _ in work]
+        if not all(j.prefill_done and c.want_logits and len(c.tokens) == 1 for j, c in work):
+            self._drop(ahead)
+            return False
+        if ahead is not None:
+            if ahead.matches(jobs):
+                return self._step_ahead(jobs, ahead, results)
+            self._drop(ahead)
         ks = self.length.choose(jobs, self._caps(jobs))
         timed = not any(ks) and self.length.needs_timing(len(jobs))
         if not any(ks) and not timed:
@@ -364,13 +404,37 @@ class Speculator:
         self._verify(jobs, dr, K, results, clock, t0)
         return True
 
+    def _step_ahead(self, jobs: list[Job], ahead: _Ahead, results: list[Result]) -> bool:
+        """Verify the drafts launched ahead for ``jobs`` (cut to what each may draft now and the pages allow)."""
+        ks = self._fit_pages(jobs, [min(k, c) for k, c in zip(ahead.ks, self._caps(jobs))])
+        dr = self._step_drafts(jobs, ks, list(range(len(jobs))), ahead.proposal)
+        if not max(dr.lens, default=0):
+            self._drop(ahead)
+            return self._plain(jobs)
+        self.stats.ahead += 1
+        self.length.note_step(True)
+        self._verify(jobs, dr, max(dr.lens), results, ahead.clock, ahead.t0)
+        return True
+
+    def _drop(self, ahead: _Ahead | None) -> None:
+        """Drafts launched ahead that no step verifies: the draft's cache rows past each job's listed tokens are
+        stale already, so only the counts change (their forwards ran)."""
+        if ahead is not None:
+            self.stats.ahead_dropped += 1
+            self.stats.draft_forwards += ahead.proposal.forwards + ahead.proposal.catch_up
+
     def _propose(self, jobs: list[Job], ks: list[int], drafting: list[int]) -> _StepDrafts:
         """The drafts of every job of the step (none for those not in ``drafting``)."""
+        if not drafting:
+            return _StepDrafts([0] * len(jobs), [[] for _ in jobs], None, None, 0)
+        prop = self.drafter.propose([jobs[b] for b in drafting], [ks[b] for b in drafting])
+        return self._step_drafts(jobs, ks, drafting, prop)
+
+    def _step_drafts(self, jobs: list[Job], ks: list[int], drafting: list[int], prop: Proposal) -> _StepDrafts:
+        """``prop`` (the proposal for the jobs ``jobs[b]``, b in ``drafting``) as the step's drafts, at most
+        ``ks[b]`` per job."""
         B = len(jobs)
         lens = [0] * B
-        if not drafting:
-            return _StepDrafts(lens, [[] for _ in jobs], None, None, 0)
-        prop = self.drafter.propose([jobs[b] for b in drafting], [ks[b] for b in drafting])
         for i, b in enumerate(drafting):
             lens[b] = min(prop.count(i), ks[b])
         K = max(lens)
@@ -499,6 +563,7 @@ class Speculator:
             d_dev = dr.ids.index_select(0, _ids(batch_rows, dr.ids.device)).to(dev)
         fast = all(j.sampler.is_greedy and not j.return_probs and not j.return_logits
                    and not any(j.ban_at.get(len(j.seq) + i) for i in range(n)) for j in jobs)
+        shifted: _Ahead | None = None
         if fast:
             # greedy without bans: the drafts equal to the target's argmax, then the argmax (a replayed graph
             # computed both already: no float copy of the logits rows)
@@ -508,13 +573,17 @@ class Speculator:
                                       (torch.isfinite(raw).any(-1) & ~torch.isnan(raw).any(-1)).double()])
             else:
                 packed = packed.index_select(1, rows)
+            # the step's one device->host read, started before the next step's drafts are launched after it
             if drafts is None:
                 assert d_dev is not None
-                host = torch.cat([packed, d_dev.double().view(1, -1).expand(2, -1)], 1).cpu().tolist()
+                read = HostRead(torch.cat([packed, d_dev.double().view(1, -1).expand(2, -1)], 1))
+            else:
+                read = HostRead(packed)
+            shifted = self._draft_shifted(all_jobs, jobs, batch_rows, packed, d_dev, lens, K)
+            host = read.wait()
+            if drafts is None:
                 flat = [int(t) for t in host[0][S * n:]]
                 drafts = [flat[s * K:s * K + lens[s]] for s in range(S)]
-            else:
-                host = packed.cpu().tolist()  # the step's one device->host read
             tokens, oks, probs = [], [], []
             for s in range(S):
                 am = host[0][s * n:(s + 1) * n]
@@ -586,6 +655,17 @@ class Speculator:
             self.stats.accepted += m
             self.stats.committed += m + 1
             self.length.record_acceptance(job, lens[s], m)
+        assert drafts is not None
+        ahead = shifted is not None
+        if shifted is not None:
+            assert isinstance(self.drafter, ModelDrafter)
+            for s, job in enumerate(jobs):
+                self.drafter.settle(job, drafts[s], job.seq + tokens[s], shifted.ks[s])
+            shifted.lengths = [len(j.seq) + len(t) for j, t in zip(jobs, tokens)]
+            self._ahead = shifted
+        elif not fast:
+            self._count_not_ahead("not every job greedy")
+        for s, job in enumerate(jobs):
             if job.status != "active":
                 continue
             if not oks[s]:
@@ -596,9 +676,54 @@ class Speculator:
                         "and filters together allow nothing); relax the constraints"), results)
                 continue
             self._commit(job, tokens[s], probs[s], raw_rows[s] if raw_rows is not None else None, results)
-            if job.status == "active":
+            if job.status == "active" and not ahead:
                 self.drafter.commit(job, drafts[s])
         self.stats.steps += 1
+
+    def _draft_shifted(self, all_jobs: list[Job], jobs: list[Job], batch_rows: list[int], packed: torch.Tensor,
+                       d_dev: torch.Tensor | None, lens: list[int], K: int) -> _Ahead | None:
+        """Launch the next step's drafts for ``jobs`` before this greedy step's verification is read (see the
+        module docstring): each job's accepted count and next token are worked out on the device from
+        ``packed`` (the verification's argmax per row) and the drafts ``d_dev``, and the drafter's steps move
+        on by them there. None (nothing launched, the reason counted in :attr:`SpecStats.not_ahead`) where the
+        next step could not take them."""
+        h = self.host
+        n = K + 1
+        # what the longest outcome (every draft accepted) leaves each job
+        caps = [min(self.length.max_k, j.max_new_tokens - j.new_tokens - k - 2, h.max_seq_len - len(j.seq) - k - 2)
+                for j, k in zip(jobs, lens)]
+        why = ("not a draft model" if not isinstance(self.drafter, ModelDrafter) else
+               "turned off by the tuning" if not h.plan.tuning.graphs.draft_ahead else
+               "not every job drafting" if len(batch_rows) != len(all_jobs) or d_dev is None else
+               "a job waiting" if h.queue else
+               "a job prefilling" if len(h.active) != len(jobs) else
+               "a job ending by its length" if min(caps) < 1 else None)
+        ks = self.length.choose(jobs, caps) if why is None else []
+        if why is None and not any(ks):
+            why = "no drafts chosen"
+        if why is not None:
+            self._count_not_ahead(why)
+            return None
+        assert isinstance(self.drafter, ModelDrafter) and d_dev is not None
+        dev = d_dev.device
+        am = packed[0].view(len(jobs), n).to(torch.int64)
+        live = torch.arange(K, device=dev)[None, :] < _ids(lens, dev)[:, None]
+        m = ((d_dev == am[:, :K]) & live).to(torch.int64).cumprod(1).sum(1)  # drafts accepted
+        ext = torch.cat([_ids([j.seq[-1] for j in jobs], dev)[:, None], d_dev], 1)
+        last_two = torch.cat([ext.gather(1, m[:, None]), am.gather(1, m[:, None])], 1)
+        clock = _Clock(h.device)
+        t0 = time.perf_counter()
+        clock.mark()
+        prop = self.drafter.propose_shifted(jobs, ks, m, last_two)
+        clock.mark()
+        if prop is None:
+            self._count_not_ahead("draft state not the last proposal's")
+            return None
+        self._cycle_end = t0
+        return _Ahead(list(jobs), [], [j.rollbacks for j in jobs], ks, prop, clock, t0)
+
+    def _count_not_ahead(self, why: str) -> None:
+        self.stats.not_ahead[why] = self.stats.not_ahead.get(why, 0) + 1
 
     def _commit(self, job: Job, tokens: list[int], probs: list[Any], raw: torch.Tensor | None,
                 results: list[Result]) -> None:
@@ -619,6 +744,8 @@ class Speculator:
                 return
 
     def _record_times(self, B: int, K: int, dr: _StepDrafts, clock: _Clock, t0: float) -> None:
+        # a step that launched the next one's drafts ends there: the host work after overlaps those drafts
+        end, self._cycle_end = self._cycle_end, None
         verify = clock.seconds(1, 2)
         self.length.record_target(B, K + 1, verify)
         if K == 0:
@@ -629,7 +756,7 @@ class Speculator:
             # its cost follows the tokens the draft missed, not the draft length: no per-forward or host figure
             return
         draft = clock.seconds(0, 1)
-        wall = time.perf_counter() - t0
+        wall = (end if end is not None else time.perf_counter()) - t0
         if dr.forwards:
             self.length.record_draft(B, draft / dr.forwards)
             self.length.record_host(wall - verify - draft)

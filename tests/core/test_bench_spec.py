@@ -23,7 +23,7 @@ def test_oracle_proposes_the_reference_with_probability_alpha() -> None:
     job.seq += ref[:10]
     for alpha in (0.3, 0.8):
         o = OracleDrafter(draft, cache, max_seq_len=512, alpha=alpha, reference={"a": ref}, vocab=700, seed=2)
-        forced = torch.cat([o._forced([job], 8) for _ in range(500)])  # [500, 8]
+        forced = torch.cat([o._forced([job], [job.seq], 8) for _ in range(500)])  # [500, 8]
         hit = forced == torch.tensor(ref[10:18])
         assert abs(float(hit.float().mean()) - alpha) < 0.03
         assert bool(((forced >= 0) & (forced < 700)).all())

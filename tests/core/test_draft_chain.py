@@ -2,6 +2,7 @@
 step-by-step loop. On the CPU the chain's program runs eagerly in place of the graph (tests/gpu replays it)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -71,8 +72,8 @@ class EagerChain:
 class Forcing(ModelDrafter):
     """Proposes fixed pseudo-random tokens (the bench's stand-in draft) while running every draft forward."""
 
-    def _forced(self, jobs: list[Job], K: int) -> torch.Tensor | None:
-        return torch.tensor([[(31 * len(j.seq) + 7 * i + j.identifier) % V for i in range(K)] for j in jobs])
+    def _forced(self, jobs: list[Job], seqs: Sequence[list[int]], K: int) -> torch.Tensor | None:
+        return torch.tensor([[(31 * len(s) + 7 * i + j.identifier) % V for i in range(K)] for j, s in zip(jobs, seqs)])
 
 
 def _drafter(cls: type[ModelDrafter], draft: ToyModel, plugins: Any, chain: bool) -> ModelDrafter:

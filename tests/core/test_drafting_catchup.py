@@ -4,6 +4,7 @@ a long one still runs the eager prefill first. Greedy output stays the plain gen
 drafts equal the eager path's, and each job of a batch with different gaps drafts what it drafts alone."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from exl3_core.generator import Generator, Job, drafting
 from exl3_core.generator.drafting import FOLD_MAX_ROWS, FOLD_ROW_BUCKETS, ModelDrafter, Proposal
 from exl3_core.generator.toy import ByteTokenizer, ToyModel
 from exl3_core.sampling import Sampler
+from exl3_core.tuning import Tuning
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -68,10 +70,13 @@ class Recorder:
 def speculative(target: ToyModel, draft: ToyModel, plugins: Any, off: Callable[[Job], bool],
                 k: int = 3) -> tuple[Generator, Recorder]:
     """A greedy speculative generator whose draft lengths are the fixed ``k`` except for jobs where ``off(job)``
-    holds (no draft: a plain step when no job drafts)."""
+    holds (no draft: a plain step when no job drafts). It drafts after each step's commits (not ahead of them:
+    ``off`` reads the committed sequence; tests/core/test_draft_ahead.py drafts ahead)."""
+    base = Tuning.for_device("cpu")
+    tuning = dataclasses.replace(base, graphs=dataclasses.replace(base.graphs, draft_ahead=False))
     gen = Generator(target, Cache(target, 4096, page_size=8, plugins=plugins), ByteTokenizer(V), plugins=plugins,
                     draft_model=draft, draft_cache=Cache(draft, 4096, page_size=8, plugins=plugins),
-                    num_draft_tokens=k, dynamic_draft=False, max_batch_size=4)
+                    num_draft_tokens=k, dynamic_draft=False, max_batch_size=4, tuning=tuning)
     assert gen.spec is not None and isinstance(gen.spec.drafter, ModelDrafter)
     choose = gen.spec.length.choose
     gen.spec.length.choose = lambda jobs, caps: [0 if off(j) else n for j, n in zip(jobs, choose(jobs, caps))]

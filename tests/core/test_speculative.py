@@ -469,18 +469,24 @@ def test_catch_up_forwards_stay_out_of_the_draft_cost(target, plugins) -> None:
     gen = make(target, plugins, draft=target, num_draft_tokens=3, dynamic_draft=False)
     assert gen.spec is not None
     proposals, recorded = [], []
-    propose, record = gen.spec.drafter.propose, gen.spec.length.record_draft
+    propose, shifted, record = gen.spec.drafter.propose, gen.spec.drafter.propose_shifted, gen.spec.length.record_draft
 
-    def spy_propose(jobs, ks):
-        prop = propose(jobs, ks)
+    def spy_propose(*args):
+        prop = propose(*args)
         proposals.append(prop)
         return prop
 
-    gen.spec.drafter.propose = spy_propose
+    def spy_shifted(*args):
+        prop = shifted(*args)
+        proposals.append(prop)
+        return prop
+
+    gen.spec.drafter.propose, gen.spec.drafter.propose_shifted = spy_propose, spy_shifted
     gen.spec.length.record_draft = lambda batch, seconds: recorded.append(seconds) or record(batch, seconds)
     drive(gen, [Job(prompts(1, seed=5)[0], max_new_tokens=24, identifier=0, stop_at_eos=False)])
     with_catch_up = [p for p in proposals if p.catch_up]
     assert with_catch_up and all(p.forwards == max(p.lens) for p in proposals)
+    assert gen.spec.stats.ahead > 0 and gen.spec.stats.ahead_dropped == 0  # each proposal was verified
     assert len(recorded) == len(proposals) - len(with_catch_up) > 0
     assert gen.spec.stats.draft_forwards == sum(p.forwards + p.catch_up for p in proposals)
 

@@ -10,6 +10,8 @@ The speed figures of the issue are measured by the benchmark, not asserted here:
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 
@@ -84,8 +86,8 @@ def test_speculative_greedy_equals_plain_with_graphs(models, kind: str, batch: i
 
 
 class _Forcing(ModelDrafter):
-    def _forced(self, jobs: list[Job], K: int) -> torch.Tensor | None:
-        ids = [[(31 * len(j.seq) + 7 * i + j.identifier) % 2000 for i in range(K)] for j in jobs]
+    def _forced(self, jobs: list[Job], seqs: Sequence[list[int]], K: int) -> torch.Tensor | None:
+        ids = [[(31 * len(s) + 7 * i + j.identifier) % 2000 for i in range(K)] for j, s in zip(jobs, seqs)]
         return torch.tensor(ids, device="cuda")
 
 
