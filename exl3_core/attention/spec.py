@@ -24,7 +24,7 @@ Layout contract shared by every backend (packed "varlen" layout, one row per tok
 """
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, Protocol
 
 import torch
 
@@ -57,6 +57,8 @@ class AttnSpec(NamedTuple):
     q_per_seq: int = 0
     #: streaming multiprocessors of the device (0 off CUDA)
     sm_count: int = 0
+    #: code bits of a quantized view's keys and values (``QuantPages.k_bits``/``v_bits``); (0, 0) for other views
+    kv_bits: tuple[int, int] = (0, 0)
 
     @property
     def v_dim(self) -> int:
@@ -85,6 +87,22 @@ class QuantPages(NamedTuple):
     k_bits: int
     v_bits: int
     rope: torch.Tensor | None = None  # "mla/quant": [num_pages, page_size, rope_dim] in the model's dtype
+
+
+class CacheView(Protocol):
+    """What a spec reads off the cache layer behind a view (a :class:`~exl3_core.cache.layer.CacheLayer`)."""
+
+    page_size: int
+
+    def attn_quant(self, view: str) -> QuantPages | None: ...
+
+
+def view_facts(layer: CacheView | None, view: str | None) -> tuple[tuple[int, int], int | None]:
+    """``(kv_bits, page_size)`` of :class:`AttnSpec` for ``view`` of ``layer``; ``((0, 0), None)`` without a cache."""
+    if layer is None or view is None:
+        return (0, 0), None
+    quant = layer.attn_quant(view)
+    return (0, 0) if quant is None else (quant.k_bits, quant.v_bits), layer.page_size
 
 
 class AttnArgs(NamedTuple):

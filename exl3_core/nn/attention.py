@@ -13,7 +13,16 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from exl3_core.attention.dispatch import get_dispatcher
-from exl3_core.attention.spec import AttnArgs, AttnSpec, CallShape, QuantPages, device_cc, sm_count
+from exl3_core.attention.spec import (
+    AttnArgs,
+    AttnSpec,
+    CacheView,
+    CallShape,
+    QuantPages,
+    device_cc,
+    sm_count,
+    view_facts,
+)
 from exl3_core.cache.geometry import LayerGeometry
 from exl3_core.cache.layer import CacheLayer
 from exl3_core.nn.linear import shard_linear
@@ -131,9 +140,10 @@ class Attention(Module):
         return self.shard.num_q_heads, self.shard.num_kv_heads
 
     def attn_spec(self, dtype: torch.dtype, device: torch.device, cache_view: str | None,
-                  shape: CallShape) -> AttnSpec:
+                  shape: CallShape, layer: CacheView | None = None) -> AttnSpec:
         """The static spec for a call: built from Python values only, memoised (no host sync)."""
-        key = (dtype, device, cache_view, shape)
+        bits, page_size = view_facts(layer, cache_view)
+        key = (dtype, device, cache_view, shape, bits, page_size)
         spec = self._specs.get(key)
         if spec is None:
             hq, hkv = self.local_heads
@@ -143,7 +153,8 @@ class Attention(Module):
                 device_type=device.type, device_cc=device_cc(device),
                 head_dim_v=None if self.head_dim_v == self.head_dim else self.head_dim_v,
                 max_keys=shape.max_keys, num_seqs=shape.num_seqs, q_per_seq=shape.q_per_seq,
-                sm_count=sm_count(device))
+                sm_count=sm_count(device), kv_bits=bits,
+                page_size=page_size)
         return spec
 
     # -- forward --------------------------------------------------------------------------------
@@ -207,9 +218,10 @@ class Attention(Module):
             args = self._args(spec, q, meta, k=k, v=v)
         else:
             backend, view = dispatcher.select_view(
-                lambda view: self.attn_spec(q.dtype, q.device, view, shape), layer.views(), state.allowed_backends)
+                lambda view: self.attn_spec(q.dtype, q.device, view, shape, layer), layer.views(),
+                state.allowed_backends)
             k_cache, v_cache = layer.attn_view(view)
-            spec = self.attn_spec(q.dtype, q.device, view, shape)
+            spec = self.attn_spec(q.dtype, q.device, view, shape, layer)
             args = self._args(spec, q, meta, k=k, v=v, k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table,
                               quant=layer.attn_quant(view))
         hq, _ = self.local_heads

@@ -19,7 +19,7 @@ import torch
 
 from exl3_core.archkit.config import RopeSettings
 from exl3_core.attention.dispatch import get_dispatcher
-from exl3_core.attention.spec import AttnArgs, AttnSpec, CallShape, device_cc, sm_count
+from exl3_core.attention.spec import AttnArgs, AttnSpec, CacheView, CallShape, device_cc, sm_count, view_facts
 from exl3_core.cache.geometry import LayerGeometry
 from exl3_core.nn.adapters import row_map
 from exl3_core.nn.linear import shard_linear
@@ -206,16 +206,18 @@ class LatentAttention(Module):
 
     # -- forward --------------------------------------------------------------------------------
     def attn_spec(self, dtype: torch.dtype, device: torch.device, cache_view: str | None,
-                  shape: CallShape) -> AttnSpec:
-        """The static spec (MQA over the latent), memoised per (dtype, device, view, call shape)."""
-        key = (dtype, device, cache_view, shape)
+                  shape: CallShape, layer: CacheView | None = None) -> AttnSpec:
+        """The static spec (MQA over the latent), memoised per (dtype, device, view, call shape, view facts)."""
+        bits, page_size = view_facts(layer, cache_view)
+        key = (dtype, device, cache_view, shape, bits, page_size)
         spec = self._specs.get(key)
         if spec is None:
             spec = self._specs[key] = AttnSpec(
                 head_dim=self.head_dim, num_q_heads=self.local_heads, num_kv_heads=1, dtype=dtype, cache=cache_view,
                 phase=shape.phase, causal=True, varlen=True, device_type=device.type,
                 device_cc=device_cc(device), head_dim_v=self.kv_lora_rank, max_keys=shape.max_keys,
-                num_seqs=shape.num_seqs, q_per_seq=shape.q_per_seq, sm_count=sm_count(device))
+                num_seqs=shape.num_seqs, q_per_seq=shape.q_per_seq, sm_count=sm_count(device), kv_bits=bits,
+                page_size=page_size)
         return spec
 
     def project(self, x: torch.Tensor, state: ForwardState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -266,10 +268,10 @@ class LatentAttention(Module):
             backend = dispatcher.select(spec, state.allowed_backends)
             args = AttnArgs(spec=spec, k=kv, v=kv[..., : self.kv_lora_rank], **common)
         else:
-            backend, view = dispatcher.select_view(lambda v: self.attn_spec(dt, x.device, v, shape), layer.views(),
-                                                   state.allowed_backends)
+            backend, view = dispatcher.select_view(lambda v: self.attn_spec(dt, x.device, v, shape, layer),
+                                                   layer.views(), state.allowed_backends)
             k_cache, _ = layer.attn_view(view)
-            spec = self.attn_spec(dt, x.device, view, shape)
+            spec = self.attn_spec(dt, x.device, view, shape, layer)
             args = AttnArgs(spec=spec, k_cache=k_cache, v_cache=None, page_table=meta.page_table,
                             quant=layer.attn_quant(view), **common)
         o_latent = backend.forward(args)  # [T, H, L]

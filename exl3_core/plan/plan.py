@@ -20,7 +20,7 @@ from exl3_core.archkit.decoder import StandardDecoder
 from exl3_core.archkit.model import Model
 from exl3_core.attention.backend import RoutedBackend
 from exl3_core.attention.dispatch import NoAttentionBackend, get_dispatcher
-from exl3_core.attention.spec import AttnSpec, CallShape, pow2_bucket
+from exl3_core.attention.spec import AttnSpec, CacheView, CallShape, pow2_bucket
 from exl3_core.cache.layer import CacheLayers
 from exl3_core.kernels.launch import LaunchConfig, launch_config
 from exl3_core.nn.module import Communicator
@@ -38,7 +38,7 @@ class SpecSource(Protocol):
     cache_index: int | None
 
     def attn_spec(self, dtype: torch.dtype, device: torch.device, cache_view: str | None,
-                  shape: CallShape) -> AttnSpec: ...
+                  shape: CallShape, layer: CacheView | None = None) -> AttnSpec: ...
 
 
 @runtime_checkable
@@ -170,9 +170,10 @@ class ExecutionPlan:
                         backend, view = dispatcher.select(spec, allowed), "no cache"
                     else:
                         backend, view = dispatcher.select_view(
-                            lambda v, a=attn, sh=shape: a.attn_spec(self.model.dtype, self.device, v, sh),
+                            lambda v, a=attn, sh=shape, lay=layer: a.attn_spec(self.model.dtype, self.device, v, sh,
+                                                                                lay),
                             layer.views(), allowed)
-                        spec = attn.attn_spec(self.model.dtype, self.device, view, shape)
+                        spec = attn.attn_spec(self.model.dtype, self.device, view, shape, layer)
                 except NoAttentionBackend as e:
                     out.append(f"{label}: no backend: " + "; ".join(f"{n}: {', '.join(r)}" for n, r in e.rejected.items()))
                     continue
@@ -205,8 +206,8 @@ class ExecutionPlan:
             layer = cache.layers[attn.cache_index]
             for shape in shapes:
                 backend, _ = dispatcher.select_view(
-                    lambda v, a=attn, sh=shape: a.attn_spec(self.model.dtype, self.device, v, sh), layer.views(),
-                    self.model.allowed_backends)
+                    lambda v, a=attn, sh=shape, lay=layer: a.attn_spec(self.model.dtype, self.device, v, sh, lay),
+                    layer.views(), self.model.allowed_backends)
                 if not getattr(type(backend), "graph_safe", False):
                     return f"attention backend {backend.name!r} ({phase}) is not graph-safe"
         for m in self.model.modules():

@@ -38,7 +38,9 @@ class Case:
         filled = s._replace(
             max_keys=s.max_keys or pow2_bucket(max(lens)), num_seqs=s.num_seqs or pow2_bucket(len(self.q_lens)),
             q_per_seq=s.q_per_seq or (self.q_lens[0] if s.phase == "decode" and uniform else 0),
-            sm_count=s.sm_count or (sm_count(dev) if dev.type == "cuda" and torch.cuda.is_available() else 0))
+            sm_count=s.sm_count or (sm_count(dev) if dev.type == "cuda" and torch.cuda.is_available() else 0),
+            kv_bits=s.kv_bits if s.kv_bits != (0, 0) or not (s.cache or "").endswith("/quant") else
+            (self.bits[0], self.bits[0]) if s.cache.startswith("mla/") else self.bits)
         object.__setattr__(self, "spec", filled)
 
     @property

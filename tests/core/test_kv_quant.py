@@ -334,6 +334,39 @@ def test_unreadable_variant_fails_at_load_before_allocation() -> None:
     assert not cache.allocated and not model.loaded
 
 
+def test_specs_state_the_views_widths_and_page_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every place that picks a backend for a cache view (the load-time check, the forward, the plan's report)
+    states the view's code widths and page size in the spec, on which backends decide (cuda_qsplit reads 4 and 8
+    bits only, on pages of whole 16-key tiles)."""
+    from exl3_core.archkit import Config, Model
+    from exl3_core.attention.dispatch import Dispatcher
+    from exl3_core.bench.models import RandomSource, bench_plugins
+
+    seen: list[tuple[str, AttnSpec]] = []
+    real = Dispatcher.select_view
+
+    def spy(self, spec_of, views, allowed=None):  # type: ignore[no-untyped-def]
+        seen.extend((v, spec_of(v)) for v in views)
+        return real(self, spec_of, views, allowed)
+
+    monkeypatch.setattr(Dispatcher, "select_view", spy)
+    shape = parse_shape("custom(256,512,2,4,2,300)")
+    plugins = bench_plugins()
+    source = RandomSource(shape, 4.0, 6, "mcg", 0)
+    model = Model.from_config(Config(source.directory, shape.hf_config(), plugins=plugins))
+    page = 2 * PAGE
+    cache = Cache(model, 8 * page, variant="quant", k_bits=8, v_bits=4, page_size=page, plugins=plugins)
+    model.load("cpu", dtype=torch.float16, source=source, attention=["triton_paged", "torch"], caches=[cache])
+    loaded = len(seen)
+    assert loaded, "the load-time check picked no backend for the quantized view"
+    _run(model, model.forward_batch, cache, [list(range(5, 25))], 1)
+    forward = len(seen)
+    assert forward > loaded, "the forward picked no backend for the quantized view"
+    ExecutionPlan(model).attention_choices(cache, [CallShape("decode", 4096, 1, 1)])
+    assert len(seen) > forward
+    assert {(v, s.kv_bits, s.page_size) for v, s in seen} == {("kv/quant", (8, 4), page)}
+
+
 # -- the --cache-bits option ------------------------------------------------------------------------------------
 def test_cache_bits_option() -> None:
     assert parse_cache_bits("4") == CacheBits(4, 4) and parse_cache_bits("8,4") == CacheBits(8, 4)

@@ -1,4 +1,5 @@
-"""exl3 plugin: attention backends (CUDA short-bound decode, Triton paged attention; flash-attn/xformers adapters)."""
+"""exl3 plugin: attention backends (CUDA short-bound decode, CUDA quantized-cache split decode, Triton paged attention;
+flash-attn/xformers adapters)."""
 from __future__ import annotations
 
 from exl3_core.plugins import hookimpl
@@ -14,6 +15,8 @@ def exl3_attention_backends() -> list[AttentionBackendSpec]:
         # shared-memory pass, which the dispatcher then gives to triton_paged
         AttentionBackendSpec(name="cuda_decode", impl="exl3_attn_backends.cuda_decode:CudaDecodeAttention",
                              requires=("triton",)),
+        # also exl3-core's kernel (csrc/attn/decode_attn_qsplit.cu): 4/8-bit quantized caches past cuda_decode's bound
+        AttentionBackendSpec(name="cuda_qsplit", impl="exl3_attn_backends.cuda_qsplit:CudaQuantSplitAttention"),
         AttentionBackendSpec(name="torch_sdpa", impl="exl3_attn_backends.dense:DenseCausalAttention"),
         AttentionBackendSpec(name="torch_sdpa_rows", impl="exl3_attn_backends.dense:DenseRowsAttention"),
         AttentionBackendSpec(name="triton_paged", impl="exl3_attn_backends.triton_paged:TritonPagedAttention",

@@ -1,0 +1,584 @@
+// Split-KV decode attention over a quantized cache (view "kv/quant", format spec 6) with 4- or 8-bit keys and
+// values, for key bounds past the short-bound kernel's one pass (decode_attn.cu). Registered as
+// torch.ops.exl3.decode_attention_qsplit; the Python side is plugins/attn_backends/src/exl3_attn_backends/
+// cuda_qsplit.py.
+//
+// Why: reading a quantized page costs more arithmetic than bytes, so the codes are unpacked in registers
+// straight into the tensor cores' operand layout (no shared-memory staging, no layout change). Each 16-bit
+// value is built by the fp16 bit trick: a code c under 0x6400 is the half 1024 + c, so a shift and a
+// lop3 give two values, a subtraction centres them exactly and one fma applies the group's scale (the
+// product rounded once, as the reference's fp32 dequantisation rounded to fp16).
+//
+// Layout: grid (kv heads, splits, sequences), 8 warps a block; a split's keys are 16-token tiles taken by the
+// warps in turn. Scores are S^T = K q^T (mma.m16n8k16: 16 keys x 8 query heads of the group, k over
+// channels) and the output O^T = V^T P^T (16 channels x 8 heads, k over keys), so no query row of the mma is
+// padding. Channel order inside a product is free as long as both operands agree: lane (g, t) = (lane / 4,
+// lane % 4) unpacks for keys g and g + 8 the D / 4 channels starting at t * D / 4, in the order its words
+// give them, and q is loaded in that same order; for values it unpacks channels g * D / 8 .. + D / 8 of keys
+// 2t, 2t + 1, 2t + 8, 2t + 9 (pairs of keys per register, as the k axis of the second product wants them),
+// and the output is stored back in channel order. P goes from the first product's accumulator layout to the
+// second's operand layout with movmatrix (an 8x8 transpose inside the warp). Keys and values stay in the
+// H32-rotated basis: q is rotated into it first and the output rotated back once (H32 / sqrt(32) is
+// orthonormal). fp32 scores, online softmax in base 2, one tile's loads issued ahead of its use.
+//
+// Splits and merge: each block merges its warps in shared memory, then writes its partial state (max, sum,
+// unnormalised output) and the last block of a (sequence, kv head) to arrive merges the used splits, rotates
+// back and writes the output (an arrival counter the merging block resets). A sequence one split holds is
+// written by that split directly. Splits are derived on the device from the sequence's own length, so a
+// graph captured at a bound replays at any length within it.
+//
+// Programmatic dependent launch: tiles entirely before the newest key (written by the kernel before) are
+// loaded before griddepcontrol.wait; q and any tile holding the newest key after it.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_fp16.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+#include "attn/attn_common.cuh"
+
+namespace exl3_attn_qsplit {
+
+using exl3_attn::hadamard32;
+using exl3_attn::mma;
+
+constexpr int WARPS = 8;
+constexpr int THREADS = WARPS * 32;
+constexpr int TILE = 16;     // keys per warp iteration
+constexpr int MAX_GROUP = 8;  // query heads per kv head: the n = 8 columns of both products
+constexpr int MAX_SPLITS = 64;  // the merging block stages every split's state in shared memory
+
+struct QSplitArgs {
+    const __half* q;
+    const uint32_t* k;  // code words [pages, page_size, Hkv * D / 32 * KB]
+    const uint32_t* v;
+    const __half* ks;   // scales [pages, page_size, Hkv * D / 32]
+    const __half* vs;
+    __half* out;
+    const int* page_table;
+    const int* cu_q;
+    const int* seq_k;
+    float* part_m;    // [B, Hq, splits]
+    float* part_l;    // [B, Hq, splits]
+    float* part_acc;  // [B, Hq, splits, D]
+    int* counters;    // [B * Hkv], zero between calls
+    long long q_t, q_h, o_t, o_h, pt_b;
+    long long k_p, k_s, v_p, v_s, ks_p, ks_s, vs_p, vs_s;  // page / slot strides (elements)
+    int page_size, group, hkv, splits;
+    float qscale;   // softmax scale * log2(e)
+    bool used_only;  // several sequences: only the splits a sequence uses arrive
+};
+
+// One tile's loads for one lane: keys g, g + 8 (its D / 4 key channels), keys 2t, 2t + 1, 2t + 8, 2t + 9 (its
+// D / 8 value channels) and their scales. Keys past the split's end read nothing: zero words and scales.
+template <int D, int KB, int VB>
+struct TileLoads {
+    static constexpr int NWK = D / 4 * KB / 32;  // words of a lane's key channels
+    static constexpr int NWV = D / 8 * VB / 32;  // words of a lane's value channels
+    uint32_t kw[2][NWK];
+    uint32_t vw[4][NWV];
+    __half ks[2];
+    __half vs[4];
+};
+
+template <int N>
+__device__ __forceinline__ void load_words(uint32_t (&w)[N], const uint32_t* p) {
+    if constexpr (N == 8) {
+        const uint4 a = __ldg(reinterpret_cast<const uint4*>(p));
+        const uint4 b = __ldg(reinterpret_cast<const uint4*>(p) + 1);
+        w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+    } else if constexpr (N == 4) {
+        const uint4 a = __ldg(reinterpret_cast<const uint4*>(p));
+        w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w;
+    } else if constexpr (N == 2) {
+        const uint2 a = __ldg(reinterpret_cast<const uint2*>(p));
+        w[0] = a.x, w[1] = a.y;
+    } else {
+        static_assert(N == 1, "words per lane: 1, 2, 4 or 8");
+        w[0] = __ldg(p);
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void zero_words(uint32_t (&w)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = 0u;
+}
+
+// tile keys t0 .. t0 + 15 of sequence b below `hi` (a tile lies inside one page: page_size % 16 == 0)
+template <int D, int KB, int VB>
+__device__ __forceinline__ void load_tile(TileLoads<D, KB, VB>& L, const QSplitArgs& a, int b, int kvh, int t0,
+                                          int hi, int lane) {
+    constexpr int NG = D / 32;
+    const int g = lane >> 2, t = lane & 3;
+    const long long page = a.page_table[(long long)b * a.pt_b + t0 / a.page_size];
+    const int slot0 = t0 % a.page_size;
+    // this lane's key channels start at t * D / 4: group (t * D / 4) / 32, word (t * D / 4) % 32 * KB / 32 in it
+    const int gk = kvh * NG + (t * (D / 4)) / 32;
+    const int wk = gk * KB + ((t * (D / 4)) % 32) * KB / 32;
+    const int gv = kvh * NG + (g * (D / 8)) / 32;
+    const int wv = gv * VB + ((g * (D / 8)) % 32) * VB / 32;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        const int key = g + 8 * i;
+        const long long slot = slot0 + key;
+        if (t0 + key < hi) {
+            load_words(L.kw[i], a.k + page * a.k_p + slot * a.k_s + wk);
+            L.ks[i] = a.ks[page * a.ks_p + slot * a.ks_s + gk];
+        } else {
+            zero_words(L.kw[i]);
+            L.ks[i] = __float2half_rn(0.f);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int key = 2 * t + (i & 1) + 8 * (i >> 1);
+        const long long slot = slot0 + key;
+        if (t0 + key < hi) {
+            load_words(L.vw[i], a.v + page * a.v_p + slot * a.v_s + wv);
+            L.vs[i] = a.vs[page * a.vs_p + slot * a.vs_s + gv];
+        } else {
+            zero_words(L.vw[i]);
+            L.vs[i] = __float2half_rn(0.f);
+        }
+    }
+}
+
+__device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
+__device__ __forceinline__ __half2 u2h(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
+
+// code bits -> values: x holds 1024 + code in each half; (code + 1/2 - M) / M * scale, exact before one rounding
+template <int BITS>
+__device__ __forceinline__ uint32_t dequant2(uint32_t x, __half2 step, __half2 half_step) {
+    constexpr int M = 1 << (BITS - 1);
+    const __half2 centre = __half2half2(__ushort_as_half((unsigned short)(0x6400 + M)));  // 1024 + M
+    return h2u(__hfma2(__hsub2(u2h(x), centre), step, half_step));
+}
+
+// Value pair u (0 .. D / 8 - 1) of a lane's key channels: the fields at (u / (P / 2)) words in and u % (P / 2)
+// fields along, with their partner P / 2 fields on (the word's high half), P = 32 / KB values a word.
+template <int KB>
+__device__ __forceinline__ uint32_t key_codes(const uint32_t* w, int u) {
+    constexpr int P = 32 / KB;
+    const uint32_t x = w[u / (P / 2)] >> (KB * (u % (P / 2)));
+    constexpr uint32_t mask = KB == 8 ? 0x00FF00FFu : 0x000F000Fu;
+    return (x & mask) | 0x64006400u;
+}
+
+// The key channel of pair u, element e (0: low half), relative to the lane's first key channel.
+template <int KB>
+__host__ __device__ constexpr int key_channel(int u, int e) {
+    constexpr int P = 32 / KB;
+    return P * (u / (P / 2)) + u % (P / 2) + e * (P / 2);
+}
+
+// Value channel c (0 .. D / 8 - 1) of a lane's value channels for two keys (words wa, wb): low half key a.
+template <int VB>
+__device__ __forceinline__ uint32_t value_codes(const uint32_t* wa, const uint32_t* wb, int c) {
+    if constexpr (VB == 8) {
+        const uint32_t x = __byte_perm(wa[c / 4], wb[c / 4], (c % 4) | ((4 + c % 4) << 8));
+        return (x & 0x00FF00FFu) | 0x64006400u;
+    } else {
+        const int n = c % 8;
+        const uint32_t x = __byte_perm(wa[c / 8], wb[c / 8], n < 4 ? 0x5410 : 0x7632);
+        return ((x >> (4 * (n % 4))) & 0x000F000Fu) | 0x64006400u;
+    }
+}
+
+__device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
+    uint32_t y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
+
+template <int D>
+struct Smem {
+    float q[MAX_GROUP][D];                 // rotated q, then the merged output before its rotation back
+    float m[WARPS][MAX_GROUP];
+    float l[WARPS][MAX_GROUP];
+    float o[WARPS][MAX_GROUP][D];
+    int last;
+};
+
+template <int D, int KB, int VB>
+__global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, const bool pdl) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    constexpr int KS = D / 16;  // k steps of the scores (16 channels each); m tiles of the output
+    constexpr int MK = 1 << (KB - 1), MV = 1 << (VB - 1);
+    static_assert(2 * MAX_GROUP * MAX_SPLITS + MAX_GROUP <= WARPS * MAX_GROUP * D, "merge scratch fits sm.o");
+    __shared__ Smem<D> sm;
+    const int kvh = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int G = a.group, S = a.splits;
+    const int q_row = a.cu_q[b];
+    const int q_len = a.cu_q[b + 1] - q_row;
+    const int seq = a.seq_k[b];
+    if (q_len <= 0) {  // a padded row: nothing to read or write
+        if (pdl) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+        return;
+    }
+    // this split's keys: equal shares of the sequence in whole tiles, at least one tile
+    const int per = max((((seq + S - 1) / S) + TILE - 1) / TILE * TILE, TILE);
+    const int lo = split * per;
+    const int hi = min(lo + per, seq);
+    const int n_used = min((seq + per - 1) / per, S);
+
+    TileLoads<D, KB, VB> cur;
+    int t0 = lo + warp * TILE;
+    const bool early = t0 + TILE <= seq - 1;  // the warp's first tile is older than this step's key
+    if (t0 < hi && early) load_tile(cur, a, b, kvh, t0, hi, lane);
+    if (pdl) {
+        asm volatile("griddepcontrol.wait;\n" ::: "memory");
+        asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    }
+    if (t0 < hi && !early) load_tile(cur, a, b, kvh, t0, hi, lane);
+
+    // q rotated into the keys' basis (fp32 in shared memory), one thread per (head, group of 32 channels)
+    for (int i = threadIdx.x; i < G * D; i += THREADS) {
+        const int h = i / D, d = i % D;
+        sm.q[h][d] = __half2float(a.q[(long long)q_row * a.q_t + (long long)(kvh * G + h) * a.q_h + d]);
+    }
+    __syncthreads();
+    if (threadIdx.x < G * (D / 32)) {
+        const int h = threadIdx.x / (D / 32), d0 = 32 * (threadIdx.x % (D / 32));
+        float x[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) x[i] = sm.q[h][d0 + i];
+        hadamard32(x);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) sm.q[h][d0 + i] = x[i];
+    }
+    __syncthreads();
+    // q^T as the scores' B operand: k positions 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) of step s are this lane's
+    // key pairs 2s and 2s + 1; column g is head g (zero past the group)
+    uint32_t qb[KS][2];
+    {
+        const int c0 = t * (D / 4);
+#pragma unroll
+        for (int s = 0; s < KS; ++s) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int u = 2 * s + h;
+                const float x0 = g < G ? sm.q[g][c0 + key_channel<KB>(u, 0)] : 0.f;
+                const float x1 = g < G ? sm.q[g][c0 + key_channel<KB>(u, 1)] : 0.f;
+                qb[s][h] = exl3_attn::pack2<__half>(x0, x1);
+            }
+        }
+    }
+
+    float m[2] = {-INFINITY, -INFINITY};  // heads 2t, 2t + 1
+    float l[2] = {0.f, 0.f};              // this lane's share of the sums
+    float o[KS][4];                       // O^T: channel rows g, g + 8 of m tile u, heads 2t, 2t + 1
+#pragma unroll
+    for (int u = 0; u < KS; ++u) o[u][0] = o[u][1] = o[u][2] = o[u][3] = 0.f;
+
+    for (; t0 < hi; t0 += WARPS * TILE) {
+        TileLoads<D, KB, VB> nxt;
+        const int t1 = t0 + WARPS * TILE;
+        if (t1 < hi) load_tile(nxt, a, b, kvh, t1, hi, lane);
+
+        // scores of keys g, g + 8 (rows) for heads 2t, 2t + 1
+        float sc[4] = {0.f, 0.f, 0.f, 0.f};
+        {
+            const __half2 st0 = __half2half2(__hmul(cur.ks[0], __float2half_rn(1.f / MK)));
+            const __half2 st1 = __half2half2(__hmul(cur.ks[1], __float2half_rn(1.f / MK)));
+            const __half2 hs0 = __half2half2(__hmul(cur.ks[0], __float2half_rn(0.5f / MK)));
+            const __half2 hs1 = __half2half2(__hmul(cur.ks[1], __float2half_rn(0.5f / MK)));
+#pragma unroll
+            for (int s = 0; s < KS; ++s) {
+                const uint32_t ka[4] = {dequant2<KB>(key_codes<KB>(cur.kw[0], 2 * s), st0, hs0),
+                                        dequant2<KB>(key_codes<KB>(cur.kw[1], 2 * s), st1, hs1),
+                                        dequant2<KB>(key_codes<KB>(cur.kw[0], 2 * s + 1), st0, hs0),
+                                        dequant2<KB>(key_codes<KB>(cur.kw[1], 2 * s + 1), st1, hs1)};
+                mma<__half>(sc, ka, qb[s][0], qb[s][1]);
+            }
+        }
+        // scale, mask keys past the split, the tile's max per head over the warp (lanes of equal t)
+        float mx[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            sc[e] = t0 + g < hi ? sc[e] * a.qscale : -INFINITY;
+            sc[2 + e] = t0 + g + 8 < hi ? sc[2 + e] * a.qscale : -INFINITY;
+            mx[e] = fmaxf(sc[e], sc[2 + e]);
+        }
+#pragma unroll
+        for (int x = 4; x <= 16; x <<= 1) {
+            mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], x));
+            mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], x));
+        }
+        float al[2], p[4];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const float mn = fmaxf(m[e], mx[e]);  // finite: key t0 < hi
+            al[e] = exp2f(m[e] - mn);
+            m[e] = mn;
+            p[e] = exp2f(sc[e] - mn);
+            p[2 + e] = exp2f(sc[2 + e] - mn);
+            l[e] = l[e] * al[e] + p[e] + p[2 + e];
+        }
+#pragma unroll
+        for (int u = 0; u < KS; ++u) {
+            o[u][0] *= al[0];
+            o[u][1] *= al[1];
+            o[u][2] *= al[0];
+            o[u][3] *= al[1];
+        }
+        // P^T as the output's B operand: keys 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) of head g
+        const uint32_t pb0 = transpose8x8(exl3_attn::pack2<__half>(p[0], p[1]));
+        const uint32_t pb1 = transpose8x8(exl3_attn::pack2<__half>(p[2], p[3]));
+        {
+            const __half2 rs = __float2half2_rn(1.f / MV), rh = __float2half2_rn(0.5f / MV);
+            const __half2 st01 = __hmul2(__halves2half2(cur.vs[0], cur.vs[1]), rs);
+            const __half2 st89 = __hmul2(__halves2half2(cur.vs[2], cur.vs[3]), rs);
+            const __half2 hs01 = __hmul2(__halves2half2(cur.vs[0], cur.vs[1]), rh);
+            const __half2 hs89 = __hmul2(__halves2half2(cur.vs[2], cur.vs[3]), rh);
+#pragma unroll
+            for (int u = 0; u < KS; ++u) {
+                const uint32_t va[4] = {dequant2<VB>(value_codes<VB>(cur.vw[0], cur.vw[1], 2 * u), st01, hs01),
+                                        dequant2<VB>(value_codes<VB>(cur.vw[0], cur.vw[1], 2 * u + 1), st01, hs01),
+                                        dequant2<VB>(value_codes<VB>(cur.vw[2], cur.vw[3], 2 * u), st89, hs89),
+                                        dequant2<VB>(value_codes<VB>(cur.vw[2], cur.vw[3], 2 * u + 1), st89, hs89)};
+                mma<__half>(o[u], va, pb0, pb1);
+            }
+        }
+        if (t1 < hi) cur = nxt;
+    }
+
+    // the warp's sums over its lanes of equal t, then its state into shared memory (channels in order)
+#pragma unroll
+    for (int x = 4; x <= 16; x <<= 1) {
+        l[0] += __shfl_xor_sync(0xffffffffu, l[0], x);
+        l[1] += __shfl_xor_sync(0xffffffffu, l[1], x);
+    }
+    if (g == 0) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            if (2 * t + e < MAX_GROUP) {
+                sm.m[warp][2 * t + e] = m[e];
+                sm.l[warp][2 * t + e] = l[e];
+            }
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < KS; ++u) {
+        const int c = g * (D / 8) + 2 * u;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            sm.o[warp][2 * t + e][c] = o[u][e];
+            sm.o[warp][2 * t + e][c + 1] = o[u][2 + e];
+        }
+    }
+    __syncthreads();
+    // the block's state per (head, channel): warps without keys hold m = -inf, l = 0, o = 0 (weight 0)
+    const bool alone = n_used <= 1;
+    const int n_arrive = alone ? 0 : (a.used_only ? max(n_used, 1) : S);
+    float* out_f = &sm.q[0][0];  // the merged output [G][D] before its rotation back
+    const long long part0 = ((long long)b * a.hkv + kvh) * G * S;  // (b, head kvh * G) row of the partials
+    for (int i = threadIdx.x; i < G * D; i += THREADS) {
+        const int h = i / D, d = i % D;
+        float M = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm.m[w][h]);
+        float num = 0.f, den = 0.f;
+        if (M != -INFINITY) {
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                const float wt = exp2f(sm.m[w][h] - M);
+                num = fmaf(wt, sm.o[w][h][d], num);
+                den = fmaf(wt, sm.l[w][h], den);
+            }
+        }
+        if (alone) {
+            if (split == 0) out_f[i] = den > 0.f ? num / den : 0.f;
+        } else if (split < n_arrive) {
+            const long long row = part0 + (long long)h * S + split;
+            a.part_acc[row * D + d] = num;
+            if (d == 0) {
+                a.part_m[row] = M;
+                a.part_l[row] = den;
+            }
+        }
+    }
+    bool finish = alone && split == 0;
+    if (!alone && split < n_arrive) {
+        __threadfence();  // this block's partials before its arrival
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int* cnt = a.counters + (long long)b * a.hkv + kvh;
+            const int seen = atomicAdd(cnt, 1);
+            sm.last = seen == n_arrive - 1;
+            if (sm.last) *cnt = 0;  // clean for the next call (a replayed graph reuses the buffer)
+        }
+        __syncthreads();
+        finish = sm.last;
+        if (finish) {
+            __threadfence();
+            // the used splits' maxima and sums into shared memory in one round trip (the warps' states are
+            // merged already, so their space is free), then each head's weights, then the outputs with the
+            // partial loads of several splits in flight at once
+            float* wt = &sm.o[0][0][0];            // [MAX_GROUP][MAX_SPLITS]: max, then weight
+            float* sums = wt + MAX_GROUP * MAX_SPLITS;  // [MAX_GROUP][MAX_SPLITS]
+            float* den = sums + MAX_GROUP * MAX_SPLITS;  // [MAX_GROUP]
+            for (int i = threadIdx.x; i < G * n_used; i += THREADS) {
+                const int h = i / n_used, s = i % n_used;
+                wt[h * MAX_SPLITS + s] = __ldcg(a.part_m + part0 + (long long)h * S + s);
+                sums[h * MAX_SPLITS + s] = __ldcg(a.part_l + part0 + (long long)h * S + s);
+            }
+            __syncthreads();
+            if (threadIdx.x < G) {
+                const int h = threadIdx.x;
+                float M = -INFINITY;
+                for (int s = 0; s < n_used; ++s) M = fmaxf(M, wt[h * MAX_SPLITS + s]);
+                float d = 0.f;
+                for (int s = 0; s < n_used; ++s) {
+                    const float w = M == -INFINITY ? 0.f : exp2f(wt[h * MAX_SPLITS + s] - M);
+                    wt[h * MAX_SPLITS + s] = w;
+                    d = fmaf(w, sums[h * MAX_SPLITS + s], d);
+                }
+                den[h] = d;
+            }
+            __syncthreads();
+            for (int i = threadIdx.x; i < G * D; i += THREADS) {
+                const int h = i / D, d = i % D;
+                const float* acc = a.part_acc + (part0 + (long long)h * S) * D + d;
+                float num = 0.f;
+#pragma unroll 8
+                for (int s = 0; s < n_used; ++s) num = fmaf(wt[h * MAX_SPLITS + s], __ldcg(acc + (long long)s * D), num);
+                out_f[i] = den[h] > 0.f ? num / den[h] : 0.f;
+            }
+        }
+    }
+    if (finish) {  // back from the values' rotated basis: one thread per (head, group of 32 channels)
+        __syncthreads();
+        if (threadIdx.x < G * (D / 32)) {
+            const int h = threadIdx.x / (D / 32), d0 = 32 * (threadIdx.x % (D / 32));
+            float x[32];
+#pragma unroll
+            for (int i = 0; i < 32; ++i) x[i] = out_f[h * D + d0 + i];
+            hadamard32(x);
+            __half* dst = a.out + (long long)q_row * a.o_t + (long long)(kvh * G + h) * a.o_h + d0;
+#pragma unroll
+            for (int i = 0; i < 32; ++i) dst[i] = __float2half_rn(x[i]);
+        }
+    }
+#else
+    __trap();  // launched only on compute capability >= 9.0 (checked on the host)
+#endif
+}
+
+template <int D, int KB, int VB>
+cudaError_t launch(const QSplitArgs& a, int batch, bool pdl, cudaStream_t st) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(a.hkv, a.splits, batch);
+    cfg.blockDim = dim3(THREADS);
+    cfg.dynamicSmemBytes = 0;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, qsplit_kernel<D, KB, VB>, a, pdl);
+}
+
+template <int D>
+cudaError_t launch_bits(const QSplitArgs& a, int kb, int vb, int batch, bool pdl, cudaStream_t st) {
+    if (kb == 4) return vb == 4 ? launch<D, 4, 4>(a, batch, pdl, st) : launch<D, 4, 8>(a, batch, pdl, st);
+    return vb == 4 ? launch<D, 8, 4>(a, batch, pdl, st) : launch<D, 8, 8>(a, batch, pdl, st);
+}
+
+}  // namespace exl3_attn_qsplit
+
+namespace {
+
+using at::Tensor;
+
+// q [T, Hq, D] fp16 (one query per sequence); k_codes, v_codes int32 [pages, page_size, Hkv * D / 32 * bits];
+// k_scales, v_scales fp16 [pages, page_size, Hkv * D / 32]; page_table int32 [B, W]; cu_seqlens_q int32 [B + 1];
+// seq_lens_k int32 [B]; counters int32 (at least B * Hkv, zero). splits: key ranges per (sequence, kv head), at most
+// 64, from host-side values only. Returns [T, Hq, D] fp16 (rows of sequences without a query are left unwritten). The
+// Python caller (exl3_attn_backends.cuda_qsplit.check_call) validates every input first; these are the last line.
+Tensor decode_attention_qsplit(const Tensor& q, const Tensor& k_codes, const Tensor& v_codes, const Tensor& k_scales,
+                               const Tensor& v_scales, int64_t k_bits, int64_t v_bits, const Tensor& page_table,
+                               const Tensor& cu_seqlens_q, const Tensor& seq_lens_k, const Tensor& counters,
+                               double scale, int64_t splits, bool pdl) {
+    using namespace exl3_attn_qsplit;
+    for (const Tensor* x : {&q, &k_codes, &v_codes, &k_scales, &v_scales, &page_table, &cu_seqlens_q, &seq_lens_k,
+                            &counters})
+        TORCH_CHECK(x->is_cuda(), "decode_attention_qsplit: every tensor must be on the GPU");
+    TORCH_CHECK(q.scalar_type() == at::kHalf && q.dim() == 3 && q.stride(2) == 1,
+                "decode_attention_qsplit: q must be float16 [T, Hq, D] with contiguous rows");
+    TORCH_CHECK((k_bits == 4 || k_bits == 8) && (v_bits == 4 || v_bits == 8),
+                "decode_attention_qsplit: bits must be 4 or 8");
+    const int64_t D = q.size(2), Hq = q.size(1);
+    TORCH_CHECK(D == 64 || D == 128, "decode_attention_qsplit: head dim must be 64 or 128");
+    TORCH_CHECK(k_codes.scalar_type() == at::kInt && v_codes.scalar_type() == at::kInt &&
+                k_scales.scalar_type() == at::kHalf && v_scales.scalar_type() == at::kHalf &&
+                k_codes.dim() == 3 && v_codes.dim() == 3 && k_scales.dim() == 3 && v_scales.dim() == 3,
+                "decode_attention_qsplit: int32 code words and fp16 scales, [pages, page_size, n]");
+    const int64_t groups = k_scales.size(2), Hkv = groups * 32 / D;
+    TORCH_CHECK(Hkv > 0 && Hkv * D == groups * 32 && v_scales.size(2) == groups &&
+                k_codes.size(2) == groups * k_bits && v_codes.size(2) == groups * v_bits &&
+                k_codes.stride(2) == 1 && v_codes.stride(2) == 1 && k_scales.stride(2) == 1 &&
+                v_scales.stride(2) == 1, "decode_attention_qsplit: code words / scales do not fit the head dim");
+    TORCH_CHECK(Hq % Hkv == 0 && Hq / Hkv <= MAX_GROUP, "decode_attention_qsplit: GQA group over ", MAX_GROUP);
+    const int64_t ps = k_codes.size(1);
+    TORCH_CHECK(ps % TILE == 0 && v_codes.size(1) == ps, "decode_attention_qsplit: page size must be a multiple of 16");
+    TORCH_CHECK(page_table.scalar_type() == at::kInt && cu_seqlens_q.scalar_type() == at::kInt &&
+                seq_lens_k.scalar_type() == at::kInt && counters.scalar_type() == at::kInt,
+                "decode_attention_qsplit: int32 batch description and counters");
+    const int64_t B = page_table.size(0);
+    TORCH_CHECK(counters.numel() >= B * Hkv, "decode_attention_qsplit: counters hold fewer than B * Hkv");
+    TORCH_CHECK(splits >= 1 && splits <= MAX_SPLITS, "decode_attention_qsplit: splits in [1, ", MAX_SPLITS, "]");
+    const c10::cuda::CUDAGuard guard(q.device());
+    TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 9,
+                "decode_attention_qsplit: needs compute capability >= 9.0");
+    Tensor out = at::empty({q.size(0), Hq, D}, q.options());
+    if (B == 0 || q.size(0) == 0) return out;
+    const auto f32 = q.options().dtype(at::kFloat);
+    Tensor part_m = at::empty({B, Hq, splits}, f32);
+    Tensor part_l = at::empty({B, Hq, splits}, f32);
+    Tensor part_acc = at::empty({B, Hq, splits, D}, f32);
+    QSplitArgs a{};
+    a.q = reinterpret_cast<const __half*>(q.data_ptr());
+    a.k = reinterpret_cast<const uint32_t*>(k_codes.data_ptr());
+    a.v = reinterpret_cast<const uint32_t*>(v_codes.data_ptr());
+    a.ks = reinterpret_cast<const __half*>(k_scales.data_ptr());
+    a.vs = reinterpret_cast<const __half*>(v_scales.data_ptr());
+    a.out = reinterpret_cast<__half*>(out.data_ptr());
+    a.page_table = page_table.data_ptr<int>();
+    a.cu_q = cu_seqlens_q.data_ptr<int>();
+    a.seq_k = seq_lens_k.data_ptr<int>();
+    a.part_m = part_m.data_ptr<float>();
+    a.part_l = part_l.data_ptr<float>();
+    a.part_acc = part_acc.data_ptr<float>();
+    a.counters = counters.data_ptr<int>();
+    a.q_t = q.stride(0), a.q_h = q.stride(1), a.o_t = out.stride(0), a.o_h = out.stride(1);
+    a.pt_b = page_table.stride(0);
+    a.k_p = k_codes.stride(0), a.k_s = k_codes.stride(1), a.v_p = v_codes.stride(0), a.v_s = v_codes.stride(1);
+    a.ks_p = k_scales.stride(0), a.ks_s = k_scales.stride(1), a.vs_p = v_scales.stride(0), a.vs_s = v_scales.stride(1);
+    a.page_size = (int)ps;
+    a.group = (int)(Hq / Hkv);
+    a.hkv = (int)Hkv;
+    a.splits = (int)splits;
+    a.qscale = (float)(scale * 1.4426950408889634);
+    a.used_only = B > 1;
+    const cudaStream_t st = at::cuda::getCurrentCUDAStream();
+    const int kb = (int)k_bits, vb = (int)v_bits, nb = (int)B;
+    const cudaError_t err = D == 64 ? launch_bits<64>(a, kb, vb, nb, pdl, st) : launch_bits<128>(a, kb, vb, nb, pdl, st);
+    TORCH_CHECK(err == cudaSuccess, "decode_attention_qsplit: launch failed: ", cudaGetErrorString(err));
+    return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(exl3, m) {
+    m.def("decode_attention_qsplit(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_scales, Tensor v_scales, "
+          "int k_bits, int v_bits, Tensor page_table, Tensor cu_seqlens_q, Tensor seq_lens_k, Tensor counters, "
+          "float scale, int splits, bool pdl) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(exl3, CUDA, m) { m.impl("decode_attention_qsplit", &decode_attention_qsplit); }
