@@ -172,7 +172,8 @@ case "$stage" in
     # which need the baseline's build, then the n-gram figure. Also: one feature figure by name (spec, kvq_b1, ...),
     # spprobe (bench/spec_target_probe.py), qtests (the test files in $QTESTS), cand:NAME (bench/candidates/NAME.patch,
     # see the candidate stage), golden (every golden cell converted on CUDA, bench/golden_seeds.py), profsmol (the
-    # SmolLM2 shape's decode step per kernel at b=1 and b=16), profkvq (the 8B step per kernel, fp16 and K4V4 caches)
+    # SmolLM2 shape's decode step per kernel at b=1 and b=16), profkvq (the 8B step per kernel, fp16 and K4V4 caches),
+    # ncuqs (the quantized-cache split decode kernels under ncu)
     stages=${STAGES:-fairness features tests ab1b ab8b ngram}
     echo "HEAD built $(date +%T); stages: $stages"; export SKIP_BUILD=1
     for st in $stages; do
@@ -188,6 +189,16 @@ case "$stage" in
         cand:*) echo "== candidate ${st#cand:}"; bash bench/wave2_gpu.sh candidate "${st#cand:}" ;;
         spprobe) echo "== spec target probe"; timeout 240 python3 bench/spec_target_probe.py > "$OUT/spprobe.log" 2>&1
           echo "rc=$?"; grep self_predicting "$OUT/spprobe.log" ;;
+        ncuqs)  # both quantized-cache split decode kernels under ncu at 32768 keys (8B attention shape): throughput,
+          # occupancy, issue and warp stall reasons of one eager launch each
+          for k in qsplit_kernel _decode_split; do
+            timeout 200 ncu --clock-control none -k "regex:$k" -c 1 --section SpeedOfLight --section Occupancy \
+              --section MemoryWorkloadAnalysis --section LaunchStats --section SchedulerStats --section WarpStateStats \
+              python3 bench/attn_decode_micro.py --head-dim 128 --keys 32768 --bound 32768 --cache-bits 4,4 \
+              --layers 4 > "$OUT/ncuqs_$k.log" 2>&1
+            echo "== ncu $k rc=$?"; grep -E "Duration|Throughput|Registers Per|Achieved Occupancy|Issued Ipc|Stall|No Eligible" \
+              "$OUT/ncuqs_$k.log" | head -40
+          done ;;
         profkvq)  # the 8B shape's decode step at b=1, ctx 256, on fp16 and K4V4 caches, per kernel
           for kb in 16 4; do
             timeout 200 python3 bench/profile_gpu.py decode --shape 8b --tokens 256 --cache-bits $kb \
