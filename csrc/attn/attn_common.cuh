@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -55,6 +56,23 @@ __device__ __forceinline__ void hadamard32(float (&x)[32]) {
     }
 #pragma unroll
     for (int i = 0; i < 32; ++i) x[i] *= 0.17677669529663687f;
+}
+
+// kern<<<grid, block, smem, st>>>(a, pdl), as a programmatic dependent of the stream's previous kernel when pdl
+// (Hopper PDL: it may start before that kernel completes and waits for it with griddepcontrol.wait)
+template <class Kern, class Arg>
+inline cudaError_t launch_pdl(Kern kern, dim3 grid, dim3 block, size_t smem, cudaStream_t st, const Arg& a, bool pdl) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl ? 1 : 0;
+    return cudaLaunchKernelEx(&cfg, kern, a, pdl);
 }
 
 }  // namespace exl3_attn

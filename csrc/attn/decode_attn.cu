@@ -440,17 +440,7 @@ cudaError_t launch(DecodeArgs a, int kv_heads, int batch, int bound, bool pdl, c
             if (dev < 64) raised[dev] = (int)bytes;
         }
     }
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(kv_heads, batch, 1);
-    cfg.blockDim = dim3(THREADS);
-    cfg.dynamicSmemBytes = bytes;
-    cfg.stream = st;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    return cudaLaunchKernelEx(&cfg, kern, a, pdl);
+    return launch_pdl(kern, dim3(kv_heads, batch, 1), dim3(THREADS), bytes, st, a, pdl);
 }
 
 // The kernel for head dim D with the short keys per warp (`shrt`) or twice that: 4 instantiations per type and cache

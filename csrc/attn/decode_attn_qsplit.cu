@@ -471,17 +471,7 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
 
 template <int D, int KB, int VB>
 cudaError_t launch(const QSplitArgs& a, int batch, bool pdl, cudaStream_t st) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(a.hkv, a.splits, batch);
-    cfg.blockDim = dim3(THREADS);
-    cfg.dynamicSmemBytes = 0;
-    cfg.stream = st;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = pdl ? 1 : 0;
-    return cudaLaunchKernelEx(&cfg, qsplit_kernel<D, KB, VB>, a, pdl);
+    return exl3_attn::launch_pdl(qsplit_kernel<D, KB, VB>, dim3(a.hkv, a.splits, batch), dim3(THREADS), 0, st, a, pdl);
 }
 
 template <int D>

@@ -159,6 +159,36 @@ def _reads_quant() -> bool:
         return False
 
 
+def decode_reasons(spec: AttnSpec, sm90: str) -> list[str]:
+    """What keeps ``spec`` from any decode kernel of exl3-core's extension, whatever its cache: a CUDA device of
+    compute capability 9.0 (``sm90``: what the kernel uses of it), decode steps of one causal query per sequence,
+    head dims 64 or 128 and GQA groups up to :data:`MAX_GROUP`."""
+    r = []
+    if spec.device_type != "cuda":
+        r.append(f"needs a CUDA device (got {spec.device_type})")
+    elif spec.device_cc < (9, 0):
+        r.append(f"needs compute capability >= 9.0 ({sm90}; got {spec.device_cc})")
+    if spec.phase != "decode":
+        r.append("decode steps only (prefill goes to another backend)")
+    if spec.head_dim not in HEAD_DIMS or spec.v_dim != spec.head_dim:
+        r.append(f"head dim must be 64 or 128 for keys and values (got {spec.head_dim}/{spec.v_dim})")
+    if (spec.num_kv_heads <= 0 or spec.num_q_heads % spec.num_kv_heads
+            or spec.num_q_heads // spec.num_kv_heads > MAX_GROUP):
+        r.append(f"GQA group: the query heads must divide evenly over the kv heads, at most {MAX_GROUP} "
+                 f"per kv head (got {spec.num_q_heads}/{spec.num_kv_heads})")
+    if spec.window:
+        r.append("sliding window not implemented")
+    if spec.softcap:
+        r.append("logit softcap not implemented")
+    if spec.has_sinks:
+        r.append("attention sinks not implemented")
+    if spec.non_causal_spans:
+        r.append("non-causal spans not implemented")
+    if spec.q_per_seq != 1:
+        r.append(f"one query per sequence (a multi-token step has {spec.q_per_seq or 'several'})")
+    return r
+
+
 class CudaDecodeAttention:
     """Decode steps with short key bounds; outranks the Triton backend for the decode specs it takes."""
 
@@ -170,32 +200,10 @@ class CudaDecodeAttention:
         return 110 if spec.device_type == "cuda" and spec.phase == "decode" else -20
 
     def unsupported_reasons(self, spec: AttnSpec) -> list[str]:
-        r = []
-        if spec.device_type != "cuda":
-            r.append(f"needs a CUDA device (got {spec.device_type})")
-        elif spec.device_cc < (9, 0):
-            r.append(f"needs compute capability >= 9.0 (griddepcontrol, cp.async paths; got {spec.device_cc})")
-        if spec.phase != "decode":
-            r.append("decode steps only (prefill goes to another backend)")
+        r = decode_reasons(spec, "griddepcontrol, cp.async paths")
         if spec.dtype not in _CACHES or spec.cache not in (_CACHES[spec.dtype], _QUANT_VIEW):
             r.append(f"needs a kv/fp16 or kv/bf16 cache of the query's dtype, or kv/quant, with fp16/bf16 queries "
                      f"(got {spec.cache!r}, {spec.dtype})")
-        if spec.head_dim not in HEAD_DIMS or spec.v_dim != spec.head_dim:
-            r.append(f"head dim must be 64 or 128 for keys and values (got {spec.head_dim}/{spec.v_dim})")
-        if (spec.num_kv_heads <= 0 or spec.num_q_heads % spec.num_kv_heads
-                or spec.num_q_heads // spec.num_kv_heads > MAX_GROUP):
-            r.append(f"GQA group: the query heads must divide evenly over the kv heads, at most {MAX_GROUP} "
-                     f"per kv head (got {spec.num_q_heads}/{spec.num_kv_heads})")
-        if spec.window:
-            r.append("sliding window not implemented")
-        if spec.softcap:
-            r.append("logit softcap not implemented")
-        if spec.has_sinks:
-            r.append("attention sinks not implemented")
-        if spec.non_causal_spans:
-            r.append("non-causal spans not implemented")
-        if spec.q_per_seq != 1:
-            r.append(f"one query per sequence (a multi-token step has {spec.q_per_seq or 'several'})")
         most = MAX_KEYS.get(spec.head_dim, 0)
         if spec.max_keys == 0 or spec.max_keys > most:
             r.append(f"key bound {spec.max_keys or 'unknown'} past one pass of shared memory ({most} keys at head dim "

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from exl3_attn_backends.cuda_decode import HEAD_DIMS, MAX_GROUP, _check_batch, _rows_aligned
+from exl3_attn_backends.cuda_decode import check_quant_call, decode_reasons
 from exl3_core.attention.spec import AttnArgs, AttnSpec, QuantPages, sm_count
 
 #: code widths with an unpacking path here (one bit plane each)
@@ -46,41 +46,20 @@ def choose_splits(batch: int, kv_heads: int, bound: int, sms: int) -> int:
 
 def check_call(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, quant: QuantPages,
                page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor) -> list[str]:
-    """What keeps these tensors from the kernel, each naming the tensor and the fix (empty: they fit).
-    Host-side attributes only (no device sync)."""
-    ks, vs = quant.k_scales, quant.v_scales
-    if vs is None:
-        return ["a kv/quant cache has value scales (got None: a latent cache is not read here)"]
-    named = {"q": q, "k_cache": k_codes, "v_cache": v_codes, "k_scales": ks, "v_scales": vs,
-             "page_table": page_table, "cu_seqlens_q": cu_seqlens_q, "seq_lens_k": seq_lens_k}
-    bad = []
-    off = [n for n, t in named.items() if not t.is_cuda]
-    if off:
-        bad.append(f"{', '.join(off)} must be on the GPU (move them with .cuda())")
-    if q.dim() != 3 or any(t.dim() != 3 for t in (k_codes, v_codes, ks, vs)):
-        return [*bad, "q must be [T, Hq, D] and the code words and scales [pages, page_size, n]"]
+    """What keeps these tensors from the kernel, each naming the tensor and the fix (empty: they fit): the
+    short-bound kernel's checks of a quantized call, then what this one adds. Host-side attributes only."""
+    bad = check_quant_call(q, k_codes, v_codes, quant, page_table, cu_seqlens_q, seq_lens_k)
+    if quant.v_scales is None or q.dim() != 3 or k_codes.dim() != 3 or v_codes.dim() != 3:
+        return bad
     if q.dtype != torch.float16:
         bad.append(f"q must be float16, got {q.dtype}")
-    if k_codes.dtype != torch.int32 or v_codes.dtype != torch.int32 or ks.dtype != torch.float16 \
-            or vs.dtype != torch.float16:
-        bad.append("code words must be int32 and scales float16")
     if quant.k_bits not in BITS or quant.v_bits not in BITS:
         bad.append(f"bits must be 4 or 8, got k_bits={quant.k_bits}, v_bits={quant.v_bits}")
-    d, groups = q.shape[2], ks.shape[2]
-    hkv = groups * 32 // d if d in HEAD_DIMS else 0
-    if d not in HEAD_DIMS or hkv * d != groups * 32 or vs.shape[2] != groups:
-        bad.append(f"head dim must be 64 or 128 with whole heads of 32-value groups; got D={d}, {groups} key / "
-                   f"{vs.shape[2]} value groups")
-    elif k_codes.shape[2] != groups * quant.k_bits or v_codes.shape[2] != groups * quant.v_bits:
-        bad.append(f"code words {k_codes.shape[2]}/{v_codes.shape[2]} per token do not fit {groups} groups at "
-                   f"{quant.k_bits}/{quant.v_bits} bits")
     if k_codes.shape[1] % TILE or v_codes.shape[1] != k_codes.shape[1]:
         bad.append(f"page size must be a multiple of {TILE} (got {k_codes.shape[1]})")
-    if any(t.stride(-1) != 1 for t in (k_codes, v_codes, ks, vs)) or not _rows_aligned(q):
-        bad.append("q rows must be 16-byte aligned and every page row contiguous; use .contiguous()")
-    if any(t.stride(1) * 4 % 16 or t.stride(0) * 4 % 16 for t in (k_codes, v_codes)):
+    if any(t.stride(1) % 4 or t.stride(0) % 4 for t in (k_codes, v_codes)):
         bad.append("code word rows must start 16-byte aligned (page and slot strides multiples of 4 words)")
-    return bad + _check_batch(q.shape[1], max(hkv, 1), page_table, cu_seqlens_q, seq_lens_k)
+    return bad
 
 
 class CudaQuantSplitAttention:
@@ -94,37 +73,15 @@ class CudaQuantSplitAttention:
         return 105 if spec.device_type == "cuda" and spec.phase == "decode" and spec.cache == _VIEW else -20
 
     def unsupported_reasons(self, spec: AttnSpec) -> list[str]:
-        r = []
-        if spec.device_type != "cuda":
-            r.append(f"needs a CUDA device (got {spec.device_type})")
-        elif spec.device_cc < (9, 0):
-            r.append(f"needs compute capability >= 9.0 (griddepcontrol, movmatrix; got {spec.device_cc})")
-        if spec.phase != "decode":
-            r.append("decode steps only (prefill goes to another backend)")
+        r = decode_reasons(spec, "griddepcontrol, movmatrix")
         if spec.cache != _VIEW:
             r.append(f"reads the {_VIEW} view only (got {spec.cache!r})")
         elif spec.kv_bits[0] not in BITS or spec.kv_bits[1] not in BITS:
             r.append(f"4- or 8-bit keys and values only (got {spec.kv_bits[0]}/{spec.kv_bits[1]})")
         if spec.dtype != torch.float16:
             r.append(f"float16 queries only (got {spec.dtype})")
-        if spec.head_dim not in HEAD_DIMS or spec.v_dim != spec.head_dim:
-            r.append(f"head dim must be 64 or 128 for keys and values (got {spec.head_dim}/{spec.v_dim})")
-        if (spec.num_kv_heads <= 0 or spec.num_q_heads % spec.num_kv_heads
-                or spec.num_q_heads // spec.num_kv_heads > MAX_GROUP):
-            r.append(f"GQA group: the query heads must divide evenly over the kv heads, at most {MAX_GROUP} "
-                     f"per kv head (got {spec.num_q_heads}/{spec.num_kv_heads})")
         if spec.page_size is None or spec.page_size % TILE:
             r.append(f"pages of a multiple of {TILE} tokens (got {spec.page_size})")
-        if spec.window:
-            r.append("sliding window not implemented")
-        if spec.softcap:
-            r.append("logit softcap not implemented")
-        if spec.has_sinks:
-            r.append("attention sinks not implemented")
-        if spec.non_causal_spans:
-            r.append("non-causal spans not implemented")
-        if spec.q_per_seq != 1:
-            r.append(f"one query per sequence (a multi-token step has {spec.q_per_seq or 'several'})")
         if spec.max_keys < MIN_BOUND:
             r.append(f"key bound {spec.max_keys or 'unknown'} under {MIN_BOUND}: Triton's split kernel is faster there")
         if spec.device_type == "cuda" and not r:
