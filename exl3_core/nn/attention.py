@@ -153,8 +153,7 @@ class Attention(Module):
                 device_type=device.type, device_cc=device_cc(device),
                 head_dim_v=None if self.head_dim_v == self.head_dim else self.head_dim_v,
                 max_keys=shape.max_keys, num_seqs=shape.num_seqs, q_per_seq=shape.q_per_seq,
-                sm_count=sm_count(device), kv_bits=bits,
-                page_size=page_size)
+                sm_count=sm_count(device), kv_bits=bits, page_size=page_size)
         return spec
 
     # -- forward --------------------------------------------------------------------------------
