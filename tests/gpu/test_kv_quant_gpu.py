@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from exl3_core.attention.spec import AttnSpec, device_cc
+from exl3_core.attention.spec import AttnSpec, CallShape, device_cc
 from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.cache import Cache
 from exl3_core.cache.kv_quant import KVQuantLayer
@@ -180,8 +180,10 @@ def test_cuda_decode_backend_takes_short_quantized_decode(decode_op) -> None:
 
 
 # -- the engine through CUDA graphs --------------------------------------------------------------------------------
-def test_decode_graphs_over_a_quantized_cache() -> None:
-    """Replayed decode steps over K4V4 pages equal the eager plan's steps from the same cache state.
+@pytest.mark.parametrize("width,backend", [(4, "cuda_decode"), (32, "cuda_qsplit")])
+def test_decode_graphs_over_a_quantized_cache(width: int, backend: str) -> None:
+    """Replayed decode steps over K4V4 pages equal the eager plan's steps from the same cache state, with the
+    graphs captured at a 256-key bound (the short-bound kernel's) and at 2048 (the quantized split kernel's).
 
     Both step from one cache (the eager step runs first, then its writes are undone): the graph's fused store
     rounds the new key in other kernels before quantizing it, so the token's own codes may differ at a level
@@ -196,18 +198,19 @@ def test_decode_graphs_over_a_quantized_cache() -> None:
 
     def run(cache: Cache, graphed: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per decode step: (eager logits, graphed logits or the eager ones again), the graph's writes kept."""
-        graphs = DecodeGraphs.create(plan, cache, 4) if graphed else None
+        graphs = DecodeGraphs.create(plan, cache, width) if graphed else None
         assert not graphed or graphs is not None, "decode graphs declined over a quantized cache"
-        pages = [cache.allocator.allocate(4) for _ in range(2)]
+        pages = [cache.allocator.allocate(width) for _ in range(2)]
         meta, _ = build_batch([Chunk(p, 0, pg, True) for p, pg in zip(prompts, pages)], page_size=page,
-                              table_width=4, scratch_page=cache.scratch_page, device=torch.device(DEV), decode=False)
+                              table_width=width, scratch_page=cache.scratch_page, device=torch.device(DEV),
+                              decode=False)
         plan.forward(meta, cache)
         past = [len(p) for p in prompts]
         out = []
         for s in range(5):
             chunks = [Chunk([(13 * s + 7 * b) % 2000], past[b], pages[b], True) for b in range(2)]
             before = [t.clone() for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
-            meta, _ = build_batch(chunks, page_size=page, table_width=4, scratch_page=cache.scratch_page,
+            meta, _ = build_batch(chunks, page_size=page, table_width=width, scratch_page=cache.scratch_page,
                                   device=torch.device(DEV), decode=True)
             eager = plan.forward(meta, cache)[:2].float().clone()
             if graphs is None:
@@ -216,7 +219,7 @@ def test_decode_graphs_over_a_quantized_cache() -> None:
                 now = [t for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
                 for t, b in zip(now, before):
                     t.copy_(b)
-                meta, _ = build_batch(chunks, page_size=page, table_width=4, scratch_page=cache.scratch_page,
+                meta, _ = build_batch(chunks, page_size=page, table_width=width, scratch_page=cache.scratch_page,
                                       device=torch.device("cpu"), decode=True)
                 out.append((eager, graphs.run(meta)[0][:2].float().clone()))
             past = [p + 1 for p in past]
@@ -224,10 +227,12 @@ def test_decode_graphs_over_a_quantized_cache() -> None:
             assert graphs.replays == 5
         return out
 
-    quant = Cache(model, 16 * page, page_size=page, variant="quant", k_bits=4, v_bits=4)
+    quant = Cache(model, 2 * width * page, page_size=page, variant="quant", k_bits=4, v_bits=4)
     assert isinstance(quant.layers[0], KVQuantLayer)
+    choices = plan.attention_choices(quant, [CallShape("decode", width * page, 2, 1)])
+    assert all(f"{backend} on kv/quant" in c for c in choices), choices
     steps = run(quant, True)
-    fp16 = run(Cache(model, 16 * page, page_size=page), False)
+    fp16 = run(Cache(model, 2 * width * page, page_size=page), False)
     for (eager, graphed), (exact, _) in zip(steps, fp16):
         gap = (graphed - eager).abs()
         storage = (eager - exact).abs()
