@@ -37,7 +37,7 @@ from exl3_core.archkit.batch import BatchMeta
 from exl3_core.cache.cache import Cache
 from exl3_core.cache.pages import CacheExhausted
 from exl3_core.generator.batching import Chunk, build_batch, meta_to_device, to_device_async
-from exl3_core.generator.draft_chain import DraftChain, shift
+from exl3_core.generator.draft_chain import DraftChain, advance, shift
 from exl3_core.generator.graphs import DecodeGraphs
 from exl3_core.generator.job import Job
 from exl3_core.generator.loras import StepLoras
@@ -395,11 +395,11 @@ class ModelDrafter:
                 self.forward_calls += K - 1
             else:
                 for i in range(1, K):
-                    step = self._device_meta([Chunk([0], len(j.seq) + i, pg, True) for j, pg in zip(jobs, pages)],
-                                             by)
-                    step.input_ids[:B].copy_(cur)
+                    if i > 1:
+                        advance(one, self.page_size)
+                    one.input_ids[:B].copy_(cur)
                     self.forward_calls += 1
-                    pick = self._step_meta(step)[:B].argmax(-1)
+                    pick = self._step_meta(one)[:B].argmax(-1)
                     cur = pick if forced is None else forced[:, i]
                     ids[:, i] = cur
         return Proposal(None, ids, list(ks), None, K, 0)
