@@ -35,12 +35,14 @@ class Case:
         lens = [p + n for p, n in zip(self.past_lens or [0] * len(self.q_lens), self.q_lens)]
         uniform = len(set(self.q_lens)) == 1
         dev = torch.device(s.device_type) if s.device_type != "cuda" else torch.device("cuda", 0)
+        kv_bits = s.kv_bits  # a quantized view's widths as its cache layer states them (a latent's: the keys')
+        if kv_bits == (0, 0) and (s.cache or "").endswith("/quant"):
+            kv_bits = (self.bits[0], self.bits[0]) if s.cache.startswith("mla/") else self.bits
         filled = s._replace(
             max_keys=s.max_keys or pow2_bucket(max(lens)), num_seqs=s.num_seqs or pow2_bucket(len(self.q_lens)),
             q_per_seq=s.q_per_seq or (self.q_lens[0] if s.phase == "decode" and uniform else 0),
             sm_count=s.sm_count or (sm_count(dev) if dev.type == "cuda" and torch.cuda.is_available() else 0),
-            kv_bits=s.kv_bits if s.kv_bits != (0, 0) or not (s.cache or "").endswith("/quant") else
-            (self.bits[0], self.bits[0]) if s.cache.startswith("mla/") else self.bits)
+            kv_bits=kv_bits)
         object.__setattr__(self, "spec", filled)
 
     @property
