@@ -49,12 +49,12 @@ def main() -> None:
     args = layers[0]
     splits = tp.choose_num_splits(args)
     ref = tp.decode_split_kv(args, splits)
-    per_call = 0  # bytes of code words and scales one sequence's keys occupy
+    # bytes one sequence's keys occupy (code words and scales of a quantized cache)
+    pages = (args.k_cache, args.v_cache)
     if bits is not None:
         assert args.quant is not None and args.quant.v_scales is not None
-        row = sum(t.shape[2] * t.element_size() for t in (args.k_cache, args.v_cache, args.quant.k_scales,
-                                                          args.quant.v_scales))
-        per_call = a.keys * row
+        pages += (args.quant.k_scales, args.quant.v_scales)
+    per_call = a.keys * sum(t[0, 0].numel() * t.element_size() for t in pages)
     print(f"# d={a.head_dim} heads {a.q_heads}/{a.kv_heads} keys {a.keys} bound {a.bound} batch {a.batch} "
           f"cache {'fp16' if bits is None else f'k{bits[0]}v{bits[1]}'} layers {a.layers}")
 

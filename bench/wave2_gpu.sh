@@ -32,7 +32,7 @@ if [ "$stage" = poll ]; then
     mkdir -p $W/out && date > $W/started
     rm -rf /tmp/head && mkdir /tmp/head && cp -r bench csrc docs exl3_core plugins tests conftest.py setup.py \
         pyproject.toml README.md .whl /tmp/head/ && mkdir -p /tmp/head/build && cp -r "$BASE" /tmp/head/build/ab_base
-    repo=$PWD; (cd /tmp/head && REPO=$repo OUT=$W/out STAGES="${STAGES:-}" QTESTS="${QTESTS:-}" TEST_SHARDS="${TEST_SHARDS:-3}" AB_ROUNDS="${AB_ROUNDS:-3}" setsid nohup bash bench/wave2_gpu.sh pipeline > $W/pipeline.log 2>&1 < /dev/null &)
+    repo=$PWD; (cd /tmp/head && REPO=$repo OUT=$W/out STAGES="${STAGES:-}" QTESTS="${QTESTS:-}" MICRO="${MICRO:-}" TEST_SHARDS="${TEST_SHARDS:-3}" AB_ROUNDS="${AB_ROUNDS:-3}" setsid nohup bash bench/wave2_gpu.sh pipeline > $W/pipeline.log 2>&1 < /dev/null &)
   fi
   while [ ! -f $W/done ] && [ $(( $(date +%s) - t0 )) -lt "$wait_s" ]; do sleep 5; done
   tar -czf "$OUT/w2.tar.gz" -C $W . 2>/dev/null
@@ -190,14 +190,21 @@ case "$stage" in
         spprobe) echo "== spec target probe"; timeout 240 python3 bench/spec_target_probe.py > "$OUT/spprobe.log" 2>&1
           echo "rc=$?"; grep self_predicting "$OUT/spprobe.log" ;;
         ncuqs)  # both quantized-cache split decode kernels under ncu at 32768 keys (8B attention shape): throughput,
-          # occupancy, issue and warp stall reasons of one eager launch each
+          # occupancy, memory traffic (sectors a request, DRAM bytes), issue and warp stall reasons of one eager launch
           for k in qsplit_kernel _decode_split; do
             timeout 200 ncu --clock-control none -k "regex:$k" -c 1 --section SpeedOfLight --section Occupancy \
-              --section MemoryWorkloadAnalysis --section LaunchStats --section SchedulerStats --section WarpStateStats \
+              --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section LaunchStats \
+              --section SchedulerStats --section WarpStateStats --section SourceCounters \
               python3 bench/attn_decode_micro.py --head-dim 128 --keys 32768 --bound 32768 --cache-bits 4,4 \
               --layers 4 > "$OUT/ncuqs_$k.log" 2>&1
-            echo "== ncu $k rc=$?"; grep -E "Duration|Throughput|Registers Per|Achieved Occupancy|Issued Ipc|Stall|No Eligible" \
-              "$OUT/ncuqs_$k.log" | head -40
+            echo "== ncu $k rc=$?"; grep -E "Duration|Throughput|Registers Per|Achieved Occupancy|Issued Ipc|Stall|No Eligible|Hit Rate|Mem Busy|Max Bandwidth|uncoalesced|excessive|Sectors" \
+              "$OUT/ncuqs_$k.log" | head -60
+          done ;;
+        micro)  # bench/attn_decode_micro.py once per ';'-separated argument set in $MICRO
+          IFS=';' read -ra sets <<< "${MICRO:-}"; i=0
+          for s in "${sets[@]}"; do
+            i=$((i + 1)); timeout 120 python3 bench/attn_decode_micro.py $s > "$OUT/micro_$i.log" 2>&1
+            echo "== micro $i ($s) rc=$?"; grep -vE "^\s*$" "$OUT/micro_$i.log" | tail -6
           done ;;
         profkvq)  # the 8B shape's decode step at b=1, ctx 256, on fp16 and K4V4 caches, per kernel
           for kb in 16 4; do
