@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from exl3_core.kernels.fused import _check_rope, _rope_token
+from exl3_core.kernels.fused import _check_rope, _rope_heads
 from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
 from exl3_core.reference.kv_quant import GROUP, INV_SQRT_GROUP, SCALE_EPS, SCALE_MAX, check_bits
 
@@ -185,8 +185,9 @@ def _store_plane(Codes, base, g_ok, code, W: tl.constexpr, LOW: tl.constexpr, FI
 
 @triton.jit
 def _quant_row(X, x_row, stride_h, Codes, Scales, slot, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
-               BLOCK_G: tl.constexpr):
-    # quantize the NG groups of one token's flattened [heads, D] row (head stride stride_h) into cache slot `slot`
+               BLOCK_G: tl.constexpr, G0, ROW: tl.constexpr):
+    # quantize NG groups of one token's flattened [heads, D] row (head stride stride_h) into groups G0 .. G0 + NG - 1
+    # of cache slot `slot`, whose rows hold ROW groups
     g = tl.arange(0, BLOCK_G)
     g_ok = g < NG
     c = g[:, None] * 32 + tl.arange(0, 32)[None, :]
@@ -196,8 +197,8 @@ def _quant_row(X, x_row, stride_h, Codes, Scales, slot, D: tl.constexpr, NG: tl.
     M: tl.constexpr = 1 << (BITS - 1)
     q = tl.floor(tl.div_rn(r, s[:, None]) * M + M)
     code = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1).to(tl.int32)
-    tl.store(Scales + slot * NG + g, s.to(tl.float16), mask=g_ok)
-    base = slot * (NG * BITS) + g * BITS
+    tl.store(Scales + slot * ROW + G0 + g, s.to(tl.float16), mask=g_ok)
+    base = slot * (ROW * BITS) + (G0 + g) * BITS
     if BITS & 8:
         _store_plane(Codes, base, g_ok, code, 8, BITS & 7, 0, BLOCK_G)
     if BITS & 4:
@@ -213,9 +214,9 @@ def _quant_token(K, V, KC, KS, VC, VS, Slots, t, stride_kt, stride_kh, stride_vt
                  D: tl.constexpr, DV: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr, K_BITS: tl.constexpr,
                  V_BITS: tl.constexpr, BLOCK_GK: tl.constexpr, BLOCK_GV: tl.constexpr, HAS_V: tl.constexpr):
     slot = tl.load(Slots + t).to(tl.int64)
-    _quant_row(K, t * stride_kt, stride_kh, KC, KS, slot, D, NGK, K_BITS, BLOCK_GK)
+    _quant_row(K, t * stride_kt, stride_kh, KC, KS, slot, D, NGK, K_BITS, BLOCK_GK, 0, NGK)
     if HAS_V:
-        _quant_row(V, t * stride_vt, stride_vh, VC, VS, slot, DV, NGV, V_BITS, BLOCK_GV)
+        _quant_row(V, t * stride_vt, stride_vh, VC, VS, slot, DV, NGV, V_BITS, BLOCK_GV, 0, NGV)
 
 
 @triton.jit
@@ -234,21 +235,42 @@ def _quant_write_kernel(K, V, KC, KS, VC, VS, Slots, stride_kt, stride_kh, strid
 @triton.jit
 def _rope_quant_kernel(Q, K, V, KC, KS, VC, VS, Slots, Cos, Sin,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
-                       HQ, HK: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr,
-                       K_BITS: tl.constexpr, V_BITS: tl.constexpr, BLOCK_GK: tl.constexpr, BLOCK_GV: tl.constexpr,
-                       HALF: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                       BLOCK_HK: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                       HQ, D: tl.constexpr, DV: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr,
+                       K_BITS: tl.constexpr, V_BITS: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
+                       BLOCK_HQ: tl.constexpr, BLOCK_R: tl.constexpr, HPC: tl.constexpr, NCH: tl.constexpr,
+                       BLOCK_HPC: tl.constexpr, BLOCK_GK: tl.constexpr, BLOCK_GV: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    # one program per token: q and k rotated in place (as the unquantized store does), then the rotated
-    # key row as stored and the value row quantized into the token's slot
+    # program (token, part): part 0 rotates q in place; parts 1 .. NCH rotate a chunk of HPC key heads in place (as
+    # the unquantized store does) and quantize them as rotated into the token's slot; parts NCH + 1 .. 2 NCH quantize
+    # a chunk of value heads. The parts touch disjoint data, so a decode step's store is as long as its longest part.
     t = tl.program_id(0).to(tl.int64)
-    _rope_token(Q, K, Cos, Sin, t, stride_qt, stride_qh, stride_kt, stride_kh, stride_ct, stride_st, HQ, HK,
-                HALF, INTERLEAVED, BLOCK_HQ, BLOCK_HK, BLOCK_R)
-    tl.debug_barrier()  # the rotated k stored above is read back below by other threads of the program
-    _quant_token(K, V, KC, KS, VC, VS, Slots, t, stride_kt, stride_kh, stride_vt, stride_vh, D, DV, NGK, NGV,
-                 K_BITS, V_BITS, BLOCK_GK, BLOCK_GV, True)
+    part = tl.program_id(1)
+    if part <= NCH:
+        i = tl.arange(0, BLOCK_R)
+        c = tl.load(Cos + t * stride_ct + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+        s = tl.load(Sin + t * stride_st + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+        if part == 0:
+            _rope_heads(Q, t, stride_qt, stride_qh, HQ, c, s, i, HALF, INTERLEAVED, BLOCK_HQ, BLOCK_R)
+        else:
+            h0 = (part - 1) * HPC
+            _rope_heads(K + h0 * stride_kh, t, stride_kt, stride_kh, HPC, c, s, i, HALF, INTERLEAVED, BLOCK_HPC,
+                        BLOCK_R)
+            tl.debug_barrier()  # the rotated k stored above is read back below by other threads of the program
+            slot = tl.load(Slots + t).to(tl.int64)
+            _quant_row(K, t * stride_kt + h0 * stride_kh, stride_kh, KC, KS, slot, D, HPC * D // 32, K_BITS,
+                       BLOCK_GK, h0 * (D // 32), NGK)
+    else:
+        h0 = (part - 1 - NCH) * HPC
+        slot = tl.load(Slots + t).to(tl.int64)
+        _quant_row(V, t * stride_vt + h0 * stride_vh, stride_vh, VC, VS, slot, DV, HPC * DV // 32, V_BITS, BLOCK_GV,
+                   h0 * (DV // 32), NGV)
+
+
+#: the most (token, head chunk) programs a store splits its heads over: a decode step's few tokens get a program
+#: per key head and per value head, a prefill chunk's many a program per side
+SPLIT_HEAD_PROGRAMS = 512
 
 
 def _groups(op: str, what: str, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int,
@@ -310,14 +332,16 @@ def rope_quant_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_map
     if T == 0:
         return
     half = rotary_dim // 2
-    _rope_quant_kernel[(T,)](
+    nch = hk if T * hk <= SPLIT_HEAD_PROGRAMS else 1
+    hpc = hk // nch
+    _rope_quant_kernel[(T, 1 + 2 * nch)](
         q, k, v, k_codes, k_scales, v_codes, v_scales, slot_mapping, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-        q.shape[1], HK=hk, D=d, DV=v.shape[2], NGK=ngk, NGV=ngv, K_BITS=k_bits, V_BITS=v_bits,
-        BLOCK_GK=triton.next_power_of_2(ngk), BLOCK_GV=triton.next_power_of_2(ngv),
+        q.shape[1], D=d, DV=v.shape[2], NGK=ngk, NGV=ngv, K_BITS=k_bits, V_BITS=v_bits,
         HALF=half, INTERLEAVED=interleaved, BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
-        BLOCK_HK=triton.next_power_of_2(hk), BLOCK_R=triton.next_power_of_2(max(half, 1)),
-        num_warps=4 if max(ngk, ngv, q.shape[1] * half // 32) >= 16 else 2, **launch_opts(q),
+        BLOCK_R=triton.next_power_of_2(max(half, 1)), HPC=hpc, NCH=nch, BLOCK_HPC=triton.next_power_of_2(hpc),
+        BLOCK_GK=triton.next_power_of_2(hpc * d // GROUP), BLOCK_GV=triton.next_power_of_2(hpc * v.shape[2] // GROUP),
+        num_warps=4 if q.shape[1] * half >= 1024 else 2, **launch_opts(q),
     )
 
 

@@ -129,8 +129,13 @@ def test_quant_write_is_bit_exact(bits: tuple[int, int], dtype: torch.dtype) -> 
         assert torch.equal(got, exp)  # codes and scales; untouched slots keep their poison
 
 
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_rope_quant_write_rotates_then_stores_exactly(interleaved: bool) -> None:
+@pytest.mark.parametrize("interleaved,per_head", [(False, True), (True, True), (False, False)])
+def test_rope_quant_write_rotates_then_stores_exactly(interleaved: bool, per_head: bool,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ways of splitting the store over programs: a program per key and per value head (few tokens), one per
+    side (many)."""
+    if not per_head:
+        monkeypatch.setattr(kq, "SPLIT_HEAD_PROGRAMS", 0)
     T, HQ, HK, D, kb, vb = 5, 8, 2, 128, 4, 5
     g = _gen(int(interleaved))
     q = torch.randn(T, HQ, D, generator=g).half()
