@@ -220,8 +220,9 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
         if (pdl) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
         return;
     }
-    // this split's keys: equal shares of the sequence in whole tiles, at least one tile
-    const int per = max((((seq + S - 1) / S) + TILE - 1) / TILE * TILE, TILE);
+    // this split's keys: equal shares of the sequence in whole tiles, at least a tile for every warp, so a short
+    // sequence in a graph captured at a long bound fills a few blocks instead of leaving most warps of many idle
+    const int per = max((((seq + S - 1) / S) + TILE - 1) / TILE * TILE, WARPS * TILE);
     const int lo = split * per;
     const int hi = min(lo + per, seq);
     const int n_used = min((seq + per - 1) / per, S);
