@@ -32,23 +32,26 @@ def advance(meta: BatchMeta, page_size: int) -> None:
     slots from the page table."""
     meta.positions.add_(1)
     meta.seq_lens_k.add_(1)
-    assert meta.page_table is not None and meta.slot_mapping is not None
-    pages = meta.page_table.gather(1, torch.div(meta.positions, page_size, rounding_mode="floor").unsqueeze(1))
-    torch.add(meta.positions.remainder(page_size), pages.squeeze(1), alpha=page_size, out=meta.slot_mapping)
+    _slots_from_pages(meta, page_size)
 
 
 def shift(meta: BatchMeta, by: torch.Tensor, page_size: int) -> None:
     """Move decode inputs ``meta`` (on the device, padded to a bucket, the same rows per sequence) on by ``by[b]``
     positions for each of the first ``len(by)`` sequences, in place: positions and key counts, cache slots from
     the page table (which must already hold the pages)."""
-    assert meta.page_table is not None and meta.slot_mapping is not None
     B, R = meta.batch_size, meta.q_per_seq
     s = torch.zeros(B, dtype=torch.int64, device=by.device)
     s[:by.shape[0]] = by
     meta.positions.add_(s.repeat_interleave(R))
     meta.seq_lens_k.add_(s.to(meta.seq_lens_k.dtype))
-    seq = torch.arange(B, device=by.device).repeat_interleave(R)
-    pages = meta.page_table[seq, torch.div(meta.positions, page_size, rounding_mode="floor")].to(torch.int64)
+    _slots_from_pages(meta, page_size)
+
+
+def _slots_from_pages(meta: BatchMeta, page_size: int) -> None:
+    """Set ``meta``'s cache slots from its positions and page table (``q_per_seq`` rows per sequence), in place."""
+    assert meta.page_table is not None and meta.slot_mapping is not None
+    index = torch.div(meta.positions, page_size, rounding_mode="floor").view(meta.batch_size, meta.q_per_seq)
+    pages = meta.page_table.gather(1, index).view(-1)
     torch.add(meta.positions.remainder(page_size), pages, alpha=page_size, out=meta.slot_mapping)
 
 

@@ -387,13 +387,8 @@ class ModelDrafter:
         ids = torch.empty((B, K), dtype=torch.int64, device=dev)
         ids[:, 0] = cur
         if K > 1:
-            chain = self.chain
             one = self._device_meta([Chunk([0], len(j.seq) + 1, pg, True) for j, pg in zip(jobs, pages)], by)
-            if chain is not None and chain.accepts(one, K - 1):
-                out = chain.run(one, cur, K - 1, forced[:, 1:] if forced is not None else None)
-                ids[:, 1:].copy_(out[:B])
-                self.forward_calls += K - 1
-            else:
+            if not self._run_chain(one, K, cur, forced, ids):
                 for i in range(1, K):
                     if i > 1:
                         advance(one, self.page_size)
@@ -543,17 +538,24 @@ class ModelDrafter:
                ids: torch.Tensor) -> bool:
         """Draft steps 1 .. K-1 of greedy (or forced) ``jobs`` as one replayed chain, writing ``ids[:, 1:]``; False
         (nothing run) when no chain takes them."""
-        chain = self.chain
-        if chain is None or first is None:
+        if self.chain is None or first is None:
             return False
         chunks = [Chunk([0], len(j.seq), self._seqs[j].pages, True) for j in jobs]
         meta, _ = build_batch(chunks, page_size=self.page_size, table_width=self.table_width,
                               scratch_page=self.cache.scratch_page, device=torch.device("cpu"), decode=True)
-        if not chain.accepts(meta, K - 1):
+        return self._run_chain(meta, K, first, forced, ids)
+
+    def _run_chain(self, meta: BatchMeta, K: int, first: torch.Tensor, forced: torch.Tensor | None,
+                   ids: torch.Tensor) -> bool:
+        """Draft steps 1 .. K-1 from the one-token inputs ``meta`` (step 1's, host- or device-built) as one replayed
+        chain fed ``first``, writing ``ids[:, 1:]`` for its ``ids.shape[0]`` sequences; False (nothing run) when no
+        chain takes them."""
+        chain = self.chain
+        if chain is None or not chain.accepts(meta, K - 1):
             return False
         self.loras.select([], meta.input_ids.shape[0])
         out = chain.run(meta, first, K - 1, forced[:, 1:] if forced is not None else None)
-        ids[:, 1:].copy_(out[:len(jobs)])
+        ids[:, 1:].copy_(out[:ids.shape[0]])
         self.forward_calls += K - 1
         return True
 
