@@ -58,6 +58,17 @@ __device__ __forceinline__ void hadamard32(float (&x)[32]) {
     for (int i = 0; i < 32; ++i) x[i] *= 0.17677669529663687f;
 }
 
+// One value per lane: the warp's 32 values times H32 / sqrt(32), the operations of hadamard32 in its order (so the
+// results are equal bit for bit), each level's partner from a shuffle instead of another register.
+__device__ __forceinline__ float hadamard32_warp(float x, int lane) {
+#pragma unroll
+    for (int h = 1; h < 32; h <<= 1) {
+        const float y = __shfl_xor_sync(0xffffffffu, x, h);
+        x = (lane & h) ? y - x : x + y;
+    }
+    return x * 0.17677669529663687f;
+}
+
 // kern<<<grid, block, smem, st>>>(a, pdl), as a programmatic dependent of the stream's previous kernel when pdl
 // (Hopper PDL: it may start before that kernel completes and waits for it with griddepcontrol.wait)
 template <class Kern, class Arg>

@@ -41,7 +41,6 @@
 
 namespace exl3_attn_qsplit {
 
-using exl3_attn::hadamard32;
 using exl3_attn::mma;
 
 constexpr int WARPS = 8;
@@ -49,6 +48,7 @@ constexpr int THREADS = WARPS * 32;
 constexpr int TILE = 16;     // keys per warp iteration
 constexpr int MAX_GROUP = 8;  // query heads per kv head: the n = 8 columns of both products
 constexpr int MAX_SPLITS = 64;  // the merging block stages every split's state in shared memory
+constexpr float RESCALE = 8.f;  // how far (log2) a score may pass the running max before the outputs are rescaled
 
 struct QSplitArgs {
     const __half* q;
@@ -68,7 +68,6 @@ struct QSplitArgs {
     long long k_p, k_s, v_p, v_s, ks_p, ks_s, vs_p, vs_s;  // page / slot strides (elements)
     int page_size, group, hkv, splits;
     float qscale;   // softmax scale * log2(e)
-    bool used_only;  // several sequences: only the splits a sequence uses arrive
 };
 
 // One tile's loads for one lane: keys g, g + 8 (its D / 4 key channels), keys 2t, 2t + 1, 2t + 8, 2t + 9 (its
@@ -193,12 +192,21 @@ __device__ __forceinline__ uint32_t transpose8x8(uint32_t x) {
     return y;
 }
 
+// Shared-memory rows of q (D + 4 floats) and of the warps' outputs (D + 12) with a skew of one word per quarter (q) or
+// eighth (o) of the head, so that the lanes' reads of q into the score operand and their stores of the output
+// accumulators (8 heads or channel blocks x 4 lanes, each at the same offset within its row) fall in 32 banks; a
+// row's skewed end stays below the next row's start.
+template <int D>
+__host__ __device__ constexpr int q_at(int h, int c) { return h * (D + 4) + c + c / (D / 4); }
+template <int D>
+__host__ __device__ constexpr int o_at(int h, int c) { return h * (D + 12) + c + c / (D / 8); }
+
 template <int D>
 struct Smem {
-    float q[MAX_GROUP][D];                 // rotated q, then the merged output before its rotation back
+    float q[MAX_GROUP * (D + 4)];  // rotated q at q_at, then the merged output [G][D] before its rotation back
     float m[WARPS][MAX_GROUP];
     float l[WARPS][MAX_GROUP];
-    float o[WARPS][MAX_GROUP][D];
+    float o[WARPS][MAX_GROUP * (D + 12)];  // at o_at
     int last;
 };
 
@@ -208,6 +216,7 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
     constexpr int KS = D / 16;  // k steps of the scores (16 channels each); m tiles of the output
     constexpr int MK = 1 << (KB - 1), MV = 1 << (VB - 1);
     static_assert(2 * MAX_GROUP * MAX_SPLITS + MAX_GROUP <= WARPS * MAX_GROUP * D, "merge scratch fits sm.o");
+    static_assert(o_at<D>(0, D - 1) < o_at<D>(1, 0) && q_at<D>(0, D - 1) < q_at<D>(1, 0), "skewed rows overlap");
     __shared__ Smem<D> sm;
     const int kvh = blockIdx.x, split = blockIdx.y, b = blockIdx.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -226,6 +235,10 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
     const int lo = split * per;
     const int hi = min(lo + per, seq);
     const int n_used = min((seq + per - 1) / per, S);
+    if (split > 0 && lo >= seq) {  // no keys here (a short sequence under a long bound): neither reads nor arrives
+        if (pdl) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+        return;
+    }
 
     TileLoads<D, KB, VB> cur;
     int t0 = lo + warp * TILE;
@@ -237,20 +250,11 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
     }
     if (t0 < hi && !early) load_tile(cur, a, b, kvh, t0, hi, lane);
 
-    // q rotated into the keys' basis (fp32 in shared memory), one thread per (head, group of 32 channels)
-    for (int i = threadIdx.x; i < G * D; i += THREADS) {
-        const int h = i / D, d = i % D;
-        sm.q[h][d] = __half2float(a.q[(long long)q_row * a.q_t + (long long)(kvh * G + h) * a.q_h + d]);
-    }
-    __syncthreads();
-    if (threadIdx.x < G * (D / 32)) {
-        const int h = threadIdx.x / (D / 32), d0 = 32 * (threadIdx.x % (D / 32));
-        float x[32];
-#pragma unroll
-        for (int i = 0; i < 32; ++i) x[i] = sm.q[h][d0 + i];
-        hadamard32(x);
-#pragma unroll
-        for (int i = 0; i < 32; ++i) sm.q[h][d0 + i] = x[i];
+    // q rotated into the keys' basis (fp32 in shared memory), a warp per (head, group of 32 channels)
+    for (int j = warp; j < G * (D / 32); j += WARPS) {
+        const int h = j / (D / 32), d = 32 * (j % (D / 32)) + lane;
+        const float x = __half2float(a.q[(long long)q_row * a.q_t + (long long)(kvh * G + h) * a.q_h + d]);
+        sm.q[q_at<D>(h, d)] = exl3_attn::hadamard32_warp(x, lane);
     }
     __syncthreads();
     // q^T as the scores' B operand: k positions 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) of step s are this lane's
@@ -263,8 +267,8 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const int u = 2 * s + h;
-                const float x0 = g < G ? sm.q[g][c0 + key_channel<KB>(u, 0)] : 0.f;
-                const float x1 = g < G ? sm.q[g][c0 + key_channel<KB>(u, 1)] : 0.f;
+                const float x0 = g < G ? sm.q[q_at<D>(g, c0 + key_channel<KB>(u, 0))] : 0.f;
+                const float x1 = g < G ? sm.q[q_at<D>(g, c0 + key_channel<KB>(u, 1))] : 0.f;
                 qb[s][h] = exl3_attn::pack2<__half>(x0, x1);
             }
         }
@@ -283,6 +287,7 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
 
         // scores of keys g, g + 8 (rows) for heads 2t, 2t + 1
         float sc[4] = {0.f, 0.f, 0.f, 0.f};
+        float sc2[4] = {0.f, 0.f, 0.f, 0.f};  // the odd k steps: two independent chains of products
         {
             const __half2 st0 = __half2half2(__hmul(cur.ks[0], __float2half_rn(1.f / MK)));
             const __half2 st1 = __half2half2(__hmul(cur.ks[1], __float2half_rn(1.f / MK)));
@@ -294,8 +299,10 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
                                         dequant2<KB>(key_codes<KB>(cur.kw[1], 2 * s), st1, hs1),
                                         dequant2<KB>(key_codes<KB>(cur.kw[0], 2 * s + 1), st0, hs0),
                                         dequant2<KB>(key_codes<KB>(cur.kw[1], 2 * s + 1), st1, hs1)};
-                mma<__half>(sc, ka, qb[s][0], qb[s][1]);
+                mma<__half>(s % 2 ? sc2 : sc, ka, qb[s][0], qb[s][1]);
             }
+#pragma unroll
+            for (int i = 0; i < 4; ++i) sc[i] += sc2[i];
         }
         // scale, mask keys past the split, the tile's max per head over the warp (lanes of equal t)
         float mx[2];
@@ -310,22 +317,30 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
             mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], x));
             mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], x));
         }
+        // the running max moves only when a score passes it by more than RESCALE (log2 units), so most tiles skip
+        // the rescale; probabilities stay under 2^RESCALE, well inside fp16 for the second product
         float al[2], p[4];
+        bool moved = false;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const float mn = fmaxf(m[e], mx[e]);  // finite: key t0 < hi
-            al[e] = exp2f(m[e] - mn);
-            m[e] = mn;
-            p[e] = exp2f(sc[e] - mn);
-            p[2 + e] = exp2f(sc[2 + e] - mn);
+            al[e] = 1.f;
+            if (mx[e] > m[e] + RESCALE) {  // always on the first tile (m = -inf); mx is finite: key t0 < hi
+                al[e] = exp2f(m[e] - mx[e]);
+                m[e] = mx[e];
+                moved = true;
+            }
+            p[e] = exp2f(sc[e] - m[e]);
+            p[2 + e] = exp2f(sc[2 + e] - m[e]);
             l[e] = l[e] * al[e] + p[e] + p[2 + e];
         }
+        if (moved) {
 #pragma unroll
-        for (int u = 0; u < KS; ++u) {
-            o[u][0] *= al[0];
-            o[u][1] *= al[1];
-            o[u][2] *= al[0];
-            o[u][3] *= al[1];
+            for (int u = 0; u < KS; ++u) {
+                o[u][0] *= al[0];
+                o[u][1] *= al[1];
+                o[u][2] *= al[0];
+                o[u][3] *= al[1];
+            }
         }
         // P^T as the output's B operand: keys 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) of head g
         const uint32_t pb0 = transpose8x8(exl3_attn::pack2<__half>(p[0], p[1]));
@@ -368,15 +383,15 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
         const int c = g * (D / 8) + 2 * u;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            sm.o[warp][2 * t + e][c] = o[u][e];
-            sm.o[warp][2 * t + e][c + 1] = o[u][2 + e];
+            sm.o[warp][o_at<D>(2 * t + e, c)] = o[u][e];
+            sm.o[warp][o_at<D>(2 * t + e, c + 1)] = o[u][2 + e];
         }
     }
     __syncthreads();
     // the block's state per (head, channel): warps without keys hold m = -inf, l = 0, o = 0 (weight 0)
     const bool alone = n_used <= 1;
-    const int n_arrive = alone ? 0 : (a.used_only ? max(n_used, 1) : S);
-    float* out_f = &sm.q[0][0];  // the merged output [G][D] before its rotation back
+    const int n_arrive = alone ? 0 : max(n_used, 1);  // only the splits the sequence uses arrive
+    float* out_f = sm.q;  // the merged output [G][D] before its rotation back
     const long long part0 = ((long long)b * a.hkv + kvh) * G * S;  // (b, head kvh * G) row of the partials
     for (int i = threadIdx.x; i < G * D; i += THREADS) {
         const int h = i / D, d = i % D;
@@ -388,7 +403,7 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
 #pragma unroll
             for (int w = 0; w < WARPS; ++w) {
                 const float wt = exp2f(sm.m[w][h] - M);
-                num = fmaf(wt, sm.o[w][h][d], num);
+                num = fmaf(wt, sm.o[w][o_at<D>(h, d)], num);
                 den = fmaf(wt, sm.l[w][h], den);
             }
         }
@@ -420,7 +435,7 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
             // the used splits' maxima and sums into shared memory in one round trip (the warps' states are
             // merged already, so their space is free), then each head's weights, then the outputs with the
             // partial loads of several splits in flight at once
-            float* wt = &sm.o[0][0][0];            // [MAX_GROUP][MAX_SPLITS]: max, then weight
+            float* wt = &sm.o[0][0];               // [MAX_GROUP][MAX_SPLITS]: max, then weight
             float* sums = wt + MAX_GROUP * MAX_SPLITS;  // [MAX_GROUP][MAX_SPLITS]
             float* den = sums + MAX_GROUP * MAX_SPLITS;  // [MAX_GROUP]
             for (int i = threadIdx.x; i < G * n_used; i += THREADS) {
@@ -452,17 +467,12 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
             }
         }
     }
-    if (finish) {  // back from the values' rotated basis: one thread per (head, group of 32 channels)
+    if (finish) {  // back from the values' rotated basis: a warp per (head, group of 32 channels)
         __syncthreads();
-        if (threadIdx.x < G * (D / 32)) {
-            const int h = threadIdx.x / (D / 32), d0 = 32 * (threadIdx.x % (D / 32));
-            float x[32];
-#pragma unroll
-            for (int i = 0; i < 32; ++i) x[i] = out_f[h * D + d0 + i];
-            hadamard32(x);
-            __half* dst = a.out + (long long)q_row * a.o_t + (long long)(kvh * G + h) * a.o_h + d0;
-#pragma unroll
-            for (int i = 0; i < 32; ++i) dst[i] = __float2half_rn(x[i]);
+        for (int j = warp; j < G * (D / 32); j += WARPS) {
+            const int h = j / (D / 32), d = 32 * (j % (D / 32)) + lane;
+            const float x = exl3_attn::hadamard32_warp(out_f[h * D + d], lane);
+            a.out[(long long)q_row * a.o_t + (long long)(kvh * G + h) * a.o_h + d] = __float2half_rn(x);
         }
     }
 #else
@@ -556,7 +566,6 @@ Tensor decode_attention_qsplit(const Tensor& q, const Tensor& k_codes, const Ten
     a.hkv = (int)Hkv;
     a.splits = (int)splits;
     a.qscale = (float)(scale * 1.4426950408889634);
-    a.used_only = B > 1;
     const cudaStream_t st = at::cuda::getCurrentCUDAStream();
     const int kb = (int)k_bits, vb = (int)v_bits, nb = (int)B;
     const cudaError_t err = D == 64 ? launch_bits<64>(a, kb, vb, nb, pdl, st) : launch_bits<128>(a, kb, vb, nb, pdl, st);
