@@ -21,7 +21,10 @@ page of P tokens (a query then needs exact rows of its own page only, which a fo
 ``--window 32`` 0.0072; ``--window 32 --window-page 256 --window-bits 8`` 0.0080 (W = 64: 0.0062); ``--window 16``
 0.0110 and ``--window 8`` 0.0178 (with the per-pair keys 0.0046 and 0.0064). Kept beside the 4-bit rows, a window
 costs capacity: per 4096-token sequence K4V4 holds 3.56x / (1 + W x row bytes / (4096 x 36)) of fp16's tokens,
-3.46x for fp16 rows at W = 32, 3.51x at W = 16, 3.50x for 8-bit rows at W = 32.
+3.46x for fp16 rows at W = 32, 3.51x at W = 16, 3.50x for 8-bit rows at W = 32. A window that is the query's own
+aligned block of P positions (``--window P --window-page P``: the rows of a sequence's last block kept exact, the
+block quantized when the sequence leaves it): K4V4 0.0093 at P = 64 and 0.0067 at P = 128 (K4V3 0.0130 / 0.0099,
+K3V3 0.0395 / 0.0292).
 
 With ``--smooth``: ``ksmooth`` divides each key channel by sigma = (E[k^2] / E[q^2])^(1/4) (pair means) before
 H32 and the reader would multiply the query by it (the scores are unchanged; the sigma that minimises
