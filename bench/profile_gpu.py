@@ -11,9 +11,10 @@
         the generator's decode loop at --batch: tok/s against the graph step, the overlapped
         pipeline's launches, and what the GPU runs between two replays.
 
-    python bench/profile_gpu.py decode [--shape 8b] [--tokens 256] [--batch 1] [--cache-bits 16]
+    python bench/profile_gpu.py decode [--shape 8b] [--tokens 256] [--batch 1] [--cache-bits 16] [--lora 0]
         a decode step of --batch sequences (a graph bucket: 1, 2, 4, 8, 16, 32) replayed from its
-        CUDA graph at context --tokens over a cache of --cache-bits (exl3 bench's option: 16, 4, 8,4):
+        CUDA graph at context --tokens over a cache of --cache-bits (exl3 bench's option: 16, 4, 8,4),
+        with --lora R: one random rank-R adapter on all seven projections, used by every row:
         GPU time per kernel group per step, and one step's kernel timeline (start, duration, gap after
         the previous kernel's end; with PDL a kernel may start before the previous one ends, so gaps
         can be negative).
@@ -256,8 +257,33 @@ def _group(name: str) -> str:
     return next((g for frag, g in _DECODE_GROUPS if frag.lower() in low), "other")
 
 
+def _with_lora(model: torch.nn.Module, rank: int) -> None:
+    """One random rank-``rank`` adapter on every projection of ``model`` (as ``exl3 bench --lora`` loads them)."""
+    import tempfile
+
+    from exl3_core.lora.bench import _linears
+    from exl3_core.lora.registry import attached
+    from exl3_core.testing.lora import random_adapter
+
+    with tempfile.TemporaryDirectory(prefix="exl3-profile-lora-") as tmp:
+        random_adapter(Path(tmp) / "a0", _linears(model), r=rank, seed=0, dtype=model.dtype)
+        model.load_lora(Path(tmp) / "a0", name="a0")
+    s = attached(model)
+    assert s is not None
+    s.selection.reserve(2048)
+
+
+def _select_lora(model: torch.nn.Module, batch: int, rows: int) -> None:
+    """The first ``batch`` of a step's ``rows`` rows use the adapter of :func:`_with_lora`."""
+    from exl3_core.lora.registry import attached
+
+    s = attached(model)
+    assert s is not None
+    s.select([(s.slots_of({"a0": 1.0}), batch), ({}, rows - batch)])
+
+
 def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "cuda", steps: int = 5,
-                   batch: int = 1, cache_bits: str = "16") -> None:
+                   batch: int = 1, cache_bits: str = "16", lora: int = 0) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from exl3_core.generator.graphs import DecodeGraphs
@@ -266,12 +292,16 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
     bits = parse_cache_bits(cache_bits, "--cache-bits")
     model, cache = build_model(shape, bpw=4.0, head_bits=6, codebook="mul1", device=device,
                                cache_tokens=batch * (ctx + 1024), cache_kwargs=bits.cache_kwargs())
+    if lora:
+        _with_lora(model, lora)
     graphs = DecodeGraphs.create(ExecutionPlan(model), cache, cache.max_pages_per_seq(ctx + 1))
     if graphs is None:
         raise SystemExit("decode graphs declined for this model/device: nothing to profile")
     # inputs built on the host, as the generator stages them (a device-built meta takes DecodeGraphs.run's
     # device-fed path, which adds a carry reset kernel before every replay)
     meta, pages = decode_meta(model, cache, batch=batch, ctx=ctx, device="cpu")
+    if lora:  # the bucket's padding rows use no adapter
+        _select_lora(model, batch, meta.input_ids.shape[0])
     step = graph_step_time(model, cache, batch=batch, ctx=ctx)
     for _ in range(3):
         graphs.run(meta)
@@ -289,7 +319,8 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
         groups.setdefault(_group(name), []).append(t1 - t0)
     last = kern[per * (steps - 1): per * steps]
     wall = last[-1][2] - last[0][1]
-    lines = [(f"decode {shape_name} b={batch} ctx={ctx} cache {cache_bits}: graph step {(step or 0) * 1e3:.3f} ms "
+    lines = [(f"decode {shape_name} b={batch} ctx={ctx} cache {cache_bits}" + (f", LoRA rank {lora}" if lora else "")
+              + f": graph step {(step or 0) * 1e3:.3f} ms "
               f"(events); {per} kernels per step; "
               f"last profiled step {wall:.1f} us first start to last end\n"),
              f"{'group':24s} {'kernels/step':>12s} {'us/step (sum of durations)':>28s}\n"]
@@ -304,7 +335,7 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
     cache.allocator.release(pages)
     graphs.reset()
     _emit("".join(lines), out, f"profile_decode_{shape_name}" + (f"_b{batch}" if batch > 1 else "")
-          + (f"_kv{cache_bits}" if bits.quantized else "") + ".txt")
+          + (f"_kv{cache_bits}" if bits.quantized else "") + (f"_lora{lora}" if lora else "") + ".txt")
 
 
 def main() -> None:
@@ -316,13 +347,15 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, default=1, help="decode: sequences per step (a captured bucket, <= 32)")
     ap.add_argument("--cache-bits", default="16", help="decode: the cache's bits, as exl3 bench's option (16, 4, 8,4)")
+    ap.add_argument("--lora", type=int, default=0, help="decode: one random adapter of this rank on every projection")
     a = ap.parse_args()
     if a.what == "prefill":
         profile_prefill(a.shape or "8b", a.tokens or 2048, a.out, a.device)
     elif a.what == "loop":
         profile_loop(a.shape or "1b", a.tokens or 128, a.out, a.device, batch=a.batch)
     elif a.what == "decode":
-        profile_decode(a.shape or "8b", a.tokens or 256, a.out, a.device, batch=a.batch, cache_bits=a.cache_bits)
+        profile_decode(a.shape or "8b", a.tokens or 256, a.out, a.device, batch=a.batch, cache_bits=a.cache_bits,
+                       lora=a.lora)
     else:
         profile_host(a.shape or "1b", a.tokens or 128, a.out, a.device)
 
