@@ -14,7 +14,8 @@
     python bench/profile_gpu.py decode [--shape 8b] [--tokens 256] [--batch 1] [--cache-bits 16] [--lora 0]
         a decode step of --batch sequences (a graph bucket: 1, 2, 4, 8, 16, 32) replayed from its
         CUDA graph at context --tokens over a cache of --cache-bits (exl3 bench's option: 16, 4, 8,4),
-        with --lora R: one random rank-R adapter on all seven projections, used by every row:
+        with --lora R: random rank-R adapters on all seven projections (--lora-adapters N of them, row i using
+        adapter i mod N):
         GPU time per kernel group per step, and one step's kernel timeline (start, duration, gap after
         the previous kernel's end; with PDL a kernel may start before the previous one ends, so gaps
         can be negative).
@@ -257,8 +258,9 @@ def _group(name: str) -> str:
     return next((g for frag, g in _DECODE_GROUPS if frag.lower() in low), "other")
 
 
-def _with_lora(model: torch.nn.Module, rank: int) -> None:
-    """One random rank-``rank`` adapter on every projection of ``model`` (as ``exl3 bench --lora`` loads them)."""
+def _with_lora(model: torch.nn.Module, rank: int, adapters: int = 1) -> None:
+    """``adapters`` random rank-``rank`` adapters on every projection of ``model`` (as ``exl3 bench --lora`` loads
+    them)."""
     import tempfile
 
     from exl3_core.lora.bench import _linears
@@ -266,24 +268,26 @@ def _with_lora(model: torch.nn.Module, rank: int) -> None:
     from exl3_core.testing.lora import random_adapter
 
     with tempfile.TemporaryDirectory(prefix="exl3-profile-lora-") as tmp:
-        random_adapter(Path(tmp) / "a0", _linears(model), r=rank, seed=0, dtype=model.dtype)
-        model.load_lora(Path(tmp) / "a0", name="a0")
+        for i in range(adapters):
+            random_adapter(Path(tmp) / f"a{i}", _linears(model), r=rank, seed=i, dtype=model.dtype)
+            model.load_lora(Path(tmp) / f"a{i}", name=f"a{i}")
     s = attached(model)
     assert s is not None
     s.selection.reserve(2048)
 
 
-def _select_lora(model: torch.nn.Module, batch: int, rows: int) -> None:
-    """The first ``batch`` of a step's ``rows`` rows use the adapter of :func:`_with_lora`."""
+def _select_lora(model: torch.nn.Module, batch: int, rows: int, adapters: int = 1) -> None:
+    """Row ``i`` of the first ``batch`` of a step's ``rows`` rows uses adapter ``i mod adapters`` of
+    :func:`_with_lora` (one row per sequence: a decode step)."""
     from exl3_core.lora.registry import attached
 
     s = attached(model)
     assert s is not None
-    s.select([(s.slots_of({"a0": 1.0}), batch), ({}, rows - batch)])
+    s.select([(s.slots_of({f"a{i % adapters}": 1.0}), 1) for i in range(batch)] + [({}, rows - batch)])
 
 
 def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "cuda", steps: int = 5,
-                   batch: int = 1, cache_bits: str = "16", lora: int = 0) -> None:
+                   batch: int = 1, cache_bits: str = "16", lora: int = 0, lora_adapters: int = 1) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from exl3_core.generator.graphs import DecodeGraphs
@@ -293,7 +297,7 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
     model, cache = build_model(shape, bpw=4.0, head_bits=6, codebook="mul1", device=device,
                                cache_tokens=batch * (ctx + 1024), cache_kwargs=bits.cache_kwargs())
     if lora:
-        _with_lora(model, lora)
+        _with_lora(model, lora, lora_adapters)
     graphs = DecodeGraphs.create(ExecutionPlan(model), cache, cache.max_pages_per_seq(ctx + 1))
     if graphs is None:
         raise SystemExit("decode graphs declined for this model/device: nothing to profile")
@@ -301,7 +305,7 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
     # device-fed path, which adds a carry reset kernel before every replay)
     meta, pages = decode_meta(model, cache, batch=batch, ctx=ctx, device="cpu")
     if lora:  # the bucket's padding rows use no adapter
-        _select_lora(model, batch, meta.input_ids.shape[0])
+        _select_lora(model, batch, meta.input_ids.shape[0], lora_adapters)
     step = graph_step_time(model, cache, batch=batch, ctx=ctx)
     for _ in range(3):
         graphs.run(meta)
@@ -319,7 +323,8 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
         groups.setdefault(_group(name), []).append(t1 - t0)
     last = kern[per * (steps - 1): per * steps]
     wall = last[-1][2] - last[0][1]
-    lines = [(f"decode {shape_name} b={batch} ctx={ctx} cache {cache_bits}" + (f", LoRA rank {lora}" if lora else "")
+    lines = [(f"decode {shape_name} b={batch} ctx={ctx} cache {cache_bits}"
+              + (f", LoRA rank {lora} x {lora_adapters}" if lora else "")
               + f": graph step {(step or 0) * 1e3:.3f} ms "
               f"(events); {per} kernels per step; "
               f"last profiled step {wall:.1f} us first start to last end\n"),
@@ -347,7 +352,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, default=1, help="decode: sequences per step (a captured bucket, <= 32)")
     ap.add_argument("--cache-bits", default="16", help="decode: the cache's bits, as exl3 bench's option (16, 4, 8,4)")
-    ap.add_argument("--lora", type=int, default=0, help="decode: one random adapter of this rank on every projection")
+    ap.add_argument("--lora", type=int, default=0, help="decode: random adapters of this rank on every projection")
+    ap.add_argument("--lora-adapters", type=int, default=1, help="decode: how many (row i uses adapter i mod this)")
     a = ap.parse_args()
     if a.what == "prefill":
         profile_prefill(a.shape or "8b", a.tokens or 2048, a.out, a.device)
@@ -355,7 +361,7 @@ def main() -> None:
         profile_loop(a.shape or "1b", a.tokens or 128, a.out, a.device, batch=a.batch)
     elif a.what == "decode":
         profile_decode(a.shape or "8b", a.tokens or 256, a.out, a.device, batch=a.batch, cache_bits=a.cache_bits,
-                       lora=a.lora)
+                       lora=a.lora, lora_adapters=a.lora_adapters)
     else:
         profile_host(a.shape or "1b", a.tokens or 128, a.out, a.device)
 
