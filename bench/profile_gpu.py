@@ -38,6 +38,8 @@ import torch
 from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.bench.run import _sync, bench_prefill, decode_meta, graph_step_time, prefill_meta
 from exl3_core.cache_bits import parse_cache_bits
+from exl3_core.lora.bench import load_random_adapters, select_rows
+from exl3_core.lora.registry import lora_set
 from exl3_core.plan import ExecutionPlan
 
 
@@ -258,34 +260,6 @@ def _group(name: str) -> str:
     return next((g for frag, g in _DECODE_GROUPS if frag.lower() in low), "other")
 
 
-def _with_lora(model: torch.nn.Module, rank: int, adapters: int = 1) -> None:
-    """``adapters`` random rank-``rank`` adapters on every projection of ``model`` (as ``exl3 bench --lora`` loads
-    them)."""
-    import tempfile
-
-    from exl3_core.lora.bench import _linears
-    from exl3_core.lora.registry import attached
-    from exl3_core.testing.lora import random_adapter
-
-    with tempfile.TemporaryDirectory(prefix="exl3-profile-lora-") as tmp:
-        for i in range(adapters):
-            random_adapter(Path(tmp) / f"a{i}", _linears(model), r=rank, seed=i, dtype=model.dtype)
-            model.load_lora(Path(tmp) / f"a{i}", name=f"a{i}")
-    s = attached(model)
-    assert s is not None
-    s.selection.reserve(2048)
-
-
-def _select_lora(model: torch.nn.Module, batch: int, rows: int, adapters: int = 1) -> None:
-    """Row ``i`` of the first ``batch`` of a step's ``rows`` rows uses adapter ``i mod adapters`` of
-    :func:`_with_lora` (one row per sequence: a decode step)."""
-    from exl3_core.lora.registry import attached
-
-    s = attached(model)
-    assert s is not None
-    s.select([(s.slots_of({f"a{i % adapters}": 1.0}), 1) for i in range(batch)] + [({}, rows - batch)])
-
-
 def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "cuda", steps: int = 5,
                    batch: int = 1, cache_bits: str = "16", lora: int = 0, lora_adapters: int = 1) -> None:
     from torch.profiler import ProfilerActivity, profile
@@ -297,15 +271,16 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
     model, cache = build_model(shape, bpw=4.0, head_bits=6, codebook="mul1", device=device,
                                cache_tokens=batch * (ctx + 1024), cache_kwargs=bits.cache_kwargs())
     if lora:
-        _with_lora(model, lora, lora_adapters)
+        load_random_adapters(model, lora, lora_adapters)
+        lora_set(model).selection.reserve(2048)
     graphs = DecodeGraphs.create(ExecutionPlan(model), cache, cache.max_pages_per_seq(ctx + 1))
     if graphs is None:
         raise SystemExit("decode graphs declined for this model/device: nothing to profile")
     # inputs built on the host, as the generator stages them (a device-built meta takes DecodeGraphs.run's
     # device-fed path, which adds a carry reset kernel before every replay)
     meta, pages = decode_meta(model, cache, batch=batch, ctx=ctx, device="cpu")
-    if lora:  # the bucket's padding rows use no adapter
-        _select_lora(model, batch, meta.input_ids.shape[0], lora_adapters)
+    if lora:  # row i uses adapter i mod --lora-adapters; the bucket's padding rows none
+        select_rows(model, [{f"a{i % lora_adapters}": 1.0} for i in range(batch)], meta.input_ids.shape[0])
     step = graph_step_time(model, cache, batch=batch, ctx=ctx)
     for _ in range(3):
         graphs.run(meta)

@@ -32,6 +32,28 @@ def _linears(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
             if isinstance(m, LinearBase) and ".layers." in m.key}
 
 
+def load_random_adapters(model: Any, rank: int, count: int) -> None:
+    """Load ``count`` random rank-``rank`` adapters ``a0``, ``a1``, ... on all seven projections of every layer of
+    ``model``, written in PEFT's layout and loaded as a user would."""
+    from exl3_core.testing.lora import random_adapter
+
+    with tempfile.TemporaryDirectory(prefix="exl3-lora-bench-") as tmp:
+        linears = _linears(model)
+        for i in range(count):
+            random_adapter(Path(tmp) / f"a{i}", linears, r=rank, seed=i, dtype=model.dtype)
+            model.load_lora(Path(tmp) / f"a{i}", name=f"a{i}")
+
+
+def select_rows(model: Any, choices: Sequence[dict[str, float] | None], rows: int) -> None:
+    """A decode step's choice: row ``i`` (one per sequence) uses ``choices[i]``, the step's rows past them none."""
+    from exl3_core.lora.registry import attached
+
+    s = attached(model)
+    if s is None:
+        return
+    s.select([(s.slots_of(c or {}), 1) for c in choices] + [({}, rows - len(choices))])
+
+
 def _decode_rate(model: Any, cache: Any, prompts: list[list[int]], new_tokens: int,
                  choices: Sequence[dict[str, float] | None]) -> dict[str, Any]:
     """Decode tok/s of one generator run over ``prompts`` (job i with ``choices[i]``), counted from every job's first
@@ -70,10 +92,7 @@ def _step_ms(model: Any, cache: Any, batch: int, ctx: int, choices: Sequence[dic
         return None
     meta, pages = decode_meta(model, cache, batch=batch, ctx=ctx, device="cpu")
     try:
-        if s is not None:
-            groups = [(s.slots_of(c or {}), 1) for c in choices]
-            groups.append(({}, meta.input_ids.shape[0] - batch))
-            s.select(groups)
+        select_rows(model, choices, meta.input_ids.shape[0])
         n = GRAPH_STEP_REPLAYS
         return 1e3 * time_median(lambda: [graphs.run(meta) for _ in range(n)], model.device, warmup=2, iters=9) / n
     finally:
@@ -89,7 +108,6 @@ def run_lora_bench(shape: BenchShape, *, rank: int = 16, adapters: int = 8, batc
                    log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every figure of the module docstring as one dict."""
     from exl3_core import settings
-    from exl3_core.testing.lora import random_adapter
 
     dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     ps = settings.get().page_size
@@ -105,13 +123,9 @@ def run_lora_bench(shape: BenchShape, *, rank: int = 16, adapters: int = 8, batc
     none_bn = _decode_rate(model, cache, prompts, new_tokens, [None] * batch)
     none_b1["graph_step_ms"] = _step_ms(model, cache, 1, ctx, [None])
     none_bn["graph_step_ms"] = _step_ms(model, cache, batch, ctx, [None] * batch)
-    with tempfile.TemporaryDirectory(prefix="exl3-lora-bench-") as tmp:
-        linears = _linears(model)
-        t0 = time.perf_counter()
-        for i in range(adapters):
-            random_adapter(Path(tmp) / f"a{i}", linears, r=rank, seed=i, dtype=model.dtype)
-            model.load_lora(Path(tmp) / f"a{i}", name=f"a{i}")
-        out["load_seconds"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    load_random_adapters(model, rank, adapters)
+    out["load_seconds"] = time.perf_counter() - t0
     one = [{"a0": 1.0}]
     mixed = [{f"a{i % adapters}": 1.0} for i in range(batch)]
     lora_b1 = _decode_rate(model, cache, prompts[:1], new_tokens, one)
