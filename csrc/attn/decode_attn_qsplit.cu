@@ -5,9 +5,9 @@
 //
 // Why: reading a quantized page costs more arithmetic than bytes, so the codes are unpacked in registers
 // straight into the tensor cores' operand layout (no shared-memory staging, no layout change). Each 16-bit
-// value is built by the fp16 bit trick: a code c under 0x6400 is the half 1024 + c, so a shift and a
-// lop3 give two values, a subtraction centres them exactly and one fma applies the group's scale (the
-// product rounded once, as the reference's fp32 dequantisation rounded to fp16).
+// value is built by the fp16 bit trick: a code c under 0x6400 is the half 1024 + c, so one lop3 (after a
+// shift for every other pair of fields) gives two values, a subtraction centres them exactly and one fma
+// applies the group's scale (the product rounded once, as the reference's fp32 dequantisation rounded to fp16).
 //
 // Layout: grid (kv heads, splits, sequences), 8 warps a block; a split's keys are 16-token tiles taken by the
 // warps in turn. Scores are S^T = K q^T (mma.m16n8k16: 16 keys x 8 query heads of the group, k over
@@ -65,7 +65,8 @@ struct QSplitArgs {
     float* part_acc;  // [B, Hq, splits, D]
     int* counters;    // [B * Hkv], zero between calls
     long long q_t, q_h, o_t, o_h, pt_b;
-    long long k_p, k_s, v_p, v_s, ks_p, ks_s, vs_p, vs_s;  // page / slot strides (elements)
+    long long k_p, v_p, ks_p, vs_p;  // page strides (elements)
+    int k_s, v_s, ks_s, vs_s;        // slot strides (elements; a page's rows span under 2^31)
     int page_size, group, hkv, splits;
     float qscale;   // softmax scale * log2(e)
 };
@@ -106,64 +107,112 @@ __device__ __forceinline__ void zero_words(uint32_t (&w)[N]) {
     for (int i = 0; i < N; ++i) w[i] = 0u;
 }
 
-// tile keys t0 .. t0 + 15 of sequence b below `hi` (a tile lies inside one page: page_size % 16 == 0)
+// One key or value row's words and scale for this lane. A tile lies inside one allocated page, so rows past the keys
+// hold finite codes (1024 + code as fp16) and are read like the others; their scale is zero, so they dequantize to 0.
+template <int N>
+__device__ __forceinline__ void load_row(uint32_t (&w)[N], __half& s, const uint32_t* words, const __half* scale,
+                                         bool ok) {
+    load_words(w, words);
+    const __half x = *scale;
+    s = ok ? x : __float2half_rn(0.f);
+}
+
+// The page and slot of a warp's next tile, advanced by whole steps of the warp loop without a division.
+struct TileCursor {
+    int page, slot;
+    __device__ TileCursor(int t0, int page_size) : page(t0 / page_size), slot(t0 % page_size) {}
+    __device__ __forceinline__ void advance(int keys, int page_size) {
+        slot += keys;
+        while (slot >= page_size) slot -= page_size, ++page;
+    }
+};
+
+// This lane's rows of a tile, as element offsets from the tile's first row in the code words and the scales: keys
+// g and g + 8 (its D / 4 key channels from t * D / 4), keys 2t, 2t + 1, 2t + 8, 2t + 9 (its D / 8 value channels
+// from g * D / 8). Computed once; a tile adds only its page and slot.
+struct LaneRows {
+    uint32_t k[2], ks[2], v[4], vs[4];
+};
+
 template <int D, int KB, int VB>
-__device__ __forceinline__ void load_tile(TileLoads<D, KB, VB>& L, const QSplitArgs& a, int b, int kvh, int t0,
-                                          int hi, int lane) {
+__device__ __forceinline__ LaneRows lane_rows(const QSplitArgs& a, int kvh, int lane) {
     constexpr int NG = D / 32;
     const int g = lane >> 2, t = lane & 3;
-    const long long page = a.page_table[(long long)b * a.pt_b + t0 / a.page_size];
-    const int slot0 = t0 % a.page_size;
-    // this lane's key channels start at t * D / 4: group (t * D / 4) / 32, word (t * D / 4) % 32 * KB / 32 in it
-    const int gk = kvh * NG + (t * (D / 4)) / 32;
+    const int gk = kvh * NG + (t * (D / 4)) / 32;  // the group of the lane's first key channel, and its word
     const int wk = gk * KB + ((t * (D / 4)) % 32) * KB / 32;
     const int gv = kvh * NG + (g * (D / 8)) / 32;
     const int wv = gv * VB + ((g * (D / 8)) % 32) * VB / 32;
+    LaneRows r;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-        const int key = g + 8 * i;
-        const long long slot = slot0 + key;
-        if (t0 + key < hi) {
-            load_words(L.kw[i], a.k + page * a.k_p + slot * a.k_s + wk);
-            L.ks[i] = a.ks[page * a.ks_p + slot * a.ks_s + gk];
-        } else {
-            zero_words(L.kw[i]);
-            L.ks[i] = __float2half_rn(0.f);
-        }
+        r.k[i] = (uint32_t)((g + 8 * i) * a.k_s + wk);
+        r.ks[i] = (uint32_t)((g + 8 * i) * a.ks_s + gk);
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
         const int key = 2 * t + (i & 1) + 8 * (i >> 1);
-        const long long slot = slot0 + key;
-        if (t0 + key < hi) {
-            load_words(L.vw[i], a.v + page * a.v_p + slot * a.v_s + wv);
-            L.vs[i] = a.vs[page * a.vs_p + slot * a.vs_s + gv];
-        } else {
-            zero_words(L.vw[i]);
-            L.vs[i] = __float2half_rn(0.f);
-        }
+        r.v[i] = (uint32_t)(key * a.v_s + wv);
+        r.vs[i] = (uint32_t)(key * a.vs_s + gv);
     }
+    return r;
+}
+
+// tile keys t0 .. t0 + 15 (page and slot `at`) of sequence b below `hi` (a tile lies inside one page: page_size % 16
+// == 0)
+template <int D, int KB, int VB>
+__device__ __forceinline__ void load_tile(TileLoads<D, KB, VB>& L, const QSplitArgs& a, const LaneRows& r, int b,
+                                          int t0, TileCursor at, int hi, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+    const long long page = a.page_table[(long long)b * a.pt_b + at.page];
+    const uint32_t* k = a.k + page * a.k_p + at.slot * a.k_s;
+    const __half* ks = a.ks + page * a.ks_p + at.slot * a.ks_s;
+    const uint32_t* v = a.v + page * a.v_p + at.slot * a.v_s;
+    const __half* vs = a.vs + page * a.vs_p + at.slot * a.vs_s;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) load_row(L.kw[i], L.ks[i], k + r.k[i], ks + r.ks[i], t0 + g + 8 * i < hi);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        load_row(L.vw[i], L.vs[i], v + r.v[i], vs + r.vs[i], t0 + 2 * t + (i & 1) + 8 * (i >> 1) < hi);
 }
 
 __device__ __forceinline__ uint32_t h2u(__half2 h) { return *reinterpret_cast<uint32_t*>(&h); }
 __device__ __forceinline__ __half2 u2h(uint32_t u) { return *reinterpret_cast<__half2*>(&u); }
 
-// code bits -> values: x holds 1024 + code in each half; (code + 1/2 - M) / M * scale, exact before one rounding
+// (x & MASK) | 0x64006400, the codes under MASK as fp16 1024 + code, in one lop3 (with both constants immediate
+// the compiler emits two)
+template <uint32_t MASK>
+__device__ __forceinline__ uint32_t with_magic(uint32_t x) {
+    uint32_t y;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(y) : "r"(x), "n"(MASK), "r"(0x64006400u));
+    return y;
+}
+
+// 4-bit codes in the high nibble of a byte are taken in place, as 16 x code (no shift), with a step of 1/16 the
+// low nibbles' (exact wherever that step is a normal fp16 number, i.e. the group's scale is at least 2^-7)
 template <int BITS>
+constexpr bool HIGH_NIBBLES = BITS == 4;
+
+// code bits -> values: x holds 1024 + F * code in each half (F = 16 for HIGH, else 1) and step is F times smaller:
+// (code + 1/2 - M) / M * scale, exact before one rounding
+template <int BITS, bool HIGH = false>
 __device__ __forceinline__ uint32_t dequant2(uint32_t x, __half2 step, __half2 half_step) {
     constexpr int M = 1 << (BITS - 1);
-    const __half2 centre = __half2half2(__ushort_as_half((unsigned short)(0x6400 + M)));  // 1024 + M
+    constexpr int F = HIGH ? 16 : 1;
+    const __half2 centre = __half2half2(__ushort_as_half((unsigned short)(0x6400 + F * M)));  // 1024 + F * M
     return h2u(__hfma2(__hsub2(u2h(x), centre), step, half_step));
 }
 
 // Value pair u (0 .. D / 8 - 1) of a lane's key channels: the fields at (u / (P / 2)) words in and u % (P / 2)
 // fields along, with their partner P / 2 fields on (the word's high half), P = 32 / KB values a word.
+// With 4-bit codes an odd u's codes are the high nibbles, taken as 16 x code (HIGH_NIBBLES).
 template <int KB>
 __device__ __forceinline__ uint32_t key_codes(const uint32_t* w, int u) {
-    constexpr int P = 32 / KB;
-    const uint32_t x = w[u / (P / 2)] >> (KB * (u % (P / 2)));
-    constexpr uint32_t mask = KB == 8 ? 0x00FF00FFu : 0x000F000Fu;
-    return (x & mask) | 0x64006400u;
+    if constexpr (KB == 4) {
+        const uint32_t x = w[u / 4] >> (u % 4 >= 2 ? 8 : 0);
+        return u % 2 ? with_magic<0x00F000F0u>(x) : with_magic<0x000F000Fu>(x);
+    } else {
+        return with_magic<0x00FF00FFu>(w[u / 2] >> (8 * (u % 2)));
+    }
 }
 
 // The key channel of pair u, element e (0: low half), relative to the lane's first key channel.
@@ -173,16 +222,17 @@ __host__ __device__ constexpr int key_channel(int u, int e) {
     return P * (u / (P / 2)) + u % (P / 2) + e * (P / 2);
 }
 
-// Value channel c (0 .. D / 8 - 1) of a lane's value channels for two keys (words wa, wb): low half key a.
+// Value channel c (0 .. D / 8 - 1) of a lane's value channels for two keys (words wa, wb): low half key a. With
+// 4-bit codes an odd c's are the high nibbles, taken as 16 x code (HIGH_NIBBLES).
 template <int VB>
 __device__ __forceinline__ uint32_t value_codes(const uint32_t* wa, const uint32_t* wb, int c) {
     if constexpr (VB == 8) {
         const uint32_t x = __byte_perm(wa[c / 4], wb[c / 4], (c % 4) | ((4 + c % 4) << 8));
-        return (x & 0x00FF00FFu) | 0x64006400u;
+        return with_magic<0x00FF00FFu>(x);
     } else {
         const int n = c % 8;
-        const uint32_t x = __byte_perm(wa[c / 8], wb[c / 8], n < 4 ? 0x5410 : 0x7632);
-        return ((x >> (4 * (n % 4))) & 0x000F000Fu) | 0x64006400u;
+        const uint32_t x = __byte_perm(wa[c / 8], wb[c / 8], n < 4 ? 0x5410 : 0x7632) >> (n % 4 >= 2 ? 8 : 0);
+        return n % 2 ? with_magic<0x00F000F0u>(x) : with_magic<0x000F000Fu>(x);
     }
 }
 
@@ -225,17 +275,14 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
     const int q_row = a.cu_q[b];
     const int q_len = a.cu_q[b + 1] - q_row;
     const int seq = a.seq_k[b];
-    if (q_len <= 0) {  // a padded row: nothing to read or write
-        if (pdl) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-        return;
-    }
     // this split's keys: equal shares of the sequence in whole tiles, at least a tile for every warp, so a short
     // sequence in a graph captured at a long bound fills a few blocks instead of leaving most warps of many idle
     const int per = max((((seq + S - 1) / S) + TILE - 1) / TILE * TILE, WARPS * TILE);
     const int lo = split * per;
     const int hi = min(lo + per, seq);
     const int n_used = min((seq + per - 1) / per, S);
-    if (split > 0 && lo >= seq) {  // no keys here (a short sequence under a long bound): neither reads nor arrives
+    // a padded row, or no keys here (a short sequence under a long bound): neither reads, writes nor arrives
+    if (q_len <= 0 || (split > 0 && lo >= seq)) {
         if (pdl) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
         return;
     }
@@ -243,12 +290,14 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
     TileLoads<D, KB, VB> cur;
     int t0 = lo + warp * TILE;
     const bool early = t0 + TILE <= seq - 1;  // the warp's first tile is older than this step's key
-    if (t0 < hi && early) load_tile(cur, a, b, kvh, t0, hi, lane);
+    const LaneRows rows = lane_rows<D, KB, VB>(a, kvh, lane);
+    TileCursor at(t0, a.page_size);  // of the next tile to load
+    if (t0 < hi && early) load_tile(cur, a, rows, b, t0, at, hi, lane);
     if (pdl) {
         asm volatile("griddepcontrol.wait;\n" ::: "memory");
         asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     }
-    if (t0 < hi && !early) load_tile(cur, a, b, kvh, t0, hi, lane);
+    if (t0 < hi && !early) load_tile(cur, a, rows, b, t0, at, hi, lane);
 
     // q rotated into the keys' basis (fp32 in shared memory), a warp per (head, group of 32 channels)
     for (int j = warp; j < G * (D / 32); j += WARPS) {
@@ -283,7 +332,8 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
     for (; t0 < hi; t0 += WARPS * TILE) {
         TileLoads<D, KB, VB> nxt;
         const int t1 = t0 + WARPS * TILE;
-        if (t1 < hi) load_tile(nxt, a, b, kvh, t1, hi, lane);
+        at.advance(WARPS * TILE, a.page_size);
+        if (t1 < hi) load_tile(nxt, a, rows, b, t1, at, hi, lane);
 
         // scores of keys g, g + 8 (rows) for heads 2t, 2t + 1
         float sc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -293,12 +343,15 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
             const __half2 st1 = __half2half2(__hmul(cur.ks[1], __float2half_rn(1.f / MK)));
             const __half2 hs0 = __half2half2(__hmul(cur.ks[0], __float2half_rn(0.5f / MK)));
             const __half2 hs1 = __half2half2(__hmul(cur.ks[1], __float2half_rn(0.5f / MK)));
+            constexpr bool HK = HIGH_NIBBLES<KB>;  // the odd pairs' steps
+            const __half2 so0 = HK ? __hmul2(st0, __float2half2_rn(1.f / 16)) : st0;
+            const __half2 so1 = HK ? __hmul2(st1, __float2half2_rn(1.f / 16)) : st1;
 #pragma unroll
             for (int s = 0; s < KS; ++s) {
                 const uint32_t ka[4] = {dequant2<KB>(key_codes<KB>(cur.kw[0], 2 * s), st0, hs0),
                                         dequant2<KB>(key_codes<KB>(cur.kw[1], 2 * s), st1, hs1),
-                                        dequant2<KB>(key_codes<KB>(cur.kw[0], 2 * s + 1), st0, hs0),
-                                        dequant2<KB>(key_codes<KB>(cur.kw[1], 2 * s + 1), st1, hs1)};
+                                        dequant2<KB, HK>(key_codes<KB>(cur.kw[0], 2 * s + 1), so0, hs0),
+                                        dequant2<KB, HK>(key_codes<KB>(cur.kw[1], 2 * s + 1), so1, hs1)};
                 mma<__half>(s % 2 ? sc2 : sc, ka, qb[s][0], qb[s][1]);
             }
 #pragma unroll
@@ -351,16 +404,19 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
             const __half2 st89 = __hmul2(__halves2half2(cur.vs[2], cur.vs[3]), rs);
             const __half2 hs01 = __hmul2(__halves2half2(cur.vs[0], cur.vs[1]), rh);
             const __half2 hs89 = __hmul2(__halves2half2(cur.vs[2], cur.vs[3]), rh);
+            constexpr bool HV = HIGH_NIBBLES<VB>;  // the odd channels' steps
+            const __half2 so01 = HV ? __hmul2(st01, __float2half2_rn(1.f / 16)) : st01;
+            const __half2 so89 = HV ? __hmul2(st89, __float2half2_rn(1.f / 16)) : st89;
 #pragma unroll
             for (int u = 0; u < KS; ++u) {
                 const uint32_t va[4] = {dequant2<VB>(value_codes<VB>(cur.vw[0], cur.vw[1], 2 * u), st01, hs01),
-                                        dequant2<VB>(value_codes<VB>(cur.vw[0], cur.vw[1], 2 * u + 1), st01, hs01),
+                                        dequant2<VB, HV>(value_codes<VB>(cur.vw[0], cur.vw[1], 2 * u + 1), so01, hs01),
                                         dequant2<VB>(value_codes<VB>(cur.vw[2], cur.vw[3], 2 * u), st89, hs89),
-                                        dequant2<VB>(value_codes<VB>(cur.vw[2], cur.vw[3], 2 * u + 1), st89, hs89)};
+                                        dequant2<VB, HV>(value_codes<VB>(cur.vw[2], cur.vw[3], 2 * u + 1), so89, hs89)};
                 mma<__half>(o[u], va, pb0, pb1);
             }
         }
-        if (t1 < hi) cur = nxt;
+        cur = nxt;  // past the split's end nothing reads it
     }
 
     // the warp's sums over its lanes of equal t, then its state into shared memory (channels in order)
@@ -390,7 +446,7 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
     __syncthreads();
     // the block's state per (head, channel): warps without keys hold m = -inf, l = 0, o = 0 (weight 0)
     const bool alone = n_used <= 1;
-    const int n_arrive = alone ? 0 : max(n_used, 1);  // only the splits the sequence uses arrive
+    const int n_arrive = alone ? 0 : n_used;  // only the splits the sequence uses arrive
     float* out_f = sm.q;  // the merged output [G][D] before its rotation back
     const long long part0 = ((long long)b * a.hkv + kvh) * G * S;  // (b, head kvh * G) row of the partials
     for (int i = threadIdx.x; i < G * D; i += THREADS) {
@@ -559,8 +615,12 @@ Tensor decode_attention_qsplit(const Tensor& q, const Tensor& k_codes, const Ten
     a.counters = counters.data_ptr<int>();
     a.q_t = q.stride(0), a.q_h = q.stride(1), a.o_t = out.stride(0), a.o_h = out.stride(1);
     a.pt_b = page_table.stride(0);
-    a.k_p = k_codes.stride(0), a.k_s = k_codes.stride(1), a.v_p = v_codes.stride(0), a.v_s = v_codes.stride(1);
-    a.ks_p = k_scales.stride(0), a.ks_s = k_scales.stride(1), a.vs_p = v_scales.stride(0), a.vs_s = v_scales.stride(1);
+    for (const Tensor* x : {&k_codes, &v_codes, &k_scales, &v_scales})
+        TORCH_CHECK(x->size(1) * x->stride(1) < (1ll << 31), "decode_attention_qsplit: a page's rows must span under 2^31 "
+                    "elements (page size ", x->size(1), ", row stride ", x->stride(1), ")");
+    a.k_p = k_codes.stride(0), a.k_s = (int)k_codes.stride(1), a.v_p = v_codes.stride(0), a.v_s = (int)v_codes.stride(1);
+    a.ks_p = k_scales.stride(0), a.ks_s = (int)k_scales.stride(1), a.vs_p = v_scales.stride(0);
+    a.vs_s = (int)v_scales.stride(1);
     a.page_size = (int)ps;
     a.group = (int)(Hq / Hkv);
     a.hkv = (int)Hkv;
