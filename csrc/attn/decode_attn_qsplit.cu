@@ -72,7 +72,7 @@ struct QSplitArgs {
 };
 
 // One tile's loads for one lane: keys g, g + 8 (its D / 4 key channels), keys 2t, 2t + 1, 2t + 8, 2t + 9 (its
-// D / 8 value channels) and their scales. Keys past the split's end read nothing: zero words and scales.
+// D / 8 value channels) and their scales. Keys past the split's end get a zero scale (load_row).
 template <int D, int KB, int VB>
 struct TileLoads {
     static constexpr int NWK = D / 4 * KB / 32;  // words of a lane's key channels
@@ -99,12 +99,6 @@ __device__ __forceinline__ void load_words(uint32_t (&w)[N], const uint32_t* p) 
         static_assert(N == 1, "words per lane: 1, 2, 4 or 8");
         w[0] = __ldg(p);
     }
-}
-
-template <int N>
-__device__ __forceinline__ void zero_words(uint32_t (&w)[N]) {
-#pragma unroll
-    for (int i = 0; i < N; ++i) w[i] = 0u;
 }
 
 // One key or value row's words and scale for this lane. A tile lies inside one allocated page, so rows past the keys
@@ -157,8 +151,8 @@ __device__ __forceinline__ LaneRows lane_rows(const QSplitArgs& a, int kvh, int 
     return r;
 }
 
-// tile keys t0 .. t0 + 15 (page and slot `at`) of sequence b below `hi` (a tile lies inside one page: page_size % 16
-// == 0)
+// Tile keys t0 .. t0 + 15 of sequence b below `hi`, at page and slot `at` (a tile lies inside one page: the page
+// size is a multiple of 16).
 template <int D, int KB, int VB>
 __device__ __forceinline__ void load_tile(TileLoads<D, KB, VB>& L, const QSplitArgs& a, const LaneRows& r, int b,
                                           int t0, TileCursor at, int hi, int lane) {
