@@ -20,7 +20,7 @@ import torch
 from exl3_core import ops
 from exl3_core.lora.selection import Selection
 from exl3_core.lora.stack import LoraStack
-from exl3_core.nn.adapters import current_rows
+from exl3_core.nn.adapters import AdapterInput, PendingDeltas, current_rows, formed
 
 #: the name every LoRA adapter object carries on its linear (one per linear, holding every adapter)
 ADAPTER_NAME = "lora"
@@ -28,6 +28,15 @@ ADAPTER_NAME = "lora"
 
 def _capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _rows2(t: torch.Tensor, width: int) -> torch.Tensor | None:
+    """``t`` as ``[rows, width]`` with a unit last stride, without a copy; None where no view does."""
+    try:
+        t2 = t.view(-1, width)
+    except RuntimeError:
+        return None
+    return t2 if t2.stride(-1) == 1 else None
 
 
 class LoraLinear:
@@ -78,26 +87,18 @@ class LoraLinear:
         xa = torch.einsum("ti,uri->tur", x2.float(), a) * coef[:, :, None]
         return torch.einsum("tur,uro->to", xa, bt)
 
-    def add_delta(self, y: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def add_delta(self, y: torch.Tensor, x: AdapterInput, out: torch.Tensor) -> torch.Tensor:
         """``out = y + delta(x)`` summed in fp32, rounded once to ``out``'s dtype (``out`` may be ``y``)."""
-        x2 = x.reshape(-1, self.in_features)
-        try:
-            y2, o2 = y.view(-1, self.out_features), out.view(-1, self.out_features)
-        except RuntimeError:  # an output no 2-D view covers: add out of place
-            o = self.add_delta(y.contiguous(), x, torch.empty_like(y.contiguous()))
-            return out.copy_(o)
-        if ops.fused_enabled(x2) and y2.stride(-1) == 1 and o2.stride(-1) == 1:
-            if self._skip(x2):
-                return out if out is y else out.copy_(y)
-            from exl3_core.lora.kernels import lora_add
+        pending = self.begin_group([self], x, fallback=True)
+        assert pending is not None
+        return pending.finish([y], [out])[0]
 
-            lora_add(x2, y2, o2, self.stack, self.selection, self._kernel_rows(x2))
-            return out
-        d = self._delta2(x2)
+    def _add_torch(self, y: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        d = self._delta2(x.reshape(-1, self.in_features))
         if d is None:
             return out if out is y else out.copy_(y)
-        o2.copy_((y2.float() + d).to(out.dtype))
-        return out
+        o = (y.reshape(-1, self.out_features).float() + d).to(out.dtype)
+        return out.copy_(o.view(out.shape))
 
     def _skip(self, x2: torch.Tensor) -> bool:
         """No adapter is active (known on the host outside a graph capture): nothing to launch."""
@@ -109,33 +110,44 @@ class LoraLinear:
             self.selection.ensure(n, _capturing(x2))
         return rows
 
-    def add_group(self, members: Sequence[object], ys: Sequence[torch.Tensor], x: torch.Tensor) -> bool:
-        """The deltas of LoRA adapters on linears reading ``x`` (q/k/v, gate/up) in one launch pair: the Triton
-        path with one selection and weight dtype, outputs with unit last strides; else False (one by one)."""
-        from exl3_core.lora.kernels import MAX_GROUP, lora_add_group
+    def begin_group(self, members: Sequence[object], x: AdapterInput, fallback: bool = False) -> PendingDeltas | None:
+        """The deltas of LoRA adapters on linears reading ``x`` (q/k/v, gate/up, or this one alone): the shrink
+        now, then the expand once the outputs exist (the Triton path, with one selection and weight dtype); else
+        None, or with ``fallback`` the torch form at finish."""
+        from exl3_core.lora.kernels import MAX_GROUP, ShrinkInput, lora_expand, lora_shrink
 
-        x2 = x.reshape(-1, self.in_features)
-        if not ops.fused_enabled(x2) or not 1 <= len(members) <= MAX_GROUP:
-            return False
         lins: list[LoraLinear] = []
         for m in members:
             if not (isinstance(m, LoraLinear) and m.selection is self.selection and m.in_features == self.in_features
                     and m.stack.a.dtype == self.stack.a.dtype):
-                return False
+                return None
             lins.append(m)
-        y2s = []
-        for y, m in zip(ys, lins):
-            try:
-                y2 = y.view(-1, m.out_features)
-            except RuntimeError:
-                return False
-            if y2.stride(-1) != 1 or y2.dtype != ys[0].dtype:
-                return False
-            y2s.append(y2)
-        if self._skip(x2):
-            return True
-        lora_add_group(x2, y2s, y2s, [m.stack for m in lins], self.selection, self._kernel_rows(x2))
-        return True
+        inp = ShrinkInput.of(x, self.in_features) if len(lins) <= MAX_GROUP else None
+        if inp is None or not ops.fused_enabled(inp.x2):
+            if not fallback:
+                return None
+            return PendingDeltas(lambda ys, outs: [m._add_torch(y, formed(x), o) for y, o, m in zip(ys, outs, lins)])
+        if self._skip(inp.x2):
+            return PendingDeltas(lambda ys, outs: [o if o is y else o.copy_(y) for y, o in zip(ys, outs)])
+        shrunk = lora_shrink(inp, [m.stack for m in lins], self.selection, self._kernel_rows(inp.x2))
+
+        def finish(ys: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+            y2s, o2s = [], []
+            for y, o, m in zip(ys, outs, lins):
+                y2, o2 = _rows2(y, m.out_features), _rows2(o, m.out_features)
+                if y2 is None or o2 is None or y.dtype != ys[0].dtype or o.dtype != ys[0].dtype:
+                    break
+                y2s.append(y2)
+                o2s.append(o2)
+            else:
+                lora_expand(shrunk, y2s, o2s)
+                return list(outs)
+            # an output no unit-strided 2-D view covers: the expand into contiguous copies
+            yc = [y.reshape(-1, m.out_features).contiguous().to(ys[0].dtype) for y, m in zip(ys, lins)]
+            lora_expand(shrunk, yc, yc)
+            return [o.copy_(c.view(o.shape)) for o, c in zip(outs, yc)]
+
+        return PendingDeltas(finish)
 
     def __repr__(self) -> str:
         return (f"LoraLinear({self.key}: {len(self.stack.entries)} adapter(s), rank {self.stack.rank}, "

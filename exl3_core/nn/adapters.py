@@ -14,8 +14,9 @@ rows routed to them) says which ones with :func:`row_map`, and adapters read :fu
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -34,11 +35,75 @@ class LinearAdapter(Protocol):
         ...
 
 
+class PendingInput:
+    """An adapter input that no kernel has formed yet, described so that an adapter's own kernel can form it
+    where it reads it (no launch of its own); :meth:`formed` computes it as the plain modules do, once."""
+
+    def __init__(self, form: Callable[[], torch.Tensor]) -> None:
+        self._form = form
+        self._x: torch.Tensor | None = None
+
+    def formed(self) -> torch.Tensor:
+        if self._x is None:
+            self._x = self._form()
+        return self._x
+
+
+class NormedInput(PendingInput):
+    """``rms_norm(h)``: ``h [..., d]``, ``ss`` fp32 ``[>= rows]`` the sums of squares of ``h``'s rows, the norm's
+    ``weight`` (fp32 ``[d]``, or None), ``eps`` and ``offset`` (the scale is ``weight + offset``)."""
+
+    def __init__(self, h: torch.Tensor, ss: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float,
+                 form: Callable[[], torch.Tensor]) -> None:
+        super().__init__(form)
+        self.h, self.ss, self.weight, self.eps, self.offset = h, ss, weight, eps, offset
+
+
+def norm_formable(h: torch.Tensor, ss: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether a kernel can form ``rms_norm(h)`` from these as it reads ``h``: ``ss`` fp32, one unit-strided entry
+    per row of ``h`` (or more), ``weight`` None or fp32 ``[d]``, all on ``h``'s device."""
+    d = h.shape[-1]
+    return (ss.dtype == torch.float32 and ss.dim() == 1 and ss.stride(0) == 1 and ss.device == h.device
+            and ss.shape[0] >= h.numel() // max(d, 1)
+            and (weight is None or (weight.dtype == torch.float32 and weight.shape == (d,) and weight.device == h.device)))
+
+
+class GatedInput(PendingInput):
+    """``act(gate) * up`` (a gated MLP's down-projection input), ``act`` a name of
+    :data:`exl3_core.kernels.codes.ACT_CODES`."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, act: str, form: Callable[[], torch.Tensor]) -> None:
+        super().__init__(form)
+        self.gate, self.up, self.act = gate, up, act
+
+
+#: what an adapter reads: a tensor, or one no kernel has formed yet
+AdapterInput = torch.Tensor | PendingInput
+
+
+def formed(x: AdapterInput) -> torch.Tensor:
+    """``x`` as a tensor (formed now where it was pending)."""
+    return x if isinstance(x, torch.Tensor) else x.formed()
+
+
+#: adds a group's deltas to the linears' outputs after their launch: ``finish(ys, outs) -> outs`` with ``outs[i] =
+#: ys[i] + delta_i`` (``outs[i]`` may be ``ys[i]``: in place)
+Finish = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class PendingDeltas:
+    """A group's deltas whose input part is launched: ``finish`` adds them to the outputs once the linears'
+    launch has made them."""
+
+    finish: Finish
+
+
 @runtime_checkable
 class FusedAdapter(LinearAdapter, Protocol):
     """An adapter that adds its delta into an output itself (one kernel instead of delta, cast and add)."""
 
-    def add_delta(self, y: torch.Tensor, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def add_delta(self, y: torch.Tensor, x: AdapterInput, out: torch.Tensor) -> torch.Tensor:
         """``out = y + delta(x)`` summed in fp32 and rounded once to ``out``'s dtype, as :func:`adapted`
         does; ``out`` may be ``y`` (in place). Returns ``out``."""
         ...
@@ -46,27 +111,33 @@ class FusedAdapter(LinearAdapter, Protocol):
 
 @runtime_checkable
 class GroupAdapter(FusedAdapter, Protocol):
-    """An adapter that can add its delta together with those of adapters on other linears reading the same input
-    (q/k/v, gate/up) in fewer launches than one by one."""
+    """An adapter that computes its delta together with those of adapters on other linears reading the same input
+    (q/k/v, gate/up) in fewer launches than one by one, and starts on the input before the linears' own launch."""
 
-    def add_group(self, members: Sequence[LinearAdapter], ys: Sequence[torch.Tensor], x: torch.Tensor) -> bool:
-        """Add the deltas of ``members`` (one per linear reading ``x``, this adapter among them) into ``ys`` (their
-        outputs, owned) in place; False, with nothing done, where it cannot."""
+    def begin_group(self, members: Sequence[LinearAdapter], x: AdapterInput) -> PendingDeltas | None:
+        """Launch what reads only ``x`` for ``members`` (one per linear reading ``x``, this adapter among them)
+        now, and say how their deltas join the linears' outputs once those exist. None, with nothing done,
+        where it cannot."""
         ...
 
 
-def adapted_group(ys: list[torch.Tensor], x: torch.Tensor, layers: Sequence[torch.nn.Module]) -> list[torch.Tensor]:
-    """``[adapted(y, x, layer.adapters, owned=True)]`` for linears reading the same ``x``, in one group call where
-    each linear carries one :class:`GroupAdapter` that takes the group."""
+def begin_adapters(x: AdapterInput, layers: Sequence[torch.nn.Module]) -> PendingDeltas:
+    """Start the adapters of linears reading ``x`` before the linears' own launch (a :class:`GroupAdapter` on
+    each linear launches its input's part now)."""
     ads: list[tuple[LinearAdapter, ...]] = [getattr(m, "adapters", ()) for m in layers]
-    if len(ys) > 1 and all(len(a) == 1 for a in ads):
-        first = ads[0][0]
-        if isinstance(first, GroupAdapter) and first.add_group([a[0] for a in ads], ys, x):
-            return ys
-    return [adapted(y, x, a, owned=True) for y, a in zip(ys, ads)]
+    if all(len(a) == 1 for a in ads) and isinstance(ads[0][0], GroupAdapter):
+        pending = ads[0][0].begin_group([a[0] for a in ads], x)
+        if pending is not None:
+            return pending
+
+    def one_by_one(ys: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        done = [adapted(y, x, a, owned=o is y) for y, o, a in zip(ys, outs, ads)]
+        return [o if d is o else o.copy_(d) for d, o in zip(done, outs)]
+
+    return PendingDeltas(one_by_one)
 
 
-def adapted(y: torch.Tensor, x: torch.Tensor, adapters: tuple[LinearAdapter, ...], *,
+def adapted(y: torch.Tensor, x: AdapterInput, adapters: tuple[LinearAdapter, ...], *,
             owned: bool = False) -> torch.Tensor:
     """``y`` plus every adapter's delta of ``x`` (``y`` itself when there are none), in ``y``'s dtype.
     ``owned``: nothing else reads ``y``, so a :class:`FusedAdapter` may add into it in place."""
@@ -76,7 +147,7 @@ def adapted(y: torch.Tensor, x: torch.Tensor, adapters: tuple[LinearAdapter, ...
         return adapters[0].add_delta(y, x, y if owned else torch.empty_like(y))
     acc = y.float()
     for a in adapters:
-        acc = acc + a.delta(x).float()
+        acc = acc + a.delta(formed(x)).float()
     return acc.to(y.dtype)
 
 

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 import torch
 
 from exl3_core import ops
-from exl3_core.nn.adapters import adapted, adapted_group
+from exl3_core.nn.adapters import (
+    AdapterInput,
+    GatedInput,
+    NormedInput,
+    PendingDeltas,
+    begin_adapters,
+    norm_formable,
+)
 from exl3_core.nn.norm import RMSNorm
 from exl3_core.plan.kernels import LinearKernels
 from exl3_core.plan.report import Decision, decide
@@ -44,6 +51,10 @@ class DeferredNorm:
 
     def materialize(self) -> torch.Tensor:
         return self.norm(self.h)
+
+    def adapter_input(self) -> NormedInput:
+        """The normed rows as adapters read them (their kernels may normalise as they load)."""
+        return NormedInput(self.h, self.ss, self.norm.weight, self.norm.eps, self.norm.offset, self.materialize)
 
 
 def add_residual_ss(residual: torch.Tensor, y: torch.Tensor, ss: torch.Tensor) -> torch.Tensor:
@@ -116,9 +127,18 @@ class Projection:
                 and all(m.trellis.device == h.device and not (no_bias and m.bias is not None) for m in self._lins()))
 
     def _prologue_ok(self, d: DeferredNorm) -> bool:
-        w = d.norm.weight
-        return (d.ss.dtype == torch.float32 and d.ss.device == d.h.device and d.ss.dim() == 1 and d.ss.stride(0) == 1
-                and (w is None or (w.dtype == torch.float32 and w.shape == (d.h.shape[-1],) and w.device == d.h.device)))
+        return norm_formable(d.h, d.ss, d.norm.weight)
+
+    def _grouped_adapters(self) -> bool:
+        """The adapters' deltas are added for the group at once (else each linear, run as a module, adds its own)."""
+        return self.has_adapters and not hooked(self.layers) and all(isinstance(m, EXL3Linear) for m in self.layers)
+
+    def _adapters(self, x: torch.Tensor | DeferredNorm) -> PendingDeltas | None:
+        """The adapters' part that reads only the input (their kernels may form it as they load it), launched
+        after the linears' own launch, so that launch directly follows the kernel before it; None: no adapters."""
+        if not self._grouped_adapters():
+            return None
+        return begin_adapters(x.adapter_input() if isinstance(x, DeferredNorm) else x, self.layers)
 
     def run(self, x: torch.Tensor | DeferredNorm) -> list[torch.Tensor]:
         """``[layer(x) for layer in layers]``, in one launch where the kernels take it."""
@@ -126,15 +146,20 @@ class Projection:
             if self.launchable(x.h) and self._prologue_ok(x):
                 ys = self.kernels.group_ex(x.h.reshape(-1, x.h.shape[-1]), self._lins(),
                                            NormPrologue(x.ss, x.norm.weight, x.norm.eps, x.norm.offset), None)
-                return self._finish(ys, x.h, None if not self.has_adapters else x.materialize())
+                return self._finish(ys, x.h, self._adapters(x))
             x = x.materialize()
         rows = _rows(x)
         if (not self.rebuild_why and x.device == self.device and rows >= REBUILD_MIN_ROWS and not hooked(self.layers)
                 and all(m.trellis.device == x.device for m in self._lins())):
-            return self._finish(self.kernels.rebuild_gemm(self._padded2(x), self._lins()), x, x)
+            return self._finish(self.kernels.rebuild_gemm(self._padded2(x), self._lins()), x, self._adapters(x))
         if not self.group_why and self.launchable_plain(x):
-            return self._finish(self.kernels.group(self._padded2(x), self._lins()), x, x)
-        return [m(x) for m in self.layers]
+            return self._finish(self.kernels.group(self._padded2(x), self._lins()), x, self._adapters(x))
+        if self._grouped_adapters():  # one by one, the adapters' deltas grouped (one launch pair, not one per linear)
+            ys = [m.forward_base(x) for m in self._lins()]
+            pending = self._adapters(x)
+            assert pending is not None
+            return pending.finish(ys, ys)
+        return [m(x) for m in self.layers]  # each linear adds its own adapters' deltas
 
     def launchable_plain(self, x: torch.Tensor) -> bool:
         """Runtime conditions of the grouped launch on a plain input (any float dtype: it casts)."""
@@ -164,11 +189,11 @@ class Projection:
             return torch.nn.functional.pad(x2, (0, width - x2.shape[-1]))
         return x2
 
-    def _finish(self, ys: list[torch.Tensor], like: torch.Tensor, x: torch.Tensor | None) -> list[torch.Tensor]:
+    def _finish(self, ys: list[torch.Tensor], like: torch.Tensor, pending: PendingDeltas | None) -> list[torch.Tensor]:
+        """The launch's outputs as the layers' (trimmed, biased), with ``pending``'s deltas added once the
+        did not add them."""
         out = launch_outputs(self._lins(), ys, tuple(like.shape[:-1]), like.dtype)
-        if self.has_adapters and x is not None:
-            out = adapted_group(out, x, self.layers)
-        return out
+        return pending.finish(out, out) if pending is not None else out
 
 
 ActMul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -242,13 +267,13 @@ class ResidualOut:
                 and up.shape[-1] in (m.in_features, m.padded_in_features) and _rows(up) <= self.max_rows
                 and up.dtype == torch.float16 and gate.dtype == torch.float16 and not hooked((m,))):
             rows = _rows(up)
+            pending = begin_adapters(GatedInput(gate, up, self.act, lambda: act_mul(gate, up)), (m,)) \
+                if m.adapters else None
             y = self.kernels.act(m, gate.reshape(rows, -1), up.reshape(rows, -1), self.act)
             if m.bias is not None:
                 y = y + m.bias.to(y.dtype)
             y = y[:, : m.out_features].reshape(*up.shape[:-1], m.out_features)
-            if m.adapters:
-                y = adapted(y, act_mul(gate, up), m.adapters, owned=True)
-            return y
+            return pending.finish([y], [y])[0] if pending is not None else y
         return m(act_mul(gate, up))
 
     def run(self, x: torch.Tensor, residual: torch.Tensor, ss: torch.Tensor, plain: Callable[[], torch.Tensor],
@@ -260,8 +285,11 @@ class ResidualOut:
         if not self.why and (gate is None or self.gate_ok) and self._fits(x, residual, gate):
             assert isinstance(m, EXL3Linear)
             if m.adapters:  # the adapter's delta joins the residual the launch adds
-                inp = x if gate is None or act_mul is None else act_mul(gate, x)
-                residual = adapted(residual, inp, m.adapters)
+                inp: AdapterInput = x
+                if gate is not None and act_mul is not None:  # a gate comes with a fused activation (gate_ok)
+                    assert self.act is not None
+                    inp = GatedInput(gate, x, self.act, lambda: act_mul(gate, x))
+                residual = begin_adapters(inp, (m,)).finish([residual], [torch.empty_like(residual)])[0]
             return self.kernels.residual(m, x, residual, ss, gate, self.act if gate is not None else None)
         return add_residual_ss(residual, plain(), ss)
 

@@ -22,7 +22,7 @@ from exl3_core.lora import LoraError, lora_set
 from exl3_core.lora.linear import LoraLinear
 from exl3_core.lora.selection import Selection
 from exl3_core.lora.stack import LoraStack, StackEntry
-from exl3_core.nn.adapters import row_map
+from exl3_core.nn.adapters import PendingInput, row_map
 from exl3_core.nn.linear import DenseLinear
 from exl3_core.plan import ExecutionPlan
 from exl3_core.quant.exl3.linear import EXL3Linear
@@ -44,18 +44,18 @@ def _linears(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 # -- the kernels -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("expand", ["per_entry", "wide"])
-@pytest.mark.parametrize("split_k", [1024, 256], ids=["one_slice", "slices"])
+@pytest.mark.parametrize("slice_values", [1, 8192], ids=["one_slice", "slices"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 37])
-def test_kernels_equal_torch_form(dtype: torch.dtype, rows: int, split_k: int, expand: str,
+def test_kernels_equal_torch_form(dtype: torch.dtype, rows: int, slice_values: int, expand: str,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """``split_k`` 256: the 600 input features in three shrink slices (at decode sizes, slices of the real
-    width), summed by the expand kernel; ``expand``: one dependent round per active entry, or every entry in one
-    product (8 slots x rank 64 here)."""
+    """``slice_values`` 8192: at decode sizes the 600 input features in five shrink slices of one input block,
+    summed by the expand kernel (1: one slice); ``expand``: one dependent round per active entry, or every entry
+    in one product (8 slots x rank 64 here)."""
     from exl3_core.lora import kernels
     from exl3_core.lora.kernels import lora_add
 
-    monkeypatch.setattr(kernels, "SPLIT_K", split_k)
+    monkeypatch.setattr(kernels, "MAX_SLICE_VALUES", slice_values)
     monkeypatch.setattr(kernels, "WIDE_MAX_VALUES", 8 * 64 if expand == "wide" else 0)
 
     g = torch.Generator().manual_seed(rows)
@@ -114,7 +114,45 @@ def test_group_kernels_equal_one_by_one(dtype: torch.dtype) -> None:
     lora_add_group(x, outs, outs, [m.stack for m in lins], sel, None)
     for o, r in zip(outs, refs):
         assert rel_err(o, r) < (1e-5 if dtype == torch.float32 else 2e-3)
-    assert lins[0].add_group(lins, ys, x) is False, "the group form ran without the fused path"
+    assert lins[0].begin_group(lins, x) is None, "the group form ran without the fused path"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_shrink_forms_normed_and_gated_inputs(dtype: torch.dtype) -> None:
+    """The shrink normalises (deferred RMSNorm) or gates (act(gate) * up) its input as it loads it: the same deltas
+    as from the input formed by the plain modules, so no norm or activation launch runs for the adapters."""
+    from exl3_core.kernels.fused import act_mul, rms_norm_residual
+    from exl3_core.lora.kernels import FORM_GATED, FORM_NORM, ShrinkInput, lora_add_group
+    from exl3_core.nn.adapters import GatedInput, NormedInput
+
+    g = torch.Generator().manual_seed(11)
+    n_in, cap, rows = 96, 3, 5
+    sel = Selection(torch.device("cpu"), cap, rows=rows)
+    sel.fill([({0: 1.0}, 2), ({1: 0.5, 2: -1.0}, rows - 2)])
+    entries = [StackEntry(s, torch.randn(r, n_in, generator=g) / 8, torch.randn(r, 40, generator=g) / 4, 0.5 + s)
+               for s, r in ((0, 8), (1, 4), (2, 16))]
+    lin = LoraLinear("l", n_in, 40, LoraStack.build(entries, cap, torch.device("cpu"), dtype), sel)
+    h = (3 * torch.randn(rows, n_in, generator=g)).to(dtype)
+    w = torch.rand(n_in, generator=g) + 0.5
+    normed = NormedInput(h, h.float().pow(2).sum(-1), w, 1e-5, 0.25,
+                         lambda: rms_norm_residual(h, None, w, 1e-5, 0.25)[0])
+    gate, up = torch.randn(rows, n_in, generator=g).to(dtype), torch.randn(rows, n_in, generator=g).to(dtype)
+    gated = [GatedInput(gate, up, act, lambda act=act: act_mul(act, gate, up)) for act in ("silu", "gelu_tanh")]
+    y = torch.randn(rows, 40, generator=g).to(dtype)
+    for inp, form in [(normed, FORM_NORM)] + [(gi, FORM_GATED) for gi in gated]:
+        si = ShrinkInput.of(inp, n_in)
+        assert si is not None and si.form == form
+        x = inp.formed()
+        want = torch.empty_like(y)
+        lora_add_group(x, [y], [want], [lin.stack], sel, None)
+        got = torch.empty_like(y)
+        lora_add_group(si, [y], [got], [lin.stack], sel, None)
+        assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-3)
+        assert rel_err(got, (y.float() + lin.delta(x)).to(dtype)) < (1e-5 if dtype == torch.float32 else 2e-3)
+        assert rel_err(got, y) > 1e-2, "the deltas are too small for the test to see a wrongly formed input"
+    # a norm weight of another width cannot be formed in the kernel: the plain path takes it
+    bad = NormedInput(h, h.float().pow(2).sum(-1), w[:-1], 1e-5, 0.0, lambda: h)
+    assert ShrinkInput.of(bad, n_in) is None
 
 
 # -- EXL3 bases ------------------------------------------------------------------------------------------------
@@ -190,21 +228,42 @@ def test_fused_decode_steps_mix_adapters(tmp_path: Path, monkeypatch: pytest.Mon
 
     ref = _decode_steps(reference, model, Cache(model, 16 * PAGE, page_size=PAGE), prompts, choices, 2)
     calls: dict[int, int] = {}
-    real = lora_kernels.lora_add_group
+    events: list[tuple[str, int]] = []  # the launches in order: ("shrink", linears) and ("group_ex", linears)
+    real = lora_kernels.lora_shrink
 
-    def counted(x2: torch.Tensor, ys: list, *a: object) -> None:
-        calls[len(ys)] = calls.get(len(ys), 0) + 1
-        real(x2, ys, *a)  # type: ignore[arg-type]
+    def counted(inp: object, stacks: list, *a: object) -> object:
+        calls[len(stacks)] = calls.get(len(stacks), 0) + 1
+        events.append(("shrink", len(stacks)))
+        return real(inp, stacks, *a)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(lora_kernels, "lora_add_group", counted)
+    formed: list[str] = []
+    real_formed = PendingInput.formed
+
+    def formed_counted(self: PendingInput) -> torch.Tensor:
+        formed.append(type(self).__name__)
+        return real_formed(self)
+
+    monkeypatch.setattr(lora_kernels, "lora_shrink", counted)
+    monkeypatch.setattr(PendingInput, "formed", formed_counted)
     monkeypatch.setattr(ops, "fused_enabled", lambda t: True)
     kernels = EmulatedKernels()
+    real_group_ex = kernels.group_ex
+
+    def group_ex(h2: torch.Tensor, lins: list, *a: object) -> list:
+        events.append(("group_ex", len(lins)))
+        return real_group_ex(h2, lins, *a)  # type: ignore[arg-type]
+
+    kernels.group_ex = group_ex  # type: ignore[method-assign]
     plan = ExecutionPlan(model, kernels=kernels)
     got = _decode_steps(plan.forward, model, Cache(model, 16 * PAGE, page_size=PAGE), prompts, choices, 2)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
     # per decode step of the one layer: q/k/v in one launch pair, gate/up in one, o and down one each
     assert calls.get(3, 0) >= 2 and calls.get(2, 0) >= 2 and calls.get(1, 0) >= 2 * 2, calls
+    assert not formed, f"the adapters formed their input with launches of its own: {formed}"
+    # at decode sizes q/k/v's and gate/up's shrinks follow their base launch, which follows the kernel before it
+    launches = [i for i, e in enumerate(events) if e[0] == "group_ex" and e[1] > 1]
+    assert len(launches) >= 2 * 2 and all(events[i + 1] == ("shrink", events[i][1]) for i in launches), str(events)
     assert kernels.calls.get("residual_gated", 0) >= 2, "down lost its fused launch (one per decode step)"
     monkeypatch.setattr(ops, "fused_enabled", lambda t: False)
     bare = _decode_steps(reference, model, Cache(model, 16 * PAGE, page_size=PAGE), prompts, [None] * 3, 2)

@@ -209,6 +209,15 @@ class EXL3Linear(torch.nn.Module):
     # ---- forward
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.forward_base(x)
+        if self.adapters:
+            from exl3_core.nn.adapters import adapted
+
+            y = adapted(y, x[..., : self.in_features], self.adapters, owned=True)
+        return y
+
+    def forward_base(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's own output, without its adapters' deltas (a caller that adds them itself, grouped)."""
         width = x.shape[-1]
         if width not in (self.in_features, self.padded_in_features):
             raise ValueError(
@@ -218,12 +227,7 @@ class EXL3Linear(torch.nn.Module):
         y = exl3_matmul(x, self)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        y = y[..., : self.out_features].to(x.dtype)
-        if self.adapters:
-            from exl3_core.nn.adapters import adapted
-
-            y = adapted(y, x[..., : self.in_features], self.adapters, owned=True)
-        return y
+        return y[..., : self.out_features].to(x.dtype)
 
     def extra_repr(self) -> str:
         return (
