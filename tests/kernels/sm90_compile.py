@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)  # before any kernel is decorated
+# this checkout's packages, not an installed exl3 elsewhere: a script starts with its own folder first on sys.path
+_ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(_ROOT), str(_ROOT / "plugins" / "attn_backends" / "src")]
 
 import torch
 from triton.backends.compiler import GPUTarget
