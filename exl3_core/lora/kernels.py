@@ -118,30 +118,29 @@ def _shrink_kernel(X, GATE, SS, NW, A0, A1, A2, L0, L1, L2, S0, S1, S2, SLOTS, C
         if PDL:  # a programmatic dependent: let the next launch start its own prefetch, then wait for the input
             gdc_launch_dependents()
             gdc_wait()  # also before any store: the memory may be a buffer the kernel before still reads
-        if live:
-            if HAS_MAP:  # the row map may come from a kernel of this step
-                crow = tl.load(ROWMAP + rows, mask=rmask, other=0)
-                c = tl.load(COEF + crow.to(tl.int64) * stride_coef + u, mask=rmask, other=0.0)
-            inv = tl.full((BM,), 1.0, tl.float32)
-            if FORM == 1:  # FORM_NORM: each row's RMS scale, as the norm kernel's (exl3_core.kernels.fused)
-                inv = tl.rsqrt(tl.load(SS + rows, mask=rmask, other=1.0) / K + eps)
-            acc = tl.zeros((BM, BR), dtype=tl.float32)
-            for k0 in range(k_lo, tl.minimum(k_lo + SPLIT, K), BK):
-                if k0 != k_lo:  # the first block's weights are loaded above
-                    kk = k0 + tl.arange(0, BK)
-                    kmask = kk < K
-                    a = tl.load(A + loc * s_as + rr[:, None] * s_ar + kk[None, :],
-                                mask=rank_ok[:, None] & kmask[None, :], other=0.0)
-                x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + kk[None, :],
-                            mask=rmask[:, None] & kmask[None, :], other=0.0)
-                x = _form_input(x, GATE, NW, rows, kk, rmask, kmask, stride_g, inv, offset, FORM, HAS_W, ACT)
-                if IEEE:
-                    acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
-                else:
-                    acc += tl.dot(x.to(a.dtype), tl.trans(a))
-            acc = acc * (c * s)[:, None]
-            tl.store(XA + (((ks * R + rows[:, None].to(tl.int64)) * NUM + g) * U + u) * BR + rr[None, :], acc,
-                     mask=rmask[:, None])
+        if HAS_MAP:  # the row map may come from a kernel of this step
+            crow = tl.load(ROWMAP + rows, mask=rmask, other=0)
+            c = tl.load(COEF + crow.to(tl.int64) * stride_coef + u, mask=rmask, other=0.0)
+        inv = tl.full((BM,), 1.0, tl.float32)
+        if FORM == 1:  # FORM_NORM: each row's RMS scale, as the norm kernel's (exl3_core.kernels.fused)
+            inv = tl.rsqrt(tl.load(SS + rows, mask=rmask, other=1.0) / K + eps)
+        acc = tl.zeros((BM, BR), dtype=tl.float32)
+        for k0 in range(k_lo, tl.minimum(k_lo + SPLIT, K), BK):
+            if k0 != k_lo:  # the first block's weights are loaded above
+                kk = k0 + tl.arange(0, BK)
+                kmask = kk < K
+                a = tl.load(A + loc * s_as + rr[:, None] * s_ar + kk[None, :],
+                            mask=rank_ok[:, None] & kmask[None, :], other=0.0)
+            x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + kk[None, :],
+                        mask=rmask[:, None] & kmask[None, :], other=0.0)
+            x = _form_input(x, GATE, NW, rows, kk, rmask, kmask, stride_g, inv, offset, FORM, HAS_W, ACT)
+            if IEEE:
+                acc += tl.dot(x.to(tl.float32), tl.trans(a.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x.to(a.dtype), tl.trans(a))
+        acc = acc * (c * s)[:, None]
+        tl.store(XA + (((ks * R + rows[:, None].to(tl.int64)) * NUM + g) * U + u) * BR + rr[None, :], acc,
+                 mask=rmask[:, None])
 
 
 @triton.jit

@@ -112,7 +112,7 @@ class FusedAdapter(LinearAdapter, Protocol):
 @runtime_checkable
 class GroupAdapter(FusedAdapter, Protocol):
     """An adapter that computes its delta together with those of adapters on other linears reading the same input
-    (q/k/v, gate/up) in fewer launches than one by one, and starts on the input before the linears' own launch."""
+    (q/k/v, gate/up) in fewer launches than one by one, starting on the input apart from adding to the outputs."""
 
     def begin_group(self, members: Sequence[LinearAdapter], x: AdapterInput) -> PendingDeltas | None:
         """Launch what reads only ``x`` for ``members`` (one per linear reading ``x``, this adapter among them)
@@ -122,8 +122,8 @@ class GroupAdapter(FusedAdapter, Protocol):
 
 
 def begin_adapters(x: AdapterInput, layers: Sequence[torch.nn.Module]) -> PendingDeltas:
-    """Start the adapters of linears reading ``x`` before the linears' own launch (a :class:`GroupAdapter` on
-    each linear launches its input's part now)."""
+    """Start the adapters of linears reading ``x``: a :class:`GroupAdapter` on each linear launches its input's part
+    now (the caller picks whether before or after the linears' own launch); the deltas join at ``finish``."""
     ads: list[tuple[LinearAdapter, ...]] = [getattr(m, "adapters", ()) for m in layers]
     if all(len(a) == 1 for a in ads) and isinstance(ads[0][0], GroupAdapter):
         pending = ads[0][0].begin_group([a[0] for a in ads], x)

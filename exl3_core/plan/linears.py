@@ -190,8 +190,8 @@ class Projection:
         return x2
 
     def _finish(self, ys: list[torch.Tensor], like: torch.Tensor, pending: PendingDeltas | None) -> list[torch.Tensor]:
-        """The launch's outputs as the layers' (trimmed, biased), with ``pending``'s deltas added once the
-        did not add them."""
+        """The launch's outputs as the layers' (trimmed, biased), with ``pending``'s deltas added (the launch does
+        not add them)."""
         out = launch_outputs(self._lins(), ys, tuple(like.shape[:-1]), like.dtype)
         return pending.finish(out, out) if pending is not None else out
 
