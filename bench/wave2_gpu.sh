@@ -173,6 +173,7 @@ case "$stage" in
     # spprobe (bench/spec_target_probe.py), qtests (the test files in $QTESTS), cand:NAME (bench/candidates/NAME.patch,
     # see the candidate stage), golden (every golden cell converted on CUDA, bench/golden_seeds.py), profsmol (the
     # SmolLM2 shape's decode step per kernel at b=1 and b=16), profkvq (the 8B step per kernel, fp16 and K4V4 caches),
+    # prof (bench/profile_gpu.py once per ';'-separated argument set in $PROF),
     # ncuqs (the quantized-cache split decode kernels under ncu)
     stages=${STAGES:-fairness features tests ab1b ab8b ngram}
     echo "HEAD built $(date +%T); stages: $stages"; export SKIP_BUILD=1
@@ -205,6 +206,12 @@ case "$stage" in
           for s in "${sets[@]}"; do
             i=$((i + 1)); timeout 120 python3 bench/attn_decode_micro.py $s > "$OUT/micro_$i.log" 2>&1
             echo "== micro $i ($s) rc=$?"; grep -vE "^\s*$" "$OUT/micro_$i.log" | tail -6
+          done ;;
+        prof)  # bench/profile_gpu.py once per ';'-separated argument set in $PROF
+          IFS=';' read -ra sets <<< "${PROF:-}"; i=0
+          for s in "${sets[@]}"; do
+            i=$((i + 1)); timeout 200 python3 bench/profile_gpu.py $s > "$OUT/prof_$i.log" 2>&1
+            echo "== prof $i ($s) rc=$?"; grep -vE "^\s*$|UserWarning|_warn_once" "$OUT/prof_$i.log" | head -12
           done ;;
         profkvq)  # the 8B shape's decode step at b=1, ctx 256, on fp16 and K4V4 caches, per kernel
           for kb in 16 4; do
