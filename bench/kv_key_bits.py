@@ -319,16 +319,15 @@ def main() -> None:
         schemes[f"k{bits}v{bits} h32 kmean"] = lambda i, k, v: (h32(k.float() - k_mean[i], bits) + k_mean[i],
                                                                   h32(v, bits))
     if a.permute:
-        def permuted(x: torch.Tensor, perm: torch.Tensor, b: int) -> torch.Tensor:
-            idx = perm[None].expand(x.shape[0], -1, -1)
-            y = h32(torch.gather(x.float(), 2, idx), b)
-            return torch.empty_like(y).scatter_(2, idx, y)
         def permuted_split(x: torch.Tensor, perm: torch.Tensor, widths: tuple[int, ...]) -> torch.Tensor:
             # the head's groups of 32 (hottest first) at their own widths
             idx = perm[None].expand(x.shape[0], -1, -1)
             y = torch.gather(x.float(), 2, idx)
             parts = [h32(y[..., 32 * j:32 * (j + 1)].contiguous(), w) for j, w in enumerate(widths)]
             return torch.empty_like(y).scatter_(2, idx, torch.cat(parts, -1))
+
+        def permuted(x: torch.Tensor, perm: torch.Tensor, b: int) -> torch.Tensor:
+            return permuted_split(x, perm, (b,) * (x.shape[-1] // 32))
         for hot in (bits + 1, bits + 2):
             widths = (hot, 2 * bits - hot)
             schemes[f"k{bits}v{bits} perm {hot}/{2 * bits - hot}"] = lambda i, k, v, widths=widths: (
