@@ -80,6 +80,15 @@ BENCH_ARGS_8b="--codebook mul1 --contexts 256,4096 --batches 8,32 --prefill 2048
 BENCH_ARGS_1b="--codebook mul1 --contexts 256,4096 --batches 8,32 --prefill 2048"
 
 # one `exl3 bench` run of a tree: HEAD (.) or the baseline
+per_set() {  # tag timeout script sets: the script once per ';'-separated argument set, each log's head shown
+  local tag=$1 limit=$2 script=$3 s i=0 sets
+  IFS=';' read -ra sets <<< "$4"
+  for s in "${sets[@]}"; do
+    i=$((i + 1)); timeout "$limit" python3 "$script" $s > "$OUT/${tag}_$i.log" 2>&1
+    echo "== $tag $i ($s) rc=$?"; head -16 "$OUT/${tag}_$i.log"
+  done
+}
+
 bench_run() {  # tree shape tag
   local tree=$1 shape=$2 tag=$3 args=BENCH_ARGS_$2
   local pp="$tree:$tree/plugins/attn_backends/src:$tree/plugins/arch_llama/src:$tree/plugins/arch_qwen/src:/tmp/site"
@@ -202,17 +211,9 @@ case "$stage" in
               "$OUT/ncuqs_$k.log" | head -60
           done ;;
         micro)  # bench/attn_decode_micro.py once per ';'-separated argument set in $MICRO
-          IFS=';' read -ra sets <<< "${MICRO:-}"; i=0
-          for s in "${sets[@]}"; do
-            i=$((i + 1)); timeout 120 python3 bench/attn_decode_micro.py $s > "$OUT/micro_$i.log" 2>&1
-            echo "== micro $i ($s) rc=$?"; grep -vE "^\s*$" "$OUT/micro_$i.log" | tail -6
-          done ;;
+          per_set micro 120 bench/attn_decode_micro.py "${MICRO:-}" | grep -vE "^\s*$" ;;
         prof)  # bench/profile_gpu.py once per ';'-separated argument set in $PROF
-          IFS=';' read -ra sets <<< "${PROF:-}"; i=0
-          for s in "${sets[@]}"; do
-            i=$((i + 1)); timeout 200 python3 bench/profile_gpu.py $s > "$OUT/prof_$i.log" 2>&1
-            echo "== prof $i ($s) rc=$?"; grep -vE "^\s*$|UserWarning|_warn_once" "$OUT/prof_$i.log" | head -12
-          done ;;
+          per_set prof 200 bench/profile_gpu.py "${PROF:-}" | grep -vE "^\s*$|UserWarning|_warn_once" ;;
         profkvq)  # the 8B shape's decode step at b=1, ctx 256, on fp16 and K4V4 caches, per kernel
           for kb in 16 4; do
             timeout 200 python3 bench/profile_gpu.py decode --shape 8b --tokens 256 --cache-bits $kb \
