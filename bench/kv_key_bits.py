@@ -26,6 +26,17 @@ aligned block of P positions (``--window P --window-page P``: the rows of a sequ
 block quantized when the sequence leaves it): K4V4 0.0093 at P = 64 and 0.0067 at P = 128 (K4V3 0.0130 / 0.0099,
 K3V3 0.0395 / 0.0292).
 
+With ``--channel G`` (several allowed): ``chanG`` quantizes keys per channel over each block of G positions (as
+KIVI does): a symmetric max-abs grid with one fp16 scale per block and channel (H32's bytes at G = 32); ``asym`` an
+fp16 minimum and range instead (half a bit more per value); ``kmean`` the calibration's channel means subtracted
+first. The query's own block is read unquantized (its rows are not all written yet); ``h32 own blockG`` is H32 with
+the same exact block. At 4096 positions, K4V4: chan32 0.0649, asym 0.0171, kmean 0.0351, h32 own block32 0.0155;
+chan64 0.0582, asym 0.0168, kmean 0.0296, h32 own block64 0.0093. Per channel the keys' offsets bind (an asymmetric
+range pays half a bit to fix them), and H32 with the same exact block stays ahead. With the own block of 64 stored
+at 8 bits instead (``--window 64 --window-page 64 --window-bits 8``): K4V4 0.0095, K4V3 0.0130, K3V3 0.0408, the
+per-pair keys 0.0042; a 4096-token sequence then holds 63 pages at K4V4 and one at K8V8, 3.51x the tokens of fp16
+in the same bytes.
+
 With ``--smooth``: ``ksmooth`` divides each key channel by sigma = (E[k^2] / E[q^2])^(1/4) (pair means) before
 H32 and the reader would multiply the query by it (the scores are unchanged; the sigma that minimises
 E[(q·Δk)^2] when the rotated error is even across a group); ``kvsmooth`` also values, by (E[v^2] / |o_proj
@@ -57,7 +68,7 @@ A pair's energy is the same at every position (RoPE rotates within the pair), so
 across positions. Calibration: the first 1024 tokens of the built-in calibration text; evaluation: the
 held-out text, as ``tests/e2e/test_kv_quant_quality.py``.
 
-    python bench/kv_key_bits.py [--positions 4096] [--bits 4] [--more] [--permute] [--window 32 ...]
+    python bench/kv_key_bits.py [--positions 4096] [--bits 4] [--more] [--permute] [--window 32 ...] [--channel 32 ...]
 """
 from __future__ import annotations
 
@@ -159,10 +170,13 @@ class Tap:
 
 
 def run(model: Model, plan: ExecutionPlan, tap: Tap, ids: torch.Tensor, schemes: dict[str, Scheme | None],
-        chunk: int = 256, windows: dict[str, int] | None = None) -> dict[str, tuple[float, float]]:
+        chunk: int = 256, windows: dict[str, int] | None = None,
+        pages: dict[str, int] | None = None) -> dict[str, tuple[float, float]]:
     """Mean KL and top-1 agreement of each scheme against the first (None: unquantized); ``windows``: scheme ->
-    positions read unquantized before each query."""
-    windows = windows or {}
+    positions read unquantized before each query; ``pages``: scheme -> the page its window stops at (else
+    ``tap.page``)."""
+    windows, pages = windows or {}, pages or {}
+    default_page = tap.page
     shadows: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {name: {} for name in windows}
     n = ids.shape[0]
     names = list(schemes)
@@ -179,11 +193,11 @@ def run(model: Model, plan: ExecutionPlan, tap: Tap, ids: torch.Tensor, schemes:
         tap.start = start
         for name, cache, table in zip(names, caches, tables, strict=True):
             tap.scheme, tap.layer_of = schemes[name], {}
-            tap.window, tap.shadow = windows.get(name, 0), shadows.get(name)
+            tap.window, tap.shadow, tap.page = windows.get(name, 0), shadows.get(name), pages.get(name, default_page)
             meta = BatchMeta.from_lists([toks], [start], device=model.device, page_table=table, page_size=ps,
                                         logits_indices=rows)
             out[name] = plan.forward(meta, cache).float()
-        tap.scheme, tap.window, tap.shadow = None, 0, None
+        tap.scheme, tap.window, tap.shadow, tap.page = None, 0, None, default_page
         if start == 0:
             continue
         ref_logits = out[names[0]]
@@ -220,6 +234,23 @@ def sink(tap: Tap, scheme: Scheme, n: int) -> Scheme:
     return run
 
 
+def channel_quant(x: torch.Tensor, bits: int, group: int, asym: bool = False) -> torch.Tensor:
+    """``x [T, H, D]`` (T a multiple of ``group``, its first position one too) quantized per channel over each block
+    of ``group`` positions: a symmetric max-abs midpoint grid with one fp16 scale (format spec 6's bytes when group
+    is 32), or with ``asym`` an fp16 minimum and range (half a bit more per value)."""
+    t, h, d = x.shape
+    z = x.float().view(t // group, group, h, d)
+    m = float(1 << (bits - 1))
+    if asym:
+        lo = z.amin(1, keepdim=True).half().float()
+        rng = (z.amax(1, keepdim=True) - lo).half().float() + 1e-10
+        code = torch.floor((z - lo) / rng * (2 * m)).clamp(0, 2 * m - 1)
+        return ((code + 0.5) / (2 * m) * rng + lo).view(t, h, d)
+    s = (z.abs().amax(1, keepdim=True) + 1e-10).half().float()
+    code = torch.floor(z / s * m + m).clamp(0, 2 * m - 1)
+    return ((code - m + 0.5) * s / m).view(t, h, d)
+
+
 def pairs_quant(k: torch.Tensor, bits: torch.Tensor, rms: torch.Tensor) -> torch.Tensor:
     """``k [T, H, D]`` (half-split RoPE pairs c, c + D/2) at per-channel ``bits [H, D]``, scaled by ``rms``."""
     z = k.float() / rms
@@ -246,6 +277,9 @@ def main() -> None:
                     help="also read the last W positions unquantized (repeatable)")
     ap.add_argument("--window-page", type=int, default=0,
                     help="windows stop at the start of the query's page of this many tokens (0: they do not)")
+    ap.add_argument("--channel", type=int, action="append", default=[],
+                    help="also keys quantized per channel over blocks of this many positions, the query's own block "
+                         "read unquantized (repeatable)")
     ap.add_argument("--window-bits", type=int, default=16,
                     help="the window's rows stored at this width (format spec 6) instead of unquantized")
     a = ap.parse_args()
@@ -359,8 +393,21 @@ def main() -> None:
             windows[name] = w
         schemes[f"k{bits}v{bits} pairs+h32 {tag}"] = pairs
         windows[f"k{bits}v{bits} pairs+h32 {tag}"] = w
+    pages: dict[str, int] = {}
+    for g in a.channel:
+        for kb, vb in ((bits, bits), (bits, bits - 1)):
+            for asym in (False, True):
+                name = f"k{kb}v{vb} chan{g}{' asym' if asym else ''} own block"
+                schemes[name] = lambda i, k, v, kb=kb, vb=vb, g=g, asym=asym: (channel_quant(k, kb, g, asym),
+                                                                               h32(v, vb))
+                windows[name], pages[name] = g, g
+        name = f"k{bits}v{bits} chan{g} kmean own block"  # the calibration's channel means out: no bytes
+        schemes[name] = lambda i, k, v, g=g: (channel_quant(k.float() - k_mean[i], bits, g) + k_mean[i], h32(v, bits))
+        windows[name], pages[name] = g, g
+        schemes[f"k{bits}v{bits} h32 own block{g}"] = lambda i, k, v: (h32(k, bits), h32(v, bits))
+        windows[f"k{bits}v{bits} h32 own block{g}"], pages[f"k{bits}v{bits} h32 own block{g}"] = g, g
     ids = tok.encode(builtin_text("eval"))[0][: a.positions + 256]
-    for name, (kl, top1) in run(model, plan, tap, ids, schemes, windows=windows).items():
+    for name, (kl, top1) in run(model, plan, tap, ids, schemes, windows=windows, pages=pages).items():
         print(f"{name:<20} KL {kl:.5f}  top-1 {top1:.4f}  ({a.positions} positions)")
 
 
