@@ -9,19 +9,25 @@ captured graph serves every mix of adapters:
   the active entry ``u`` (programs past the active count, or whose adapter does not target linear ``g``, do
   nothing). Row blocks of at most 32 rows (decode) cut the input into slices of one input block each
   (wider where :data:`MAX_SLICE_VALUES` caps their count), so the long reduction over the input features runs
-  in parallel; each program reads its entry's tables and weights before it waits for the input's producer;
+  in parallel; each program reads its entry's tables and weights before it waits for the input's producer.
+  The last of an entry's slice programs to arrive sums the slices in a fixed order (deterministic) into slice
+  0, so the expand reads one partial per entry: read by every expand program, the slices would cost the expand
+  a load per slice and program (at b=32 with eight adapters, 16 slices of 16 KB for each of q/k/v's 96 output
+  blocks);
 * **expand**, grid ``(row blocks, output blocks of every linear)``: ``out_g = y_g + sum_u xa[rows, g, u, :]
-  Bᵀ_g[slot_u]`` over the active entries, the slices summed in a fixed order (deterministic), accumulated in
-  fp32 and rounded once (``out_g`` may be ``y_g``). Up to 32 rows, where the slot capacity times the block
-  rank is at most :data:`WIDE_MAX_VALUES`, every entry goes into one product (``[rows, capacity x rank] @
-  [capacity x rank, columns]``, inactive entries zero) instead of one dependent round of loads per adapter,
-  which binds a decode batch that uses many adapters; otherwise the expand iterates over the active entries.
+  Bᵀ_g[slot_u]`` over the active entries, accumulated in fp32 and rounded once (``out_g`` may be ``y_g``). Up to
+  32 rows, where the slot capacity times the block rank is at most :data:`WIDE_MAX_VALUES`, every entry goes into
+  one product (``[rows, capacity x rank] @ [capacity x rank, columns]``, inactive entries zero) instead of one
+  dependent round of loads per adapter, which binds a decode batch that uses many adapters; otherwise the expand
+  iterates over the active entries. Into a residual stream that the linear's launch has already added to (o,
+  down), it also adds each row's change of the sum of squares, ``sum(out^2 - y^2)`` (fp32 atomics), to the sums
+  the launch made for the deferred norm after it.
 
 The shrink may form its input as it loads it (:class:`ShrinkInput`): a deferred RMSNorm of the residual stream
 (q/k/v and gate/up after a pre-norm whose norm the base launch applies in its prologue) or a gated MLP's
-``act(gate) * up`` (down), so the adapters add no launch that forms the input. The plan launches it after
-the base linear where the deltas join the linear's outputs (q/k/v, gate/up), so that linear follows the kernel
-before it directly, and before it where they join the residual the linear adds (o, down).
+``act(gate) * up`` (down), so the adapters add no launch that forms the input. The plan launches it after the
+base linear, so that linear follows the kernel before it directly; where the linear adds its output to the residual
+stream (o, down), the expand then adds the delta into the stream and moves the rows' sums of squares with it.
 
 Each adapter's weights are read once per row block, whatever mix of adapters the rows use. Products
 take the weights' dtype on the tensor cores (fp32 weights: exact fp32 products), accumulate in fp32.
@@ -36,6 +42,7 @@ import triton
 import triton.language as tl
 
 from exl3_core.kernels.codes import ACT_CODES
+from exl3_core.kernels.counters import arrival_counters
 from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
 from exl3_core.lora.selection import Selection
 from exl3_core.lora.stack import LoraStack
@@ -43,7 +50,8 @@ from exl3_core.nn.adapters import AdapterInput, GatedInput, NormedInput, norm_fo
 
 #: linears one launch pair serves
 MAX_GROUP = 3
-#: the most partial values one expand program sums at once (slices x rows x rank): a register budget
+#: the most partial values the last slice program of a shrink entry sums at once (slices x rows x rank): a register
+#: budget
 MAX_SLICE_VALUES = 8192
 #: the most entries x block rank one expand product takes (a register budget); wider selections iterate
 WIDE_MAX_VALUES = 256
@@ -79,12 +87,13 @@ def _form_input(x, GATE, NW, rows, kk, rmask, kmask, stride_g, inv, offset,
 
 # scalars that differ per member are picked at run time: never specialized (a 1 would become a constant)
 @triton.jit(do_not_specialize=["RK0", "RK1", "RK2", "sas0", "sas1", "sas2", "sar0", "sar1", "sar2", "KS", "SPLIT"])
-def _shrink_kernel(X, GATE, SS, NW, A0, A1, A2, L0, L1, L2, S0, S1, S2, SLOTS, COEF, ROWMAP, XA,
+def _shrink_kernel(X, GATE, SS, NW, A0, A1, A2, L0, L1, L2, S0, S1, S2, SLOTS, COEF, ROWMAP, XA, COUNT,
                    R, K, RK0, RK1, RK2, sas0, sas1, sas2, sar0, sar1, sar2, stride_x, stride_g, stride_coef, U, KS,
                    SPLIT, eps, offset,
                    NUM: tl.constexpr, HAS_MAP: tl.constexpr, IEEE: tl.constexpr, FORM: tl.constexpr,
                    HAS_W: tl.constexpr, ACT: tl.constexpr,
-                   BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                   BM: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, KS_BLOCK: tl.constexpr,
+                   PDL: tl.constexpr):
     pid_m = tl.program_id(0)
     u = tl.program_id(1)
     g = tl.program_id(2) // KS
@@ -114,10 +123,13 @@ def _shrink_kernel(X, GATE, SS, NW, A0, A1, A2, L0, L1, L2, S0, S1, S2, SLOTS, C
                 mask=(rr < tl.where(live, RANK, 0))[:, None] & kmask[None, :], other=0.0)  # nothing where not live
     if not HAS_MAP:
         c = tl.load(COEF + rows.to(tl.int64) * stride_coef + u, mask=rows < tl.where(live, R, 0), other=0.0)
-    if live:  # the others exit at once (an exit lets a programmatic dependent start, as a signal does)
-        if PDL:  # a programmatic dependent: let the next launch start its own prefetch, then wait for the input
-            gdc_launch_dependents()
-            gdc_wait()  # also before any store: the memory may be a buffer the kernel before still reads
+    if PDL:  # a programmatic dependent: let the next launch start its own prefetch, then wait for the input
+        # every program waits, live or not: a grid whose programs all ended without waiting could complete before
+        # the kernel before it, and the expand (which waits for this grid only) would then read that kernel's outputs
+        # before they are written
+        gdc_launch_dependents()
+        gdc_wait()  # also before any store: the memory may be a buffer the kernel before still reads
+    if live:
         if HAS_MAP:  # the row map may come from a kernel of this step
             crow = tl.load(ROWMAP + rows, mask=rmask, other=0)
             c = tl.load(COEF + crow.to(tl.int64) * stride_coef + u, mask=rmask, other=0.0)
@@ -141,20 +153,31 @@ def _shrink_kernel(X, GATE, SS, NW, A0, A1, A2, L0, L1, L2, S0, S1, S2, SLOTS, C
         acc = acc * (c * s)[:, None]
         tl.store(XA + (((ks * R + rows[:, None].to(tl.int64)) * NUM + g) * U + u) * BR + rr[None, :], acc,
                  mask=rmask[:, None])
+        if KS_BLOCK > 1:  # the entry's last slice program to arrive sums the slices into slice 0
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            cnt = COUNT + (pid_m * U + u) * NUM + g
+            if tl.atomic_add(cnt, 1, sem="acq_rel") == KS - 1:
+                # unrolled, so that every slice's load is in flight before the first add waits for one
+                tot = tl.zeros((BM, BR), dtype=tl.float32)
+                for sp in tl.static_range(KS_BLOCK):
+                    ok = rmask & (rows * 0 + sp < KS)  # a tensor test: the interpreter's KS is a Python int
+                    tot += tl.load(XA + (((sp * R + rows[:, None].to(tl.int64)) * NUM + g) * U + u) * BR + rr[None, :],
+                                   mask=ok[:, None], other=0.0, cache_modifier=".cg")
+                tl.store(XA + ((rows[:, None].to(tl.int64) * NUM + g) * U + u) * BR + rr[None, :], tot,
+                         mask=rmask[:, None])
+                tl.store(cnt, 0)  # clean for the next call (a replayed graph reuses the buffer)
 
 
 @triton.jit
-def _expand_wide(XA, bt, live, R, U, KS, g, rows, rmask, rr,
+def _expand_wide(XA, bt, live, U, g, rows, rmask, rr,
                  NUM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
                  UB: tl.constexpr):
     # sum_u xa[rows, g, u, :] Bᵀ[slot_u] as one product over [UB entries x BR] (bt: [UB, BR, BN], zero where an
     # entry is not live: past the active ones, or its adapter does not target this linear)
     uu = tl.arange(0, UB)
-    xa = tl.zeros((BM, UB, BR), dtype=tl.float32)
     m3 = rmask[:, None, None] & live[None, :, None]
-    for sp in range(KS):  # the shrink's input slices, summed in a fixed order
-        xa += tl.load(XA + (((sp * R + rows[:, None, None].to(tl.int64)) * NUM + g) * U + uu[None, :, None]) * BR
-                      + rr[None, None, :], mask=m3, other=0.0)
+    xa = tl.load(XA + ((rows[:, None, None].to(tl.int64) * NUM + g) * U + uu[None, :, None]) * BR + rr[None, None, :],
+                 mask=m3, other=0.0)
     xa2 = tl.reshape(xa, (BM, UB * BR))
     bt2 = tl.reshape(bt, (UB * BR, BN))
     if IEEE:
@@ -165,12 +188,12 @@ def _expand_wide(XA, bt, live, R, U, KS, g, rows, rmask, rr,
 
 
 @triton.jit(do_not_specialize=["N0", "N1", "N2", "NB0", "NB1", "RK0", "RK1", "RK2", "sbs0", "sbs1", "sbs2", "sbr0",
-                               "sbr1", "sbr2", "sy0", "sy1", "sy2", "so0", "so1", "so2", "KS"])
-def _expand_kernel(XA, B0, B1, B2, L0, L1, L2, S0, S1, S2, Y0, Y1, Y2, O0, O1, O2, SLOTS, NACT,
+                               "sbr1", "sbr2", "sy0", "sy1", "sy2", "so0", "so1", "so2"])
+def _expand_kernel(XA, B0, B1, B2, L0, L1, L2, S0, S1, S2, Y0, Y1, Y2, O0, O1, O2, SLOTS, NACT, SS,
                    R, N0, N1, N2, NB0, NB1, RK0, RK1, RK2, sbs0, sbs1, sbs2, sbr0, sbr1, sbr2,
-                   sy0, sy1, sy2, so0, so1, so2, U, KS,
+                   sy0, sy1, sy2, so0, so1, so2, U,
                    NUM: tl.constexpr, IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
-                   KS_BLOCK: tl.constexpr, UB: tl.constexpr, WIDE: tl.constexpr, PDL: tl.constexpr):
+                   UB: tl.constexpr, WIDE: tl.constexpr, HAS_SS: tl.constexpr, PDL: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     g = pid_n * 0
@@ -202,7 +225,7 @@ def _expand_kernel(XA, B0, B1, B2, L0, L1, L2, S0, S1, S2, Y0, Y1, Y2, O0, O1, O
         gdc_launch_dependents()
         gdc_wait()
     if WIDE:
-        acc = _expand_wide(XA, bt, live, R, U, KS, g, rows, rmask, rr, NUM, IEEE, BM, BN, BR, UB)
+        acc = _expand_wide(XA, bt, live, U, g, rows, rmask, rr, NUM, IEEE, BM, BN, BR, UB)
     else:
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         n_act = tl.load(NACT)
@@ -211,11 +234,8 @@ def _expand_kernel(XA, B0, B1, B2, L0, L1, L2, S0, S1, S2, Y0, Y1, Y2, O0, O1, O
             s = tl.load(SC + slot)
             if s != 0.0:
                 loc = tl.load(LOC + slot).to(tl.int64)
-                # the shrink's input slices in one load, summed by one reduction (fixed order: deterministic)
-                sp = tl.arange(0, KS_BLOCK)
-                xa = tl.sum(tl.load(XA + (((sp[:, None, None] * R + rows[None, :, None].to(tl.int64)) * NUM + g) * U
-                                          + u) * BR + rr[None, None, :],
-                                    mask=(sp[:, None, None] < KS) & rmask[None, :, None], other=0.0), axis=0)
+                xa = tl.load(XA + ((rows[:, None].to(tl.int64) * NUM + g) * U + u) * BR + rr[None, :],
+                             mask=rmask[:, None], other=0.0)
                 bt = tl.load(BT + loc * s_bs + rr[:, None] * s_br + cols[None, :],
                              mask=rank_ok[:, None] & cmask[None, :], other=0.0)
                 if IEEE:
@@ -224,8 +244,11 @@ def _expand_kernel(XA, B0, B1, B2, L0, L1, L2, S0, S1, S2, Y0, Y1, Y2, O0, O1, O
                     acc += tl.dot(xa.to(bt.dtype), bt)
     m = rmask[:, None] & cmask[None, :]
     y = tl.load(Y + rows[:, None].to(tl.int64) * s_y + cols[None, :], mask=m, other=0.0)
-    tl.store(OUT + rows[:, None].to(tl.int64) * s_o + cols[None, :], (y.to(tl.float32) + acc).to(OUT.dtype.element_ty),
-             mask=m)
+    o = (y.to(tl.float32) + acc).to(OUT.dtype.element_ty)
+    tl.store(OUT + rows[:, None].to(tl.int64) * s_o + cols[None, :], o, mask=m)
+    if HAS_SS:  # the rows' sums of squares move by this block's sum(out^2 - y^2) (zero where masked)
+        of, yf = o.to(tl.float32), y.to(tl.float32)
+        tl.atomic_add(SS + rows, tl.sum(of * of - yf * yf, axis=1), mask=rmask, sem="relaxed")
 
 
 def _block_rank(rank: int) -> int:
@@ -276,8 +299,8 @@ class ShrinkInput:
 
 @dataclass(frozen=True)
 class Shrunk:
-    """A shrink launch's result for :func:`lora_expand`: ``xa [slices, n, linears, capacity, BR]`` fp32 (nothing
-    where an entry is not active or its adapter does not target the linear)."""
+    """A shrink launch's result for :func:`lora_expand`: ``xa [slices, n, linears, capacity, BR]`` fp32, the sum in
+    slice 0 (nothing where an entry is not active or its adapter does not target the linear)."""
 
     xa: torch.Tensor
     slices: int
@@ -306,28 +329,37 @@ def lora_shrink(inp: ShrinkInput, stacks: Sequence[LoraStack], sel: Selection, r
     split = triton.cdiv(triton.cdiv(k, ks), bk) * bk  # a whole number of input blocks per slice
     ks = triton.cdiv(k, split)
     xa = torch.empty((ks, n, num, U, br), dtype=torch.float32, device=x2.device)
+    bm_blocks = triton.cdiv(n, bm)
+    count = arrival_counters("lora_shrink", x2.device, bm_blocks * U * num) if ks > 1 else xa
     pad = pad_members
     rowmap = rows if rows is not None else sel.slots  # any tensor: unread without HAS_MAP
     gate = inp.gate2 if inp.gate2 is not None else x2  # placeholders where unread
     ss = inp.ss if inp.ss is not None else sel.coef
     nw = inp.weight if inp.weight is not None else sel.coef
-    _shrink_kernel[(triton.cdiv(n, bm), U, num * ks)](
+    _shrink_kernel[(bm_blocks, U, num * ks)](
         x2, gate, ss, nw, *pad([s.a for s in stacks]), *pad([s.local for s in stacks]),
-        *pad([s.scale for s in stacks]), sel.slots, sel.coef, rowmap, xa,
+        *pad([s.scale for s in stacks]), sel.slots, sel.coef, rowmap, xa, count,
         n, k, *pad([s.rank for s in stacks]), *pad([s.a.stride(0) for s in stacks]),
         *pad([s.a.stride(1) for s in stacks]), x2.stride(0), gate.stride(0), sel.coef.stride(0), U, ks, split,
         inp.eps, inp.offset,
         NUM=num, HAS_MAP=rows is not None, IEEE=stacks[0].a.dtype == torch.float32, FORM=inp.form,
-        HAS_W=inp.weight is not None, ACT=inp.act, BM=bm, BR=br, BK=bk, **launch_opts(xa))
+        HAS_W=inp.weight is not None, ACT=inp.act, BM=bm, BR=br, BK=bk,
+        KS_BLOCK=triton.next_power_of_2(ks) if ks > 1 else 1, **launch_opts(xa))
     return Shrunk(xa, ks, bm, br, tuple(stacks), sel)
 
 
-def lora_expand(sh: Shrunk, ys: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+def lora_expand(sh: Shrunk, ys: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
+                ss: torch.Tensor | None = None) -> None:
     """The expand launch of :func:`lora_add_group`: ``outs[g] = ys[g] + delta_g`` from a shrink's ``xa``
-    (``[n, out_g]``, unit last strides, one dtype; ``outs[g]`` may be ``ys[g]``)."""
+    (``[n, out_g]``, unit last strides, one dtype; ``outs[g]`` may be ``ys[g]``). ``ss`` (one linear only; fp32,
+    unit-strided, at least n): each row's ``sum(outs^2 - ys^2)`` is added to it."""
     num = len(sh.stacks)
     if len(ys) != num or len(outs) != num:
         raise ValueError(f"lora_expand: {num} stacks, {len(ys)} outputs, {len(outs)} targets")
+    if ss is not None and (num != 1 or ss.dtype != torch.float32 or ss.dim() != 1 or ss.stride(0) != 1
+                           or ss.shape[0] < sh.xa.shape[1]):
+        raise ValueError(f"lora_expand: ss must be fp32 [>= {sh.xa.shape[1]}] for one linear, got {num} linears, "
+                         f"{ss.dtype} {tuple(ss.shape)}")
     n = sh.xa.shape[1]
     stacks, sel, br = sh.stacks, sh.sel, sh.br
     pad = pad_members
@@ -338,11 +370,11 @@ def lora_expand(sh: Shrunk, ys: Sequence[torch.Tensor], outs: Sequence[torch.Ten
     blocks = [triton.cdiv(w, bn) for w in widths]
     _expand_kernel[(triton.cdiv(n, sh.bm), sum(blocks))](
         sh.xa, *pad([s.bt for s in stacks]), *pad([s.local for s in stacks]), *pad([s.scale for s in stacks]),
-        *pad(list(ys)), *pad(list(outs)), sel.slots, sel.active,
+        *pad(list(ys)), *pad(list(outs)), sel.slots, sel.active, ss if ss is not None else sel.coef,
         n, *pad(widths), *(pad(blocks)[:2]), *pad([s.rank for s in stacks]), *pad([s.bt.stride(0) for s in stacks]),
         *pad([s.bt.stride(1) for s in stacks]), *pad([y.stride(0) for y in ys]), *pad([o.stride(0) for o in outs]),
-        sel.capacity, sh.slices, NUM=num, IEEE=stacks[0].a.dtype == torch.float32, BM=sh.bm, BN=bn, BR=br,
-        KS_BLOCK=triton.next_power_of_2(sh.slices), UB=ub, WIDE=wide, **launch_opts(outs[0]))
+        sel.capacity, NUM=num, IEEE=stacks[0].a.dtype == torch.float32, BM=sh.bm, BN=bn, BR=br, UB=ub, WIDE=wide,
+        HAS_SS=ss is not None, **launch_opts(outs[0]))
 
 
 def lora_add_group(x: torch.Tensor | ShrinkInput, ys: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],

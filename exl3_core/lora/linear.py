@@ -20,7 +20,7 @@ import torch
 from exl3_core import ops
 from exl3_core.lora.selection import Selection
 from exl3_core.lora.stack import LoraStack
-from exl3_core.nn.adapters import AdapterInput, PendingDeltas, current_rows, formed
+from exl3_core.nn.adapters import AdapterInput, PendingDeltas, current_rows, finish_residual, formed
 
 #: the name every LoRA adapter object carries on its linear (one per linear, holding every adapter)
 ADAPTER_NAME = "lora"
@@ -147,7 +147,15 @@ class LoraLinear:
             lora_expand(shrunk, yc, yc)
             return [o.copy_(c.view(o.shape)) for o, c in zip(outs, yc)]
 
-        return PendingDeltas(finish)
+        def finish_ss(h: torch.Tensor, ss: torch.Tensor) -> torch.Tensor:
+            h2 = _rows2(h, lins[0].out_features)
+            if (h2 is None or h2.shape[1] != h.shape[-1] or ss.dtype != torch.float32 or ss.dim() != 1
+                    or ss.stride(0) != 1 or ss.shape[0] < h2.shape[0] or ss.device != h.device):
+                return finish_residual(PendingDeltas(finish), h, ss)
+            lora_expand(shrunk, [h2], [h2], ss=ss)  # the sums' change added by the expand itself
+            return h
+
+        return PendingDeltas(finish, finish_ss if len(lins) == 1 else None)
 
     def __repr__(self) -> str:
         return (f"LoraLinear({self.key}: {len(self.stack.entries)} adapter(s), rank {self.stack.rank}, "

@@ -89,14 +89,32 @@ def formed(x: AdapterInput) -> torch.Tensor:
 #: adds a group's deltas to the linears' outputs after their launch: ``finish(ys, outs) -> outs`` with ``outs[i] =
 #: ys[i] + delta_i`` (``outs[i]`` may be ``ys[i]``: in place)
 Finish = Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor]], list[torch.Tensor]]
+#: adds one linear's delta into the residual stream its launch has already added to: ``finish_ss(h, ss) -> h``, ``h``
+#: in place, and the change of each row's sum of squares into ``ss`` (fp32, one per row), which a deferred norm after
+#: it reads
+FinishSS = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
 class PendingDeltas:
     """A group's deltas whose input part is launched: ``finish`` adds them to the outputs once the linears'
-    launch has made them."""
+    launch has made them; ``finish_ss``, where given, does so for one linear whose launch added its output to the
+    residual stream (see :func:`finish_residual`)."""
 
     finish: Finish
+    finish_ss: FinishSS | None = None
+
+
+def finish_residual(pending: PendingDeltas, h: torch.Tensor, ss: torch.Tensor) -> torch.Tensor:
+    """``h`` (a residual stream that one linear's launch has added its output to, ``ss`` its rows' fp32 sums of
+    squares) with that linear's deltas added, and ``ss`` moved by as much: in one kernel where the adapter offers it,
+    else the deltas as ``finish`` adds them and the sums' change in torch."""
+    if pending.finish_ss is not None:
+        return pending.finish_ss(h, ss)
+    new = pending.finish([h], [torch.empty_like(h)])[0]
+    rows = new.numel() // new.shape[-1]
+    ss[:rows] += (new.float().pow(2) - h.float().pow(2)).reshape(rows, -1).sum(-1)
+    return new
 
 
 @runtime_checkable

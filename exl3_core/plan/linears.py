@@ -20,6 +20,7 @@ from exl3_core.nn.adapters import (
     NormedInput,
     PendingDeltas,
     begin_adapters,
+    finish_residual,
     norm_formable,
 )
 from exl3_core.nn.norm import RMSNorm
@@ -284,13 +285,14 @@ class ResidualOut:
         m = self.layer
         if not self.why and (gate is None or self.gate_ok) and self._fits(x, residual, gate):
             assert isinstance(m, EXL3Linear)
-            if m.adapters:  # the adapter's delta joins the residual the launch adds
+            h = self.kernels.residual(m, x, residual, ss, gate, self.act if gate is not None else None)
+            if m.adapters:  # the adapter's delta joins the stream after the launch, which follows the kernel before
                 inp: AdapterInput = x
                 if gate is not None and act_mul is not None:  # a gate comes with a fused activation (gate_ok)
                     assert self.act is not None
                     inp = GatedInput(gate, x, self.act, lambda: act_mul(gate, x))
-                residual = begin_adapters(inp, (m,)).finish([residual], [torch.empty_like(residual)])[0]
-            return self.kernels.residual(m, x, residual, ss, gate, self.act if gate is not None else None)
+                h = finish_residual(begin_adapters(inp, (m,)), h, ss)
+            return h
         return add_residual_ss(residual, plain(), ss)
 
 

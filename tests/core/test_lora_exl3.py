@@ -18,6 +18,7 @@ from exl3_core import ops
 from exl3_core.archkit.batch import BatchMeta
 from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.cache import Cache
+from exl3_core.kernels.counters import arrival_counters
 from exl3_core.lora import LoraError, lora_set
 from exl3_core.lora.linear import LoraLinear
 from exl3_core.lora.selection import Selection
@@ -50,7 +51,7 @@ def _linears(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 def test_kernels_equal_torch_form(dtype: torch.dtype, rows: int, slice_values: int, expand: str,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """``slice_values`` 8192: at decode sizes the 600 input features in five shrink slices of one input block,
-    summed by the expand kernel (1: one slice); ``expand``: one dependent round per active entry, or every entry
+    summed by the last of them to finish (1: one slice); ``expand``: one dependent round per active entry, or every entry
     in one product (8 slots x rank 64 here)."""
     from exl3_core.lora import kernels
     from exl3_core.lora.kernels import lora_add
@@ -75,6 +76,8 @@ def test_kernels_equal_torch_form(dtype: torch.dtype, rows: int, slice_values: i
     lora_add(x, y, out, stack, sel, None)
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     assert rel_err(out, ref) < tol
+    # the shrink's slices were summed by their last program, which left its arrival counters at zero
+    assert arrival_counters("lora_shrink", x.device, 1).count_nonzero() == 0
     y2 = y.clone()
     lora_add(x, y2, y2, stack, sel, None)  # in place
     assert torch.equal(y2, out)
@@ -91,6 +94,32 @@ def test_kernels_equal_torch_form(dtype: torch.dtype, rows: int, slice_values: i
     out3 = torch.empty_like(y)
     lora_add(x, y, out3, stack, sel, None)
     assert torch.equal(out3, y)
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_expand_moves_row_sums_of_squares(rows: int) -> None:
+    """Into a residual stream a launch has added to, the expand adds the delta in place and each row's change of
+    the sum of squares to the launch's sums: they end as the new rows' (fp32 rounding apart)."""
+    from exl3_core.lora.kernels import ShrinkInput, lora_expand, lora_shrink
+
+    g = torch.Generator().manual_seed(rows)
+    n_in, n_out, cap = 600, 200, 4
+    entries = [StackEntry(s, torch.randn(r, n_in, generator=g) / 20, torch.randn(r, n_out, generator=g) / 4, 1.0)
+               for s, r in ((0, 8), (3, 16))]
+    stack = LoraStack.build(entries, cap, torch.device("cpu"), torch.float16)
+    sel = Selection(torch.device("cpu"), cap, rows=rows)
+    sel.fill([({0: 1.0, 3: -0.5}, rows)])
+    lin = LoraLinear("x", n_in, n_out, stack, sel)
+    x = torch.randn(rows, n_in, generator=g).half()
+    h = torch.randn(rows, n_out, generator=g).half()
+    ss = torch.cat([h.float().pow(2).sum(-1), torch.full((3,), 7.0)])  # rows past the step keep theirs
+    want = (h.float() + lin.delta(x)).half()
+    lora_expand(lora_shrink(ShrinkInput(x), [stack], sel, None), [h], [h], ss=ss)
+    assert rel_err(h, want) < 2e-3
+    torch.testing.assert_close(ss[:rows], h.float().pow(2).sum(-1), rtol=1e-5, atol=1e-3)
+    assert torch.equal(ss[rows:], torch.full((3,), 7.0))
+    with pytest.raises(ValueError, match="ss must be fp32"):
+        lora_expand(lora_shrink(ShrinkInput(x), [stack], sel, None), [h], [h], ss=ss.half())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -247,13 +276,24 @@ def test_fused_decode_steps_mix_adapters(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(PendingInput, "formed", formed_counted)
     monkeypatch.setattr(ops, "fused_enabled", lambda t: True)
     kernels = EmulatedKernels()
-    real_group_ex = kernels.group_ex
+    real_group_ex, real_residual = kernels.group_ex, kernels.residual
+    real_expand = lora_kernels.lora_expand
 
     def group_ex(h2: torch.Tensor, lins: list, *a: object) -> list:
         events.append(("group_ex", len(lins)))
         return real_group_ex(h2, lins, *a)  # type: ignore[arg-type]
 
+    def residual(*a: object) -> torch.Tensor:
+        events.append(("residual", 1))
+        return real_residual(*a)  # type: ignore[arg-type]
+
+    def expand(sh: object, ys: list, outs: list, ss: torch.Tensor | None = None) -> None:
+        events.append(("expand_ss" if ss is not None else "expand", len(ys)))
+        real_expand(sh, ys, outs, ss)  # type: ignore[arg-type]
+
     kernels.group_ex = group_ex  # type: ignore[method-assign]
+    kernels.residual = residual  # type: ignore[method-assign]
+    monkeypatch.setattr(lora_kernels, "lora_expand", expand)
     plan = ExecutionPlan(model, kernels=kernels)
     got = _decode_steps(plan.forward, model, Cache(model, 16 * PAGE, page_size=PAGE), prompts, choices, 2)
     for a, b in zip(got, ref):
@@ -265,6 +305,10 @@ def test_fused_decode_steps_mix_adapters(tmp_path: Path, monkeypatch: pytest.Mon
     launches = [i for i, e in enumerate(events) if e[0] == "group_ex" and e[1] > 1]
     assert len(launches) >= 2 * 2 and all(events[i + 1] == ("shrink", events[i][1]) for i in launches), str(events)
     assert kernels.calls.get("residual_gated", 0) >= 2, "down lost its fused launch (one per decode step)"
+    # o's and down's: the residual launch first (after the kernel before), then the shrink, then the expand that adds
+    # into the stream and moves the deferred norm's sums
+    res = [i for i, e in enumerate(events) if e[0] == "residual"]
+    assert len(res) >= 2 * 2 and all(events[i + 1:i + 3] == [("shrink", 1), ("expand_ss", 1)] for i in res), str(events)
     monkeypatch.setattr(ops, "fused_enabled", lambda t: False)
     bare = _decode_steps(reference, model, Cache(model, 16 * PAGE, page_size=PAGE), prompts, [None] * 3, 2)
     assert not torch.allclose(bare[-1][0], ref[-1][0], atol=5e-2), "adapter a has no visible effect"

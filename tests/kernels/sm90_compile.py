@@ -58,8 +58,9 @@ def _install() -> None:
 
 
 def _lora() -> int:
-    """The LoRA shrink/expand pair, one input slice and several, each weight dtype."""
-    from exl3_core.lora.kernels import lora_add_group
+    """The LoRA shrink/expand pair, one input slice and several, each weight dtype; the expand into a residual
+    stream that moves its rows' sums of squares too."""
+    from exl3_core.lora.kernels import ShrinkInput, lora_add_group, lora_expand, lora_shrink
     from exl3_core.lora.selection import Selection
     from exl3_core.lora.stack import LoraStack, StackEntry
 
@@ -76,6 +77,8 @@ def _lora() -> int:
             name = f"lora {dtype} rows={rows}"
             try:
                 lora_add_group(x, ys, ys, stacks, sel, None)
+                ss = torch.zeros(rows)
+                lora_expand(lora_shrink(ShrinkInput(x), stacks[:1], sel, None), ys[:1], ys[:1], ss=ss)
                 print(f"ok {name}", flush=True)
             except Exception as e:  # noqa: BLE001 - every case is reported
                 failed += 1
