@@ -113,6 +113,7 @@ class Tap:
         self.window = 0
         self.page = 0  # > 0: a window does not reach into an earlier page of this many tokens
         self.shadow_bits = 16  # < 16: the window's rows as format spec 6 stores them at this width
+        self.keys_only = False  # the window holds keys only; values read from the cache
         self.shadow: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # layer -> k, v [positions, H, D]
         self.layer = 0  # the layer whose cache was written last (its attention follows)
         rope_cls = next(c for c in vars(rope_mod).values() if isinstance(c, type) and "rotate_qk" in vars(c))
@@ -157,6 +158,8 @@ class Tap:
         kc, vc = (gather_paged(t, args.page_table[0], nk).float().repeat_interleave(group, 1)
                   for t in (args.k_cache, args.v_cache))
         ke, ve = (t[:nk].repeat_interleave(group, 1) for t in self.shadow[self.layer])
+        if self.keys_only:
+            ve = vc
         qpos = torch.arange(nk - nq, nk)[:, None]
         kpos = torch.arange(nk)[None, :]
         win = kpos > qpos - self.window
@@ -280,6 +283,8 @@ def main() -> None:
     ap.add_argument("--channel", type=int, action="append", default=[],
                     help="also keys quantized per channel over blocks of this many positions, the query's own block "
                          "read unquantized (repeatable)")
+    ap.add_argument("--window-keys-only", action="store_true",
+                    help="windows hold keys only (values read from the quantized cache)")
     ap.add_argument("--window-bits", type=int, default=16,
                     help="the window's rows stored at this width (format spec 6) instead of unquantized")
     a = ap.parse_args()
@@ -289,7 +294,7 @@ def main() -> None:
     tok = Tokenizer.from_config(cfg)
     plan = ExecutionPlan(model)
     tap = Tap()
-    tap.page, tap.shadow_bits = a.window_page, a.window_bits
+    tap.page, tap.shadow_bits, tap.keys_only = a.window_page, a.window_bits, a.window_keys_only
 
     tap.record = {}
     run(model, plan, tap, tok.encode(builtin_text("calibration"))[0][:1024], {"ref": None, "same": None})
@@ -386,7 +391,7 @@ def main() -> None:
     windows: dict[str, int] = {}
     for w in a.window:
         tag = f"window{w}" + (f" page{a.window_page}" if a.window_page else "") + \
-            (f" {a.window_bits}bit" if a.window_bits < 16 else "")
+            (f" {a.window_bits}bit" if a.window_bits < 16 else "") + (" keys" if a.window_keys_only else "")
         for kb, vb in ((bits, bits), (bits, bits - 1), (bits - 1, bits - 1)):
             name = f"k{kb}v{vb} h32 {tag}"
             schemes[name] = lambda i, k, v, kb=kb, vb=vb: (h32(k, kb), h32(v, vb))
