@@ -348,6 +348,12 @@ def lora_shrink(inp: ShrinkInput, stacks: Sequence[LoraStack], sel: Selection, r
     return Shrunk(xa, ks, bm, br, tuple(stacks), sel)
 
 
+def sums_fit(ss: torch.Tensor, n: int) -> bool:
+    """Whether ``ss`` can take :func:`lora_expand`'s sums of squares for ``n`` rows: fp32, one dim, unit-strided, at
+    least ``n`` long."""
+    return ss.dtype == torch.float32 and ss.dim() == 1 and ss.stride(0) == 1 and ss.shape[0] >= n
+
+
 def lora_expand(sh: Shrunk, ys: Sequence[torch.Tensor], outs: Sequence[torch.Tensor],
                 ss: torch.Tensor | None = None) -> None:
     """The expand launch of :func:`lora_add_group`: ``outs[g] = ys[g] + delta_g`` from a shrink's ``xa``
@@ -356,8 +362,7 @@ def lora_expand(sh: Shrunk, ys: Sequence[torch.Tensor], outs: Sequence[torch.Ten
     num = len(sh.stacks)
     if len(ys) != num or len(outs) != num:
         raise ValueError(f"lora_expand: {num} stacks, {len(ys)} outputs, {len(outs)} targets")
-    if ss is not None and (num != 1 or ss.dtype != torch.float32 or ss.dim() != 1 or ss.stride(0) != 1
-                           or ss.shape[0] < sh.xa.shape[1]):
+    if ss is not None and (num != 1 or not sums_fit(ss, sh.xa.shape[1])):
         raise ValueError(f"lora_expand: ss must be fp32 [>= {sh.xa.shape[1]}] for one linear, got {num} linears, "
                          f"{ss.dtype} {tuple(ss.shape)}")
     n = sh.xa.shape[1]

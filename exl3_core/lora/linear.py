@@ -114,7 +114,7 @@ class LoraLinear:
         """The deltas of LoRA adapters on linears reading ``x`` (q/k/v, gate/up, or this one alone): the shrink
         now, then the expand once the outputs exist (the Triton path, with one selection and weight dtype); else
         None, or with ``fallback`` the torch form at finish."""
-        from exl3_core.lora.kernels import MAX_GROUP, ShrinkInput, lora_expand, lora_shrink
+        from exl3_core.lora.kernels import MAX_GROUP, ShrinkInput, lora_expand, lora_shrink, sums_fit
 
         lins: list[LoraLinear] = []
         for m in members:
@@ -149,8 +149,7 @@ class LoraLinear:
 
         def finish_ss(h: torch.Tensor, ss: torch.Tensor) -> torch.Tensor:
             h2 = _rows2(h, lins[0].out_features)
-            if (h2 is None or h2.shape[1] != h.shape[-1] or ss.dtype != torch.float32 or ss.dim() != 1
-                    or ss.stride(0) != 1 or ss.shape[0] < h2.shape[0] or ss.device != h.device):
+            if h2 is None or h2.shape[1] != h.shape[-1] or ss.device != h.device or not sums_fit(ss, h2.shape[0]):
                 return finish_residual(PendingDeltas(finish), h, ss)
             lora_expand(shrunk, [h2], [h2], ss=ss)  # the sums' change added by the expand itself
             return h
