@@ -409,8 +409,9 @@ def main() -> None:
         name = f"k{bits}v{bits} chan{g} kmean own block"  # the calibration's channel means out: no bytes
         schemes[name] = lambda i, k, v, g=g: (channel_quant(k.float() - k_mean[i], bits, g) + k_mean[i], h32(v, bits))
         windows[name], pages[name] = g, g
-        schemes[f"k{bits}v{bits} h32 own block{g}"] = lambda i, k, v: (h32(k, bits), h32(v, bits))
-        windows[f"k{bits}v{bits} h32 own block{g}"], pages[f"k{bits}v{bits} h32 own block{g}"] = g, g
+        name = f"k{bits}v{bits} h32 own block{g}"
+        schemes[name] = lambda i, k, v: (h32(k, bits), h32(v, bits))
+        windows[name], pages[name] = g, g
     ids = tok.encode(builtin_text("eval"))[0][: a.positions + 256]
     for name, (kl, top1) in run(model, plan, tap, ids, schemes, windows=windows, pages=pages).items():
         print(f"{name:<20} KL {kl:.5f}  top-1 {top1:.4f}  ({a.positions} positions)")
