@@ -15,10 +15,9 @@ can import :data:`hookimpl` without pulling in torch-heavy modules::
 """
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 __version__ = "0.1.0"
+
+from exl3_core.lazy import lazy_attributes
 
 # re-exported (the `as` form marks them public); light: pluggy only
 from exl3_core.plugins import get_plugins as get_plugins
@@ -46,14 +45,7 @@ _LAZY: dict[str, str] = {
 __all__ = sorted(["__version__", "get_plugins", "hookimpl", "load_plugins", *_LAZY])
 
 
-def __getattr__(name: str) -> Any:
-    ref = _LAZY.get(name)
-    if ref is None:
-        raise AttributeError(f"module 'exl3_core' has no attribute {name!r}")
-    mod, _, attr = ref.partition(":")
-    value = getattr(importlib.import_module(mod), attr)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

@@ -23,9 +23,7 @@ from exl3_core import __version__, settings
 #: modules providing sub-commands through ``add_cli(subparsers)``, in help order
 SUBCOMMAND_MODULES = (
     "exl3_core.generate_cli",
-    "exl3_core.convert.gguf_import",
     "exl3_core.convert.cli",
-    "exl3_core.convert.optimize",
     "exl3_core.eval.cli",
     "exl3_core.bench.cli",
     "exl3_core.server.cli",

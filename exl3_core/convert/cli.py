@@ -1,10 +1,18 @@
-"""``exl3 convert``: command-line front end of :func:`exl3_core.convert.pipeline.convert`."""
+"""The conversion family's command lines: ``exl3 import-gguf`` (:func:`exl3_core.convert.gguf_import.import_gguf`),
+``exl3 convert`` (:func:`exl3_core.convert.pipeline.convert`) and ``exl3 optimize``
+(:func:`exl3_core.convert.optimize.optimize`). Torch-free until a handler runs, so parsing and usage errors are
+quick."""
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from pathlib import Path
+
 from exl3_core.cli import bounded_float, positive_int
+
+#: ``exl3 import-gguf --dtype`` choices (the importer checks its own table of these names)
+GGUF_DTYPES = ("bf16", "fp16", "fp32")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -34,7 +42,52 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if res.completed else 1
 
 
+def _import_gguf(args: argparse.Namespace) -> int:
+    from exl3_core.convert.gguf_import import import_gguf
+    from exl3_core.progress import Progress
+    from exl3_core.progress import write as progress_write
+
+    try:
+        with Progress(0, f"importing {Path(args.file).name}", unit="tensor") as bar:
+            out = import_gguf(args.file, args.output, dtype=args.dtype, progress=bar, overwrite=args.overwrite)
+    except (ValueError, LookupError, OSError) as e:
+        progress_write(f"exl3 import-gguf: error: {e}")
+        return 1
+    print(out)
+    return 0
+
+
+def _optimize(args: argparse.Namespace) -> int:
+    from exl3_core.convert.optimize import optimize
+
+    cands = None if args.candidates is None else tuple(int(c) for c in args.candidates.split(","))
+    optimize(args.input, args.output, args.bits, work_dir=args.work_dir, candidates=cands,
+             target_bytes=args.target_bytes, head_bits=args.head_bits, seed=args.seed, device=args.device,
+             measure_rows=args.measure_rows, measure_cols=args.measure_cols, measurement=args.measurement,
+             shard_mib=args.shard_size, resume=args.resume, cal_rows=args.cal_rows, cal_cols=args.cal_cols,
+             assemble=args.assemble, progress=not args.no_progress)
+    return 0
+
+
 def add_cli(subparsers: Any) -> None:
+    """Register ``import-gguf``, ``convert`` and ``optimize``, in that order."""
+    _add_import_gguf(subparsers)
+    _add_convert(subparsers)
+    _add_optimize(subparsers)
+
+
+def _add_import_gguf(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "import-gguf", help="import a llama.cpp GGUF file into an HF-style model folder",
+        description="Dequantize a GGUF file and write config.json, tokenizer files and safetensors.")
+    p.add_argument("file", type=Path, help="the .gguf file")
+    p.add_argument("-o", "--output", type=Path, required=True, help="output directory")
+    p.add_argument("--dtype", choices=GGUF_DTYPES, default="bf16", help="weight dtype (default bf16)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.set_defaults(func=_import_gguf)
+
+
+def _add_convert(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "convert", help="quantize a Hugging Face model directory to EXL3",
         description="Quantize an HF safetensors model to EXL3, module by module. Checkpoints to the work "
@@ -87,3 +140,34 @@ def add_cli(subparsers: Any) -> None:
                         "when the conversion completes")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (the per-tensor log lines stay)")
     p.set_defaults(func=_run)
+
+
+def _add_optimize(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "optimize", help="mixed-bitrate EXL3 conversion from a measurement of each tensor group's error",
+        description="Convert once per candidate bitrate, measure each tensor group's contribution to the KL "
+                    "divergence from the unquantized model, choose a bitrate per group for the target average "
+                    "(and size), and convert once more with that allocation (or, with --assemble, take the "
+                    "tensors from the candidates without quantizing again).")
+    p.add_argument("-i", "--input", required=True, help="source model directory (HF safetensors)")
+    p.add_argument("-o", "--output", required=True, help="output directory (must not exist or be empty)")
+    p.add_argument("-b", "--bits", type=float, required=True, help="target average bits per weight")
+    p.add_argument("--target-bytes", type=int, default=None, help="also keep the output's tensors within this size")
+    p.add_argument("--candidates", default=None,
+                   help="comma-separated bitrates to choose from (default: floor-1 .. ceil+1 of the target)")
+    p.add_argument("-w", "--work-dir", default=None, help="work directory (default OUTPUT.optimize; kept)")
+    p.add_argument("-r", "--resume", action="store_true", help="continue (or re-target) the job in the work directory")
+    p.add_argument("--measurement", default=None, help="reuse this measurement.json (same model and candidates)")
+    p.add_argument("--measure-rows", type=int, default=16, help="measurement rows (default 16)")
+    p.add_argument("--measure-cols", type=int, default=256, help="tokens per measurement row (default 256)")
+    p.add_argument("--head-bits", type=int, default=6, help="bits of the output head (default 6)")
+    p.add_argument("--cal-rows", type=int, default=None, help="candidates' calibration rows (default: exl3 convert's)")
+    p.add_argument("--cal-cols", type=int, default=None, help="candidates' tokens per calibration row")
+    p.add_argument("--seed", type=int, default=0, help="seed of the candidate conversions (default 0)")
+    p.add_argument("--device", default="cpu", help="device, e.g. cpu or cuda:0")
+    p.add_argument("--shard-size", type=int, default=8192, help="maximum shard size in MiB (default 8192)")
+    p.add_argument("--assemble", action="store_true",
+                   help="take the chosen tensors from the candidates (seconds, but a higher KL divergence) instead "
+                        "of converting once more with the allocation")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_optimize)

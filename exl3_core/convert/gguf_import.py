@@ -13,7 +13,6 @@ Output layout (what ``transformers`` and :class:`exl3_core.tokenizer.Tokenizer` 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -431,30 +430,3 @@ def default_generation_config(md: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # -- CLI ---------------------------------------------------------------------------------------
-
-def add_cli(subparsers: Any) -> argparse.ArgumentParser:
-    """Register ``exl3 import-gguf FILE -o DIR [--dtype bf16] [--overwrite]``; handler in ``func``."""
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "import-gguf", help="import a llama.cpp GGUF file into an HF-style model folder",
-        description="Dequantize a GGUF file and write config.json, tokenizer files and safetensors.")
-    p.add_argument("file", type=Path, help="the .gguf file")
-    p.add_argument("-o", "--output", type=Path, required=True, help="output directory")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="weight dtype (default bf16)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
-    p.set_defaults(func=cli_import_gguf)
-    return p
-
-
-def cli_import_gguf(args: argparse.Namespace) -> int:
-    """Handler for ``exl3 import-gguf``; returns the exit status."""
-    from exl3_core.progress import Progress
-    from exl3_core.progress import write as progress_write
-
-    try:
-        with Progress(0, f"importing {Path(args.file).name}", unit="tensor") as bar:
-            out = import_gguf(args.file, args.output, dtype=args.dtype, progress=bar, overwrite=args.overwrite)
-    except (ValueError, LookupError, OSError) as e:
-        progress_write(f"exl3 import-gguf: error: {e}")
-        return 1
-    print(out)
-    return 0

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
+
     from exl3_core.tokenizer import Tokenizer
 
 
@@ -33,6 +33,7 @@ def _bar(label: str) -> Any:
 def eval_ids(model_dir: str, text_file: str | None, ids_file: str | None, vocab_size: int | None = None) -> torch.Tensor:
     """Token ids to evaluate on: an ids file, a text file, or the built-in held-out documentation text."""
     if ids_file is not None:
+        import torch
         from safetensors.torch import load_file
 
         t = load_file(ids_file)

@@ -9,9 +9,17 @@ chosen per row of every step.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from exl3_core.lazy import lazy_attributes, refs_of
 from exl3_core.lora.config import AdapterConfig, LoraError, check_choice, read_config
-from exl3_core.lora.peft_io import AdapterWeights, read_adapter
-from exl3_core.lora.registry import LoraSet, attached, lora_set
+
+if TYPE_CHECKING:
+    from exl3_core.lora.peft_io import AdapterWeights, read_adapter
+    from exl3_core.lora.registry import LoraSet, attached, lora_set
+
+__getattr__ = lazy_attributes(__name__, {**refs_of("exl3_core.lora.peft_io", "AdapterWeights", "read_adapter"),
+                                         **refs_of("exl3_core.lora.registry", "LoraSet", "attached", "lora_set")})
 
 __all__ = ["AdapterConfig", "AdapterWeights", "LoraError", "LoraSet", "attached", "check_choice", "lora_set",
            "read_adapter", "read_config"]

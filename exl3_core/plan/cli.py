@@ -11,9 +11,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from exl3_core.attention.spec import CallShape, pow2_bucket
 from exl3_core.cache_bits import add_cache_bits_arg
 
 
@@ -38,6 +35,8 @@ def add_cli(sub: Any) -> None:
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+    import torch
+
     from exl3_core.cache import Cache
 
     device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -74,6 +73,7 @@ def _cache_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def inspect_model(model: Any, cache: Any, max_batch: int = 32) -> dict[str, Any]:
     """The plan report, cache report and attention choices as plain data."""
+    from exl3_core.attention.spec import CallShape, pow2_bucket
     from exl3_core.plan import ExecutionPlan, decode_shapes
 
     plan = ExecutionPlan(model)

@@ -89,6 +89,27 @@ def test_usage_errors_exit_2() -> None:
         assert word in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
 
 
+_PARSE_ONLY = """
+import contextlib, io, sys
+from exl3_core.cli import build_parser
+for job in sys.argv[1:]:
+    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
+        build_parser().parse_args([job, "--help"])
+print(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "numpy", "triton"}))
+"""
+
+
+def test_options_are_read_without_torch() -> None:
+    """Every job's options parse before torch is imported: help and usage errors answer at once."""
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    jobs = sorted(sub.choices)
+    assert {"generate", "convert", "import-gguf", "optimize", "bench", "serve", "eval"} <= set(jobs), jobs
+    out = subprocess.run([sys.executable, "-c", _PARSE_ONLY, *jobs], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"parsing the options imported {out.stdout.strip()}"
+
+
 def test_missing_model_folder_is_one_line_exit_1(tmp_path: Path) -> None:
     missing = tmp_path / "no-such-model"
     for args in (["generate", "hi", "-m", str(missing)], ["eval", "ppl", "-m", str(missing)]):

@@ -26,11 +26,11 @@ from smol_gguf import adapters, gguf_file, imported_model
 from exl3_core.convert.gguf_import import (
     IMPORT_MARKER,
     UnsupportedGGUFArchitecture,
-    add_cli,
     decoder_config,
     import_gguf,
     unpermute_qk,
 )
+from exl3_core.convert.cli import GGUF_DTYPES, add_cli
 from exl3_core.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")
@@ -331,9 +331,12 @@ def test_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     monkeypatch.setattr(gguf_import, "import_gguf", lambda *a, **k: real(*a, adapters=adapters(), **k))
     parser = argparse.ArgumentParser(prog="exl3")
     add_cli(parser.add_subparsers(dest="cmd"))
+    for name, dtype in zip(GGUF_DTYPES, ("bfloat16", "float16", "float32"), strict=True):  # every choice imports
+        args = parser.parse_args(["import-gguf", str(src), "-o", str(tmp_path / name), "--dtype", name])
+        assert args.func(args) == 0
+        assert json.loads((tmp_path / name / "config.json").read_text())["torch_dtype"] == dtype
     args = parser.parse_args(["import-gguf", str(src), "-o", str(tmp_path / "o"), "--dtype", "fp16"])
     assert args.func(args) == 0
-    assert json.loads((tmp_path / "o" / "config.json").read_text())["torch_dtype"] == "float16"
     args = parser.parse_args(["import-gguf", str(src), "-o", str(tmp_path / "o")])
     assert args.func(args) == 1 and "overwrite" in capsys.readouterr().err
 
