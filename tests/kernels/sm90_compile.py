@@ -57,7 +57,10 @@ def _install() -> None:
     jit.JITFunction.run = compile_only
 
 
-def _lora() -> int:
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _lora(dtypes: list[torch.dtype]) -> int:
     """The LoRA shrink/expand pair, one input slice and several, each weight dtype; the expand into a residual
     stream that moves its rows' sums of squares too."""
     from exl3_core.lora.kernels import ShrinkInput, lora_add_group, lora_expand, lora_shrink
@@ -66,7 +69,7 @@ def _lora() -> int:
 
     failed = 0
     dev = torch.device("cpu")
-    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+    for dtype in dtypes:
         for rows in (1, 32, 300):
             stacks = [LoraStack.build([StackEntry(0, torch.randn(r, 4096), torch.randn(r, n), 1.0)], 8, dev, dtype)
                       for r, n in ((16, 4096), (64, 1024))]  # ranks 16 and 64: both block shapes
@@ -86,16 +89,19 @@ def _lora() -> int:
     return 1 if failed else 0
 
 
-def main(pattern: str) -> int:
+def main(pattern: str, dtype_names: str) -> int:
+    """``pattern``: ``lora`` or a part of the attention cases' ids; ``dtype_names``: comma-separated, of fp16, bf16
+    and fp32 (the attention cases take the first two)."""
     _install()
+    dtypes = [_DTYPES[d] for d in dtype_names.split(",")]
     if pattern == "lora":
-        return _lora()
+        return _lora(dtypes)
     import exl3_attn_backends.triton_paged as tp
 
     from exl3_core.testing import attention as A
 
     A.device_cc = lambda dev: (9, 0)  # the cases the sm_90 GPU tests run
-    cases = [c for dt in (torch.float16, torch.bfloat16) for c in A.default_cases("cpu", dt)
+    cases = [c for dt in dtypes if dt != torch.float32 for c in A.default_cases("cpu", dt)
              if c.spec.cache is not None and pattern in c.id]
     backend = tp.TritonPagedAttention()
     failed = 0
@@ -110,4 +116,4 @@ def main(pattern: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else ""))
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "", sys.argv[2] if len(sys.argv) > 2 else "fp16,bf16,fp32"))

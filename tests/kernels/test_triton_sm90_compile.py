@@ -12,11 +12,13 @@ pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA 
 SCRIPT = Path(__file__).with_name("sm90_compile.py")
 
 
+@pytest.mark.parametrize("dtypes", ["fp16,fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("views", ["kv/fp16-decode", "kv/quant-decode", "mla/quant-decode", "kv/quant-prefill", "lora"])
-def test_kernels_compile_for_sm90(views: str) -> None:
+def test_kernels_compile_for_sm90(views: str, dtypes: str) -> None:
     """Attention decode steps (one query per sequence and several) over the fp16 and quantized cache views,
-    quantized prefill (``views`` selects the conformance cases) and ``lora``, the LoRA kernel pair."""
-    out = subprocess.run([sys.executable, str(SCRIPT), views], capture_output=True, text=True, timeout=600,
+    quantized prefill (``views`` selects the conformance cases) and ``lora``, the LoRA kernel pair. bf16 takes
+    the fp16 cases' code paths with another element type, so it runs with the slow tests."""
+    out = subprocess.run([sys.executable, str(SCRIPT), views, dtypes], capture_output=True, text=True, timeout=600,
                          check=False)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("ok ", "FAIL "))]
     assert lines, out.stdout + out.stderr
