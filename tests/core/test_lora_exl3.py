@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,11 @@ from exl3_core.testing.lora import random_adapter
 pytest.importorskip("triton")
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+#: the tests that launch the LoRA kernels on CPU tensors, which only Triton's interpreter runs (on a CUDA machine
+#: without it, tests/gpu/test_lora_gpu.py runs the kernels)
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the LoRA kernels on CPU tensors need Triton's interpreter")
+
 SHAPE = "custom(256,384,2,4,2,300)"
 PAGE = 16
 
@@ -43,6 +49,7 @@ def _linears(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
             if isinstance(m, (EXL3Linear, DenseLinear)) and ".layers." in m.key}
 
 
+@interpreted
 # -- the kernels -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("expand", ["per_entry", "wide"])
 @pytest.mark.parametrize("slice_values", [1, 8192], ids=["one_slice", "slices"])
@@ -96,6 +103,7 @@ def test_kernels_equal_torch_form(dtype: torch.dtype, rows: int, slice_values: i
     assert torch.equal(out3, y)
 
 
+@interpreted
 @pytest.mark.parametrize("rows", [1, 7])
 def test_expand_moves_row_sums_of_squares(rows: int) -> None:
     """Into a residual stream a launch has added to, the expand adds the delta in place and each row's change of
@@ -122,6 +130,7 @@ def test_expand_moves_row_sums_of_squares(rows: int) -> None:
         lora_expand(lora_shrink(ShrinkInput(x), [stack], sel, None), [h], [h], ss=ss.half())
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_group_kernels_equal_one_by_one(dtype: torch.dtype) -> None:
     """q/k/v-like linears (one input, three widths, each with its own adapters and ranks) in one launch pair."""
@@ -146,6 +155,7 @@ def test_group_kernels_equal_one_by_one(dtype: torch.dtype) -> None:
     assert lins[0].begin_group(lins, x) is None, "the group form ran without the fused path"
 
 
+@interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_shrink_forms_normed_and_gated_inputs(dtype: torch.dtype) -> None:
     """The shrink normalises (deferred RMSNorm) or gates (act(gate) * up) its input as it loads it: the same deltas
@@ -240,6 +250,7 @@ def _decode_steps(plan_or_ref, model, cache, prompts, choices, steps: int) -> li
     return out
 
 
+@interpreted
 def test_fused_decode_steps_mix_adapters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from exl3_core.lora import kernels as lora_kernels
 
