@@ -5,9 +5,8 @@ quick."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
-
 from pathlib import Path
+from typing import Any
 
 from exl3_core.cli import bounded_float, positive_int
 
