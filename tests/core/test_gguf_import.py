@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 from smol_gguf import adapters, gguf_file, imported_model
 
+from exl3_core.convert.cli import GGUF_DTYPES, add_cli
 from exl3_core.convert.gguf_import import (
     IMPORT_MARKER,
     UnsupportedGGUFArchitecture,
@@ -30,7 +31,6 @@ from exl3_core.convert.gguf_import import (
     import_gguf,
     unpermute_qk,
 )
-from exl3_core.convert.cli import GGUF_DTYPES, add_cli
 from exl3_core.tokenizer import Tokenizer
 
 gguf = pytest.importorskip("gguf")

@@ -49,8 +49,8 @@ def _linears(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
             if isinstance(m, (EXL3Linear, DenseLinear)) and ".layers." in m.key}
 
 
-@interpreted
 # -- the kernels -----------------------------------------------------------------------------------------------
+@interpreted
 @pytest.mark.parametrize("expand", ["per_entry", "wide"])
 @pytest.mark.parametrize("slice_values", [1, 8192], ids=["one_slice", "slices"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
