@@ -52,7 +52,7 @@ from exl3_core.nn.adapters import AdapterInput, GatedInput, NormedInput, norm_fo
 MAX_GROUP = 3
 #: the most partial values the last slice program of a shrink entry sums at once (slices x rows x rank): a register
 #: budget
-MAX_SLICE_VALUES = 8192
+MAX_SLICE_VALUES = 16384
 #: the most entries x block rank one expand product takes (a register budget); wider selections iterate
 WIDE_MAX_VALUES = 256
 #: the most rows the one-product expand takes: its [rows, entries x rank] operand stays within the registers
