@@ -11,6 +11,18 @@
 
 namespace exl3_attn {
 
+// A decode kernel's recent rows (exl3_core/reference/kv_recent.py): the low-bit rings of the sides under 8 bits
+// [slots, size, Hkv * D / 32 * (8 - bits)] (null for an 8-bit side), the position each ring row holds [slots, size]
+// and each sequence's ring slot [B]
+struct RecentArgs {
+    const uint32_t* kr;
+    const uint32_t* vr;
+    const int* tags;
+    const int* slots;
+    long long kr_n, kr_r, vr_n, vr_r, tg_n;  // ring strides per slot and per row, tags' per slot (elements)
+    int window, size;                        // positions read at 8 bits, ring rows
+};
+
 template <class T> __device__ __forceinline__ uint32_t pack2(float a, float b);
 template <> __device__ __forceinline__ uint32_t pack2<__half>(float a, float b) {
     const __half2 h = __floats2half2_rn(a, b);

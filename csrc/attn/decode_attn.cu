@@ -24,6 +24,13 @@
 // swizzled shared rows, still in the H32-rotated basis; q is rotated into that basis in shared memory and the
 // output rotated back once at the end (H32 / sqrt(32) is orthonormal: q.k and p.V are unchanged), so no key
 // or value is rotated per token. Earlier rows are dequantized before the wait, the newest row after it.
+//
+// Recent rows (exl3_core/reference/kv_recent.py; decode_attn_recent_kernel, so that calls without them run the plain
+// kernel): a cache may keep the low bits of each sequence's newest `window` positions in a ring, so that a query reads
+// them at 8 bits. In a one-query step the store has written the newest row into the ring too, so row j is unpacked at
+// 8 bits, (code << extra) | low with extra = 8 - bits, iff j > p - window and its ring row's tag is j (p = seq - 1).
+// Earlier rows' ring rows and tags were written by earlier steps, so they are read before the wait like the pages;
+// the newest row's after it, through L2.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -33,8 +40,10 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 
 #include "attn/attn_common.cuh"
+#include "attn/recent_args.h"
 
 namespace exl3_attn {
 
@@ -62,6 +71,7 @@ struct DecodeArgs {
     const __half* vs;
     long long ks_p, ks_s, vs_p, vs_s;
     int k_bits, v_bits;
+    RecentArgs rc;  // recent rows (decode_attn_recent_kernel only)
 };
 
 __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const void* p) {
@@ -103,11 +113,16 @@ __device__ __forceinline__ void copy_rows(const DecodeArgs& a, int b, int kvh, i
     }
 }
 
+// A word of a code or low-bit plane: through L2 (L2) where the kernel may have read its cache line before the wait,
+// which a row the kernel before wrote (the newest row's ring row and tag) must not be served from.
+template <bool L2>
+__device__ __forceinline__ uint32_t word(const uint32_t* w, int i) { return L2 ? __ldcg(w + i) : w[i]; }
+
 // The 8 codes of values 8c .. 8c + 7 of a group's `bits` words w (format spec 6: planes 8, 4, 2, 1, each value j of a
-// w-bit plane at bits [j * w, (j + 1) * w)), dequantized with the group's scale into 16-bit values packed in a uint4.
-template <class T>
-__device__ __forceinline__ uint4 dequant_chunk(const uint32_t* w, int c, int bits, float scale) {
-    uint32_t code[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+// w-bit plane at bits [j * w, (j + 1) * w)), or of its recent row's low bits (`bits` = 8 - its width, the planes 4, 2,
+// 1 of kv_recent.low_planes by the same rule), OR-ed into code.
+template <bool L2 = false>
+__device__ __forceinline__ void chunk_codes(uint32_t (&code)[8], const uint32_t* w, int c, int bits) {
     const int j0 = 8 * c;  // c in 0..3: the chunk's first value in the group
 #pragma unroll
     for (int pw = 8; pw >= 1; pw >>= 1) {
@@ -115,7 +130,7 @@ __device__ __forceinline__ uint4 dequant_chunk(const uint32_t* w, int c, int bit
         const int low = bits & (pw - 1), first = bits & ~(2 * pw - 1);
         const uint32_t mask = (1u << pw) - 1u;
         if (pw == 8) {  // 64 bits: two words
-            const uint32_t a = w[first + j0 / 4], b = w[first + j0 / 4 + 1];
+            const uint32_t a = word<L2>(w, first + j0 / 4), b = word<L2>(w, first + j0 / 4 + 1);
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 code[i] |= ((a >> (8 * i)) & mask) << low;
@@ -123,11 +138,16 @@ __device__ __forceinline__ uint4 dequant_chunk(const uint32_t* w, int c, int bit
             }
         } else {  // 8 * pw <= 32 bits inside one word
             const int bit = j0 * pw;
-            const uint32_t x = w[first + bit / 32] >> (bit % 32);
+            const uint32_t x = word<L2>(w, first + bit / 32) >> (bit % 32);
 #pragma unroll
             for (int i = 0; i < 8; ++i) code[i] |= ((x >> (pw * i)) & mask) << low;
         }
     }
+}
+
+// 8 codes of `bits` bits dequantized with the group's scale into 16-bit values packed in a uint4.
+template <class T>
+__device__ __forceinline__ uint4 dequant_codes(const uint32_t (&code)[8], int bits, float scale) {
     const float m = (float)(1 << (bits - 1));
     const float step = scale / m;  // exact: m is a power of two
     uint4 out;
@@ -136,6 +156,14 @@ __device__ __forceinline__ uint4 dequant_chunk(const uint32_t* w, int c, int bit
     for (int i = 0; i < 4; ++i)
         o[i] = pack2<T>(((float)code[2 * i] - m + 0.5f) * step, ((float)code[2 * i + 1] - m + 0.5f) * step);
     return out;
+}
+
+// The 8 codes of values 8c .. 8c + 7 of a group's `bits` words w, dequantized (chunk_codes, dequant_codes).
+template <class T>
+__device__ __forceinline__ uint4 dequant_chunk(const uint32_t* w, int c, int bits, float scale) {
+    uint32_t code[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    chunk_codes(code, w, c, bits);
+    return dequant_codes<T>(code, bits, scale);
 }
 
 // Dequantize chunk c (8 channels) of kv head kvh's keys and values at (page, slot) into smem row r.
@@ -151,6 +179,44 @@ __device__ __forceinline__ void dequant_row_chunk(const DecodeArgs& a, int kvh, 
     *reinterpret_cast<uint4*>(vs + smem_at<D>(r, c)) = dequant_chunk<T>(vw, c % 4, a.v_bits, sv);
 }
 
+// A chunk of one side with recent rows: its `bits`-bit codes, and where `fine` (the row held in the recent rows of a
+// side under 8 bits) its ring row's low bits `low` below them, 8 - bits wide, dequantized at 8 bits (the 8-bit codes'
+// top bits are the page's codes). One path for both, so that the kernel holds one copy of the unpacking.
+template <class T, bool L2>
+__device__ __forceinline__ uint4 dequant_chunk_recent(const uint32_t* w, const uint32_t* low, int c, int bits,
+                                                      bool fine, float scale) {
+    const int extra = fine ? 8 - bits : 0;
+    uint32_t code[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    chunk_codes(code, w, c, bits);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) code[i] <<= extra;
+    chunk_codes<L2>(code, low, c, extra);  // the low bits below (nothing read for 0 of them: no plane)
+    return dequant_codes<T>(code, bits + extra, scale);
+}
+
+// dequant_row_chunk for a kernel with recent rows: position pos of the sequence in ring slot `ring` at 8 bits where
+// its ring row holds it (pos >= w0, the window's first position), each side under 8 bits. L2: the tag and low bits
+// through L2 (the newest row, after the wait).
+template <class T, int D, bool L2>
+__device__ __forceinline__ void dequant_row_chunk_recent(const DecodeArgs& a, int kvh, long long page, long long slot,
+                                                         int r, int c, uint16_t* ks, uint16_t* vs, int pos, int w0,
+                                                         int ring) {
+    const int g = kvh * (D / 32) + c / 4;  // the chunk's group in the token's flattened row
+    const int row = pos % a.rc.size;
+    const int* tag = a.rc.tags + ring * a.rc.tg_n + row;
+    const bool fine = pos >= w0 && (L2 ? __ldcg(tag) : *tag) == pos;
+    const uint32_t* kw = static_cast<const uint32_t*>(a.k) + page * a.k_p + slot * a.k_s + (long long)g * a.k_bits;
+    const uint32_t* vw = static_cast<const uint32_t*>(a.v) + page * a.v_p + slot * a.v_s + (long long)g * a.v_bits;
+    const float sk = __half2float(a.ks[page * a.ks_p + slot * a.ks_s + g]);
+    const float sv = __half2float(a.vs[page * a.vs_p + slot * a.vs_s + g]);
+    const uint32_t* kl = a.rc.kr + ring * a.rc.kr_n + row * a.rc.kr_r + g * (8 - a.k_bits);  // not read unless fine && a.rc.kr
+    const uint32_t* vl = a.rc.vr + ring * a.rc.vr_n + row * a.rc.vr_r + g * (8 - a.v_bits);
+    *reinterpret_cast<uint4*>(ks + smem_at<D>(r, c)) =
+        dequant_chunk_recent<T, L2>(kw, kl, c % 4, a.k_bits, fine && a.rc.kr != nullptr, sk);
+    *reinterpret_cast<uint4*>(vs + smem_at<D>(r, c)) =
+        dequant_chunk_recent<T, L2>(vw, vl, c % 4, a.v_bits, fine && a.rc.vr != nullptr, sv);
+}
+
 // The quantized counterpart of copy_rows (synchronous: each thread unpacks its chunks into shared memory).
 template <class T, int D>
 __device__ __forceinline__ void dequant_rows(const DecodeArgs& a, int b, int kvh, int pos0, int r0, int r1,
@@ -160,6 +226,19 @@ __device__ __forceinline__ void dequant_rows(const DecodeArgs& a, int b, int kvh
     for (int i = threadIdx.x; i < (r1 - r0) * P; i += THREADS) {
         const int r = r0 + i / P, c = i % P, pos = pos0 + r;
         dequant_row_chunk<T, D>(a, kvh, pt[pos / a.page_size], pos % a.page_size, r, c, ks, vs);
+    }
+}
+
+// dequant_rows with recent rows (see dequant_row_chunk_recent)
+template <class T, int D, bool L2>
+__device__ __forceinline__ void dequant_rows_recent(const DecodeArgs& a, int b, int kvh, int pos0, int r0, int r1,
+                                                    uint16_t* ks, uint16_t* vs, int w0, int ring) {
+    constexpr int P = D / 8;
+    const int* pt = a.page_table + (long long)b * a.pt_b;
+    for (int i = threadIdx.x; i < (r1 - r0) * P; i += THREADS) {
+        const int r = r0 + i / P, c = i % P, pos = pos0 + r;
+        dequant_row_chunk_recent<T, D, L2>(a, kvh, pt[pos / a.page_size], pos % a.page_size, r, c, ks, vs, pos, w0,
+                                           ring);
     }
 }
 
@@ -173,9 +252,10 @@ __host__ __device__ inline size_t smem_bytes(int D, int G, int cap, bool quant) 
 // blocks), else 2
 template <int D, int KW> constexpr int min_blocks() { return D == 64 && KW == 32 ? 3 : 2; }
 
-template <class T, int D, int KW, bool Q>
-__global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_kernel(const DecodeArgs a, const bool pdl) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// The kernel (R: with recent rows, a quantized cache's only).
+template <class T, int D, int KW, bool Q, bool R>
+__device__ __forceinline__ void decode_attn_body(const DecodeArgs& a, const bool pdl) {
+    static_assert(Q || !R, "recent rows are a quantized cache's");
     constexpr int P = D / 8;                  // 16-byte chunks per row
     const int CAP = a.cap;                    // rows of a pass
     constexpr int NT = KW / 8;                // score n tiles (8 keys each)
@@ -199,7 +279,11 @@ __global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_kern
         if (pdl) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
         return;
     }
-    if constexpr (Q) {
+    // recent rows: the sequence's ring slot (a step input like the page table) and its window's first position
+    const int ring = R ? a.rc.slots[b] : 0, w0 = R ? seq - a.rc.window : 0;
+    if constexpr (R) {
+        dequant_rows_recent<T, D, false>(a, b, kvh, 0, 0, min(seq - 1, CAP), ks, vs, w0, ring);
+    } else if constexpr (Q) {
         dequant_rows<T, D>(a, b, kvh, 0, 0, min(seq - 1, CAP), ks, vs);
     } else {
         copy_rows<D>(a, b, kvh, 0, 0, min(seq - 1, CAP), ks, vs);
@@ -234,7 +318,9 @@ __global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_kern
     }
     // After it: this step's queries and newest key/value row, one round trip.
     if (newest) {
-        if constexpr (Q) {
+        if constexpr (R) {
+            dequant_row_chunk_recent<T, D, true>(a, kvh, new_page, new_slot, seq - 1, tid, ks, vs, seq - 1, w0, ring);
+        } else if constexpr (Q) {
             dequant_row_chunk<T, D>(a, kvh, new_page, new_slot, seq - 1, tid, ks, vs);
         } else {
             cp_async16(ks + smem_at<D>(seq - 1, tid), k_new);
@@ -280,7 +366,9 @@ __global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_kern
         const int n = min(seq - p0, CAP);
         if (p0 > 0) {  // a later pass (a sequence longer than the smem rows): loaded after the wait
             __syncthreads();  // every warp is done with the previous pass
-            if constexpr (Q) {
+            if constexpr (R) {
+                dequant_rows_recent<T, D, true>(a, b, kvh, p0, 0, n, ks, vs, w0, ring);
+            } else if constexpr (Q) {
                 dequant_rows<T, D>(a, b, kvh, p0, 0, n, ks, vs);
             } else {
                 copy_rows<D>(a, b, kvh, p0, 0, n, ks, vs);
@@ -418,14 +506,32 @@ __global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_kern
             for (int i = 0; i < 32; ++i) out[h * a.o_h + d0 + i] = from_f<T>(x[i]);
         }
     }
+}
+
+template <class T, int D, int KW, bool Q>
+__global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_kernel(const DecodeArgs a, const bool pdl) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    decode_attn_body<T, D, KW, Q, false>(a, pdl);
 #else
     __trap();  // launched only on compute capability >= 9.0 (checked on the host)
 #endif
 }
 
-template <class T, int D, int KW, bool Q>
+// A quantized call with recent rows (a separate kernel, so that calls without them run the plain one unchanged)
+template <class T, int D, int KW>
+__global__ void __launch_bounds__(THREADS, min_blocks<D, KW>()) decode_attn_recent_kernel(const DecodeArgs a,
+                                                                                          const bool pdl) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    decode_attn_body<T, D, KW, true, true>(a, pdl);
+#else
+    __trap();  // launched only on compute capability >= 9.0 (checked on the host)
+#endif
+}
+
+template <class T, int D, int KW, bool Q, bool R>
 cudaError_t launch(DecodeArgs a, int kv_heads, int batch, int bound, bool pdl, cudaStream_t st) {
     auto kern = decode_attn_kernel<T, D, KW, Q>;
+    if constexpr (R) kern = decode_attn_recent_kernel<T, D, KW>;
     // a pass holds the bound (rounded up to whole warps' keys) when it can: one pass, copied before the wait
     const int most = WARPS * KW;
     a.cap = bound > 0 && bound < most ? (bound + KW - 1) / KW * KW : most;
@@ -444,14 +550,15 @@ cudaError_t launch(DecodeArgs a, int kv_heads, int batch, int bound, bool pdl, c
 }
 
 // The kernel for head dim D with the short keys per warp (`shrt`) or twice that: 4 instantiations per type and cache
-template <class T, bool Q>
+// (R: a quantized cache's with recent rows)
+template <class T, bool Q, bool R = false>
 cudaError_t launch_for(int D, bool shrt, DecodeArgs a, int kv_heads, int batch, int bound, bool pdl, cudaStream_t st) {
     constexpr int s64 = short_kw<64>(), s128 = short_kw<128>();
     if (D == 64)
-        return shrt ? launch<T, 64, s64, Q>(a, kv_heads, batch, bound, pdl, st)
-                    : launch<T, 64, 2 * s64, Q>(a, kv_heads, batch, bound, pdl, st);
-    return shrt ? launch<T, 128, s128, Q>(a, kv_heads, batch, bound, pdl, st)
-                : launch<T, 128, 2 * s128, Q>(a, kv_heads, batch, bound, pdl, st);
+        return shrt ? launch<T, 64, s64, Q, R>(a, kv_heads, batch, bound, pdl, st)
+                    : launch<T, 64, 2 * s64, Q, R>(a, kv_heads, batch, bound, pdl, st);
+    return shrt ? launch<T, 128, s128, Q, R>(a, kv_heads, batch, bound, pdl, st)
+                : launch<T, 128, 2 * s128, Q, R>(a, kv_heads, batch, bound, pdl, st);
 }
 
 }  // namespace exl3_attn
@@ -468,10 +575,15 @@ using at::Tensor;
 // block's pass (shared memory) and picks the keys per warp.
 // Quantized caches (k_scales given): k_cache, v_cache are int32 code words [pages, page_size, Hkv * D / 32 * bits]
 // and k_scales, v_scales fp16 [pages, page_size, Hkv * D / 32], with k_bits, v_bits in 2..8 (format spec 6).
+// Their recent rows (recent_tags given, recent_window > 0): k_ring / v_ring int32 [slots, size, Hkv * D / 32 *
+// (8 - bits)] for each side under 8 bits (None for an 8-bit one); recent_tags int32 [slots, size]; recent_slots int32
+// [B], each in 0 .. slots - 1; a window of at most size.
 Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache, const Tensor& page_table,
                         const Tensor& cu_seqlens_q, const Tensor& seq_lens_k, double scale, bool pdl, int64_t bound,
                         const std::optional<Tensor>& k_scales, const std::optional<Tensor>& v_scales, int64_t k_bits,
-                        int64_t v_bits) {
+                        int64_t v_bits, const std::optional<Tensor>& k_ring, const std::optional<Tensor>& v_ring,
+                        const std::optional<Tensor>& recent_tags, const std::optional<Tensor>& recent_slots,
+                        int64_t recent_window) {
     using namespace exl3_attn;
     const bool quant = k_scales.has_value();
     TORCH_CHECK(q.is_cuda() && k_cache.is_cuda() && v_cache.is_cuda() && page_table.is_cuda() &&
@@ -508,6 +620,30 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
                 seq_lens_k.scalar_type() == at::kInt, "decode_attention: int32 batch description");
     TORCH_CHECK(bound >= 0 && bound < (1 << 30), "decode_attention: bound must be in [0, 2^30)");
     const int64_t B = page_table.size(0);
+    TORCH_CHECK(recent_tags.has_value() || (!k_ring.has_value() && !v_ring.has_value() && !recent_slots.has_value()),
+                "decode_attention: rings or slots without recent_tags");
+    TORCH_CHECK(!recent_tags.has_value() || quant, "decode_attention: recent rows are a quantized cache's");
+    TORCH_CHECK(recent_window >= 0 && recent_window < (1ll << 30), "decode_attention: recent_window in [0, 2^30)");
+    // two 8-bit sides have no low bits: their pages are the 8-bit codes, which the plain kernel reads
+    const bool recent = recent_tags.has_value() && recent_window > 0 && (k_bits < 8 || v_bits < 8);
+    if (recent_tags.has_value()) {
+        const Tensor& tags = *recent_tags;
+        TORCH_CHECK(recent_slots.has_value() && tags.is_cuda() && recent_slots->is_cuda() &&
+                    tags.scalar_type() == at::kInt && recent_slots->scalar_type() == at::kInt && tags.dim() == 2 &&
+                    tags.stride(1) == 1 && tags.size(1) > 0 && recent_slots->dim() == 1 &&
+                    recent_slots->numel() == B && recent_slots->is_contiguous() && recent_window <= tags.size(1),
+                    "decode_attention: recent_tags int32 [slots, size] with contiguous rows, recent_slots int32 [B] "
+                    "on the GPU and a window of at most size");
+        for (const auto& [ring, bits] : {std::pair{&k_ring, k_bits}, std::pair{&v_ring, v_bits}}) {
+            TORCH_CHECK(ring->has_value() == (bits < 8), "decode_attention: a ring exactly for each side under 8 bits");
+            if (!ring->has_value()) continue;
+            const Tensor& r = **ring;
+            TORCH_CHECK(r.is_cuda() && r.scalar_type() == at::kInt && r.dim() == 3 && r.size(0) == tags.size(0) &&
+                        r.size(1) == tags.size(1) && r.size(2) == v_scales->size(2) * (8 - bits) && r.stride(2) == 1,
+                        "decode_attention: a ring must be int32 [slots, size, groups * (8 - bits)] on the GPU with "
+                        "contiguous rows");
+        }
+    }
     const c10::cuda::CUDAGuard guard(q.device());
     TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 9, "decode_attention: needs compute capability >= 9.0");
     Tensor out = at::empty({q.size(0), Hq, D}, q.options());
@@ -530,6 +666,7 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
         a.vs_p = v_scales->stride(0), a.vs_s = v_scales->stride(1);
         a.k_bits = (int)k_bits, a.v_bits = (int)v_bits;
     }
+    if (recent) set_recent_args(a.rc, k_ring, v_ring, recent_tags, recent_slots, recent_window);
     a.o_t = out.stride(0), a.o_h = out.stride(1);
     a.pt_b = page_table.stride(0);
     a.page_size = (int)k_cache.size(1);
@@ -541,10 +678,12 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
     const bool shrt = bd > 0 && bd <= WARPS * (D == 64 ? short_kw<64>() : short_kw<128>());
     const bool half = q.scalar_type() == at::kHalf;
     const cudaError_t err =
-        quant ? (half ? launch_for<__half, true>((int)D, shrt, a, hk, nb, bd, pdl, st)
-                      : launch_for<__nv_bfloat16, true>((int)D, shrt, a, hk, nb, bd, pdl, st))
-              : (half ? launch_for<__half, false>((int)D, shrt, a, hk, nb, bd, pdl, st)
-                      : launch_for<__nv_bfloat16, false>((int)D, shrt, a, hk, nb, bd, pdl, st));
+        recent ? (half ? launch_for<__half, true, true>((int)D, shrt, a, hk, nb, bd, pdl, st)
+                       : launch_for<__nv_bfloat16, true, true>((int)D, shrt, a, hk, nb, bd, pdl, st))
+        : quant ? (half ? launch_for<__half, true>((int)D, shrt, a, hk, nb, bd, pdl, st)
+                        : launch_for<__nv_bfloat16, true>((int)D, shrt, a, hk, nb, bd, pdl, st))
+                : (half ? launch_for<__half, false>((int)D, shrt, a, hk, nb, bd, pdl, st)
+                        : launch_for<__nv_bfloat16, false>((int)D, shrt, a, hk, nb, bd, pdl, st));
     TORCH_CHECK(err == cudaSuccess, "decode_attention: launch failed: ", cudaGetErrorString(err));
     return out;
 }
@@ -554,7 +693,8 @@ Tensor decode_attention(const Tensor& q, const Tensor& k_cache, const Tensor& v_
 TORCH_LIBRARY_FRAGMENT(exl3, m) {
     m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor page_table, Tensor cu_seqlens_q, "
           "Tensor seq_lens_k, float scale, bool pdl, int bound=0, Tensor? k_scales=None, Tensor? v_scales=None, "
-          "int k_bits=0, int v_bits=0) -> Tensor");
+          "int k_bits=0, int v_bits=0, Tensor? k_ring=None, Tensor? v_ring=None, Tensor? recent_tags=None, "
+          "Tensor? recent_slots=None, int recent_window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl3, CUDA, m) { m.impl("decode_attention", &decode_attention); }

@@ -29,6 +29,15 @@
 //
 // Programmatic dependent launch: tiles entirely before the newest key (written by the kernel before) are
 // loaded before griddepcontrol.wait; q and any tile holding the newest key after it.
+//
+// Recent rows (exl3_core/reference/kv_recent.py; qsplit_recent_kernel): a cache may keep the low bits of each
+// sequence's newest `window` positions in a ring, so that a query reads them at 8 bits. In a one-query step the
+// store has written the newest row into the ring too, so key j reads at 8 bits iff j > p - window and its ring
+// row's tag is j (p = seq - 1). Only a 4-bit side has a ring here (4 low bits, laid out as its codes), so the 8-bit
+// code of a field is (code << 4) | low. The tiles overlapping the window are peeled off the key loop into a tail
+// without prefetching that reads both widths (a 4-bit code is the 8-bit one with low bits 0 and a half step of 8/128
+// instead of 1/2/128), so every other tile runs the plain kernel's loop, and calls without recent rows the plain
+// kernel.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -36,8 +45,11 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
+#include <utility>
 
 #include "attn/attn_common.cuh"
+#include "attn/recent_args.h"
 
 namespace exl3_attn_qsplit {
 
@@ -69,6 +81,7 @@ struct QSplitArgs {
     int k_s, v_s, ks_s, vs_s;        // slot strides (elements; a page's rows span under 2^31)
     int page_size, group, hkv, splits;
     float qscale;   // softmax scale * log2(e)
+    exl3_attn::RecentArgs rc;  // recent rows (qsplit_recent_kernel only; the rings of its 4-bit sides)
 };
 
 // One tile's loads for one lane: keys g, g + 8 (its D / 4 key channels), keys 2t, 2t + 1, 2t + 8, 2t + 9 (its
@@ -254,11 +267,248 @@ struct Smem {
     int last;
 };
 
+// S^T of one tile (unscaled): scores of keys g, g + 8 (rows) for heads 2t, 2t + 1, added to sc
 template <int D, int KB, int VB>
-__global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, const bool pdl) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void key_scores(float (&sc)[4], const TileLoads<D, KB, VB>& cur,
+                                           const uint32_t (&qb)[D / 16][2]) {
+    constexpr int KS = D / 16;
+    constexpr int MK = 1 << (KB - 1);
+    float sc2[4] = {0.f, 0.f, 0.f, 0.f};  // the odd k steps: two independent chains of products
+    const __half2 st0 = __half2half2(__hmul(cur.ks[0], __float2half_rn(1.f / MK)));
+    const __half2 st1 = __half2half2(__hmul(cur.ks[1], __float2half_rn(1.f / MK)));
+    const __half2 hs0 = __half2half2(__hmul(cur.ks[0], __float2half_rn(0.5f / MK)));
+    const __half2 hs1 = __half2half2(__hmul(cur.ks[1], __float2half_rn(0.5f / MK)));
+    constexpr bool HK = HIGH_NIBBLES<KB>;  // the odd pairs' steps
+    const __half2 so0 = HK ? __hmul2(st0, __float2half2_rn(1.f / 16)) : st0;
+    const __half2 so1 = HK ? __hmul2(st1, __float2half2_rn(1.f / 16)) : st1;
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+        const uint32_t ka[4] = {dequant2<KB>(key_codes<KB>(cur.kw[0], 2 * s), st0, hs0),
+                                dequant2<KB>(key_codes<KB>(cur.kw[1], 2 * s), st1, hs1),
+                                dequant2<KB, HK>(key_codes<KB>(cur.kw[0], 2 * s + 1), so0, hs0),
+                                dequant2<KB, HK>(key_codes<KB>(cur.kw[1], 2 * s + 1), so1, hs1)};
+        mma<__half>(s % 2 ? sc2 : sc, ka, qb[s][0], qb[s][1]);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) sc[i] += sc2[i];
+}
+
+// One tile into the warp's online softmax: scale, mask keys at or past hi, the tile's max per head over the warp
+// (lanes of equal t), the running max m, sums l and outputs o updated; P^T as the output product's B operand
+template <int KS>
+__device__ __forceinline__ void online_softmax(float (&sc)[4], float (&m)[2], float (&l)[2], float (&o)[KS][4],
+                                               int t0, int hi, int g, float qscale, uint32_t& pb0, uint32_t& pb1) {
+    float mx[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        sc[e] = t0 + g < hi ? sc[e] * qscale : -INFINITY;
+        sc[2 + e] = t0 + g + 8 < hi ? sc[2 + e] * qscale : -INFINITY;
+        mx[e] = fmaxf(sc[e], sc[2 + e]);
+    }
+#pragma unroll
+    for (int x = 4; x <= 16; x <<= 1) {
+        mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], x));
+        mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], x));
+    }
+    // the running max moves only when a score passes it by more than RESCALE (log2 units), so most tiles skip
+    // the rescale; probabilities stay under 2^RESCALE, well inside fp16 for the second product
+    float al[2], p[4];
+    bool moved = false;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+        al[e] = 1.f;
+        if (mx[e] > m[e] + RESCALE) {  // always on the first tile (m = -inf); mx is finite: key t0 < hi
+            al[e] = exp2f(m[e] - mx[e]);
+            m[e] = mx[e];
+            moved = true;
+        }
+        p[e] = exp2f(sc[e] - m[e]);
+        p[2 + e] = exp2f(sc[2 + e] - m[e]);
+        l[e] = l[e] * al[e] + p[e] + p[2 + e];
+    }
+    if (moved) {
+#pragma unroll
+        for (int u = 0; u < KS; ++u) {
+            o[u][0] *= al[0];
+            o[u][1] *= al[1];
+            o[u][2] *= al[0];
+            o[u][3] *= al[1];
+        }
+    }
+    // P^T as the output's B operand: keys 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) of head g
+    pb0 = transpose8x8(exl3_attn::pack2<__half>(p[0], p[1]));
+    pb1 = transpose8x8(exl3_attn::pack2<__half>(p[2], p[3]));
+}
+
+// O^T += V^T P^T for one tile: channel rows g, g + 8 of m tile u, heads 2t, 2t + 1
+template <int D, int KB, int VB>
+__device__ __forceinline__ void value_products(float (&o)[D / 16][4], const TileLoads<D, KB, VB>& cur, uint32_t pb0,
+                                               uint32_t pb1) {
+    constexpr int KS = D / 16;
+    constexpr int MV = 1 << (VB - 1);
+    const __half2 rs = __float2half2_rn(1.f / MV), rh = __float2half2_rn(0.5f / MV);
+    const __half2 st01 = __hmul2(__halves2half2(cur.vs[0], cur.vs[1]), rs);
+    const __half2 st89 = __hmul2(__halves2half2(cur.vs[2], cur.vs[3]), rs);
+    const __half2 hs01 = __hmul2(__halves2half2(cur.vs[0], cur.vs[1]), rh);
+    const __half2 hs89 = __hmul2(__halves2half2(cur.vs[2], cur.vs[3]), rh);
+    constexpr bool HV = HIGH_NIBBLES<VB>;  // the odd channels' steps
+    const __half2 so01 = HV ? __hmul2(st01, __float2half2_rn(1.f / 16)) : st01;
+    const __half2 so89 = HV ? __hmul2(st89, __float2half2_rn(1.f / 16)) : st89;
+#pragma unroll
+    for (int u = 0; u < KS; ++u) {
+        const uint32_t va[4] = {dequant2<VB>(value_codes<VB>(cur.vw[0], cur.vw[1], 2 * u), st01, hs01),
+                                dequant2<VB, HV>(value_codes<VB>(cur.vw[0], cur.vw[1], 2 * u + 1), so01, hs01),
+                                dequant2<VB>(value_codes<VB>(cur.vw[2], cur.vw[3], 2 * u), st89, hs89),
+                                dequant2<VB, HV>(value_codes<VB>(cur.vw[2], cur.vw[3], 2 * u + 1), so89, hs89)};
+        mma<__half>(o[u], va, pb0, pb1);
+    }
+}
+
+// -- recent rows (the tail of qsplit_recent_kernel) --
+
+// The first word of a lane's key channels (t = lane % 4) or value channels (g = lane / 4) in a row of B-bit codes, or
+// of 4 low bits laid out as 4-bit codes (lane_rows' offsets)
+template <int D, int B>
+__device__ __forceinline__ int key_word(int kvh, int t) {
+    return (kvh * (D / 32) + (t * (D / 4)) / 32) * B + ((t * (D / 4)) % 32) * B / 32;
+}
+template <int D, int B>
+__device__ __forceinline__ int value_word(int kvh, int g) {
+    return (kvh * (D / 32) + (g * (D / 8)) / 32) * B + ((g * (D / 8)) % 32) * B / 32;
+}
+
+// Whether key j is read at 8 bits: in the window (r0 <= j < hi, hi <= seq) and its ring row holds it. An L2 load:
+// the newest key's tag was written by the kernel before.
+__device__ __forceinline__ bool held(const QSplitArgs& a, int slot, int j, int r0, int hi) {
+    return j >= r0 && j < hi && __ldcg(a.rc.tags + slot * a.rc.tg_n + j % a.rc.size) == j;
+}
+
+// A ring row's low-bit words for this lane (at the offsets of its 4-bit code words), through L2 like the tags. Loaded
+// whatever the tag (the row exists), so that both are in flight at once; the caller zeroes them unless it is held.
+template <int N>
+__device__ __forceinline__ void load_low(uint32_t (&w)[N], const uint32_t* p) {
+    if constexpr (N == 4) {
+        const uint4 x = __ldcg(reinterpret_cast<const uint4*>(p));
+        w[0] = x.x, w[1] = x.y, w[2] = x.z, w[3] = x.w;
+    } else if constexpr (N == 2) {
+        const uint2 x = __ldcg(reinterpret_cast<const uint2*>(p));
+        w[0] = x.x, w[1] = x.y;
+    } else {
+        static_assert(N == 1, "low words per lane: 1, 2 or 4");
+        w[0] = __ldcg(p);
+    }
+}
+
+// The low bits of a row read at 8 bits, else 0 (its codes then read at 4 bits)
+template <int N>
+__device__ __forceinline__ void keep_if(uint32_t (&w)[N], bool fine) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) w[i] = fine ? w[i] : 0u;
+}
+
+// Two 4-bit code fields x and their low bits y (nibble n of each 16-bit half, n = 0, 4 or 1, 5 after the fields'
+// shift; odd: the high nibbles) as fp16 1024 + the 8-bit code (code << 4 | low) in each half
+__device__ __forceinline__ uint32_t fine_codes(uint32_t x, uint32_t y, bool odd) {
+    const uint32_t c = odd ? (x & 0x00F000F0u) | ((y >> 4) & 0x000F000Fu)
+                           : ((x & 0x000F000Fu) << 4) | (y & 0x000F000Fu);
+    return c | 0x64006400u;
+}
+
+// The half step of a 4-bit side's field read as 8 bits: (code8 - 128) * s / 128 plus s / 256 for a held row
+// ((code8 - 127.5) * s / 128), or plus s / 16 for another (its low bits are 0: (code - 7.5) * s / 8, the 4-bit value)
+__device__ __forceinline__ __half half_step(__half s, bool fine) {
+    return __hmul(s, __float2half_rn(fine ? 0.5f / 128 : 1.f / 16));
+}
+
+// One tile of the window: key_scores, online_softmax and value_products with each 4-bit side's held rows at 8 bits
+template <int D, int KB, int VB>
+__device__ __forceinline__ void recent_tile(const QSplitArgs& a, const LaneRows& rows, int kvh, int b, int t0,
+                                            TileCursor at, int hi, int r0, int slot, const uint32_t (&qb)[D / 16][2],
+                                            float (&m)[2], float (&l)[2], float (&o)[D / 16][4], int lane) {
+    using Loads = TileLoads<D, KB, VB>;
+    constexpr int KS = D / 16;
+    const int g = lane >> 2, t = lane & 3;
+    Loads cur;
+    load_tile(cur, a, rows, b, t0, at, hi, lane);
+    float sc[4] = {0.f, 0.f, 0.f, 0.f};
+    if constexpr (KB == 4) {
+        const int wk = key_word<D, KB>(kvh, t);
+        bool fine[2];
+        uint32_t low[2][Loads::NWK];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int j = t0 + g + 8 * i;
+            fine[i] = held(a, slot, j, r0, hi);
+            load_low(low[i], a.rc.kr + slot * a.rc.kr_n + (j % a.rc.size) * a.rc.kr_r + wk);
+        }
+#pragma unroll
+        for (int i = 0; i < 2; ++i) keep_if(low[i], fine[i]);
+        const __half2 st0 = __half2half2(__hmul(cur.ks[0], __float2half_rn(1.f / 128)));
+        const __half2 st1 = __half2half2(__hmul(cur.ks[1], __float2half_rn(1.f / 128)));
+        const __half2 hs0 = __half2half2(half_step(cur.ks[0], fine[0]));
+        const __half2 hs1 = __half2half2(half_step(cur.ks[1], fine[1]));
+        float sc2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int s = 0; s < KS; ++s) {
+            uint32_t ka[4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // pairs 2s (ka[0..1]) and 2s + 1 (ka[2..3]), as key_codes<4> takes them
+                const int u = 2 * s + h, sh = u % 4 >= 2 ? 8 : 0;
+                ka[2 * h] = dequant2<8>(fine_codes(cur.kw[0][u / 4] >> sh, low[0][u / 4] >> sh, u % 2), st0, hs0);
+                ka[2 * h + 1] = dequant2<8>(fine_codes(cur.kw[1][u / 4] >> sh, low[1][u / 4] >> sh, u % 2), st1, hs1);
+            }
+            mma<__half>(s % 2 ? sc2 : sc, ka, qb[s][0], qb[s][1]);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sc[i] += sc2[i];
+    } else {
+        key_scores(sc, cur, qb);
+    }
+    uint32_t pb0, pb1;
+    online_softmax(sc, m, l, o, t0, hi, g, a.qscale, pb0, pb1);
+    if constexpr (VB == 4) {
+        const int wv = value_word<D, VB>(kvh, g);
+        bool fine[4];
+        uint32_t low[4][Loads::NWV];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int j = t0 + 2 * t + (i & 1) + 8 * (i >> 1);
+            fine[i] = held(a, slot, j, r0, hi);
+            load_low(low[i], a.rc.vr + slot * a.rc.vr_n + (j % a.rc.size) * a.rc.vr_r + wv);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) keep_if(low[i], fine[i]);
+        const __half2 rs = __float2half2_rn(1.f / 128);
+        const __half2 st01 = __hmul2(__halves2half2(cur.vs[0], cur.vs[1]), rs);
+        const __half2 st89 = __hmul2(__halves2half2(cur.vs[2], cur.vs[3]), rs);
+        const __half2 hs01 = __halves2half2(half_step(cur.vs[0], fine[0]), half_step(cur.vs[1], fine[1]));
+        const __half2 hs89 = __halves2half2(half_step(cur.vs[2], fine[2]), half_step(cur.vs[3], fine[3]));
+#pragma unroll
+        for (int u = 0; u < KS; ++u) {
+            uint32_t va[4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {  // channels 2u + h of keys 2t, 2t + 1 (va[h]) and 2t + 8, 2t + 9 (va[2 + h])
+                const int c = 2 * u + h, n = c % 8;
+                const uint32_t sel = n < 4 ? 0x5410 : 0x7632;
+                const int sh = n % 4 >= 2 ? 8 : 0;
+                va[h] = dequant2<8>(fine_codes(__byte_perm(cur.vw[0][c / 8], cur.vw[1][c / 8], sel) >> sh,
+                                               __byte_perm(low[0][c / 8], low[1][c / 8], sel) >> sh, n % 2),
+                                    st01, hs01);
+                va[2 + h] = dequant2<8>(fine_codes(__byte_perm(cur.vw[2][c / 8], cur.vw[3][c / 8], sel) >> sh,
+                                                   __byte_perm(low[2][c / 8], low[3][c / 8], sel) >> sh, n % 2),
+                                        st89, hs89);
+            }
+            mma<__half>(o[u], va, pb0, pb1);
+        }
+    } else {
+        value_products(o, cur, pb0, pb1);
+    }
+}
+
+// The kernel (R: the recent-rows variant, which peels the tiles overlapping the window off the key loop).
+template <int D, int KB, int VB, bool R>
+__device__ __forceinline__ void qsplit_body(const QSplitArgs& a, const bool pdl) {
     constexpr int KS = D / 16;  // k steps of the scores (16 channels each); m tiles of the output
-    constexpr int MK = 1 << (KB - 1), MV = 1 << (VB - 1);
     static_assert(2 * MAX_GROUP * MAX_SPLITS + MAX_GROUP <= WARPS * MAX_GROUP * D, "merge scratch fits sm.o");
     static_assert(o_at<D>(0, D - 1) < o_at<D>(1, 0) && q_at<D>(0, D - 1) < q_at<D>(1, 0), "skewed rows overlap");
     __shared__ Smem<D> sm;
@@ -275,6 +525,9 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
     const int lo = split * per;
     const int hi = min(lo + per, seq);
     const int n_used = min((seq + per - 1) / per, S);
+    // the key loop's end: with recent rows, the first tile holding a key of the window (the tail takes the rest)
+    const int r0 = R ? seq - a.rc.window : seq;  // the window's first key (negative: the window starts at 0)
+    const int hi_main = R ? min(hi, max(lo, max(r0, 0) / TILE * TILE)) : hi;
     // a padded row, or no keys here (a short sequence under a long bound): neither reads, writes nor arrives
     if (q_len <= 0 || (split > 0 && lo >= seq)) {
         if (pdl) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -286,12 +539,12 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
     const bool early = t0 + TILE <= seq - 1;  // the warp's first tile is older than this step's key
     const LaneRows rows = lane_rows<D, KB, VB>(a, kvh, lane);
     TileCursor at(t0, a.page_size);  // of the next tile to load
-    if (t0 < hi && early) load_tile(cur, a, rows, b, t0, at, hi, lane);
+    if (t0 < hi_main && early) load_tile(cur, a, rows, b, t0, at, hi_main, lane);
     if (pdl) {
         asm volatile("griddepcontrol.wait;\n" ::: "memory");
         asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
     }
-    if (t0 < hi && !early) load_tile(cur, a, rows, b, t0, at, hi, lane);
+    if (t0 < hi_main && !early) load_tile(cur, a, rows, b, t0, at, hi_main, lane);
 
     // q rotated into the keys' basis (fp32 in shared memory), a warp per (head, group of 32 channels)
     for (int j = warp; j < G * (D / 32); j += WARPS) {
@@ -323,94 +576,24 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
 #pragma unroll
     for (int u = 0; u < KS; ++u) o[u][0] = o[u][1] = o[u][2] = o[u][3] = 0.f;
 
-    for (; t0 < hi; t0 += WARPS * TILE) {
+    for (; t0 < hi_main; t0 += WARPS * TILE) {
         TileLoads<D, KB, VB> nxt;
         const int t1 = t0 + WARPS * TILE;
         at.advance(WARPS * TILE, a.page_size);
-        if (t1 < hi) load_tile(nxt, a, rows, b, t1, at, hi, lane);
-
-        // scores of keys g, g + 8 (rows) for heads 2t, 2t + 1
+        if (t1 < hi_main) load_tile(nxt, a, rows, b, t1, at, hi_main, lane);
         float sc[4] = {0.f, 0.f, 0.f, 0.f};
-        float sc2[4] = {0.f, 0.f, 0.f, 0.f};  // the odd k steps: two independent chains of products
-        {
-            const __half2 st0 = __half2half2(__hmul(cur.ks[0], __float2half_rn(1.f / MK)));
-            const __half2 st1 = __half2half2(__hmul(cur.ks[1], __float2half_rn(1.f / MK)));
-            const __half2 hs0 = __half2half2(__hmul(cur.ks[0], __float2half_rn(0.5f / MK)));
-            const __half2 hs1 = __half2half2(__hmul(cur.ks[1], __float2half_rn(0.5f / MK)));
-            constexpr bool HK = HIGH_NIBBLES<KB>;  // the odd pairs' steps
-            const __half2 so0 = HK ? __hmul2(st0, __float2half2_rn(1.f / 16)) : st0;
-            const __half2 so1 = HK ? __hmul2(st1, __float2half2_rn(1.f / 16)) : st1;
-#pragma unroll
-            for (int s = 0; s < KS; ++s) {
-                const uint32_t ka[4] = {dequant2<KB>(key_codes<KB>(cur.kw[0], 2 * s), st0, hs0),
-                                        dequant2<KB>(key_codes<KB>(cur.kw[1], 2 * s), st1, hs1),
-                                        dequant2<KB, HK>(key_codes<KB>(cur.kw[0], 2 * s + 1), so0, hs0),
-                                        dequant2<KB, HK>(key_codes<KB>(cur.kw[1], 2 * s + 1), so1, hs1)};
-                mma<__half>(s % 2 ? sc2 : sc, ka, qb[s][0], qb[s][1]);
-            }
-#pragma unroll
-            for (int i = 0; i < 4; ++i) sc[i] += sc2[i];
-        }
-        // scale, mask keys past the split, the tile's max per head over the warp (lanes of equal t)
-        float mx[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            sc[e] = t0 + g < hi ? sc[e] * a.qscale : -INFINITY;
-            sc[2 + e] = t0 + g + 8 < hi ? sc[2 + e] * a.qscale : -INFINITY;
-            mx[e] = fmaxf(sc[e], sc[2 + e]);
-        }
-#pragma unroll
-        for (int x = 4; x <= 16; x <<= 1) {
-            mx[0] = fmaxf(mx[0], __shfl_xor_sync(0xffffffffu, mx[0], x));
-            mx[1] = fmaxf(mx[1], __shfl_xor_sync(0xffffffffu, mx[1], x));
-        }
-        // the running max moves only when a score passes it by more than RESCALE (log2 units), so most tiles skip
-        // the rescale; probabilities stay under 2^RESCALE, well inside fp16 for the second product
-        float al[2], p[4];
-        bool moved = false;
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            al[e] = 1.f;
-            if (mx[e] > m[e] + RESCALE) {  // always on the first tile (m = -inf); mx is finite: key t0 < hi
-                al[e] = exp2f(m[e] - mx[e]);
-                m[e] = mx[e];
-                moved = true;
-            }
-            p[e] = exp2f(sc[e] - m[e]);
-            p[2 + e] = exp2f(sc[2 + e] - m[e]);
-            l[e] = l[e] * al[e] + p[e] + p[2 + e];
-        }
-        if (moved) {
-#pragma unroll
-            for (int u = 0; u < KS; ++u) {
-                o[u][0] *= al[0];
-                o[u][1] *= al[1];
-                o[u][2] *= al[0];
-                o[u][3] *= al[1];
-            }
-        }
-        // P^T as the output's B operand: keys 2t, 2t + 1 (b0) and 2t + 8, 2t + 9 (b1) of head g
-        const uint32_t pb0 = transpose8x8(exl3_attn::pack2<__half>(p[0], p[1]));
-        const uint32_t pb1 = transpose8x8(exl3_attn::pack2<__half>(p[2], p[3]));
-        {
-            const __half2 rs = __float2half2_rn(1.f / MV), rh = __float2half2_rn(0.5f / MV);
-            const __half2 st01 = __hmul2(__halves2half2(cur.vs[0], cur.vs[1]), rs);
-            const __half2 st89 = __hmul2(__halves2half2(cur.vs[2], cur.vs[3]), rs);
-            const __half2 hs01 = __hmul2(__halves2half2(cur.vs[0], cur.vs[1]), rh);
-            const __half2 hs89 = __hmul2(__halves2half2(cur.vs[2], cur.vs[3]), rh);
-            constexpr bool HV = HIGH_NIBBLES<VB>;  // the odd channels' steps
-            const __half2 so01 = HV ? __hmul2(st01, __float2half2_rn(1.f / 16)) : st01;
-            const __half2 so89 = HV ? __hmul2(st89, __float2half2_rn(1.f / 16)) : st89;
-#pragma unroll
-            for (int u = 0; u < KS; ++u) {
-                const uint32_t va[4] = {dequant2<VB>(value_codes<VB>(cur.vw[0], cur.vw[1], 2 * u), st01, hs01),
-                                        dequant2<VB, HV>(value_codes<VB>(cur.vw[0], cur.vw[1], 2 * u + 1), so01, hs01),
-                                        dequant2<VB>(value_codes<VB>(cur.vw[2], cur.vw[3], 2 * u), st89, hs89),
-                                        dequant2<VB, HV>(value_codes<VB>(cur.vw[2], cur.vw[3], 2 * u + 1), so89, hs89)};
-                mma<__half>(o[u], va, pb0, pb1);
-            }
-        }
+        key_scores(sc, cur, qb);
+        uint32_t pb0, pb1;
+        online_softmax(sc, m, l, o, t0, hi_main, g, a.qscale, pb0, pb1);
+        value_products(o, cur, pb0, pb1);
         cur = nxt;  // past the split's end nothing reads it
+    }
+    if constexpr (R) {  // the tiles overlapping the window, after the wait like every tile after the first
+        if (t0 < hi) {
+            const int slot = a.rc.slots[b];
+            for (; t0 < hi; t0 += WARPS * TILE, at.advance(WARPS * TILE, a.page_size))
+                recent_tile<D, KB, VB>(a, rows, kvh, b, t0, at, hi, r0, slot, qb, m, l, o, lane);
+        }
     }
 
     // the warp's sums over its lanes of equal t, then its state into shared memory (channels in order)
@@ -525,20 +708,43 @@ __global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, 
             a.out[(long long)q_row * a.o_t + (long long)(kvh * G + h) * a.o_h + d] = __float2half_rn(x);
         }
     }
+}
+
+template <int D, int KB, int VB>
+__global__ void __launch_bounds__(THREADS, 2) qsplit_kernel(const QSplitArgs a, const bool pdl) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    qsplit_body<D, KB, VB, false>(a, pdl);
+#else
+    __trap();  // launched only on compute capability >= 9.0 (checked on the host)
+#endif
+}
+
+// A call with recent rows (a separate kernel, so that calls without them run the plain one unchanged)
+template <int D, int KB, int VB>
+__global__ void __launch_bounds__(THREADS, 2) qsplit_recent_kernel(const QSplitArgs a, const bool pdl) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    static_assert(KB == 4 || VB == 4, "recent rows refine a 4-bit side");
+    qsplit_body<D, KB, VB, true>(a, pdl);
 #else
     __trap();  // launched only on compute capability >= 9.0 (checked on the host)
 #endif
 }
 
 template <int D, int KB, int VB>
-cudaError_t launch(const QSplitArgs& a, int batch, bool pdl, cudaStream_t st) {
-    return exl3_attn::launch_pdl(qsplit_kernel<D, KB, VB>, dim3(a.hkv, a.splits, batch), dim3(THREADS), 0, st, a, pdl);
+cudaError_t launch(const QSplitArgs& a, int batch, bool recent, bool pdl, cudaStream_t st) {
+    const dim3 grid(a.hkv, a.splits, batch);
+    if constexpr (KB == 4 || VB == 4) {
+        if (recent) return exl3_attn::launch_pdl(qsplit_recent_kernel<D, KB, VB>, grid, dim3(THREADS), 0, st, a, pdl);
+    }
+    return exl3_attn::launch_pdl(qsplit_kernel<D, KB, VB>, grid, dim3(THREADS), 0, st, a, pdl);
 }
 
+// recent: the call has recent rows and a 4-bit side to read them for (8-bit sides read their pages as they are)
 template <int D>
-cudaError_t launch_bits(const QSplitArgs& a, int kb, int vb, int batch, bool pdl, cudaStream_t st) {
-    if (kb == 4) return vb == 4 ? launch<D, 4, 4>(a, batch, pdl, st) : launch<D, 4, 8>(a, batch, pdl, st);
-    return vb == 4 ? launch<D, 8, 4>(a, batch, pdl, st) : launch<D, 8, 8>(a, batch, pdl, st);
+cudaError_t launch_bits(const QSplitArgs& a, int kb, int vb, int batch, bool recent, bool pdl, cudaStream_t st) {
+    if (kb == 4)
+        return vb == 4 ? launch<D, 4, 4>(a, batch, recent, pdl, st) : launch<D, 4, 8>(a, batch, recent, pdl, st);
+    return vb == 4 ? launch<D, 8, 4>(a, batch, recent, pdl, st) : launch<D, 8, 8>(a, batch, false, pdl, st);
 }
 
 }  // namespace exl3_attn_qsplit
@@ -552,10 +758,15 @@ using at::Tensor;
 // seq_lens_k int32 [B]; counters int32 (at least B * Hkv, zero). splits: key ranges per (sequence, kv head), at most
 // 64, from host-side values only. Returns [T, Hq, D] fp16 (rows of sequences without a query are left unwritten). The
 // Python caller (exl3_attn_backends.cuda_qsplit.check_call) validates every input first; these are the last line.
+// Recent rows (recent_tags given, recent_window > 0): k_ring / v_ring int32 [slots, size, Hkv * D / 32 * 4], the low
+// bits of a 4-bit side (None for an 8-bit one); recent_tags int32 [slots, size]; recent_slots int32 [B], each in
+// 0 .. slots - 1; a window of at most size.
 Tensor decode_attention_qsplit(const Tensor& q, const Tensor& k_codes, const Tensor& v_codes, const Tensor& k_scales,
                                const Tensor& v_scales, int64_t k_bits, int64_t v_bits, const Tensor& page_table,
                                const Tensor& cu_seqlens_q, const Tensor& seq_lens_k, const Tensor& counters,
-                               double scale, int64_t splits, bool pdl) {
+                               double scale, int64_t splits, bool pdl, const std::optional<Tensor>& k_ring,
+                               const std::optional<Tensor>& v_ring, const std::optional<Tensor>& recent_tags,
+                               const std::optional<Tensor>& recent_slots, int64_t recent_window) {
     using namespace exl3_attn_qsplit;
     for (const Tensor* x : {&q, &k_codes, &v_codes, &k_scales, &v_scales, &page_table, &cu_seqlens_q, &seq_lens_k,
                             &counters})
@@ -584,6 +795,34 @@ Tensor decode_attention_qsplit(const Tensor& q, const Tensor& k_codes, const Ten
     const int64_t B = page_table.size(0);
     TORCH_CHECK(counters.numel() >= B * Hkv, "decode_attention_qsplit: counters hold fewer than B * Hkv");
     TORCH_CHECK(splits >= 1 && splits <= MAX_SPLITS, "decode_attention_qsplit: splits in [1, ", MAX_SPLITS, "]");
+    TORCH_CHECK(recent_tags.has_value() || (!k_ring.has_value() && !v_ring.has_value() && !recent_slots.has_value()),
+                "decode_attention_qsplit: rings or slots without recent_tags");
+    TORCH_CHECK(recent_window >= 0 && recent_window < (1ll << 30),
+                "decode_attention_qsplit: recent_window in [0, 2^30)");
+    // an 8-bit side has no low bits: with two, the pages are the 8-bit codes and the plain kernel reads them
+    const bool recent = recent_tags.has_value() && recent_window > 0 && (k_bits == 4 || v_bits == 4);
+    if (recent_tags.has_value()) {
+        const Tensor& tags = *recent_tags;
+        TORCH_CHECK(recent_slots.has_value() && tags.is_cuda() && recent_slots->is_cuda() &&
+                    tags.scalar_type() == at::kInt && recent_slots->scalar_type() == at::kInt && tags.dim() == 2 &&
+                    tags.stride(1) == 1 && tags.size(1) > 0 && recent_slots->dim() == 1 &&
+                    recent_slots->numel() == page_table.size(0) && recent_slots->is_contiguous() &&
+                    recent_window <= tags.size(1),
+                    "decode_attention_qsplit: recent_tags int32 [slots, size] with contiguous rows, recent_slots "
+                    "int32 [B] on the GPU and a window of at most size");
+        for (const auto& [ring, bits] : {std::pair{&k_ring, k_bits}, std::pair{&v_ring, v_bits}}) {
+            TORCH_CHECK(ring->has_value() == (bits == 4),
+                        "decode_attention_qsplit: a ring exactly for each 4-bit side");
+            if (!ring->has_value()) continue;
+            const Tensor& r = **ring;
+            TORCH_CHECK(r.is_cuda() && r.scalar_type() == at::kInt && r.dim() == 3 && r.size(0) == tags.size(0) &&
+                        r.size(1) == tags.size(1) && r.size(2) == groups * 4 && r.stride(2) == 1 &&
+                        r.stride(0) % 4 == 0 && r.stride(1) % 4 == 0 &&
+                        reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 == 0,
+                        "decode_attention_qsplit: a ring must be int32 [slots, size, groups * 4] on the GPU, its rows "
+                        "16-byte aligned");
+        }
+    }
     const c10::cuda::CUDAGuard guard(q.device());
     TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major >= 9,
                 "decode_attention_qsplit: needs compute capability >= 9.0");
@@ -620,9 +859,11 @@ Tensor decode_attention_qsplit(const Tensor& q, const Tensor& k_codes, const Ten
     a.hkv = (int)Hkv;
     a.splits = (int)splits;
     a.qscale = (float)(scale * 1.4426950408889634);
+    if (recent) set_recent_args(a.rc, k_ring, v_ring, recent_tags, recent_slots, recent_window);
     const cudaStream_t st = at::cuda::getCurrentCUDAStream();
     const int kb = (int)k_bits, vb = (int)v_bits, nb = (int)B;
-    const cudaError_t err = D == 64 ? launch_bits<64>(a, kb, vb, nb, pdl, st) : launch_bits<128>(a, kb, vb, nb, pdl, st);
+    const cudaError_t err = D == 64 ? launch_bits<64>(a, kb, vb, nb, recent, pdl, st)
+                                    : launch_bits<128>(a, kb, vb, nb, recent, pdl, st);
     TORCH_CHECK(err == cudaSuccess, "decode_attention_qsplit: launch failed: ", cudaGetErrorString(err));
     return out;
 }
@@ -632,7 +873,8 @@ Tensor decode_attention_qsplit(const Tensor& q, const Tensor& k_codes, const Ten
 TORCH_LIBRARY_FRAGMENT(exl3, m) {
     m.def("decode_attention_qsplit(Tensor q, Tensor k_codes, Tensor v_codes, Tensor k_scales, Tensor v_scales, "
           "int k_bits, int v_bits, Tensor page_table, Tensor cu_seqlens_q, Tensor seq_lens_k, Tensor counters, "
-          "float scale, int splits, bool pdl) -> Tensor");
+          "float scale, int splits, bool pdl, Tensor? k_ring=None, Tensor? v_ring=None, Tensor? recent_tags=None, "
+          "Tensor? recent_slots=None, int recent_window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(exl3, CUDA, m) { m.impl("decode_attention_qsplit", &decode_attention_qsplit); }

@@ -30,6 +30,9 @@ class BatchMeta:
     page_table: torch.Tensor | None = None  # int32 [B, max_pages]; None = no cache
     slot_mapping: torch.Tensor | None = None  # int64 [T], flat cache slot page*page_size+offset
     logits_indices: torch.Tensor | None = None  # int64 [N] rows that need logits; None = all
+    #: int32 [B]: each sequence's ring slot in caches that keep per-sequence state (a quantized cache's recent
+    #: rows); None = the forward names none (such caches then read and write their pages alone)
+    ring_slots: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -69,7 +72,8 @@ class BatchMeta:
     def from_lists(cls, seqs: list[list[int]], past_lens: list[int], *, device: torch.device | str = "cpu",
                    page_table: torch.Tensor | None = None, page_size: int = 256,
                    logits_indices: torch.Tensor | None = None,
-                   phase: Literal["prefill", "decode"] | None = None) -> BatchMeta:
+                   phase: Literal["prefill", "decode"] | None = None,
+                   ring_slots: list[int] | None = None) -> BatchMeta:
         """Host-side builder: new tokens per sequence plus how many tokens each already has cached.
 
         ``phase``: None picks "decode" when every sequence brings one token over a page table; an
@@ -98,6 +102,7 @@ class BatchMeta:
             page_table=None if page_table is None else page_table.to(dev),
             slot_mapping=None if page_table is None else torch.tensor(slots, dtype=torch.int64, device=dev),
             logits_indices=logits_indices,
+            ring_slots=None if ring_slots is None else torch.tensor(ring_slots, dtype=torch.int32, device=dev),
         )
 
 

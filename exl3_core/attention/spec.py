@@ -59,6 +59,8 @@ class AttnSpec(NamedTuple):
     sm_count: int = 0
     #: code bits of a quantized view's keys and values (``QuantPages.k_bits``/``v_bits``); (0, 0) for other views
     kv_bits: tuple[int, int] = (0, 0)
+    #: a quantized view's recent-row window (positions per sequence read at 8 bits, ``QuantPages.recent``); 0: none
+    recent: int = 0
 
     @property
     def v_dim(self) -> int:
@@ -79,6 +81,24 @@ def pow2_bucket(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+class RecentRows(NamedTuple):
+    """A quantized view's recent rows: the low code bits that make each sequence's newest positions read at 8
+    bits, and the call's ring slot of each sequence (layout and reading rule: :mod:`exl3_core.reference.kv_recent`)."""
+
+    k_ring: torch.Tensor | None  # int32 [slots, window, key groups * extra_k]; None when k_bits is 8
+    v_ring: torch.Tensor | None  # int32 [slots, window, value groups * extra_v]; None when v_bits is 8
+    tags: torch.Tensor  # int32 [slots, window]: the position each ring row holds, -1 for none
+    k_rows: torch.Tensor | None  # int32 [rows, key groups * extra_k]: this forward's rows' low bits
+    v_rows: torch.Tensor | None
+    slots: torch.Tensor  # int32 [B]: each sequence's ring slot
+    window: int
+
+    @property
+    def size(self) -> int:
+        return self.tags.shape[1]
+
+
+
 class QuantPages(NamedTuple):
     """What a quantized cache view adds to its code words (see the module docstring)."""
 
@@ -87,6 +107,7 @@ class QuantPages(NamedTuple):
     k_bits: int
     v_bits: int
     rope: torch.Tensor | None = None  # "mla/quant": [num_pages, page_size, rope_dim] in the model's dtype
+    recent: RecentRows | None = None  # "kv/quant" keeping recent rows at 8 bits, in a call that names ring slots
 
 
 class CacheView(Protocol):
@@ -97,12 +118,15 @@ class CacheView(Protocol):
     def attn_quant(self, view: str) -> QuantPages | None: ...
 
 
-def view_facts(layer: CacheView | None, view: str | None) -> tuple[tuple[int, int], int | None]:
-    """``(kv_bits, page_size)`` of :class:`AttnSpec` for ``view`` of ``layer``; ``((0, 0), None)`` without a cache."""
+def view_facts(layer: CacheView | None, view: str | None) -> tuple[tuple[int, int], int | None, int]:
+    """``(kv_bits, page_size, recent)`` of :class:`AttnSpec` for ``view`` of ``layer``; ``((0, 0), None, 0)``
+    without a cache."""
     if layer is None or view is None:
-        return (0, 0), None
+        return (0, 0), None, 0
     quant = layer.attn_quant(view)
-    return (0, 0) if quant is None else (quant.k_bits, quant.v_bits), layer.page_size
+    if quant is None:
+        return (0, 0), layer.page_size, 0
+    return (quant.k_bits, quant.v_bits), layer.page_size, quant.recent.window if quant.recent is not None else 0
 
 
 class AttnArgs(NamedTuple):

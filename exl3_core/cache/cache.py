@@ -86,6 +86,8 @@ class Cache:
         self._types = [self._plugins.cache_layer(g.kind, variant) for g in self.geometry]
         for cls, g in zip(self._types, self.geometry):
             cls.check_options(g.num_kv_heads, g.head_dim, g.head_dim_v, **layer_kwargs)
+        #: ring slots of the layers' per-sequence state (slot 0 the scratch slot); 0 when no layer keeps any
+        self.ring_slots = max((cls.ring_slots(self.num_pages + 1, **layer_kwargs) for cls in self._types), default=0)
         self.layers: list[CacheLayer] = []
         self.device: torch.device | None = None
         self.dtype: torch.dtype | None = None
@@ -157,6 +159,8 @@ class Cache:
         """Device bytes this cache allocates for a model of ``dtype`` (scratch page included)."""
         slots = (self.num_pages + 1) * self.page_size
         return sum(cls.bytes_per_token(g.num_kv_heads, g.head_dim, g.head_dim_v, dtype, **self._layer_kwargs) * slots
+                   + cls.fixed_bytes(g.num_kv_heads, g.head_dim, g.head_dim_v, dtype, self.num_pages + 1,
+                                     **self._layer_kwargs)
                    for cls, g in zip(self._types, self.geometry))
 
     @property

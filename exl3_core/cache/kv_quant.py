@@ -6,6 +6,12 @@ of 32 channels: ``bits`` int32 code words and an fp16 scale per group (:mod:`exl
 ``Cache(model, n, variant="quant", k_bits=4, v_bits=4)`` builds them; the latent (MLA) kind quantizes the
 latent and keeps the rotary key in the model's dtype.
 
+Recent rows (:mod:`exl3_core.reference.kv_recent`): a side of fewer than 8 bits keeps the low bits of each
+sequence's newest ``recent`` positions (default 64) in a ring per sequence, so attention reads them at 8 bits;
+``recent=0`` turns it off, ``recent_seqs`` (default 256) bounds the sequences that keep them at once. A forward
+keeps them only when its batch names ring slots (:attr:`~exl3_core.archkit.batch.BatchMeta.ring_slots`, which
+the generator assigns); other forwards read and write the pages alone.
+
 Stores: on CUDA one Triton launch per step quantizes the step's rows straight into their slots
 (RoPE included through :meth:`~KVQuantLayer.write_rotated`), with no fp16 copy of any page; elsewhere the
 torch reference. Attention reads the view ``"kv/quant"`` (``"mla/quant"``): the code words as
@@ -20,9 +26,11 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import torch
 
 from exl3_core import ops
-from exl3_core.attention.spec import QuantPages
-from exl3_core.cache.layer import CacheLayer
+from exl3_core.attention.spec import QuantPages, RecentRows
+from exl3_core.cache.layer import CacheLayer, CacheStep
 from exl3_core.reference import kv_quant as ref
+from exl3_core.reference import kv_recent
+from exl3_core.reference.kv_recent import RecentWrite
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -53,11 +61,16 @@ def _check_dims(cls: str, head_dim: int, head_dim_v: int | None, quantized: str)
                          f"this model")
 
 
+#: the sequences whose recent rows a quantized cache keeps at once, by default
+RECENT_SEQS = 256
+
+
 def _bits(cls: str, options: dict[str, object], latent: bool) -> tuple[int, int]:
     """``(k_bits, v_bits)`` of a quantized layer's options (default 4 each), checked; a latent cache has one width."""
-    unknown = sorted(set(options) - {"k_bits", "v_bits"})
+    unknown = sorted(set(options) - ({"k_bits", "v_bits"} if latent else {"k_bits", "v_bits", "recent", "recent_seqs"}))
     if unknown:
-        raise ValueError(f"cache variant 'quant' ({cls}) takes k_bits and v_bits, not {unknown}")
+        raise ValueError(f"cache variant 'quant' ({cls}) takes k_bits and v_bits{'' if latent else ', recent and recent_seqs'}"
+                         f", not {unknown}")
     k = ref.check_bits("k_bits", options.get("k_bits", 4))
     if latent:
         v = options.get("v_bits")
@@ -66,6 +79,21 @@ def _bits(cls: str, options: dict[str, object], latent: bool) -> tuple[int, int]
                              f"it has one bit width; give the same value for both (--cache-bits {k})")
         return k, k
     return k, ref.check_bits("v_bits", options.get("v_bits", 4))
+
+
+def _recent(cls: str, options: dict[str, object]) -> tuple[int, int]:
+    """``(window, ring slots)`` of a quantized layer's options: the window 0 when both sides are 8-bit (nothing to
+    refine) or ``recent=0``."""
+    k, v = _bits(cls, options, latent=False)
+    window = options.get("recent", kv_recent.WINDOW)
+    seqs = options.get("recent_seqs", RECENT_SEQS)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0 or window & (window - 1):
+        raise ValueError(f"recent={window!r}: the recent rows kept per sequence must be 0 (none) or a power of two, "
+                         f"e.g. {kv_recent.WINDOW}")
+    if isinstance(seqs, bool) or not isinstance(seqs, int) or seqs < 1:
+        raise ValueError(f"recent_seqs={seqs!r}: the sequences keeping recent rows at once must be a positive int "
+                         f"(at least the generator's max_batch_size)")
+    return (0 if min(k, v) == 8 else window), seqs
 
 
 def _read_rows(codes: torch.Tensor, scales: torch.Tensor, bits: int, slot_mapping: torch.Tensor,
@@ -79,6 +107,12 @@ def _read_rows(codes: torch.Tensor, scales: torch.Tensor, bits: int, slot_mappin
     return ref.dequantize(w, s, bits).view(like.shape).to(like.dtype)
 
 
+def _ring_slots(seqs: int, num_pages: int) -> int:
+    """Ring slots of a layer: slot 0 the scratch slot padded batch rows write, then one per sequence that can hold a
+    page at once (at most ``seqs``)."""
+    return min(seqs, num_pages) + 1
+
+
 class KVQuantLayer(CacheLayer):
     """Keys and values as code words ``[pages, page_size, Hkv * D / 32 * bits]`` (int32) and scales
     ``[pages, page_size, Hkv * D / 32]`` (fp16), per side. Options ``k_bits``, ``v_bits`` (2..8, default 4)."""
@@ -86,9 +120,11 @@ class KVQuantLayer(CacheLayer):
     kind: ClassVar[str] = "kv"
     variant: ClassVar[str] = "quant"
 
-    def __init__(self, *, k_bits: int = 4, v_bits: int = 4, **kwargs: object) -> None:
+    def __init__(self, *, k_bits: int = 4, v_bits: int = 4, recent: int = kv_recent.WINDOW,
+                 recent_seqs: int = RECENT_SEQS, **kwargs: object) -> None:
         super().__init__(**kwargs)  # type: ignore[arg-type]
-        self.check_options(self.num_kv_heads, self.head_dim, self.head_dim_v, k_bits=k_bits, v_bits=v_bits)
+        opts = {"k_bits": k_bits, "v_bits": v_bits, "recent": recent, "recent_seqs": recent_seqs}
+        self.check_options(self.num_kv_heads, self.head_dim, self.head_dim_v, **opts)
         self.k_bits, self.v_bits = k_bits, v_bits
         if self.dtype not in _FLOAT:
             raise ValueError(f"KVQuantLayer: dtype {self.dtype} is not a float dtype (use fp16, bf16 or fp32)")
@@ -99,11 +135,87 @@ class KVQuantLayer(CacheLayer):
         self.k_scales = torch.zeros((*pages, ngk), dtype=torch.float16, device=self.device)
         self.v_codes = torch.zeros((*pages, ngv * v_bits), dtype=torch.int32, device=self.device)
         self.v_scales = torch.zeros((*pages, ngv), dtype=torch.float16, device=self.device)
+        self.window, seqs = _recent(type(self).__name__, opts)
+        #: ring slots (the last one the scratch slot padded batch rows write to)
+        self.ring_slots = _ring_slots(seqs, self.num_pages) if self.window else 0
+        self.k_extra = kv_recent.extra_bits(k_bits) if self.window else 0
+        self.v_extra = kv_recent.extra_bits(v_bits) if self.window else 0
+        ring = (self.ring_slots, self.window)
+        self.k_ring = torch.zeros((*ring, ngk * self.k_extra), dtype=torch.int32, device=self.device) \
+            if self.k_extra else None
+        self.v_ring = torch.zeros((*ring, ngv * self.v_extra), dtype=torch.int32, device=self.device) \
+            if self.v_extra else None
+        self.tags = torch.full(ring, -1, dtype=torch.int32, device=self.device)
+        # the forward's rows' low bits; grown on demand, earlier buffers kept (a captured graph may hold them)
+        self._rows: list[tuple[torch.Tensor | None, torch.Tensor | None]] = []
+        self._step: CacheStep | None = None
+
+    def _rows_for(self, n: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Row buffers of at least ``n`` rows."""
+        if not self._rows or (self._rows[-1][0] if self.k_extra else self._rows[-1][1]).shape[0] < n:  # type: ignore[union-attr]
+            size = max(64, 1 << (n - 1).bit_length())
+            self._rows.append(tuple(  # type: ignore[arg-type]
+                torch.zeros((size, self.num_kv_heads * d // ref.GROUP * extra), dtype=torch.int32, device=self.device)
+                if extra else None for d, extra in ((self.head_dim, self.k_extra), (self.head_dim_v, self.v_extra))))
+        return self._rows[-1]
+
+    def bind_step(self, step: CacheStep | None) -> None:
+        self._step = step if self.window and step is not None and step.ring_slots is not None else None
+
+    def uniform_reads(self) -> bool:
+        return self._step is None  # with recent rows each query reads its own window at 8 bits
+
+    def _recent_write(self, n: int) -> RecentWrite | None:
+        step = self._step
+        if step is None:
+            return None
+        k_rows, v_rows = self._rows_for(n)
+        direct = step.rows_per_seq == 1  # one row per sequence: token t is sequence t, the ring written at once
+        return RecentWrite(k_rows, v_rows, self.k_ring, self.v_ring, self.tags, step.positions if direct else None,
+                           step.ring_slots if direct else None)
+
+    def _recent_rows(self) -> RecentRows | None:
+        return None if self._step is None else self._recent_rows_of(self._step)
+
+    def _recent_rows_of(self, step: CacheStep) -> RecentRows:
+        assert step.ring_slots is not None
+        k_rows, v_rows = self._rows_for(step.positions.shape[0])
+        return RecentRows(self.k_ring, self.v_ring, self.tags, k_rows, v_rows, step.ring_slots, self.window)
+
+    def after_attention(self) -> None:
+        step = self._step
+        self._step = None  # unbound: a later write without a step of its own keeps no recent rows
+        if step is None or step.rows_per_seq == 1:  # a one-row step's store wrote the ring
+            return
+        recent = self._recent_rows_of(step)
+        assert recent is not None
+        if _triton("auto", self.k_codes):
+            _kernels().ring_update(recent, step.positions, step.cu_seqlens_q, step.seq_lens_k)
+        else:
+            kv_recent.ring_update(recent, step.positions, step.cu_seqlens_q, step.seq_lens_k)
 
     @classmethod
     def check_options(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, **layer_kwargs: object) -> None:
-        _bits(cls.__name__, layer_kwargs, latent=False)
+        _recent(cls.__name__, layer_kwargs)
         _check_dims(cls.__name__, head_dim, head_dim_v, "key/value head")
+
+    @classmethod
+    def ring_slots(cls, num_pages: int, **layer_kwargs: object) -> int:
+        window, seqs = _recent(cls.__name__, layer_kwargs)
+        return _ring_slots(seqs, num_pages) if window else 0
+
+    @classmethod
+    def fixed_bytes(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype,
+                    num_pages: int, **layer_kwargs: object) -> int:
+        """The recent rows' rings and tags (the forward's row buffers, a chunk's worth, are not counted)."""
+        window, seqs = _recent(cls.__name__, layer_kwargs)
+        if not window:
+            return 0
+        k_bits, v_bits = _bits(cls.__name__, layer_kwargs, latent=False)
+        dv = head_dim if head_dim_v is None else head_dim_v
+        low = (num_kv_heads * head_dim // ref.GROUP * kv_recent.extra_bits(k_bits)
+               + num_kv_heads * dv // ref.GROUP * kv_recent.extra_bits(v_bits))
+        return _ring_slots(seqs, num_pages) * window * (low + 1) * 4
 
     @classmethod
     def bytes_per_token(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype,
@@ -121,12 +233,19 @@ class KVQuantLayer(CacheLayer):
               impl: Impl = "auto") -> None:
         if v is None:
             raise ValueError("KVQuantLayer.write: v is None; a 'kv' cache stores values (latent caches use kind 'mla')")
+        recent = self._recent_write(k.shape[0])
         if _triton(impl, k) and k.stride(-1) == 1 and v.stride(-1) == 1:
             _kernels().quant_write(k, v, slot_mapping, self.k_codes, self.k_scales, self.v_codes, self.v_scales,
-                                   self.k_bits, self.v_bits)
+                                   self.k_bits, self.v_bits, recent=recent)
             return
-        ref.quant_write(self.k_codes, self.k_scales, k, slot_mapping, self.k_bits)
-        ref.quant_write(self.v_codes, self.v_scales, v, slot_mapping, self.v_bits)
+        if recent is None:
+            ref.quant_write(self.k_codes, self.k_scales, k, slot_mapping, self.k_bits)
+            ref.quant_write(self.v_codes, self.v_scales, v, slot_mapping, self.v_bits)
+            return
+        kv_recent.quant_write(self.k_codes, self.k_scales, k, slot_mapping, self.k_bits, recent.k_rows, self.k_ring,
+                              recent)
+        kv_recent.quant_write(self.v_codes, self.v_scales, v, slot_mapping, self.v_bits, recent.v_rows, self.v_ring,
+                              recent)
 
     def write_rotated(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, interleaved: bool, *,
@@ -134,7 +253,8 @@ class KVQuantLayer(CacheLayer):
         """RoPE on q and k in place, then k and v quantized into their slots: one launch on CUDA."""
         if _triton(impl, q) and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1:
             _kernels().rope_quant_write(q, k, v, slot_mapping, cos, sin, rotary_dim, interleaved, self.k_codes,
-                                        self.k_scales, self.v_codes, self.v_scales, self.k_bits, self.v_bits)
+                                        self.k_scales, self.v_codes, self.v_scales, self.k_bits, self.v_bits,
+                                        recent=self._recent_write(k.shape[0]))
             return
         ops.rope_apply(q, k, cos, sin, rotary_dim, interleaved, impl="torch" if impl == "torch" else "auto")
         self.write(k, v, slot_mapping, impl=impl)
@@ -153,7 +273,7 @@ class KVQuantLayer(CacheLayer):
     def attn_quant(self, view: str) -> QuantPages | None:
         if view not in self.views():
             raise ValueError(f"KVQuantLayer offers views {self.views()}, not {view!r}")
-        return QuantPages(self.k_scales, self.v_scales, self.k_bits, self.v_bits)
+        return QuantPages(self.k_scales, self.v_scales, self.k_bits, self.v_bits, recent=self._recent_rows())
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``[pages, page_size, Hkv, D(v)]`` keys and values as stored (for tests and inspection)."""
@@ -166,7 +286,9 @@ class KVQuantLayer(CacheLayer):
             t[dst].copy_(t[src])
 
     def storage_size(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.k_codes, self.k_scales, self.v_codes, self.v_scales))
+        ts = [self.k_codes, self.k_scales, self.v_codes, self.v_scales, self.tags if self.window else None,
+              self.k_ring, self.v_ring]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
 class MLAQuantLayer(CacheLayer):

@@ -13,7 +13,12 @@ A layer type decides three things through this contract:
 * **how attention reads it**: :meth:`CacheLayer.views` names the layouts it can hand out, native
   first (what attention backends see in ``AttnSpec.cache``), :meth:`CacheLayer.attn_view` hands one
   out; the dispatcher tries (backend, view) pairs, native view first;
-* **how much it costs**: :meth:`CacheLayer.bytes_per_token`, exact, for memory planning.
+* **how much it costs**: :meth:`CacheLayer.bytes_per_token`, exact, for memory planning (and
+  :meth:`CacheLayer.fixed_bytes` for storage that is not per token).
+
+A forward binds its :class:`CacheStep` to each layer before using it (:meth:`CacheLayer.bind_step`), and
+calls :meth:`CacheLayer.after_attention` once the layer's attention has read it: a layer that keeps
+per-sequence state beside its pages (a quantized layer's recent rows) uses both; others ignore them.
 
 Layer options (``Cache(..., **layer_kwargs)``, e.g. ``k_bits=4``) reach the constructor, and
 :meth:`CacheLayer.check_options` and :meth:`CacheLayer.bytes_per_token` before any allocation.
@@ -23,7 +28,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 import torch
 
@@ -32,6 +37,19 @@ from exl3_core.attention.spec import QuantPages
 
 #: the name unquantized storage in a float dtype goes by, in layer views ("kv/fp16") and reports
 DTYPE_VIEWS = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+class CacheStep(NamedTuple):
+    """What a layer may need of a forward beyond the slots it writes: the rows' positions and sequences."""
+
+    positions: torch.Tensor  # int64 [T]
+    cu_seqlens_q: torch.Tensor  # int32 [B + 1]
+    seq_lens_k: torch.Tensor  # int32 [B], keys after this forward
+    #: int32 [B]: each sequence's ring slot for per-sequence state (None: the forward names none, and a layer
+    #: keeps no per-sequence state for it)
+    ring_slots: torch.Tensor | None
+    #: rows of every sequence when all are equal (a decode step: 1, or k), else 0
+    rows_per_seq: int
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,28 @@ class CacheLayer(ABC):
         self.head_dim_v = head_dim if head_dim_v is None else head_dim_v
         self.dtype = dtype
         self.device = torch.device(device)
+
+    def bind_step(self, step: CacheStep | None) -> None:
+        """The forward about to write and read this layer (None: a forward without a step, e.g. a test's)."""
+
+    def after_attention(self) -> None:
+        """The bound forward's attention has read this layer (per-sequence state may now move); unbinds it."""
+
+    def uniform_reads(self) -> bool:
+        """Whether every query of the bound forward reads a stored row alike (as :meth:`stored` returns it), so that a
+        fresh sequence may attend to its own rows without the cache."""
+        return True
+
+    @classmethod
+    def ring_slots(cls, num_pages: int, **layer_kwargs: object) -> int:
+        """Slots of per-sequence state this layer type keeps with these options (slot 0 a scratch slot); 0: none."""
+        return 0
+
+    @classmethod
+    def fixed_bytes(cls, num_kv_heads: int, head_dim: int, head_dim_v: int | None, dtype: torch.dtype,
+                    num_pages: int, **layer_kwargs: object) -> int:
+        """Bytes this layer allocates beyond :meth:`bytes_per_token` times its slots (none for plain layers)."""
+        return 0
 
     @abstractmethod
     def views(self) -> tuple[str, ...]:

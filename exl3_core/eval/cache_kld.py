@@ -54,8 +54,9 @@ def cache_kld(model: Any, ids: torch.Tensor, variants: Sequence[CacheBits], *, c
         rows = torch.arange(len(toks), device=model.device)
         logits = []
         for cache, table in zip(caches, tables):
+            # the sequence holds ring slot 1 where the cache keeps recent rows, as the generator would give it
             meta = BatchMeta.from_lists([toks], [start], device=model.device, page_table=table, page_size=ps,
-                                        logits_indices=rows)
+                                        logits_indices=rows, ring_slots=[1] if cache.ring_slots else None)
             logits.append(plan.forward(meta, cache).float().cpu())
         if start == 0:
             continue

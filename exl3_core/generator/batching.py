@@ -39,12 +39,15 @@ class Chunk:
     :param past: tokens of this job already in the cache (the chunk starts at this position).
     :param pages: the job's page list, covering at least ``past + len(tokens)`` tokens.
     :param want_logits: whether the chunk's last token needs logits (sampling).
+    :param ring_slot: the job's ring slot for per-sequence cache state (recent rows); -1: none (every chunk of
+        a step has one, or none does)
     """
 
     tokens: list[int]
     past: int
     pages: list[int]
     want_logits: bool
+    ring_slot: int = -1
 
 
 def build_batch(chunks: list[Chunk], *, page_size: int, table_width: int, scratch_page: int,
@@ -61,6 +64,13 @@ def build_batch(chunks: list[Chunk], *, page_size: int, table_width: int, scratc
     table = np.full((B, table_width), scratch_page, dtype=np.int32)
     lens_q = np.full(B, k, dtype=np.int64)
     lens_k = np.full(B, k, dtype=np.int32)
+    rings = [c.ring_slot for c in chunks]
+    if any(r < 0 for r in rings) and any(r >= 0 for r in rings):
+        raise ValueError(f"build_batch: every chunk of a step names a ring slot or none does, got {rings}")
+    # padded rows take ring slot 0, the scratch slot
+    ring_slots = np.zeros(B, dtype=np.int32) if rings and rings[0] >= 0 else None
+    if ring_slots is not None:
+        ring_slots[:B_real] = rings
     ids_parts, pos_parts, slot_parts = [], [], []
     for b, c in enumerate(chunks):
         n = len(c.tokens)
@@ -105,6 +115,7 @@ def build_batch(chunks: list[Chunk], *, page_size: int, table_width: int, scratc
         page_table=t(table),
         slot_mapping=t(np.concatenate(slot_parts)),
         logits_indices=logits_indices,
+        ring_slots=None if ring_slots is None else t(ring_slots),
     )
     return meta, logit_rows
 

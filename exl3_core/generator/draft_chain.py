@@ -131,14 +131,16 @@ class DraftChain(_GraphSet):
         blob = self._blobs[key]
         if meta.input_ids.is_cuda:
             for name in _FIELDS:
-                blob.views[name].copy_(getattr(meta, name), non_blocking=True)
+                if (src := getattr(meta, name)) is not None:
+                    blob.views[name].copy_(src, non_blocking=True)
         else:
             ring = self._rings[B]
             host, done = ring[self._uses % len(ring)]
             self._uses += 1
             done.synchronize()  # this pinned buffer's previous copy has read it
             for name in _FIELDS:
-                host.views[name].copy_(getattr(meta, name))
+                if (src := getattr(meta, name)) is not None:
+                    host.views[name].copy_(src)
             blob.buf.copy_(host.buf, non_blocking=True)
             done.record()
         g.meta.input_ids[:first.shape[0]].copy_(first)
@@ -164,8 +166,9 @@ class DraftChain(_GraphSet):
         v["seq_lens_k"].fill_(1)
         v["page_table"].fill_(scratch)
         v["slot_mapping"].fill_(scratch * ps)
+        # a chained draft keeps no recent rows (its steps' positions move on the device, past any ring slot's rule)
         static = BatchMeta(max_seqlen_q=1, max_seqlen_k=W * ps, phase="decode", logits_indices=None,
-                           **{name: v[name] for name in _FIELDS})
+                           **{name: v[name] for name in _FIELDS if name != "ring_slots"})
         self._work[key] = BatchMeta(
             input_ids=torch.empty_like(static.input_ids), positions=torch.empty_like(static.positions),
             cu_seqlens_q=static.cu_seqlens_q, seq_lens_k=torch.empty_like(static.seq_lens_k),

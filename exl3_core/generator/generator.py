@@ -113,6 +113,13 @@ class Generator:
         self.plugins = plugins
         self.max_batch_size = max_batch_size
         self.max_chunk_tokens = max_chunk_tokens
+        # each active job holds a private page at least, so no more than the cache's pages run at once
+        if cache.ring_slots and min(max_batch_size, cache.num_pages) > cache.ring_slots - 1:
+            raise ValueError(f"Generator: max_batch_size={max_batch_size}, but the cache keeps recent rows for "
+                             f"{cache.ring_slots - 1} sequences at once; create the Cache with "
+                             f"recent_seqs={max_batch_size} (or recent=0), or lower max_batch_size")
+        #: free ring slots of the cache's per-sequence state (slot 0 is the scratch slot padded rows use)
+        self.ring_free: list[int] = list(range(cache.ring_slots - 1, 0, -1))
         self.page_size = cache.page_size
         self.table_width = cache.max_pages_per_seq(max_seq_len)
         # the page table holds whole pages; a sequence still ends at the length asked for
@@ -351,6 +358,9 @@ class Generator:
     def _release(self, job: Job) -> None:
         if job in self.active:
             self.active.remove(job)
+        if job.ring_slot >= 0:
+            self.ring_free.append(job.ring_slot)
+            job.ring_slot = -1
         self.cache.allocator.release(job.pages)
         job.pages = []
         if self.spec is not None:

@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 GraphKey = tuple[int, int, int] | int
 
 #: the decode step's input fields, in their staging buffer's order (shapes: _field_shapes)
-_FIELDS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens_k", "page_table")
+_FIELDS = ("input_ids", "positions", "slot_mapping", "cu_seqlens_q", "seq_lens_k", "page_table", "ring_slots")
 #: the staging buffer's fields: the step's inputs, then per row the previous step's greedy row its
 #: input id comes from (-1: the id staged; see DecodeGraphs.run)
 _BLOB_FIELDS = _FIELDS + ("carry",)
@@ -70,7 +70,7 @@ def _field_shapes(B: int, k: int, W: int) -> dict[str, tuple[torch.dtype, tuple[
     R = B * k  # rows: k new tokens of each of B sequences
     return {"input_ids": (torch.int64, (R,)), "positions": (torch.int64, (R,)), "slot_mapping": (torch.int64, (R,)),
             "cu_seqlens_q": (torch.int32, (B + 1,)), "seq_lens_k": (torch.int32, (B,)),
-            "page_table": (torch.int32, (B, W)), "carry": (torch.int32, (R,))}
+            "page_table": (torch.int32, (B, W)), "ring_slots": (torch.int32, (B,)), "carry": (torch.int32, (R,))}
 
 
 class _Blob:
@@ -97,6 +97,9 @@ def decline_reason(plan: ExecutionPlan, cache: Cache, table_width: int, phase: s
     """Why ``phase`` ("decode" or "prefill") steps of the plan's model over ``cache`` cannot be graphed,
     or None when they can."""
     bound = table_width * cache.page_size
+    if phase == "prefill" and cache.ring_slots:
+        return ("the cache keeps recent rows per sequence, and a graphed chunk's padded rows would enter its ring; "
+                "prefill chunks run eagerly")
     if phase == "decode":
         shapes = decode_shapes(bound, max_bucket)
     else:
@@ -312,7 +315,8 @@ class DecodeGraphs(_GraphSet):
         blob = self._blobs[key]
         if meta.input_ids.is_cuda:
             for name in _FIELDS:
-                getattr(s, name).copy_(getattr(meta, name), non_blocking=True)
+                if (dst := getattr(s, name)) is not None:
+                    dst.copy_(getattr(meta, name), non_blocking=True)
             blob.views["carry"].fill_(-1)  # a carried replay may have left its indices; this path carries nothing
         else:
             stage, _ = self._side_streams()
@@ -320,7 +324,8 @@ class DecodeGraphs(_GraphSet):
             host, done = ring[self.replays % len(ring)]
             done.synchronize()  # this staging buffer's previous copy has read it
             for name in _FIELDS:
-                host.views[name].copy_(getattr(meta, name))
+                if (src_t := getattr(meta, name)) is not None:
+                    host.views[name].copy_(src_t)
             carry = host.views["carry"].numpy()
             carry.fill(-1)
             if carried:
@@ -386,9 +391,12 @@ class DecodeGraphs(_GraphSet):
         v["seq_lens_k"].fill_(k)
         v["page_table"].fill_(scratch)
         v["slot_mapping"].fill_(scratch * ps)
+        v["ring_slots"].zero_()  # the scratch ring slot
         v["carry"].fill_(-1)
-        return BatchMeta(max_seqlen_q=k, max_seqlen_k=W * ps, phase="decode", logits_indices=None,
-                         **{name: v[name] for name in _FIELDS})
+        fields = {name: v[name] for name in _FIELDS}
+        if not self.cache.ring_slots:
+            fields["ring_slots"] = None
+        return BatchMeta(max_seqlen_q=k, max_seqlen_k=W * ps, phase="decode", logits_indices=None, **fields)
 
     def _step(self, key: tuple[int, int, int], meta: BatchMeta) -> tuple[torch.Tensor, torch.Tensor | None]:
         B, k, slot = key

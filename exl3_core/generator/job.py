@@ -86,6 +86,8 @@ class Job:
         self.seq: list[int] = list(self.prompt)
         self.cached = 0  # tokens of seq whose keys/values are in the cache
         self.pages: list[int] = []
+        #: its ring slot in a cache that keeps per-sequence recent rows while it is active (-1: none)
+        self.ring_slot = -1
         self.hashes: list[bytes] = []  # hash chain of the full pages registered so far
         self.prompt_hashes: list[bytes] | None = None  # prefix-cache keys of seq's full pages (until admitted)
         self.new_tokens = 0

@@ -204,7 +204,7 @@ class DecodePipeline:
         selection and the asynchronous read-back; returns without waiting for the device."""
         g = self.gen
         n = len(rows)
-        chunks = [Chunk([0 if r.spec else r.job.seq[-1]], r.job.cached, r.job.pages, True) for r in rows]
+        chunks = [Chunk([0 if r.spec else r.job.seq[-1]], r.job.cached, r.job.pages, True, r.job.ring_slot) for r in rows]
         meta, _ = build_batch(chunks, page_size=g.page_size, table_width=g.table_width,
                               scratch_page=g.cache.scratch_page, device=torch.device("cpu"), decode=True)
         g.loras.select([(r.job, 1) for r in rows], meta.input_ids.shape[0])

@@ -60,6 +60,7 @@ class SchedulerHost(Protocol):
     max_chunk_tokens: int
     page_size: int
     cache: Cache
+    ring_free: list[int]
 
     def _start(self, job: Job) -> None: ...
 
@@ -123,6 +124,8 @@ class Scheduler:
                 job.cached_tokens = job.cached
                 g._start(job)
             job.status = "active"
+            if g.cache.ring_slots:
+                job.ring_slot = g.ring_free.pop()  # the generator checked there are enough for its batch
             g.active.append(job)
 
     def admissible(self) -> bool:
@@ -215,7 +218,7 @@ class Scheduler:
         budget (in the running jobs' order)."""
         g = self.host
         self._grow()
-        rows = {j: Chunk([j.seq[-1]], j.cached, j.pages, True) for j in g.active if j.prefill_done}
+        rows = {j: Chunk([j.seq[-1]], j.cached, j.pages, True, j.ring_slot) for j in g.active if j.prefill_done}
         prefilling = [j for j in g.active if not j.prefill_done]
         left = self.budget(len(rows))
         take: dict[Job, int] = {}
@@ -233,5 +236,5 @@ class Scheduler:
             n = take.get(job, 0)
             if n:
                 want = job.cached + n == len(job.seq)
-                out.append((job, Chunk(job.seq[job.cached:job.cached + n], job.cached, job.pages, want)))
+                out.append((job, Chunk(job.seq[job.cached:job.cached + n], job.cached, job.pages, want, job.ring_slot)))
         return out

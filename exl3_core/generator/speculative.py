@@ -509,7 +509,7 @@ class Speculator:
         for b, j in enumerate(jobs):
             d = dr.host[b] if dr.host is not None else []  # device drafts: placeholders, replaced below
             fill = d[-1] if d else j.seq[-1]
-            chunks.append(Chunk([j.seq[-1]] + d + [fill] * (K - len(d)), j.cached, j.pages, True))
+            chunks.append(Chunk([j.seq[-1]] + d + [fill] * (K - len(d)), j.cached, j.pages, True, j.ring_slot))
         plain = [b for b in range(B) if not dr.lens[b]]
         spec = [b for b in range(B) if dr.lens[b]]
         masks = h._start_masks([jobs[b] for b in plain])

@@ -18,6 +18,8 @@ import triton.language as tl
 from exl3_core.kernels.fused import _check_rope, _rope_heads
 from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
 from exl3_core.reference.kv_quant import GROUP, INV_SQRT_GROUP, SCALE_EPS, SCALE_MAX, check_bits
+from exl3_core.attention.spec import RecentRows
+from exl3_core.reference.kv_recent import RecentWrite, extra_bits
 
 # the reference's constants, as the kernels' compile-time values
 _INV_SQRT_GROUP = tl.constexpr(INV_SQRT_GROUP)
@@ -184,19 +186,42 @@ def _store_plane(Codes, base, g_ok, code, W: tl.constexpr, LOW: tl.constexpr, FI
 
 
 @triton.jit
+def _store_low(Low, base, g_ok, low, EXTRA: tl.constexpr, BLOCK_G: tl.constexpr):
+    # an EXTRA-bit low code's planes (widths 4, 2, 1, widest first) as EXTRA words per group at base
+    if EXTRA & 4:
+        _store_plane(Low, base, g_ok, low, 4, EXTRA & 3, 0, BLOCK_G)
+    if EXTRA & 2:
+        _store_plane(Low, base, g_ok, low, 2, EXTRA & 1, EXTRA & 4, BLOCK_G)
+    if EXTRA & 1:
+        _store_plane(Low, base, g_ok, low, 1, 0, EXTRA & 6, BLOCK_G)
+
+
+@triton.jit
 def _quant_row(X, x_row, stride_h, Codes, Scales, slot, D: tl.constexpr, NG: tl.constexpr, BITS: tl.constexpr,
-               BLOCK_G: tl.constexpr, G0, ROW: tl.constexpr):
+               BLOCK_G: tl.constexpr, G0, ROW: tl.constexpr, Low, low_row, Ring, ring_row, EXTRA: tl.constexpr,
+               RING: tl.constexpr):
     # quantize NG groups of one token's flattened [heads, D] row (head stride stride_h) into groups G0 .. G0 + NG - 1
-    # of cache slot `slot`, whose rows hold ROW groups
+    # of cache slot `slot`, whose rows hold ROW groups; with EXTRA > 0 the 8-bit codes' low EXTRA bits also go to row
+    # low_row of Low (the forward's rows) and, with RING, to row ring_row of Ring (the sequence's recent rows)
     g = tl.arange(0, BLOCK_G)
     g_ok = g < NG
     c = g[:, None] * 32 + tl.arange(0, 32)[None, :]
     x = tl.load(X + x_row + (c // D) * stride_h + c % D, mask=g_ok[:, None], other=0.0).to(tl.float32)
     r = hadamard_groups(x, BLOCK_G)
     s = tl.minimum(tl.max(tl.abs(r), 1) + _SCALE_EPS, _SCALE_MAX)
-    M: tl.constexpr = 1 << (BITS - 1)
-    q = tl.floor(tl.div_rn(r, s[:, None]) * M + M)
-    code = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1).to(tl.int32)
+    if EXTRA > 0:
+        # the page's code is the top BITS bits of the 8-bit code (kv_recent's split), the rest the low bits
+        q8 = tl.floor(tl.div_rn(r, s[:, None]) * 128.0 + 128.0)
+        code8 = tl.minimum(tl.maximum(q8, 0.0), 255.0).to(tl.int32)
+        code = code8 >> EXTRA
+        low = code8 & ((1 << EXTRA) - 1)
+        _store_low(Low, low_row * (ROW * EXTRA) + (G0 + g) * EXTRA, g_ok, low, EXTRA, BLOCK_G)
+        if RING:
+            _store_low(Ring, ring_row * (ROW * EXTRA) + (G0 + g) * EXTRA, g_ok, low, EXTRA, BLOCK_G)
+    else:
+        M: tl.constexpr = 1 << (BITS - 1)
+        q = tl.floor(tl.div_rn(r, s[:, None]) * M + M)
+        code = tl.minimum(tl.maximum(q, 0.0), (1 << BITS) - 1).to(tl.int32)
     tl.store(Scales + slot * ROW + G0 + g, s.to(tl.float16), mask=g_ok)
     base = slot * (ROW * BITS) + (G0 + g) * BITS
     if BITS & 8:
@@ -210,35 +235,48 @@ def _quant_row(X, x_row, stride_h, Codes, Scales, slot, D: tl.constexpr, NG: tl.
 
 
 @triton.jit
-def _quant_token(K, V, KC, KS, VC, VS, Slots, t, stride_kt, stride_kh, stride_vt, stride_vh,
-                 D: tl.constexpr, DV: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr, K_BITS: tl.constexpr,
-                 V_BITS: tl.constexpr, BLOCK_GK: tl.constexpr, BLOCK_GV: tl.constexpr, HAS_V: tl.constexpr):
-    slot = tl.load(Slots + t).to(tl.int64)
-    _quant_row(K, t * stride_kt, stride_kh, KC, KS, slot, D, NGK, K_BITS, BLOCK_GK, 0, NGK)
-    if HAS_V:
-        _quant_row(V, t * stride_vt, stride_vh, VC, VS, slot, DV, NGV, V_BITS, BLOCK_GV, 0, NGV)
+def _ring_row(Positions, RingSlots, Tags, t, W: tl.constexpr, RING: tl.constexpr, TAG: tl.constexpr):
+    # a one-row forward's ring row for token t (= its sequence), its tag set by the one program that passes TAG
+    ring_row = tl.zeros([], tl.int64)
+    if RING:
+        p = tl.load(Positions + t)
+        ring_row = tl.load(RingSlots + t).to(tl.int64) * W + p % W
+        if TAG:
+            tl.store(Tags + ring_row, p.to(tl.int32))
+    return ring_row
 
 
 @triton.jit
 def _quant_write_kernel(K, V, KC, KS, VC, VS, Slots, stride_kt, stride_kh, stride_vt, stride_vh,
+                        KLow, VLow, KRing, VRing, Tags, Positions, RingSlots,
                         D: tl.constexpr, DV: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr,
                         K_BITS: tl.constexpr, V_BITS: tl.constexpr, BLOCK_GK: tl.constexpr, BLOCK_GV: tl.constexpr,
-                        HAS_V: tl.constexpr, PDL: tl.constexpr):
+                        HAS_V: tl.constexpr, K_EXTRA: tl.constexpr, V_EXTRA: tl.constexpr, W: tl.constexpr,
+                        RING: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # a programmatic dependent of the kernel that wrote k and v: wait for it, let the next start
         gdc_wait()
         gdc_launch_dependents()
     # one program per token: its key row and value row, each quantized into its slot
-    _quant_token(K, V, KC, KS, VC, VS, Slots, tl.program_id(0).to(tl.int64), stride_kt, stride_kh, stride_vt,
-                 stride_vh, D, DV, NGK, NGV, K_BITS, V_BITS, BLOCK_GK, BLOCK_GV, HAS_V)
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(Slots + t).to(tl.int64)
+    ring_row = _ring_row(Positions, RingSlots, Tags, t, W, RING, True)
+    _quant_row(K, t * stride_kt, stride_kh, KC, KS, slot, D, NGK, K_BITS, BLOCK_GK, 0, NGK, KLow, t, KRing, ring_row,
+               K_EXTRA, RING)
+    if HAS_V:
+        _quant_row(V, t * stride_vt, stride_vh, VC, VS, slot, DV, NGV, V_BITS, BLOCK_GV, 0, NGV, VLow, t, VRing,
+                   ring_row, V_EXTRA, RING)
 
 
 @triton.jit
 def _rope_quant_kernel(Q, K, V, KC, KS, VC, VS, Slots, Cos, Sin,
                        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
+                       KLow, VLow, KRing, VRing, Tags, Positions, RingSlots,
                        HQ, D: tl.constexpr, DV: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr,
                        K_BITS: tl.constexpr, V_BITS: tl.constexpr, HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
                        BLOCK_HQ: tl.constexpr, BLOCK_R: tl.constexpr, HPC: tl.constexpr, NCH: tl.constexpr,
-                       BLOCK_HPC: tl.constexpr, BLOCK_GK: tl.constexpr, BLOCK_GV: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_HPC: tl.constexpr, BLOCK_GK: tl.constexpr, BLOCK_GV: tl.constexpr,
+                       K_EXTRA: tl.constexpr, V_EXTRA: tl.constexpr, W: tl.constexpr, RING: tl.constexpr,
+                       PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -259,13 +297,15 @@ def _rope_quant_kernel(Q, K, V, KC, KS, VC, VS, Slots, Cos, Sin,
                         BLOCK_R)
             tl.debug_barrier()  # the rotated k stored above is read back below by other threads of the program
             slot = tl.load(Slots + t).to(tl.int64)
+            ring_row = _ring_row(Positions, RingSlots, Tags, t, W, RING, part == 1)
             _quant_row(K, t * stride_kt + h0 * stride_kh, stride_kh, KC, KS, slot, D, HPC * D // 32, K_BITS,
-                       BLOCK_GK, h0 * (D // 32), NGK)
+                       BLOCK_GK, h0 * (D // 32), NGK, KLow, t, KRing, ring_row, K_EXTRA, RING)
     else:
         h0 = (part - 1 - NCH) * HPC
         slot = tl.load(Slots + t).to(tl.int64)
+        ring_row = _ring_row(Positions, RingSlots, Tags, t, W, RING, False)
         _quant_row(V, t * stride_vt + h0 * stride_vh, stride_vh, VC, VS, slot, DV, HPC * DV // 32, V_BITS, BLOCK_GV,
-                   h0 * (DV // 32), NGV)
+                   h0 * (DV // 32), NGV, VLow, t, VRing, ring_row, V_EXTRA, RING)
 
 
 #: the most (token, head chunk) programs a store splits its heads over: a decode step's few tokens get a program
@@ -290,11 +330,26 @@ def _groups(op: str, what: str, x: torch.Tensor, codes: torch.Tensor, scales: to
     return ng
 
 
+def _recent_args(recent: RecentWrite | None, k_bits: int, v_bits: int, like: torch.Tensor) -> tuple[list, dict]:
+    """The store kernels' recent-row pointers and constexprs (placeholders and EXTRA 0 without recent rows)."""
+    if recent is None:
+        return [like] * 7, {"K_EXTRA": 0, "V_EXTRA": 0, "W": 1, "RING": False}
+    ring = recent.ring_slots is not None
+    ke = extra_bits(k_bits) if recent.k_rows is not None else 0
+    ve = extra_bits(v_bits) if recent.v_rows is not None else 0
+    ptrs = [recent.k_rows, recent.v_rows, recent.k_ring, recent.v_ring, recent.tags, recent.positions,
+            recent.ring_slots]
+    return ([like if t is None else t for t in ptrs],
+            {"K_EXTRA": ke, "V_EXTRA": ve, "W": recent.tags.shape[1], "RING": ring})
+
+
 def quant_write(k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor,
                 k_codes: torch.Tensor, k_scales: torch.Tensor, v_codes: torch.Tensor | None,
-                v_scales: torch.Tensor | None, k_bits: int, v_bits: int, k_channels: int | None = None) -> None:
+                v_scales: torch.Tensor | None, k_bits: int, v_bits: int, k_channels: int | None = None,
+                recent: RecentWrite | None = None) -> None:
     """Quantize ``k [T, Hk, D]`` (its first ``k_channels`` flattened channels, default all) and ``v [T, Hk, Dv]``
-    (None: keys only) into the pages at the flat slots ``slot_mapping [T]``, one launch."""
+    (None: keys only) into the pages at the flat slots ``slot_mapping [T]``, one launch; with ``recent``, the
+    8-bit codes' low bits also into its rows (and ring)."""
     T = k.shape[0]
     ngk = _groups("quant_write", "k", k, k_codes, k_scales, k_bits, k_channels or k.shape[1] * k.shape[2])
     ngv = 1
@@ -306,12 +361,13 @@ def quant_write(k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Ten
     if T == 0:
         return
     vv = v if v is not None else k
+    ptrs, consts = _recent_args(recent, k_bits, v_bits, k_codes)
     _quant_write_kernel[(T,)](
         k, vv, k_codes, k_scales, v_codes if v_codes is not None else k_codes,
         v_scales if v_scales is not None else k_scales, slot_mapping,
-        k.stride(0), k.stride(1), vv.stride(0), vv.stride(1),
+        k.stride(0), k.stride(1), vv.stride(0), vv.stride(1), *ptrs,
         D=k.shape[2], DV=vv.shape[2], NGK=ngk, NGV=ngv, K_BITS=k_bits, V_BITS=v_bits if v is not None else k_bits,
-        BLOCK_GK=triton.next_power_of_2(ngk), BLOCK_GV=triton.next_power_of_2(ngv), HAS_V=v is not None,
+        BLOCK_GK=triton.next_power_of_2(ngk), BLOCK_GV=triton.next_power_of_2(ngv), HAS_V=v is not None, **consts,
         num_warps=4 if max(ngk, ngv) >= 16 else 2, **launch_opts(k_codes),
     )
 
@@ -319,7 +375,7 @@ def quant_write(k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Ten
 def rope_quant_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                      cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int, interleaved: bool,
                      k_codes: torch.Tensor, k_scales: torch.Tensor, v_codes: torch.Tensor, v_scales: torch.Tensor,
-                     k_bits: int, v_bits: int) -> None:
+                     k_bits: int, v_bits: int, recent: RecentWrite | None = None) -> None:
     """RoPE on ``q``/``k`` in place (``cos``/``sin`` fp32 ``[T, rotary_dim/2]``), then :func:`quant_write` of
     the rotated k and v: one launch."""
     cos, sin = _check_rope("rope_quant_write", q, k, cos, sin, rotary_dim)
@@ -334,15 +390,58 @@ def rope_quant_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_map
     half = rotary_dim // 2
     nch = hk if T * hk <= SPLIT_HEAD_PROGRAMS else 1
     hpc = hk // nch
+    ptrs, consts = _recent_args(recent, k_bits, v_bits, k_codes)
     _rope_quant_kernel[(T, 1 + 2 * nch)](
         q, k, v, k_codes, k_scales, v_codes, v_scales, slot_mapping, cos, sin,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), sin.stride(0),
-        q.shape[1], D=d, DV=v.shape[2], NGK=ngk, NGV=ngv, K_BITS=k_bits, V_BITS=v_bits,
+        *ptrs, q.shape[1], D=d, DV=v.shape[2], NGK=ngk, NGV=ngv, K_BITS=k_bits, V_BITS=v_bits,
         HALF=half, INTERLEAVED=interleaved, BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
         BLOCK_R=triton.next_power_of_2(max(half, 1)), HPC=hpc, NCH=nch, BLOCK_HPC=triton.next_power_of_2(hpc),
         BLOCK_GK=triton.next_power_of_2(hpc * d // GROUP), BLOCK_GV=triton.next_power_of_2(hpc * v.shape[2] // GROUP),
-        num_warps=4 if q.shape[1] * half >= 1024 else 2, **launch_opts(q),
+        **consts, num_warps=4 if q.shape[1] * half >= 1024 else 2, **launch_opts(q),
     )
+
+
+@triton.jit
+def _ring_update_kernel(KRows, VRows, KRing, VRing, Tags, Slots, Positions, Cu, KW: tl.constexpr, VW: tl.constexpr,
+                        W: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # a programmatic dependent of the attention that read the rings: wait for it, let the next start
+        gdc_wait()
+        gdc_launch_dependents()
+    # program (b, i): the i-th of sequence b's last W rows of the forward (if it has that many), copied to its ring
+    b = tl.program_id(0)
+    q0 = tl.load(Cu + b)
+    r = tl.load(Cu + b + 1) - q0 - W + tl.program_id(1)
+    if r >= 0:
+        t = (q0 + r).to(tl.int64)
+        p = tl.load(Positions + t)
+        row = tl.load(Slots + b).to(tl.int64) * W + p % W
+        if KW > 0:
+            j = tl.arange(0, BLOCK_K)
+            tl.store(KRing + row * KW + j, tl.load(KRows + t * KW + j, mask=j < KW), mask=j < KW)
+        if VW > 0:
+            j = tl.arange(0, BLOCK_V)
+            tl.store(VRing + row * VW + j, tl.load(VRows + t * VW + j, mask=j < VW), mask=j < VW)
+        tl.store(Tags + row, p.to(tl.int32))
+
+
+def ring_update(recent: RecentRows, positions: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                seq_lens_k: torch.Tensor) -> None:
+    """After a forward's attention: each sequence's rows among its last ``window`` positions copied from the rows
+    to its ring, tags set (:func:`exl3_core.reference.kv_recent.ring_update`): one launch, no host sync."""
+    del seq_lens_k  # a forward's rows end at its sequences' last positions: its last W rows are the ones
+    B = cu_seqlens_q.shape[0] - 1
+    W = recent.size
+    kw = recent.k_rows.shape[1] if recent.k_rows is not None else 0
+    vw = recent.v_rows.shape[1] if recent.v_rows is not None else 0
+    if B == 0:
+        return
+    like = recent.tags
+    _ring_update_kernel[(B, W)](
+        recent.k_rows if kw else like, recent.v_rows if vw else like, recent.k_ring if kw else like,
+        recent.v_ring if vw else like, recent.tags, recent.slots, positions, cu_seqlens_q, KW=kw, VW=vw, W=W,
+        BLOCK_K=triton.next_power_of_2(max(kw, 1)), BLOCK_V=triton.next_power_of_2(max(vw, 1)), num_warps=1,
+        **launch_opts(like))
 
 
 def read_rows(codes: torch.Tensor, scales: torch.Tensor, bits: int, slot_mapping: torch.Tensor,

@@ -142,8 +142,8 @@ class Attention(Module):
     def attn_spec(self, dtype: torch.dtype, device: torch.device, cache_view: str | None,
                   shape: CallShape, layer: CacheView | None = None) -> AttnSpec:
         """The static spec for a call: built from Python values only, memoised (no host sync)."""
-        bits, page_size = view_facts(layer, cache_view)
-        key = (dtype, device, cache_view, shape, bits, page_size)
+        bits, page_size, recent = view_facts(layer, cache_view)
+        key = (dtype, device, cache_view, shape, bits, page_size, recent)
         spec = self._specs.get(key)
         if spec is None:
             hq, hkv = self.local_heads
@@ -153,7 +153,7 @@ class Attention(Module):
                 device_type=device.type, device_cc=device_cc(device),
                 head_dim_v=None if self.head_dim_v == self.head_dim else self.head_dim_v,
                 max_keys=shape.max_keys, num_seqs=shape.num_seqs, q_per_seq=shape.q_per_seq,
-                sm_count=sm_count(device), kv_bits=bits, page_size=page_size)
+                sm_count=sm_count(device), kv_bits=bits, page_size=page_size, recent=recent)
         return spec
 
     # -- forward --------------------------------------------------------------------------------
@@ -202,7 +202,8 @@ class Attention(Module):
         that its output does not depend on how a prompt was chunked or batched). Activations in another dtype
         than the cache's (a bf16 prefill over an fp16 cache) attend in the cache's dtype."""
         meta = state.meta
-        if layer is not None and meta.fresh_single_sequence:
+        cache_layer = layer
+        if layer is not None and meta.fresh_single_sequence and layer.uniform_reads():
             k, v = layer.stored(k, v, state.slots())
             assert v is not None
             layer = None
@@ -224,7 +225,10 @@ class Attention(Module):
             args = self._args(spec, q, meta, k=k, v=v, k_cache=k_cache, v_cache=v_cache, page_table=meta.page_table,
                               quant=layer.attn_quant(view))
         hq, _ = self.local_heads
-        return backend.forward(args).reshape(q.shape[0], hq * self.head_dim_v).to(out_dtype)
+        out = backend.forward(args).reshape(q.shape[0], hq * self.head_dim_v).to(out_dtype)
+        if cache_layer is not None:
+            cache_layer.after_attention()
+        return out
 
     def _args(self, spec: AttnSpec, q: torch.Tensor, meta: BatchMeta,
               **tensors: torch.Tensor | QuantPages | None) -> AttnArgs:

@@ -208,8 +208,8 @@ class LatentAttention(Module):
     def attn_spec(self, dtype: torch.dtype, device: torch.device, cache_view: str | None,
                   shape: CallShape, layer: CacheView | None = None) -> AttnSpec:
         """The static spec (MQA over the latent), memoised per (dtype, device, view, call shape, view facts)."""
-        bits, page_size = view_facts(layer, cache_view)
-        key = (dtype, device, cache_view, shape, bits, page_size)
+        bits, page_size, recent = view_facts(layer, cache_view)
+        key = (dtype, device, cache_view, shape, bits, page_size, recent)
         spec = self._specs.get(key)
         if spec is None:
             spec = self._specs[key] = AttnSpec(
@@ -217,7 +217,7 @@ class LatentAttention(Module):
                 phase=shape.phase, causal=True, varlen=True, device_type=device.type,
                 device_cc=device_cc(device), head_dim_v=self.kv_lora_rank, max_keys=shape.max_keys,
                 num_seqs=shape.num_seqs, q_per_seq=shape.q_per_seq, sm_count=sm_count(device), kv_bits=bits,
-                page_size=page_size)
+                page_size=page_size, recent=recent)
         return spec
 
     def project(self, x: torch.Tensor, state: ForwardState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

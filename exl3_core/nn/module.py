@@ -18,7 +18,7 @@ from exl3_core.nn.source import TensorSource, WeightError, fetch
 
 if TYPE_CHECKING:
     from exl3_core.archkit.batch import BatchMeta
-    from exl3_core.cache.layer import CacheLayer, CacheLayers
+    from exl3_core.cache.layer import CacheLayer, CacheLayers, CacheStep
     from exl3_core.nn.linear import LinearBase
     from exl3_core.plugins.registry import Plugins
 
@@ -160,9 +160,20 @@ class ForwardState:
     memo: dict[object, Any] = field(default_factory=dict)
 
     def cache_layer(self, cache_index: int | None) -> CacheLayer | None:
+        """Cache layer ``cache_index``, bound to this forward (:meth:`~exl3_core.cache.layer.CacheLayer.bind_step`)."""
         if self.cache is None or cache_index is None:
             return None
-        return self.cache.layers[cache_index]
+        layer = self.cache.layers[cache_index]
+        layer.bind_step(self.cache_step())
+        return layer
+
+    def cache_step(self) -> CacheStep:
+        """This forward as cache layers see it (built once per forward)."""
+        from exl3_core.cache.layer import CacheStep
+
+        return self.memoize("cache_step", lambda: CacheStep(
+            self.meta.positions, self.meta.cu_seqlens_q, self.meta.seq_lens_k, self.meta.ring_slots,
+            self.meta.q_per_seq))
 
     def slots(self) -> torch.Tensor:
         """This step's flat cache slots; a forward with a cache needs them."""

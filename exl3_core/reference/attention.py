@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from exl3_core.attention.spec import AttnArgs
-from exl3_core.reference.kv_quant import gather_dequantized
+from exl3_core.reference import kv_recent
+from exl3_core.reference.kv_quant import gather_dequantized, hadamard32
 
 
 def gather_paged(cache: torch.Tensor, page_table_row: torch.Tensor, length: int) -> torch.Tensor:
@@ -36,6 +37,30 @@ def _gather_quant(args: AttnArgs, b: int, nk: int) -> tuple[torch.Tensor, torch.
     return torch.cat([latent, rope], dim=-1), latent
 
 
+def _gather_refined(args: AttnArgs, b: int, nk: int, nq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values ``[nk, Hkv, D(v)]`` of sequence b at 8 bits where the recent rows hold their low bits (stale
+    low bits elsewhere: only :func:`~exl3_core.reference.kv_recent.refined_mask`'s keys are read from these)."""
+    spec, qp = args.spec, args.quant
+    assert qp is not None and qp.recent is not None and args.k_cache is not None and args.v_cache is not None
+    assert qp.v_scales is not None and args.page_table is not None
+    recent, row = qp.recent, args.page_table[b]
+    c0, q0 = nk - nq, int(args.cu_seqlens_q[b])
+    out = []
+    for side, codes, scales, bits, ring in (("k", args.k_cache, qp.k_scales, qp.k_bits, recent.k_ring),
+                                            ("v", args.v_cache, qp.v_scales, qp.v_bits, recent.v_ring)):
+        if ring is None:  # an 8-bit side: its pages are the 8-bit codes
+            out.append(gather_dequantized(codes, scales, bits, row, nk, spec.num_kv_heads))
+            continue
+        page_size = codes.shape[1]
+        pages = row[:(nk + page_size - 1) // page_size].long()
+        w = codes[pages].reshape(-1, codes.shape[-1])[:nk]
+        s = scales[pages].reshape(-1, scales.shape[-1])[:nk]
+        low = kv_recent.low_words(recent, side, b, nk, c0, q0)
+        rot = kv_recent.dequantize_refined_rotated(w, low, s, bits)
+        out.append(hadamard32(rot).view(nk, spec.num_kv_heads, -1))
+    return out[0], out[1]
+
+
 def attention(args: AttnArgs) -> torch.Tensor:
     spec = args.spec
     q_all = args.q
@@ -51,6 +76,7 @@ def attention(args: AttnArgs) -> torch.Tensor:
         if nq == 0:
             continue
         q = q_all[q0:q1].float()
+        recent = None
         if spec.cache is None:
             assert args.k is not None and args.v is not None
             k = args.k[q0:q1].float()
@@ -58,6 +84,10 @@ def attention(args: AttnArgs) -> torch.Tensor:
             nk = nq
         elif spec.cache.endswith("/quant"):
             k, v = _gather_quant(args, b, nk)
+            recent = args.quant.recent if args.quant is not None else None
+            if recent is not None:
+                k8, v8 = (t.repeat_interleave(group, dim=1) for t in _gather_refined(args, b, nk, nq))
+                fine = kv_recent.refined_mask(recent, b, torch.arange(nk - nq, nk, device=q.device), nk, nk - nq)
         else:
             assert args.k_cache is not None and args.page_table is not None
             k = gather_paged(args.k_cache, args.page_table[b], nk).float()
@@ -68,6 +98,8 @@ def attention(args: AttnArgs) -> torch.Tensor:
         k = k.repeat_interleave(group, dim=1)  # [nk, Hq, D]
         v = v.repeat_interleave(group, dim=1)
         s = torch.einsum("qhd,khd->hqk", q, k) * args.scale
+        if recent is not None:  # keys read at 8 bits per query (the recent rows' rule)
+            s = torch.where(fine[None], torch.einsum("qhd,khd->hqk", q, k8) * args.scale, s)
         if spec.softcap > 0:
             s = torch.tanh(s / spec.softcap) * spec.softcap
         qpos = torch.arange(nk - nq, nk, device=q.device)[:, None]
@@ -83,5 +115,9 @@ def attention(args: AttnArgs) -> torch.Tensor:
             p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
         else:
             p = torch.softmax(s, dim=-1)
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", p, v).to(out.dtype)
+        if recent is not None:
+            o = torch.einsum("hqk,khd->qhd", p * ~fine[None], v) + torch.einsum("hqk,khd->qhd", p * fine[None], v8)
+        else:
+            o = torch.einsum("hqk,khd->qhd", p, v)
+        out[q0:q1] = o.to(out.dtype)
     return out

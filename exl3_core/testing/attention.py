@@ -5,17 +5,19 @@ spec (``unsupported_reasons(spec) == []``) must match :func:`exl3_core.reference
 fresh random inputs: varlen batches, paged caches with shuffled page tables, GQA/MQA, odd head
 dims, windows, soft-capping, the latent (MLA) layout and quantized caches (``"kv/quant"``,
 ``"mla/quant"``: random keys and values quantized by :mod:`exl3_core.reference.kv_quant`, whose
-dequantized pages the reference attends over).
+dequantized pages the reference attends over; with recent rows, :mod:`exl3_core.reference.kv_recent`'s low
+bits in rings with some stale tags and in the forward's rows).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
 
-from exl3_core.attention.spec import AttnArgs, AttnSpec, QuantPages, device_cc, pow2_bucket, sm_count
-from exl3_core.reference import kv_quant
+from exl3_core.attention.spec import AttnArgs, AttnSpec, QuantPages, RecentRows, device_cc, pow2_bucket, sm_count
+from exl3_core.reference import kv_quant, kv_recent
 from exl3_core.reference.attention import attention as reference_attention
 
 
@@ -38,6 +40,8 @@ class Case:
         kv_bits = s.kv_bits  # a quantized view's widths as its cache layer states them (a latent's: the keys')
         if kv_bits == (0, 0) and (s.cache or "").endswith("/quant"):
             kv_bits = (self.bits[0], self.bits[0]) if s.cache.startswith("mla/") else self.bits
+        if s.recent and s.cache != "kv/quant":
+            raise ValueError(f"Case: recent rows need the 'kv/quant' view, not {s.cache!r}")
         filled = s._replace(
             max_keys=s.max_keys or pow2_bucket(max(lens)), num_seqs=s.num_seqs or pow2_bucket(len(self.q_lens)),
             q_per_seq=s.q_per_seq or (self.q_lens[0] if s.phase == "decode" and uniform else 0),
@@ -58,6 +62,7 @@ class Case:
                 f"{f'-w{s.window}' if s.window else ''}{f'-cap{s.softcap:g}' if s.softcap else ''}"
                 f"{f'-qps{s.q_per_seq}' if s.q_per_seq else ''}"
                 f"{f'-k{self.bits[0]}v{self.bits[1]}' if s.cache and s.cache.endswith('/quant') else ''}"
+                f"{f'-r{s.recent}' if s.recent else ''}"
                 f"-{str(s.dtype).split('.')[-1]}")
 
 
@@ -105,6 +110,15 @@ def default_cases(device: torch.device | str = "cpu", dtype: torch.dtype = torch
                                q_per_seq=3, **paged, **base), (3, 3), (20, 45 * mul), (4, 3)))
     cases.append(Case(AttnSpec(head_dim=64, num_q_heads=4, num_kv_heads=2, cache="kv/quant", window=8, **paged, **base),
                       (9, 1), (30 * mul, 12), (6, 7)))
+    # quantized caches keeping recent rows at 8 bits (a window of 16 over pages of 16: chunks span several windows)
+    recent = {"cache": "kv/quant", "recent": 16}
+    for hd, hq, hkv, bits in ((64, 4, 2, (4, 4)), (128, 8, 2, (8, 3)), (96, 6, 1, (2, 5))):
+        cases.append(Case(AttnSpec(head_dim=hd, num_q_heads=hq, num_kv_heads=hkv, **recent, **paged, **base),
+                          (7 * mul, 3, 1, 40), (0, 21 * mul, 40 * mul, 25), bits))
+        cases.append(Case(AttnSpec(head_dim=hd, num_q_heads=hq, num_kv_heads=hkv, phase="decode", q_per_seq=1,
+                                   **recent, **paged, **base), (1, 1, 1), (1, 33 * mul, 16 * mul), bits))
+    cases.append(Case(AttnSpec(head_dim=64, num_q_heads=8, num_kv_heads=2, phase="decode", q_per_seq=3, **recent,
+                               **paged, **base), (3, 3), (20, 45 * mul), (4, 3)))
     cases.append(Case(AttnSpec(head_dim=96, head_dim_v=64, num_q_heads=4, num_kv_heads=1, cache="mla/quant", **paged,
                                **base), (6, 1), (10 * mul, 31 * mul), (5, 5)))
     cases.append(Case(AttnSpec(head_dim=96, head_dim_v=64, num_q_heads=4, num_kv_heads=1, cache="mla/quant",
@@ -158,7 +172,11 @@ def make_args(case: Case, device: torch.device | str = "cpu", seed: int = 0) -> 
     paged_args = {"seq_lens_k": torch.tensor(lens, dtype=torch.int32, device=dev), "max_seqlen_k": max(lens),
                   "page_table": table.to(dev), "k": k_new, "v": v_new}
     if s.cache.endswith("/quant"):
-        return AttnArgs(**_quantized(case, k_cache, v_cache), **paged_args, **common)
+        quantized = _quantized(case, k_cache, v_cache)
+        if s.recent:
+            quantized["quant"] = quantized["quant"]._replace(
+                recent=_recent_rows(case, k_cache, v_cache, table, past, lens, g, dev))
+        return AttnArgs(**quantized, **paged_args, **common)
     return AttnArgs(k_cache=k_cache, v_cache=v_cache, **paged_args, **common)
 
 
@@ -182,6 +200,54 @@ def _quantized(case: Case, k_cache: torch.Tensor, v_cache: torch.Tensor | None) 
     return {"k_cache": kw, "v_cache": vw, "quant": QuantPages(ks, vs, kb, vb)}
 
 
+def _recent_rows(case: Case, k_cache: torch.Tensor, v_cache: torch.Tensor | None, table: torch.Tensor,
+                 past: list[int], lens: list[int], g: torch.Generator, dev: torch.device) -> RecentRows:
+    """Recent rows as a store and earlier forwards leave them: each sequence's forward rows in ``rows`` (and, for a
+    one-row forward, in its ring), its earlier positions within the window in a ring slot of its own (shuffled),
+    one in three of those with a stale tag (a rolled-back draft's position), and the other slots' rows random."""
+    assert v_cache is not None
+    kb, vb = case.bits
+    window = case.spec.recent
+    ps = case.page_size
+    nseq = len(lens)
+    slots = torch.randperm(nseq + 2, generator=g)[:nseq].to(torch.int32)
+    sides = []
+    for x, bits in ((k_cache, kb), (v_cache, vb)):
+        extra = kv_recent.extra_bits(bits)
+        if extra == 0:
+            sides.append((None, None, None))
+            continue
+        width = x.shape[2] * x.shape[3] // kv_quant.GROUP * extra
+        low = kv_recent.quantize_split(torch.nan_to_num(x.flatten(2).float(), nan=0.0), bits)[1]  # [pages, ps, W]
+        ring = torch.randint(-2 ** 31, 2 ** 31 - 1, (nseq + 2, window, width), generator=g, dtype=torch.int32)
+        rows = torch.randint(-2 ** 31, 2 ** 31 - 1, (sum(n - p for p, n in zip(past, lens)) + 3, width), generator=g,
+                             dtype=torch.int32)
+        sides.append((low, ring, rows))
+    tags = torch.randint(-1, 4 * window, (nseq + 2, window), generator=g, dtype=torch.int32)
+    t = 0
+    for b in range(nseq):
+        slot = int(slots[b])
+        one_row = lens[b] - past[b] == 1
+        for j in range(max(0, past[b] - window), lens[b]):
+            page, off = int(table[b, j // ps]), j % ps
+            fwd = j >= past[b]
+            in_ring = not fwd or one_row
+            stale = not fwd and (j + b) % 3 == 0
+            for low, ring, rows in sides:
+                if low is None:
+                    continue
+                if fwd:
+                    rows[t + j - past[b]] = low[page, off]
+                if in_ring:
+                    ring[slot, j % window] = low[page, off]
+            if in_ring:
+                tags[slot, j % window] = j + window if stale else j
+        t += lens[b] - past[b]
+    (_, kr, krows), (_, vr, vrows) = sides
+    return RecentRows(*(None if x is None else x.to(dev) for x in (kr, vr)), tags.to(dev),
+                      *(None if x is None else x.to(dev) for x in (krows, vrows)), slots.to(dev), window)
+
+
 def tolerance(dtype: torch.dtype) -> float:
     return {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}.get(dtype, 1e-2)
 
@@ -198,3 +264,28 @@ def check_backend(backend: Any, case: Case, device: torch.device | str = "cpu", 
     scale = ref.float().abs().max().item()
     assert err <= tolerance(case.spec.dtype) * max(1.0, scale), f"{backend.name} {case.id}: max err {err:.3g}"
     return err
+
+
+def focus_recent(args: AttnArgs, beta: float = 2.0) -> AttnArgs:
+    """``args`` (a quantized view with recent rows) with each sequence's first query aimed, head by head, at one or two
+    keys of its kv head (the newest, the three before it, which include a stale ring row, the window's oldest, the
+    first past it, two pairs) so that they hold nearly all its weight: random queries spread it so thin over a long
+    sequence that whether the window is read at 8 bits would hide inside the tolerance."""
+    spec, quant = args.spec, args.quant
+    assert quant is not None
+    window = quant.recent.window if quant.recent is not None else spec.recent
+    group = spec.num_q_heads // spec.num_kv_heads
+    q = args.q.clone()
+    cu, lens = args.cu_seqlens_q.tolist(), args.seq_lens_k.tolist()
+    for b, n in enumerate(lens):
+        if cu[b + 1] == cu[b]:
+            continue
+        keys = kv_quant.gather_dequantized(args.k_cache, quant.k_scales, quant.k_bits, args.page_table[b], n,
+                                           spec.num_kv_heads)
+        targets = ((n - 1,), (n - 2,), (n - 3,), (n - 4,), (n - window,), (n - window - 1,), (n - 1, n - 2),
+                   (n - 3, n - window))
+        for h in range(spec.num_q_heads):
+            aim = sum(torch.nn.functional.normalize(keys[min(max(j, 0), n - 1), h // group], dim=0)
+                      for j in targets[h % len(targets)])
+            q[cu[b], h] = (beta * math.sqrt(spec.head_dim) * torch.nn.functional.normalize(aim, dim=0)).to(q.dtype)
+    return args._replace(q=q)

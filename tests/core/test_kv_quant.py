@@ -230,7 +230,9 @@ def test_bytes_per_token_is_exact(geo: tuple[int, int, int, int, int]) -> None:
     per = KVQuantLayer.bytes_per_token(heads, d, dv, torch.float16, k_bits=kb, v_bits=vb)
     layer = KVQuantLayer(num_pages=3, page_size=PAGE, num_kv_heads=heads, head_dim=d, head_dim_v=dv,
                          dtype=torch.float16, device="cpu", k_bits=kb, v_bits=vb)
-    assert layer.storage_size() == per * 3 * PAGE
+    fixed = KVQuantLayer.fixed_bytes(heads, d, dv, torch.float16, 3, k_bits=kb, v_bits=vb)
+    assert layer.storage_size() == per * 3 * PAGE + fixed
+    assert fixed > 0 and KVQuantLayer.fixed_bytes(heads, d, dv, torch.float16, 3, k_bits=kb, v_bits=vb, recent=0) == 0
     latent = MLAQuantLayer.bytes_per_token(1, 96, 64, torch.bfloat16, k_bits=kb)
     mla = MLAQuantLayer(num_pages=3, page_size=PAGE, num_kv_heads=1, head_dim=96, head_dim_v=64,
                         dtype=torch.bfloat16, device="cpu", k_bits=kb)
@@ -244,17 +246,24 @@ def _geometry_model(attention: list[str] | None = None):
 
 
 def test_capacity_at_4_bits_is_over_3_5x_fp16() -> None:
-    """Measured on allocated caches: the token count a K4V4 cache holds in the bytes of an fp16 one."""
+    """The 4096-token sequences a K4V4 cache holds in the bytes of an fp16 one (each with its ring of recent rows), by
+    the caches' own planning figures, which equal what they allocate."""
     model = _geometry_model()
-    fp16 = Cache(model, 64 * PAGE, page_size=PAGE, device="cpu", dtype=torch.float16)
-    per_page = Cache(model, PAGE, page_size=PAGE, variant="quant", k_bits=4, v_bits=4, device="cpu",
-                     dtype=torch.float16).storage_size() // 2  # one page plus the scratch page
-    pages = fp16.storage_size() // per_page - 1
-    quant = Cache(model, pages * PAGE, page_size=PAGE, variant="quant", k_bits=4, v_bits=4, device="cpu",
-                  dtype=torch.float16)
-    assert quant.storage_size() <= fp16.storage_size()
-    assert quant.storage_size() == quant.bytes_for(torch.float16)
-    assert quant.max_num_tokens >= 3.5 * fp16.max_num_tokens, (quant.max_num_tokens, fp16.max_num_tokens)
+    small = Cache(model, 4 * PAGE, page_size=PAGE, variant="quant", k_bits=4, v_bits=4, recent=16, recent_seqs=3,
+                  device="cpu", dtype=torch.float16)
+    assert small.storage_size() == small.bytes_for(torch.float16) and small.ring_slots == 4
+    seq, fp16_seqs = 4096, 64
+    fp16 = Cache(model, fp16_seqs * seq, page_size=256).bytes_for(torch.float16)
+
+    def most(**opts: int) -> int:  # the most sequences whose pages (and rings) fit in fp16's bytes
+        n = 3 * fp16_seqs
+        while Cache(model, (n + 1) * seq, page_size=256, variant="quant", k_bits=4, v_bits=4,
+                    **{k: (n + 1 if v < 0 else v) for k, v in opts.items()}).bytes_for(torch.float16) <= fp16:
+            n += 1
+        return n
+
+    assert most(recent_seqs=-1) >= 3.5 * fp16_seqs  # a ring slot for every sequence
+    assert most(recent=0) >= 3.54 * fp16_seqs
 
 
 def test_load_plan_counts_the_quantized_bytes() -> None:
@@ -265,7 +274,9 @@ def test_load_plan_counts_the_quantized_bytes() -> None:
     assert rep["planned"]["caches"] == rep["allocated"]["caches"] == cache.storage_size()
     per_token = sum(KVQuantLayer.bytes_per_token(g.num_kv_heads, g.head_dim, g.head_dim_v, torch.float16, k_bits=3,
                                                  v_bits=6) for g in model.cache_geometry())
-    assert cache.storage_size() == per_token * (cache.num_pages + 1) * PAGE
+    fixed = sum(KVQuantLayer.fixed_bytes(g.num_kv_heads, g.head_dim, g.head_dim_v, torch.float16, cache.num_pages + 1,
+                                         k_bits=3, v_bits=6) for g in model.cache_geometry())
+    assert cache.storage_size() == per_token * (cache.num_pages + 1) * PAGE + fixed
 
 
 def test_copy_page_and_dequantized() -> None:
@@ -614,15 +625,20 @@ def test_bench_measures_each_cache_and_reports_capacity(one_torch_thread: None) 
     ratios = {c["what"]: c for c in res["cache_compare"]}
     assert set(ratios) == {"decode b=1 ctx=16", "decode b=2 ctx=16", "prefill 8 after 0"}
     assert all(c["cache"] == "k4v4" and c["ratio"] == c["tok_s"] / c["base_tok_s"] > 0 for c in ratios.values())
-    # capacity: pages of the measured bytes per page, less the scratch page, in whole 4096-token sequences
+    # capacity: whole 4096-token sequences of pages (and ring slots) of the allocated bytes, less the scratch ones
+    from exl3_core.bench.capacity import page_bytes
+
     model, _ = build_model(shape, device="cpu", dtype=torch.float16)
     for c in max_sequences(model, variants, 3 << 20, torch.float16, page_size=PAGE):
-        cache = Cache(model, PAGE, page_size=PAGE, device="cpu", dtype=torch.float16, **parse_cache_bits(
-            "16" if c["cache"] == "fp16" else "4").cache_kwargs())
-        per_page = cache.storage_size() // 2
-        assert c["tokens"] == ((3 << 20) // per_page - 1) * PAGE and c["sequences"] == c["tokens"] // 4096
+        bits = parse_cache_bits("16" if c["cache"] == "fp16" else "4")
+        per_page, _, per_slot = page_bytes(model, bits, torch.float16, PAGE)
+        one = Cache(model, PAGE, page_size=PAGE, device="cpu", dtype=torch.float16,
+                    **bits.cache_kwargs() | ({"recent_seqs": 1} if bits.quantized else {}))
+        assert one.storage_size() == 2 * (per_page + per_slot)  # a page and a slot, and the scratch ones
+        assert (per_slot > 0) == bits.quantized
+        assert c["sequences"] == ((3 << 20) - per_page - per_slot) // (4096 // PAGE * per_page + per_slot)
     cap = {c["cache"]: c for c in res["capacity"]}
-    assert cap["k4v4"]["tokens"] >= 3.5 * cap["fp32"]["tokens"]
+    assert cap["k4v4"]["sequences"] >= 3.5 * cap["fp32"]["sequences"]
     assert [CacheBits().label(t) for t in (torch.float16, torch.bfloat16)] == ["fp16", "bf16"]
 
 

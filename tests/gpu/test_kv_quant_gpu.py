@@ -1,7 +1,9 @@
 """The quantized KV cache (variant "quant", format spec 6) on the GPU: the Triton store kernels bit-exact against
 the torch reference, the Triton and CUDA attention reading the quantized view within fp16 tolerance (graph
-replays included), the engine through CUDA graphs, and the speed bars of the issue measured as ``exl3 bench``
-measures them (same process, the unquantized cache first):
+replays included; the short-bound CUDA kernel with recent rows too, each sequence's window read at 8 bits, against
+the reference reading them on queries aimed at keys in and around the window, so that the 8-bit reads matter), the
+engine through CUDA graphs, and the speed bars of the issue measured as ``exl3 bench`` measures them (same process,
+the unquantized cache first):
 
 * 8B shape, b=1 decode at ctx 32768: K4V4 >= 1.3x the fp16 cache's rate;
 * 8B shape, b=1 decode at ctx 256: K4V4 >= 0.97x;
@@ -13,10 +15,11 @@ The same figures from the command line: ``exl3 bench --shape 8b --contexts 256,3
 """
 from __future__ import annotations
 
+
 import pytest
 import torch
 
-from exl3_core.attention.spec import AttnSpec, CallShape, device_cc
+from exl3_core.attention.spec import AttnArgs, AttnSpec, CallShape, device_cc
 from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.cache import Cache
 from exl3_core.cache.kv_quant import KVQuantLayer
@@ -27,6 +30,7 @@ from exl3_core.reference import fused as fused_ref
 from exl3_core.reference import kv_quant as ref
 from exl3_core.reference.attention import attention as reference_attention
 from exl3_core.testing.attention import Case, check_backend, default_cases, make_args, tolerance
+from exl3_core.testing.attention import focus_recent as _focus
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -177,6 +181,101 @@ def test_cuda_decode_backend_takes_short_quantized_decode(decode_op) -> None:
     out = b.forward(check)
     r = reference_attention(check)
     assert (out.float() - r.float()).abs().max().item() <= tolerance(torch.float16) * max(1.0, r.abs().max().item())
+
+
+# -- recent rows through the short-bound CUDA kernel ------------------------------------------------------------------
+def _check_recent(out: torch.Tensor, args: AttnArgs, what: str) -> None:
+    """``out`` matches the reference reading the recent rows at 8 bits (rows with a query), and that reference is
+    far from the one reading every key at the pages' width (3 tolerances in bf16, 10 in fp16), or within one of it
+    where both sides are 8-bit (nothing to refine)."""
+    assert args.quant is not None and args.quant.recent is not None
+    tok = [int(args.cu_seqlens_q[b]) for b in range(len(args.seq_lens_k))
+           if int(args.cu_seqlens_q[b + 1]) > int(args.cu_seqlens_q[b])]
+    fine = reference_attention(args)[tok].float()
+    coarse = reference_attention(args._replace(quant=args.quant._replace(recent=None)))[tok].float()
+    got = out[tok].float()
+    assert torch.isfinite(got).all(), f"{what}: non-finite output"
+    tol = tolerance(args.spec.dtype) * max(1.0, fine.abs().max().item())
+    err = (got - fine).abs().max().item()
+    assert err <= tol, f"{what}: max err {err:.3g} > {tol:.3g}"
+    gap = (fine - coarse).abs().max().item()
+    if args.quant.k_bits == 8 and args.quant.v_bits == 8:
+        assert gap <= tol, f"{what}: 8-bit sides have nothing to refine, yet the references differ by {gap:.3g}"
+    else:
+        least = (10 if args.spec.dtype == torch.float16 else 3) * tol
+        assert gap >= least, f"{what}: the recent rows move the reference by {gap:.3g} only (tolerance {tol:.3g})"
+
+
+def _recent_case(hd: int, hq: int, hkv: int, past: tuple[int, ...], dtype: torch.dtype, bits: tuple[int, int],
+                 window: int) -> Case:
+    case = _decode_case(hd, hq, hkv, past, dtype, bits)
+    return Case(case.spec._replace(recent=window), case.q_lens, case.past_lens, case.bits)
+
+
+@pytest.fixture(scope="module")
+def recent_decode_op(decode_op):
+    from exl3_attn_backends.cuda_decode import reads_recent
+
+    if not reads_recent():
+        pytest.fail("exl3_core._C's decode_attention predates recent rows; rebuild it")
+    return decode_op
+
+
+@pytest.mark.parametrize("window", [16, 64])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", [(64, 32, 8), (128, 32, 8), (128, 28, 4), (64, 12, 4)], ids=lambda s: f"d{s[0]}")
+@pytest.mark.parametrize("bits", [(4, 4), (3, 5), (2, 7), (6, 2), (8, 3), (8, 8)], ids=lambda b: f"k{b[0]}v{b[1]}")
+def test_cuda_decode_reads_recent_rows(recent_decode_op, shape: tuple[int, int, int], dtype: torch.dtype,
+                                       bits: tuple[int, int], window: int) -> None:
+    """Lengths 1-401 under a 512 bound: at head dim 128 a pass holds 256 rows, so the windows of 281 and 401 keys lie
+    across the second pass or in it (read after the wait); shorter ones lie whole in the window. Low bits of every
+    width 1-6 (planes 4, 2, 1). As a programmatic dependent the output is bit-equal."""
+    from exl3_attn_backends.cuda_decode import decode_attention
+
+    hd, hq, hkv = shape
+    case = _recent_case(hd, hq, hkv, (0, 30, 127, 255, 280, 400), dtype, bits, window)
+    args = _focus(make_args(case, DEV, seed=hd + hq + bits[0] + window))
+    assert args.quant is not None
+    outs = [decode_attention(args.q, args.k_cache, args.v_cache, args.page_table, args.cu_seqlens_q, args.seq_lens_k,
+                             args.scale, pdl, 512, quant=args.quant) for pdl in (False, True)]
+    _check_recent(outs[0], args, f"window={window}")
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_cuda_decode_backend_takes_recent_rows_and_replays_them(recent_decode_op) -> None:
+    """Through the backend with recent rows, captured in a CUDA graph once and replayed over fresh caches, rings, tags
+    and ring slots copied into the captured tensors: each replay reads them from the device."""
+    from exl3_attn_backends.cuda_decode import CudaDecodeAttention
+
+    case = _recent_case(128, 32, 8, (100, 7, 250), torch.float16, (4, 4), 64)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    spec = case.spec._replace(max_keys=256, num_seqs=4, sm_count=sms, kv_bits=(4, 4))
+    b = CudaDecodeAttention()
+    assert b.unsupported_reasons(spec) == []
+    static = _focus(make_args(case, DEV, seed=1))._replace(spec=spec, max_seqlen_k=256)
+    _check_recent(b.forward(static), static, "eager")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        b.forward(static)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = b.forward(static)
+    for seed in (2, 3):
+        fresh = _focus(make_args(case, DEV, seed=seed))
+        assert static.quant is not None and static.quant.recent is not None
+        assert fresh.quant is not None and fresh.quant.recent is not None
+        pairs = [(static.q, fresh.q), (static.k_cache, fresh.k_cache), (static.v_cache, fresh.v_cache),
+                 (static.page_table, fresh.page_table), (static.quant.k_scales, fresh.quant.k_scales),
+                 (static.quant.v_scales, fresh.quant.v_scales)]
+        pairs += [(x, y) for x, y in zip(static.quant.recent[:6], fresh.quant.recent[:6]) if x is not None]
+        for x, y in pairs:
+            assert y is not None
+            x.copy_(y)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_recent(out, static, f"replay seed={seed}")
 
 
 # -- the engine through CUDA graphs --------------------------------------------------------------------------------

@@ -307,3 +307,74 @@ def test_speculative_generation_through_the_split_kernel(monkeypatch: pytest.Mon
     monkeypatch.setattr(tp, "decode_split_kv", lambda a, n, **k: rows.append(a.spec.q_per_seq) or real(a, n, **k))
     assert tokens(draft_model=model, draft_cache=draft_cache, num_draft_tokens=3, dynamic_draft=False) == plain
     assert 4 in rows and 2 in rows, sorted(set(rows))  # verification (k + 1 rows) and the draft's first step
+
+
+
+# -- recent rows: each sequence's newest positions read at 8 bits from a "kv/quant" view ----------------------------
+
+def _recent_case(hd: int, hq: int, hkv: int, past: tuple[int, ...], q_lens: tuple[int, ...], bits: tuple[int, int],
+                 phase: str = "decode", window: int = 16) -> Case:
+    dev = torch.device(DEVICE)
+    spec = AttnSpec(head_dim=hd, num_q_heads=hq, num_kv_heads=hkv, dtype=torch.float32, cache="kv/quant",
+                    phase=phase, page_size=16, device_type=dev.type, device_cc=device_cc(dev),  # type: ignore[arg-type]
+                    q_per_seq=max(q_lens) if phase == "decode" else 0, recent=window)
+    return Case(spec, q_lens, past, bits)
+
+
+def _without_recent(args: AttnArgs) -> AttnArgs:
+    """The same call read at the pages' bits alone."""
+    assert args.quant is not None
+    return args._replace(spec=args.spec._replace(recent=0), quant=args.quant._replace(recent=None))
+
+
+RECENT_CASES = [
+    # prefill over a cache: a forward longer than the window, chunks crossing it, one-row and fresh sequences
+    (_recent_case(64, 4, 2, (0, 37, 90, 12), (40, 5, 1, 20), (2, 3), "prefill"), None),
+    # a decode step (the split kernel, and the single-pass one at 1 split); an 8-bit key side (no ring) beside
+    # 2-bit values
+    *((_recent_case(64, 8, 2, (40, 3, 0), (1, 1, 1), (8, 2)), n) for n in (None, 1)),
+    # several queries per sequence, one with fewer and one with none; 8-bit values beside 3-bit keys
+    *((_recent_case(64, 8, 2, (45, 20, 9), (4, 1, 0), (3, 8)), n) for n in (None, 1)),
+]
+
+
+@pytest.mark.parametrize("case,splits", RECENT_CASES, ids=lambda x: x.id if isinstance(x, Case) else f"splits{x}")
+def test_recent_rows_are_read_at_8_bits(case: Case, splits: int | None) -> None:
+    """The reference with recent rows and without them differ far beyond the tolerance; the backend gives the
+    former: it reads the low bits of the forward's rows and of the ring rows whose tags hold their positions (the
+    others stale or garbage), each query's window at 8 bits and older keys at the pages' bits."""
+    from exl3_core.reference.attention import attention as reference_attention
+
+    args = make_args(case, DEVICE, seed=31)
+    want, coarse = reference_attention(args), reference_attention(_without_recent(args))
+    b = TritonPagedAttention()
+    b.decode_num_splits = splits
+    assert b.unsupported_reasons(case.spec) == []
+    out = b.forward(args)
+    assert (want - coarse).abs().max().item() > 1e-2  # 500x the fp32 tolerance
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(b.forward(_without_recent(args)), coarse, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("case,splits", [
+    # 3 splits of 192 keys: 454..517 straddles two chunks of a split's loop; 237..300 starts in a split's first
+    # chunk (read again after the wait for this step's rows) and ends in its loop; 0..40 is all one sequence's
+    (_recent_case(64, 8, 2, (517, 300, 0, 40), (1, 1, 1, 1), (4, 3), window=64), 3),
+    # 3 queries per sequence, 2 splits: 234..299 from a split's first chunk into its loop, the windows of a row's
+    # earlier keys ending where a later row's begins
+    (_recent_case(64, 8, 2, (297, 97), (3, 3), (2, 5), window=64), 2),
+], ids=lambda x: x.id if isinstance(x, Case) else f"splits{x}")
+def test_split_kv_reads_recent_rows_over_long_contexts(case: Case, splits: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split kernel over several 64-key chunks per split (the short-bound chunk off, as for long bounds): recent
+    rows read in the chunks of a split's loop and in its first, one query per sequence and several."""
+    import exl3_attn_backends.triton_paged as tp
+
+    from exl3_core.reference.attention import attention as reference_attention
+
+    monkeypatch.setattr(tp, "SHORT_BOUND_BLOCK_N", 0)
+    args = make_args(case, DEVICE, seed=41)
+    assert tp._decode_block_n(case.spec, args.max_seqlen_k) == 64
+    want = reference_attention(args)
+    assert (want - reference_attention(_without_recent(args))).abs().max().item() > 1e-2
+    torch.testing.assert_close(tp.decode_split_kv(args, splits), want, atol=2e-5, rtol=2e-5)

@@ -16,6 +16,9 @@ the next backend (Triton); ``exl3 inspect --plan`` shows the choice.
 
 It reads the quantized view ``"kv/quant"`` (format spec 6) in place as well: the block unpacks each row's
 codes into the same shared-memory rows, in the keys' rotated basis, rotating q into it and the output back.
+With recent rows (``QuantPages.recent``, :mod:`exl3_core.reference.kv_recent`) the rows of each sequence's window
+whose ring row holds them are unpacked at 8 bits (their codes and the ring's low bits), by a kernel of their own
+so that calls without them run the plain one.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from typing import ClassVar
 
 import torch
 
-from exl3_core.attention.spec import AttnArgs, AttnSpec, QuantPages
+from exl3_core.attention.spec import AttnArgs, AttnSpec, QuantPages, RecentRows
 
 #: the longest static key bound served here per head dim (one pass of the block's shared memory: 128 KB of
 #: keys and values), since later passes would run after the wait; longer ones go to Triton.
@@ -90,9 +93,11 @@ def check_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pa
 
 
 def check_quant_call(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, quant: QuantPages,
-                     page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor) -> list[str]:
+                     page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
+                     aligned_rings: bool = False) -> list[str]:
     """:func:`check_call` for a quantized cache: code words ``[pages, page_size, Hkv * D / 32 * bits]`` (int32) and
-    fp16 scales ``[pages, page_size, Hkv * D / 32]`` with contiguous rows. Host-side attributes only."""
+    fp16 scales ``[pages, page_size, Hkv * D / 32]`` with contiguous rows, and its recent rows if any
+    (:func:`check_recent`; ``aligned_rings``: their rows 16-byte aligned). Host-side attributes only."""
     ks, vs = quant.k_scales, quant.v_scales
     if vs is None:
         return ["a kv/quant cache has value scales (got None: a latent cache is not read here)"]
@@ -121,16 +126,78 @@ def check_quant_call(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tens
                    f"{quant.k_bits}/{quant.v_bits} bits")
     if any(t.stride(-1) != 1 for t in (k_codes, v_codes, ks, vs)) or not _rows_aligned(q):
         bad.append("q rows must be 16-byte aligned and every page row contiguous; use .contiguous()")
+    bad += check_recent(quant, page_table.shape[0] if page_table.dim() == 2 else -1, aligned_rings)
     return bad + _check_batch(hq, hkv, page_table, cu_seqlens_q, seq_lens_k)
+
+
+def check_recent(quant: QuantPages, batch: int, aligned: bool = False) -> list[str]:
+    """What keeps a quantized call's recent rows (``quant.recent``; None: nothing) from the decode kernels, each
+    naming the tensor and the fix: int32 low-bit rings ``[slots, size, groups * (8 - bits)]`` exactly for the sides
+    under 8 bits, int32 tags ``[slots, size]`` with contiguous rows, contiguous int32 slots ``[batch]`` and an int
+    window in ``0 .. size``. ``aligned``: ring rows must also start 16-byte aligned. The slots' values (each in
+    ``0 .. slots - 1``) are device data and not checked. Host-side attributes only.
+
+    These kernels read every key's low bits from the ring (a one-query step's store has written its row there too),
+    so ``k_rows``/``v_rows`` are not read."""
+    r = quant.recent
+    if r is None:
+        return []
+    rings = {"k_ring": (r.k_ring, quant.k_bits), "v_ring": (r.v_ring, quant.v_bits)}
+    named = {"tags": r.tags, "slots": r.slots, **{n: t for n, (t, _) in rings.items() if t is not None}}
+    bad = []
+    off = [n for n, t in named.items() if not t.is_cuda]
+    if off:
+        bad.append(f"recent rows' {', '.join(off)} must be on the GPU (move them with .cuda())")
+    if isinstance(r.window, bool) or not isinstance(r.window, int) or not 0 <= r.window < 2**30:
+        bad.append(f"recent window must be an int in [0, 2**30) (0: none), got {r.window!r}")
+    tags, slots = r.tags, r.slots
+    if slots.dtype != torch.int32 or slots.dim() != 1 or not slots.is_contiguous() or slots.numel() != batch:
+        bad.append(f"recent slots must be contiguous int32 [B] with B = {batch} (a ring slot per sequence), got "
+                   f"{slots.dtype} {tuple(slots.shape)}")
+    if tags.dtype != torch.int32 or tags.dim() != 2 or tags.shape[1] == 0 or tags.stride(1) != 1:
+        return [*bad, f"recent tags must be int32 [slots, size] with contiguous rows, got {tags.dtype} "
+                      f"{tuple(tags.shape)}"]
+    if isinstance(r.window, int) and r.window > tags.shape[1]:
+        # else the ring row the step's store writes could be an older window row's, read before the wait
+        bad.append(f"recent window {r.window} exceeds the ring's {tags.shape[1]} rows a slot")
+    groups = {"k_ring": quant.k_scales.shape[-1],
+              "v_ring": quant.v_scales.shape[-1] if quant.v_scales is not None else 0}
+    for name, (ring, bits) in rings.items():
+        extra = 8 - bits
+        if extra <= 0:
+            if ring is not None:
+                bad.append(f"{name} must be None: an 8-bit side has no low bits to keep")
+            continue
+        want = (tags.shape[0], tags.shape[1], groups[name] * extra)
+        if ring is None:
+            bad.append(f"{name} is None: a {bits}-bit side keeps its recent rows' {extra} low bits in a ring "
+                       f"{list(want)}")
+        elif ring.dtype != torch.int32 or tuple(ring.shape) != want or ring.stride(-1) != 1:
+            bad.append(f"{name} must be int32 {list(want)} (the tags' slots and rows, {groups[name]} groups x {extra} "
+                       f"low bits) with contiguous rows, got {ring.dtype} {tuple(ring.shape)}")
+        elif aligned and (ring.stride(0) % 4 or ring.stride(1) % 4 or ring.data_ptr() % 16):
+            bad.append(f"{name} rows must start 16-byte aligned (slot and row strides multiples of 4 words); use "
+                       f".contiguous()")
+    return bad
+
+
+def recent_args(quant: QuantPages | None) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
+                                                   torch.Tensor | None, int]:
+    """The ops' recent-row arguments ``(k_ring, v_ring, tags, slots, window)`` of a quantized call: all None and 0
+    without recent rows, or when both sides are 8-bit (nothing to refine: the pages are the 8-bit codes)."""
+    r: RecentRows | None = None if quant is None else quant.recent
+    if r is None or r.window == 0 or (r.k_ring is None and r.v_ring is None):
+        return None, None, None, None, 0
+    return r.k_ring, r.v_ring, r.tags, r.slots, r.window
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_table: torch.Tensor,
                      cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, scale: float,
                      pdl: bool = False, bound: int = 0, quant: QuantPages | None = None) -> torch.Tensor:
-    """One query per sequence over a paged fp16/bf16 cache, or a quantized one (``quant``: its scales and bits;
-    k_cache/v_cache are then the code words): ``[T, Hq, D]`` in q's dtype (rows of sequences without a query
-    this step are left unwritten). ``bound``: the longest sequence length the call may see (0: unknown), which
-    sizes the block's shared memory. Raises ValueError naming every input it cannot take."""
+    """One query per sequence over a paged fp16/bf16 cache, or a quantized one (``quant``: its scales, bits and
+    recent rows if it keeps them; k_cache/v_cache are then the code words): ``[T, Hq, D]`` in q's dtype (rows of
+    sequences without a query this step are left unwritten). ``bound``: the longest sequence length the call may see
+    (0: unknown), which sizes the block's shared memory. Raises ValueError naming every input it cannot take."""
     bad = (check_call(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens_k) if quant is None else
            check_quant_call(q, k_cache, v_cache, quant, page_table, cu_seqlens_q, seq_lens_k))
     if not 0 <= bound < 2**30:
@@ -146,17 +213,32 @@ def _launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, page_
     if quant is None:
         return torch.ops.exl3.decode_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens_k,
                                                float(scale), pdl, int(bound))
+    k_ring, v_ring, tags, slots, window = recent_args(quant)
+    if tags is None:  # the op as it was before recent rows (a build without them still runs these calls)
+        return torch.ops.exl3.decode_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens_k,
+                                               float(scale), pdl, int(bound), quant.k_scales, quant.v_scales,
+                                               quant.k_bits, quant.v_bits)
     return torch.ops.exl3.decode_attention(q, k_cache, v_cache, page_table, cu_seqlens_q, seq_lens_k, float(scale),
                                            pdl, int(bound), quant.k_scales, quant.v_scales, quant.k_bits,
-                                           quant.v_bits)
+                                           quant.v_bits, k_ring, v_ring, tags, slots, window)
+
+
+def _schema_has(op: str, arg: str) -> bool:
+    """Whether the built op ``torch.ops.exl3.<op>`` takes the argument ``arg`` (a build predating it does not)."""
+    try:
+        return arg in str(getattr(torch.ops.exl3, op).default._schema)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _reads_quant() -> bool:
     """Whether the built op takes a quantized cache (its schema has the scale arguments)."""
-    try:
-        return "k_scales" in str(torch.ops.exl3.decode_attention.default._schema)
-    except (AttributeError, RuntimeError):
-        return False
+    return _schema_has("decode_attention", "k_scales")
+
+
+def reads_recent(op: str = "decode_attention") -> bool:
+    """Whether the built op reads recent rows (its schema has the tags argument)."""
+    return _schema_has(op, "recent_tags")
 
 
 def decode_reasons(spec: AttnSpec, sm90: str) -> list[str]:
@@ -219,6 +301,8 @@ class CudaDecodeAttention:
                 r.append("exl3_core._C lacks decode_attention (extension not built, or built before it)")
             elif spec.cache == _QUANT_VIEW and not _reads_quant():
                 r.append("exl3_core._C's decode_attention predates quantized caches (rebuild the extension)")
+            elif spec.recent and not reads_recent():
+                r.append("exl3_core._C's decode_attention predates recent rows (rebuild the extension)")
         return r
 
     def forward(self, args: AttnArgs) -> torch.Tensor:

@@ -11,6 +11,10 @@ bound replays at any length within it.
 It serves one query per sequence in fp16 over ``"kv/quant"`` views with 4- or 8-bit keys and values, head dim
 64 or 128 and pages of a multiple of 16 tokens; everything else it declines with reasons and the dispatcher
 picks the next backend (Triton). The short-bound kernel (``cuda_decode``) outranks it where it applies.
+
+Recent rows (``QuantPages.recent``, :mod:`exl3_core.reference.kv_recent`): a 4-bit side's keys or values of each
+sequence's window whose ring row holds them are read at 8 bits. A kernel of its own peels the tiles overlapping the
+window off the key loop, so every other tile, and every call without recent rows, runs the plain kernel's loop.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ from typing import ClassVar
 
 import torch
 
-from exl3_attn_backends.cuda_decode import check_quant_call, decode_reasons
+from exl3_attn_backends.cuda_decode import check_quant_call, decode_reasons, reads_recent, recent_args
 from exl3_core.attention.spec import AttnArgs, AttnSpec, QuantPages, sm_count
 
 #: code widths with an unpacking path here (one bit plane each)
@@ -48,7 +52,8 @@ def check_call(q: torch.Tensor, k_codes: torch.Tensor, v_codes: torch.Tensor, qu
                page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor) -> list[str]:
     """What keeps these tensors from the kernel, each naming the tensor and the fix (empty: they fit): the
     short-bound kernel's checks of a quantized call, then what this one adds. Host-side attributes only."""
-    bad = check_quant_call(q, k_codes, v_codes, quant, page_table, cu_seqlens_q, seq_lens_k)
+    # the recent tiles load a lane's ring words 16 bytes at a time, as its code words
+    bad = check_quant_call(q, k_codes, v_codes, quant, page_table, cu_seqlens_q, seq_lens_k, aligned_rings=True)
     if quant.v_scales is None or q.dim() != 3 or k_codes.dim() != 3 or v_codes.dim() != 3:
         return bad
     if q.dtype != torch.float16:
@@ -89,6 +94,8 @@ class CudaQuantSplitAttention:
 
             if not ext.has_op("decode_attention_qsplit"):
                 r.append("exl3_core._C lacks decode_attention_qsplit (extension not built, or built before it)")
+            elif spec.recent and not reads_recent("decode_attention_qsplit"):
+                r.append("exl3_core._C's decode_attention_qsplit predates recent rows (rebuild the extension)")
         return r
 
     def forward(self, args: AttnArgs) -> torch.Tensor:
@@ -106,9 +113,9 @@ def decode_attention_qsplit(q: torch.Tensor, k_codes: torch.Tensor, v_codes: tor
                             page_table: torch.Tensor, cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor,
                             scale: float, bound: int, splits: int | None = None, pdl: bool = False) -> torch.Tensor:
     """One query per sequence over a 4/8-bit quantized paged cache: ``[T, Hq, D]`` fp16 (rows of sequences without
-    a query this step are left unwritten). ``bound``: the longest sequence the call (or the graph it is captured
-    in) may see; ``splits``: key ranges per (sequence, kv head), None for :func:`choose_splits`. Raises ValueError
-    naming every input it cannot take."""
+    a query this step are left unwritten), each 4-bit side's recent rows (``quant.recent``) read at 8 bits.
+    ``bound``: the longest sequence the call (or the graph it is captured in) may see; ``splits``: key ranges per
+    (sequence, kv head), None for :func:`choose_splits`. Raises ValueError naming every input it cannot take."""
     from exl3_core.kernels.counters import arrival_counters
 
     bad = check_call(q, k_codes, v_codes, quant, page_table, cu_seqlens_q, seq_lens_k)
@@ -121,6 +128,12 @@ def decode_attention_qsplit(q: torch.Tensor, k_codes: torch.Tensor, v_codes: tor
     if splits is None:
         splits = choose_splits(batch, hkv, bound, sm_count(q.device))
     counters = arrival_counters("decode_qsplit", q.device, batch * hkv)
+    k_ring, v_ring, tags, slots, window = recent_args(quant)
+    if tags is None:  # the op as it was before recent rows (a build without them still runs these calls)
+        return torch.ops.exl3.decode_attention_qsplit(q, k_codes, v_codes, quant.k_scales, quant.v_scales,
+                                                      quant.k_bits, quant.v_bits, page_table, cu_seqlens_q,
+                                                      seq_lens_k, counters, float(scale), int(splits), bool(pdl))
     return torch.ops.exl3.decode_attention_qsplit(q, k_codes, v_codes, quant.k_scales, quant.v_scales, quant.k_bits,
                                                   quant.v_bits, page_table, cu_seqlens_q, seq_lens_k, counters,
-                                                  float(scale), int(splits), bool(pdl))
+                                                  float(scale), int(splits), bool(pdl), k_ring, v_ring, tags, slots,
+                                                  window)

@@ -18,6 +18,10 @@ splits a sequence uses arrive). ``num_splits`` comes from host-side static value
 from its own length, so a CUDA graph captured at the cache capacity replays correctly at any
 length, and splits past a sequence's end write neutral partials without touching the cache.
 Nothing reads sequence lengths back to the host.
+
+Both kernels read a ``"kv/quant"`` view's recent rows (each sequence's newest positions at 8 bits,
+:mod:`exl3_core.reference.kv_recent`) in a loop of their own over the key chunks that overlap a query's window (a
+sequence's last one or two), after the loops over the older chunks, which are those compiled without recent rows.
 """
 from __future__ import annotations
 
@@ -31,7 +35,13 @@ import triton.language as tl
 from exl3_core.attention.spec import AttnArgs, AttnSpec
 from exl3_core.kernels.counters import arrival_counters
 from exl3_core.kernels.kv_quant import decode_tile, dequant_tile, hadamard_cols, load_tile
+from exl3_core.kernels.kv_recent import decode_refined, load_low, recent_keys
 from exl3_core.kernels.pdl import gdc_launch_dependents, gdc_wait, launch_opts
+
+
+#: keys per chunk in the loop over the chunks that overlap the window of recent rows: their refined decode (and, for
+#: several queries, both readings) in small chunks needs about the registers the older chunks' loop does
+RECENT_BLOCK_N = tl.constexpr(16)
 
 
 @triton.jit
@@ -100,6 +110,31 @@ def _rotate_q(q, d, QK_DIM: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.conste
 
 
 @triton.jit
+def _chunk_probs(s, m_i, l_i, n, n_ok, q_pos, row_ok, scale, softcap, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                 SOFTCAP: tl.constexpr, MASKED: tl.constexpr):
+    # the online softmax of one chunk's raw scores s [BLOCK_M, BLOCK_N] (keys n): (p, alpha, m_new, l_i) in base 2
+    if SOFTCAP:
+        s = s * (scale / softcap)
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s) - 1.0)  # tanh via sigmoid
+        s = s * 1.4426950408889634  # log2(e): exp2 below
+    else:
+        s = s * (scale * 1.4426950408889634)
+    if MASKED:
+        ok = n_ok[None, :] & row_ok[:, None]
+        if CAUSAL:
+            ok = ok & (n[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            ok = ok & (n[None, :] > q_pos[:, None] - WINDOW)
+        s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
 def _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
                 K, V, PageTable, scale, softcap,
                 stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
@@ -129,30 +164,71 @@ def _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_sta
         k = tl.load(K + k_off[None, :] + kvh * stride_kh + d[:, None],
                     mask=n_ok[None, :] & (d[:, None] < HEAD_DIM), other=0.0)
     s = tl.dot(q, k, input_precision=DOT_PREC)
-    if SOFTCAP:
-        s = s * (scale / softcap)
-        s = softcap * (2.0 * tl.sigmoid(2.0 * s) - 1.0)  # tanh via sigmoid
-        s = s * 1.4426950408889634  # log2(e): exp2 below
-    else:
-        s = s * (scale * 1.4426950408889634)
-    if MASKED:
-        ok = n_ok[None, :] & row_ok[:, None]
-        if CAUSAL:
-            ok = ok & (n[None, :] <= q_pos[:, None])
-        if WINDOW > 0:
-            ok = ok & (n[None, :] > q_pos[:, None] - WINDOW)
-        s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _chunk_probs(s, m_i, l_i, n, n_ok, q_pos, row_ok, scale, softcap, CAUSAL, WINDOW, SOFTCAP,
+                                        MASKED)
     if QUANT:
         v = _quant_values(V, VS, page * PAGE_SIZE + slot, n_ok, kvh, HK, NGV, V_BITS, BLOCK_N, BLOCK_DV).to(q.dtype)
     else:
         v = tl.load(V + v_off[:, None] + kvh * stride_vh + dv[None, :],
                     mask=n_ok[:, None] & (dv[None, :] < HEAD_DIM_V), other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _refined_tile(r, Ring, Rows, held, fwd, low_row, G0, NG, ROW: tl.constexpr, BITS: tl.constexpr,
+                  EXTRA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    # fp32 [BLOCK_N, BLOCK_G * 32] of load_tile's reads r: the held keys at 8 bits, the others at BITS (all of them on
+    # an 8-bit side, which keeps no low bits); one return after a constexpr if/else
+    if EXTRA > 0:
+        l4, l2, l1 = load_low(Ring, Rows, held, fwd, low_row, G0, NG, ROW, EXTRA, BLOCK_N, BLOCK_G)
+        x = decode_refined(r[0], r[1], r[2], r[3], r[4], l4, l2, l1, held, BITS, EXTRA, BLOCK_N, BLOCK_G)
+    else:
+        x = decode_tile(r[0], r[1], r[2], r[3], r[4], BITS, BLOCK_N, BLOCK_G)
+    return x
+
+
+@triton.jit
+def _attn_chunk_recent(acc, m_i, l_i, q, start, hi, q_pos, row_ok, b, kvh, q_start, c0, first,
+                       K, V, PageTable, scale, softcap, stride_pt,
+                       PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                       SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, KS, VS, HK: tl.constexpr, K_BITS: tl.constexpr,
+                       V_BITS: tl.constexpr, NGK: tl.constexpr, NGV: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_DV: tl.constexpr, Tags, RingSlots, KRing, VRing, KRows, VRows, RECENT: tl.constexpr,
+                       K_EXTRA: tl.constexpr, V_EXTRA: tl.constexpr, MIXED: tl.constexpr):
+    """:func:`_attn_chunk` (masked) of a "kv/quant" chunk that overlaps some row's window of recent rows: a row reads
+    key n at 8 bits where :mod:`~exl3_core.reference.kv_recent`'s rule says so (its low bits held, n <= the row's
+    position < n + RECENT), else at the pages' bits; a side of 8 bits reads its pages as they are. MIXED: the rows
+    differ on some held key (n <= one's position - RECENT, or past one's position without CAUSAL), so the chunk is
+    decoded both ways and both products are selected per (row, key); else one tile, its held keys at 8 bits."""
+    n = start + tl.arange(0, BLOCK_N)
+    n_ok = n < hi
+    page = tl.load(PageTable + b * stride_pt + n // PAGE_SIZE, mask=n_ok, other=0).to(tl.int64)
+    row = page * PAGE_SIZE + n % PAGE_SIZE
+    held, fwd, low_row = recent_keys(Tags, RingSlots, b, n, n_ok, first, c0, q_start, RECENT)
+    kr = load_tile(K, KS, row * (HK * NGK * K_BITS), row * (HK * NGK), n_ok, kvh * NGK, NGK, K_BITS, BLOCK_N,
+                   BLOCK_D // 32)
+    k8 = tl.trans(_refined_tile(kr, KRing, KRows, held, fwd, low_row, kvh * NGK, NGK, HK * NGK, K_BITS, K_EXTRA,
+                                BLOCK_N, BLOCK_D // 32)).to(q.dtype)
+    s = tl.dot(q, k8, input_precision=DOT_PREC)
+    if MIXED:
+        fine = held[None, :] & (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - RECENT)
+        if K_EXTRA > 0:
+            k = tl.trans(decode_tile(kr[0], kr[1], kr[2], kr[3], kr[4], K_BITS, BLOCK_N, BLOCK_D // 32)).to(q.dtype)
+            s = tl.where(fine, s, tl.dot(q, k, input_precision=DOT_PREC))
+    p, alpha, m_new, l_i = _chunk_probs(s, m_i, l_i, n, n_ok, q_pos, row_ok, scale, softcap, CAUSAL, WINDOW, SOFTCAP,
+                                        True)
+    vr = load_tile(V, VS, row * (HK * NGV * V_BITS), row * (HK * NGV), n_ok, kvh * NGV, NGV, V_BITS, BLOCK_N,
+                   BLOCK_DV // 32)
+    v8 = _refined_tile(vr, VRing, VRows, held, fwd, low_row, kvh * NGV, NGV, HK * NGV, V_BITS, V_EXTRA, BLOCK_N,
+                       BLOCK_DV // 32).to(q.dtype)
+    if MIXED and V_EXTRA > 0:
+        v = decode_tile(vr[0], vr[1], vr[2], vr[3], vr[4], V_BITS, BLOCK_N, BLOCK_DV // 32).to(q.dtype)
+        p8 = tl.where(fine, p, 0.0)
+        acc = acc * alpha[:, None] + tl.dot((p - p8).to(v.dtype), v, input_precision=DOT_PREC)
+        acc = tl.dot(p8.to(v8.dtype), v8, acc, input_precision=DOT_PREC)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v8.dtype), v8, input_precision=DOT_PREC)
     return acc, m_new, l_i
 
 
@@ -172,8 +248,10 @@ def _attn_fwd(
     DOT_PREC: tl.constexpr,
     KS, VS, RP, HK: tl.constexpr, QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     NGK: tl.constexpr, NGV: tl.constexpr, QK_DIM: tl.constexpr,
+    Tags, RingSlots, KRing, VRing, KRows, VRows, RECENT: tl.constexpr, K_EXTRA: tl.constexpr, V_EXTRA: tl.constexpr,
 ):
-    # QUANT: K/V are the code words of a quantized view, KS/VS their scales, RP the rotary keys of "mla/quant"
+    # QUANT: K/V are the code words of a quantized view, KS/VS their scales, RP the rotary keys of "mla/quant";
+    # RECENT: the window of its recent rows (0: none), K_EXTRA/V_EXTRA their low bits per value (0: an 8-bit side)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     mblk = tl.program_id(2)
@@ -212,22 +290,63 @@ def _attn_fwd(
         lo = (lo // BLOCK_N) * BLOCK_N
         full = lo
     full = lo + tl.maximum(full - lo, 0) // BLOCK_N * BLOCK_N
-
-    # chunks below the causal diagonal in their own unmasked loop: no mask arithmetic for most of a prefill
-    for start in range(lo, full, BLOCK_N):
-        acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
-                                    K, V, PageTable, scale, softcap,
-                                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
-                                    PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, CAUSAL, WINDOW, SOFTCAP,
-                                    False, DOT_PREC, KS, VS, RP, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM,
-                                    BLOCK_D, BLOCK_DV)
-    for start in range(full, hi, BLOCK_N):
-        acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
-                                    K, V, PageTable, scale, softcap,
-                                    stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
-                                    PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, CAUSAL, WINDOW, SOFTCAP,
-                                    True, DOT_PREC, KS, VS, RP, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM,
-                                    BLOCK_D, BLOCK_DV)
+    if RECENT > 0:
+        # The keys some row of the block reads at 8 bits (from first on) in a loop of their own, over small chunks
+        # from mid on, after the others, which run the loops without recent rows (a branch in one loop costs every
+        # chunk registers); below mid_n whole unmasked chunks, up to mid masked ones.
+        c0 = seq_k - q_len
+        first = c0 + first_tok - RECENT + 1
+        mid = lo + tl.cdiv(tl.maximum(first + 1 - RECENT_BLOCK_N - lo, 0), RECENT_BLOCK_N) * RECENT_BLOCK_N
+        mid_n = lo + (mid - lo) // BLOCK_N * BLOCK_N
+        for start in range(lo, tl.minimum(full, mid_n), BLOCK_N):
+            acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
+                                        K, V, PageTable, scale, softcap,
+                                        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+                                        PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, CAUSAL, WINDOW, SOFTCAP,
+                                        False, DOT_PREC, KS, VS, RP, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM,
+                                        BLOCK_D, BLOCK_DV)
+        below = tl.minimum(mid, hi)
+        for start in range(tl.minimum(full, mid_n), below, BLOCK_N):
+            acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, below, q_pos, row_ok, d, dv, b, kvh, q_start,
+                                        K, V, PageTable, scale, softcap,
+                                        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+                                        PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, CAUSAL, WINDOW, SOFTCAP,
+                                        True, DOT_PREC, KS, VS, RP, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM,
+                                        BLOCK_D, BLOCK_DV)
+        # Causal: every row that sees a held key from band on reads it at 8 bits (the band below it, one key fewer than
+        # the block's tokens, is read both ways); a few chunks, not software-pipelined (carried loads cost registers).
+        band = hi
+        if CAUSAL:
+            band = c0 + tl.minimum(mblk * BLOCK_M + BLOCK_M - 1, q_len * GROUP - 1) // GROUP - RECENT + 1
+        for start in tl.range(mid, hi, RECENT_BLOCK_N, num_stages=1):
+            if start < band:
+                acc, m_i, l_i = _attn_chunk_recent(acc, m_i, l_i, q, start, hi, q_pos, row_ok, b, kvh, q_start, c0,
+                                                   first, K, V, PageTable, scale, softcap, stride_pt, PAGE_SIZE,
+                                                   RECENT_BLOCK_N, CAUSAL, WINDOW, SOFTCAP, DOT_PREC, KS, VS, HK,
+                                                   K_BITS, V_BITS, NGK, NGV, BLOCK_D, BLOCK_DV, Tags, RingSlots,
+                                                   KRing, VRing, KRows, VRows, RECENT, K_EXTRA, V_EXTRA, True)
+            else:
+                acc, m_i, l_i = _attn_chunk_recent(acc, m_i, l_i, q, start, hi, q_pos, row_ok, b, kvh, q_start, c0,
+                                                   first, K, V, PageTable, scale, softcap, stride_pt, PAGE_SIZE,
+                                                   RECENT_BLOCK_N, CAUSAL, WINDOW, SOFTCAP, DOT_PREC, KS, VS, HK,
+                                                   K_BITS, V_BITS, NGK, NGV, BLOCK_D, BLOCK_DV, Tags, RingSlots,
+                                                   KRing, VRing, KRows, VRows, RECENT, K_EXTRA, V_EXTRA, False)
+    else:
+        # chunks below the causal diagonal in their own unmasked loop: no mask arithmetic for most of a prefill
+        for start in range(lo, full, BLOCK_N):
+            acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
+                                        K, V, PageTable, scale, softcap,
+                                        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+                                        PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, CAUSAL, WINDOW, SOFTCAP,
+                                        False, DOT_PREC, KS, VS, RP, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM,
+                                        BLOCK_D, BLOCK_DV)
+        for start in range(full, hi, BLOCK_N):
+            acc, m_i, l_i = _attn_chunk(acc, m_i, l_i, q, start, hi, q_pos, row_ok, d, dv, b, kvh, q_start,
+                                        K, V, PageTable, scale, softcap,
+                                        stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, stride_pt,
+                                        PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_N, PAGED, CAUSAL, WINDOW, SOFTCAP,
+                                        True, DOT_PREC, KS, VS, RP, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM,
+                                        BLOCK_D, BLOCK_DV)
 
     if QUANT:  # back from the rotated basis of the values
         acc = hadamard_cols(acc, BLOCK_M, BLOCK_DV)
@@ -311,6 +430,61 @@ def _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, q_pos,
 
 
 @triton.jit
+def _split_probs(s, n, hi, m_i, l_i, softcap, q_pos, SOFTCAP: tl.constexpr):
+    # _split_step's online softmax of several queries' scaled scores s [BLOCK_H, BLOCK_N] (keys n), for _split_recent:
+    # (p, alpha, m_new, l_i). A copy, since _split_step calling it perturbs ptxas's scheduling of kernels without
+    # recent rows (through the line info of one more inlined function).
+    if SOFTCAP:
+        s = s / softcap
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s) - 1.0)  # tanh via sigmoid
+    s = tl.where((n[None, :] < hi) & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # an earlier query may see no key of this chunk
+    p = tl.exp(s - m_ref[:, None])
+    alpha = tl.exp(m_i - m_ref)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _split_recent(reads, q, start, hi, m_i, l_i, acc, scale, softcap, q_pos, b, kvh, q_start, c0, first,
+                  Tags, RingSlots, KRing, VRing, KRows, VRows, HK: tl.constexpr, NGK: tl.constexpr,
+                  NGV: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, RECENT: tl.constexpr,
+                  K_EXTRA: tl.constexpr, V_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PREC: tl.constexpr, ROWS: tl.constexpr,
+                  MIXED: tl.constexpr):
+    # _split_step of a "kv/quant" chunk (_split_reads' reads) that overlaps a query's window of recent rows: key n at
+    # 8 bits where kv_recent's rule says so, else at the pages' bits. One tile, its held keys at 8 bits; MIXED (several
+    # queries, some of which read a held key n <= their position - RECENT at the pages' bits): both readings decoded
+    # and both products selected per (row, key).
+    row, n_ok, kr, vr = reads
+    n = start + tl.arange(0, BLOCK_N)
+    held, fwd, low_row = recent_keys(Tags, RingSlots, b, n, n_ok, first, c0, q_start, RECENT)
+    k8 = tl.trans(_refined_tile(kr, KRing, KRows, held, fwd, low_row, kvh * NGK, NGK, HK * NGK, K_BITS, K_EXTRA,
+                                BLOCK_N, BLOCK_D // 32)).to(q.dtype)
+    v8 = _refined_tile(vr, VRing, VRows, held, fwd, low_row, kvh * NGV, NGV, HK * NGV, V_BITS, V_EXTRA, BLOCK_N,
+                       BLOCK_DV // 32).to(q.dtype)
+    if MIXED:  # (those past a query's position are masked)
+        fine = held[None, :] & (n[None, :] > q_pos[:, None] - RECENT)
+        s = tl.dot(q, k8, input_precision=DOT_PREC)
+        if K_EXTRA > 0:
+            k = tl.trans(decode_tile(kr[0], kr[1], kr[2], kr[3], kr[4], K_BITS, BLOCK_N, BLOCK_D // 32)).to(q.dtype)
+            s = tl.where(fine, s, tl.dot(q, k, input_precision=DOT_PREC))
+        p, alpha, m_new, l_i = _split_probs(s * scale, n, hi, m_i, l_i, softcap, q_pos, SOFTCAP)
+        if V_EXTRA > 0:
+            v = decode_tile(vr[0], vr[1], vr[2], vr[3], vr[4], V_BITS, BLOCK_N, BLOCK_DV // 32).to(q.dtype)
+            p8 = tl.where(fine, p, 0.0)
+            acc = acc * alpha[:, None] + tl.dot((p - p8).to(v.dtype), v, input_precision=DOT_PREC)
+            acc = tl.dot(p8.to(v8.dtype), v8, acc, input_precision=DOT_PREC)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v8.dtype), v8, input_precision=DOT_PREC)
+    else:
+        m_new, l_i, acc = _split_step(q, k8, v8, start, hi, m_i, l_i, acc, scale, softcap, q_pos, BLOCK_N, SOFTCAP,
+                                      DOT_PREC, ROWS)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _split_row_ids(hblk, q_len, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr):
     # the (query, head-within-group) pairs of rows hblk * BLOCK_H + 0 .. BLOCK - 1 and which of them exist
     r = hblk * BLOCK_H + tl.arange(0, BLOCK)
@@ -384,10 +558,12 @@ def _decode_split(
     RELOAD_FRESH: tl.constexpr, BLOCK_HM: tl.constexpr, SPLIT_CHUNK: tl.constexpr, USED_ONLY: tl.constexpr,
     KS, VS, RP, HK: tl.constexpr, QUANT: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     NGK: tl.constexpr, NGV: tl.constexpr, QK_DIM: tl.constexpr, ROWS: tl.constexpr,
+    Tags, RingSlots, KRing, VRing, KRows, VRows, RECENT: tl.constexpr, K_EXTRA: tl.constexpr, V_EXTRA: tl.constexpr,
 ):
     # grid (batch, kv_heads * HEAD_BLOCKS, NUM_SPLITS); rows = BLOCK_H (query, head-within-group) pairs of one
     # GQA group, ROWS queries per sequence at most (the last at position seq_k - 1). A split's first BLOCK_N keys
-    # (its least share) are loaded before the wait, the rest in BLOCK_N chunks after it.
+    # (its least share) are loaded before the wait, the rest in BLOCK_N chunks after it. RECENT > 0: a "kv/quant"
+    # view's recent rows (window RECENT, K_EXTRA/V_EXTRA low bits per value), read in the chunks that overlap it.
     b = tl.program_id(0)
     kvh = tl.program_id(1) // HEAD_BLOCKS
     hblk = tl.program_id(1) % HEAD_BLOCKS
@@ -436,36 +612,75 @@ def _decode_split(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    if lo < hi:
-        if RELOAD_FRESH:  # this step's own keys/values, where in the first chunk, may postdate the loads above
-            # (their cache rows are already known: one round trip, alongside q's)
-            new = lo + tl.arange(0, BLOCK_N) >= seq_k - q_len
-            kn, vn = _split_load(K, V, page0, slot0, kvh, new & n0_ok, stride_kp, stride_ks, stride_kh, stride_vp,
-                                 stride_vs, stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, Q, KS, VS, RP,
-                                 PAGE_SIZE, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM, BLOCK_N)
-            k0 = tl.where(new[None, :], kn, k0)
-            v0 = tl.where(new[:, None], vn, v0)
-        m_i, l_i, acc = _split_step(q, k0, v0, lo, hi, m_i, l_i, acc, scale, softcap, q_pos, BLOCK_N, SOFTCAP,
-                                    DOT_PREC, ROWS)
-    if QUANT:
-        # a chunk's words and scales are read one chunk ahead, so that their latency passes under this chunk's
-        # decoding and products (fp16 pages get the same from the compiler's pipelined copies)
-        reads = _split_reads(K, V, KS, VS, PageTable, b, kvh, lo + BLOCK_N, hi, stride_pt, PAGE_SIZE, HK, NGK, NGV,
+    if RECENT > 0:
+        # The keys some query of this step reads at 8 bits (from first on) in a loop of their own, over small chunks
+        # from mid on, after the others, which run the loop without recent rows (a branch in one loop costs every
+        # chunk registers); read after the wait, since this step's store writes low bits, tags and the newest rows.
+        c0 = seq_k - q_len
+        first = c0 - RECENT + 1
+        mid = lo + tl.cdiv(tl.maximum(first + 1 - RECENT_BLOCK_N - lo, 0), RECENT_BLOCK_N) * RECENT_BLOCK_N
+        below = tl.minimum(mid, hi)
+        if lo < below:  # keys older than this step's rows: the loads before the wait are current
+            m_i, l_i, acc = _split_step(q, k0, v0, lo, below, m_i, l_i, acc, scale, softcap, q_pos, BLOCK_N, SOFTCAP,
+                                        DOT_PREC, ROWS)
+        reads = _split_reads(K, V, KS, VS, PageTable, b, kvh, lo + BLOCK_N, below, stride_pt, PAGE_SIZE, HK, NGK, NGV,
                              K_BITS, V_BITS, BLOCK_N, BLOCK_D, BLOCK_DV)
-        for start in range(lo + BLOCK_N, hi, BLOCK_N):
-            ahead = _split_reads(K, V, KS, VS, PageTable, b, kvh, start + BLOCK_N, hi, stride_pt, PAGE_SIZE, HK, NGK,
-                                 NGV, K_BITS, V_BITS, BLOCK_N, BLOCK_D, BLOCK_DV)
+        for start in range(lo + BLOCK_N, below, BLOCK_N):
+            ahead = _split_reads(K, V, KS, VS, PageTable, b, kvh, start + BLOCK_N, below, stride_pt, PAGE_SIZE, HK,
+                                 NGK, NGV, K_BITS, V_BITS, BLOCK_N, BLOCK_D, BLOCK_DV)
             k, v = _split_decode(reads, Q, RP, K_BITS, V_BITS, QK_DIM, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_DV)
-            m_i, l_i, acc = _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, q_pos, BLOCK_N, SOFTCAP,
-                                        DOT_PREC, ROWS)
+            m_i, l_i, acc = _split_step(q, k, v, start, below, m_i, l_i, acc, scale, softcap, q_pos, BLOCK_N,
+                                        SOFTCAP, DOT_PREC, ROWS)
             reads = ahead
+        # Every query reads a held key from seq_k - RECENT on at 8 bits (the band below it, ROWS - 1 keys at most, is
+        # read both ways); a few chunks, not software-pipelined (loads carried across iterations cost registers).
+        for start in tl.range(mid, hi, RECENT_BLOCK_N, num_stages=1):
+            tile = _split_reads(K, V, KS, VS, PageTable, b, kvh, start, hi, stride_pt, PAGE_SIZE, HK, NGK, NGV,
+                                 K_BITS, V_BITS, RECENT_BLOCK_N, BLOCK_D, BLOCK_DV)
+            mixed = False  # one query per sequence: the rule is per key (a compile-time False: one branch)
+            if ROWS > 1:
+                mixed = start < seq_k - RECENT
+            if mixed:
+                m_i, l_i, acc = _split_recent(tile, q, start, hi, m_i, l_i, acc, scale, softcap, q_pos, b, kvh,
+                                              q_start, c0, first, Tags, RingSlots, KRing, VRing, KRows, VRows, HK,
+                                              NGK, NGV, K_BITS, V_BITS, RECENT, K_EXTRA, V_EXTRA, RECENT_BLOCK_N,
+                                              BLOCK_D, BLOCK_DV, SOFTCAP, DOT_PREC, ROWS, True)
+            else:
+                m_i, l_i, acc = _split_recent(tile, q, start, hi, m_i, l_i, acc, scale, softcap, q_pos, b, kvh,
+                                              q_start, c0, first, Tags, RingSlots, KRing, VRing, KRows, VRows, HK,
+                                              NGK, NGV, K_BITS, V_BITS, RECENT, K_EXTRA, V_EXTRA, RECENT_BLOCK_N,
+                                              BLOCK_D, BLOCK_DV, SOFTCAP, DOT_PREC, ROWS, False)
     else:
-        for start in range(lo + BLOCK_N, hi, BLOCK_N):
-            k, v = _split_tiles(K, V, PageTable, b, kvh, start, hi, stride_pt, stride_kp, stride_ks, stride_kh,
-                                stride_vp, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                                BLOCK_N, Q, KS, VS, RP, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM)
-            m_i, l_i, acc = _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, q_pos, BLOCK_N, SOFTCAP,
+        if lo < hi:
+            if RELOAD_FRESH:  # this step's own keys/values, where in the first chunk, may postdate the loads above
+                # (their cache rows are already known: one round trip, alongside q's)
+                new = lo + tl.arange(0, BLOCK_N) >= seq_k - q_len
+                kn, vn = _split_load(K, V, page0, slot0, kvh, new & n0_ok, stride_kp, stride_ks, stride_kh, stride_vp,
+                                     stride_vs, stride_vh, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, Q, KS, VS, RP,
+                                     PAGE_SIZE, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM, BLOCK_N)
+                k0 = tl.where(new[None, :], kn, k0)
+                v0 = tl.where(new[:, None], vn, v0)
+            m_i, l_i, acc = _split_step(q, k0, v0, lo, hi, m_i, l_i, acc, scale, softcap, q_pos, BLOCK_N, SOFTCAP,
                                         DOT_PREC, ROWS)
+        if QUANT:
+            # a chunk's words and scales are read one chunk ahead, so that their latency passes under this chunk's
+            # decoding and products (fp16 pages get the same from the compiler's pipelined copies)
+            reads = _split_reads(K, V, KS, VS, PageTable, b, kvh, lo + BLOCK_N, hi, stride_pt, PAGE_SIZE, HK, NGK, NGV,
+                                 K_BITS, V_BITS, BLOCK_N, BLOCK_D, BLOCK_DV)
+            for start in range(lo + BLOCK_N, hi, BLOCK_N):
+                ahead = _split_reads(K, V, KS, VS, PageTable, b, kvh, start + BLOCK_N, hi, stride_pt, PAGE_SIZE, HK,
+                                     NGK, NGV, K_BITS, V_BITS, BLOCK_N, BLOCK_D, BLOCK_DV)
+                k, v = _split_decode(reads, Q, RP, K_BITS, V_BITS, QK_DIM, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_DV)
+                m_i, l_i, acc = _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, q_pos, BLOCK_N, SOFTCAP,
+                                            DOT_PREC, ROWS)
+                reads = ahead
+        else:
+            for start in range(lo + BLOCK_N, hi, BLOCK_N):
+                k, v = _split_tiles(K, V, PageTable, b, kvh, start, hi, stride_pt, stride_kp, stride_ks, stride_kh,
+                                    stride_vp, stride_vs, stride_vh, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                                    BLOCK_N, Q, KS, VS, RP, HK, QUANT, K_BITS, V_BITS, NGK, NGV, QK_DIM)
+                m_i, l_i, acc = _split_step(q, k, v, start, hi, m_i, l_i, acc, scale, softcap, q_pos, BLOCK_N, SOFTCAP,
+                                            DOT_PREC, ROWS)
 
     # partials [B, ROWS, Hq, NUM_SPLITS] and [B, ROWS, Hq, NUM_SPLITS, HEAD_DIM_V]; empty splits: (-inf, 0, 0).
     # With USED_ONLY (several sequences), splits past the sequence's used ones (a graph captured at the
@@ -525,7 +740,7 @@ def _quant_kwargs(args: AttnArgs) -> dict[str, object]:
     k = args.k_cache if args.k_cache is not None else args.q
     if spec.cache is None or not spec.cache.endswith("/quant"):
         return {"KS": k, "VS": k, "RP": k, "HK": 1, "QUANT": False, "K_BITS": 0, "V_BITS": 0, "NGK": 0, "NGV": 0,
-                "QK_DIM": 0}
+                "QK_DIM": 0, **_NO_RECENT}
     if qp is None:
         raise ValueError(f"triton_paged: cache view {spec.cache!r} needs AttnArgs.quant (scales and bit widths)")
     latent = spec.cache.startswith("mla/")
@@ -536,7 +751,39 @@ def _quant_kwargs(args: AttnArgs) -> dict[str, object]:
     return {"KS": qp.k_scales, "VS": qp.k_scales if latent or qp.v_scales is None else qp.v_scales,
             "RP": qp.rope if qp.rope is not None else qp.k_scales, "HK": spec.num_kv_heads, "QUANT": True,
             "K_BITS": qp.k_bits, "V_BITS": qp.k_bits if latent else qp.v_bits, "NGK": qk_dim // _QUANT_GROUP,
-            "NGV": spec.v_dim // _QUANT_GROUP, "QK_DIM": qk_dim}
+            "NGV": spec.v_dim // _QUANT_GROUP, "QK_DIM": qk_dim, **_recent_kwargs(args)}
+
+
+#: the kernels' recent-row arguments without recent rows: None pointers are compile-time constants, so the kernels
+#: are those compiled before recent rows existed, parameters included
+_NO_RECENT: dict[str, object] = {"Tags": None, "RingSlots": None, "KRing": None, "VRing": None, "KRows": None,
+                                 "VRows": None, "RECENT": 0, "K_EXTRA": 0, "V_EXTRA": 0}
+
+
+def _recent_kwargs(args: AttnArgs) -> dict[str, object]:
+    """The kernels' arguments for the recent rows of a "kv/quant" call (:mod:`exl3_core.reference.kv_recent`):
+    :data:`_NO_RECENT` unless the spec keeps a window and the call names ring slots, and a side holds low bits."""
+    spec, qp = args.spec, args.quant
+    rr = qp.recent if qp is not None else None
+    if not spec.recent or rr is None or (rr.k_ring is None and rr.v_ring is None):
+        return _NO_RECENT
+    assert qp is not None
+    if spec.cache != "kv/quant" or rr.window != spec.recent or rr.size != rr.window:
+        raise ValueError(f"triton_paged: recent rows need the 'kv/quant' view (got {spec.cache!r}) and a ring of "
+                         f"spec.recent={spec.recent} rows per slot (got window {rr.window}, {rr.size} rows)")
+    extra = {}
+    for side, ring, rows, bits, dim in (("K", rr.k_ring, rr.k_rows, qp.k_bits, spec.head_dim),
+                                        ("V", rr.v_ring, rr.v_rows, qp.v_bits, spec.v_dim)):
+        extra[side] = 0 if ring is None else 8 - bits
+        width = spec.num_kv_heads * dim // _QUANT_GROUP * extra[side]
+        if ring is not None and (rows is None or bits >= 8 or ring.shape[-1] != width or rows.shape[-1] != width
+                                 or not ring.is_contiguous() or not rows.is_contiguous()):
+            raise ValueError(f"triton_paged: {side.lower()}_ring/{side.lower()}_rows must be contiguous with "
+                             f"{width} low-bit words per row at {bits} bits")
+    if not (rr.tags.is_contiguous() and rr.slots.is_contiguous()):
+        raise ValueError("triton_paged: the recent rows' tags and slots must be contiguous")
+    return {"Tags": rr.tags, "RingSlots": rr.slots, "KRing": rr.k_ring, "VRing": rr.v_ring, "KRows": rr.k_rows,
+            "VRows": rr.v_rows, "RECENT": rr.window, "K_EXTRA": extra["K"], "V_EXTRA": extra["V"]}
 
 
 def _interpreting() -> bool:
@@ -580,6 +827,8 @@ class TritonPagedAttention:
             r.append("attention sinks not implemented")
         if spec.non_causal_spans:
             r.append("non-causal spans not implemented")
+        if spec.recent and spec.cache != "kv/quant":
+            r.append(f"recent rows are read from the 'kv/quant' view only (got {spec.cache!r})")
         if spec.cache is not None and spec.cache not in _CACHE_VIEWS:
             r.append(f"cache view {spec.cache!r} not supported ({', '.join(sorted(_CACHE_VIEWS))})")
         r += quant_reasons(spec)
@@ -678,6 +927,7 @@ def decode_split_kv(args: AttnArgs, num_splits: int, reload_fresh: bool | None =
     ``reload_fresh``: reload each sequence's newest key/value after the wait for the kernel that wrote
     them (the split kernel loads its first chunk before that wait); None = when launched as a
     programmatic dependent, the only case where the early loads can see the old row. Tests force it.
+    With recent rows the chunks that hold a step's rows are read after the wait anyway.
     """
     spec = args.spec
     q = args.q
