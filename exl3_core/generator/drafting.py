@@ -372,7 +372,7 @@ class ModelDrafter:
         dev = self.device
         pages = [st.pages for st in states if st is not None]
         # the first step feeds the last two tokens at positions L + by - 1 and L + by (built for by = 0, moved)
-        meta = self._device_meta([Chunk([0, 0], len(j.seq) - 1, pg, True) for j, pg in zip(jobs, pages)], by)
+        meta = self._device_meta([Chunk([0, 0], len(j.seq) - 1, pg, True, self._ring(j)) for j, pg in zip(jobs, pages)], by)
         meta.input_ids[:2 * B].copy_(last_two.reshape(-1))
         fb = [self._forced(jobs, [j.seq + [-1] * (m + 1) for j in jobs], K)
               for m in range(max(st.pending for st in states if st is not None) + 1)]
@@ -387,7 +387,7 @@ class ModelDrafter:
         ids = torch.empty((B, K), dtype=torch.int64, device=dev)
         ids[:, 0] = cur
         if K > 1:
-            one = self._device_meta([Chunk([0], len(j.seq) + 1, pg, True) for j, pg in zip(jobs, pages)], by)
+            one = self._device_meta([Chunk([0], len(j.seq) + 1, pg, True, self._ring(j)) for j, pg in zip(jobs, pages)], by)
             if not self._run_chain(one, K, cur, forced, ids):
                 for i in range(1, K):
                     if i > 1:
@@ -409,6 +409,11 @@ class ModelDrafter:
         L = len(seq)
         st.tokens[L - 2:] = seq[L - 2:]
         st.drafted_from, st.pending = L, k
+
+    def _ring(self, job: Job) -> int:
+        """The job's ring slot in the draft cache (the generator's slots hold in both caches), or -1 where the
+        draft cache keeps no rings."""
+        return job.ring_slot if self.cache.ring_slots else -1
 
     def _device_meta(self, chunks: list[Chunk], by: torch.Tensor) -> BatchMeta:
         """Decode inputs of ``chunks`` on the device, each sequence moved on by ``by[b]`` positions."""
@@ -449,7 +454,7 @@ class ModelDrafter:
                 if len(st.tokens) >= end or budget <= 0:
                     continue
                 part = job.seq[len(st.tokens):min(end, len(st.tokens) + budget)]
-                chunks.append(Chunk(part, len(st.tokens), st.pages, False))
+                chunks.append(Chunk(part, len(st.tokens), st.pages, False, self._ring(job)))
                 todo.append((st, part))
                 budget -= len(part)
             if not chunks:
@@ -511,10 +516,10 @@ class ModelDrafter:
                 break
             if i == 0:
                 R = first_rows
-                chunks = [Chunk(j.seq[-R:], len(j.seq) - R, self._seqs[j].pages, True) for j in jobs]
+                chunks = [Chunk(j.seq[-R:], len(j.seq) - R, self._seqs[j].pages, True, self._ring(j)) for j in jobs]
                 rows = torch.arange(1, B + 1, device=dev) * R - 1
             else:
-                chunks = [Chunk([0], len(j.seq) + i - 1, self._seqs[j].pages, True) for j in jobs]
+                chunks = [Chunk([0], len(j.seq) + i - 1, self._seqs[j].pages, True, self._ring(j)) for j in jobs]
                 rows = torch.arange(B, device=dev)
             logits = self._step(chunks, cur).index_select(0, rows)
             nxt = logits.argmax(-1)
@@ -540,7 +545,7 @@ class ModelDrafter:
         (nothing run) when no chain takes them."""
         if self.chain is None or first is None:
             return False
-        chunks = [Chunk([0], len(j.seq), self._seqs[j].pages, True) for j in jobs]
+        chunks = [Chunk([0], len(j.seq), self._seqs[j].pages, True, self._ring(j)) for j in jobs]
         meta, _ = build_batch(chunks, page_size=self.page_size, table_width=self.table_width,
                               scratch_page=self.cache.scratch_page, device=torch.device("cpu"), decode=True)
         return self._run_chain(meta, K, first, forced, ids)

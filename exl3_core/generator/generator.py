@@ -113,13 +113,18 @@ class Generator:
         self.plugins = plugins
         self.max_batch_size = max_batch_size
         self.max_chunk_tokens = max_chunk_tokens
+        #: ring slots of per-sequence state an active job holds, valid in every cache that keeps rings (the draft
+        #: model's too); slot 0 is the scratch slot padded rows use; 0: no cache keeps rings
+        self.ring_slots = min((c.ring_slots for c in (cache, draft_cache) if c is not None and c.ring_slots),
+                              default=0)
         # each active job holds a private page at least, so no more than the cache's pages run at once
-        if cache.ring_slots and min(max_batch_size, cache.num_pages) > cache.ring_slots - 1:
-            raise ValueError(f"Generator: max_batch_size={max_batch_size}, but the cache keeps recent rows for "
-                             f"{cache.ring_slots - 1} sequences at once; create the Cache with "
+        if self.ring_slots and min(max_batch_size, cache.num_pages) > self.ring_slots - 1:
+            which = "cache" if self.ring_slots == cache.ring_slots else "draft_cache"
+            raise ValueError(f"Generator: max_batch_size={max_batch_size}, but the {which} keeps recent rows for "
+                             f"{self.ring_slots - 1} sequences at once; create the Cache with "
                              f"recent_seqs={max_batch_size} (or recent=0), or lower max_batch_size")
-        #: free ring slots of the cache's per-sequence state (slot 0 is the scratch slot padded rows use)
-        self.ring_free: list[int] = list(range(cache.ring_slots - 1, 0, -1))
+        #: free ring slots
+        self.ring_free: list[int] = list(range(self.ring_slots - 1, 0, -1))
         self.page_size = cache.page_size
         self.table_width = cache.max_pages_per_seq(max_seq_len)
         # the page table holds whole pages; a sequence still ends at the length asked for

@@ -298,6 +298,9 @@ class DecodeGraphs(_GraphSet):
             graph when the previous replay was this bucket's other slot (whose output ``ids`` is), else
             gathered and copied (cast to int64) before the replay.
         """
+        if meta.ring_slots is None and self.cache.ring_slots:  # the staged slots would stay the scratch slot's
+            raise ValueError("decode graph: the cache keeps recent rows per sequence, but the step names no ring "
+                             "slots; give each Chunk its job's ring_slot")
         bucket = (meta.batch_size, meta.q_per_seq)
         R = bucket[0] * bucket[1]
         slot = self._next.get(bucket, 0)

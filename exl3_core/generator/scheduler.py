@@ -60,6 +60,7 @@ class SchedulerHost(Protocol):
     max_chunk_tokens: int
     page_size: int
     cache: Cache
+    ring_slots: int
     ring_free: list[int]
 
     def _start(self, job: Job) -> None: ...
@@ -124,7 +125,7 @@ class Scheduler:
                 job.cached_tokens = job.cached
                 g._start(job)
             job.status = "active"
-            if g.cache.ring_slots:
+            if g.ring_slots:
                 job.ring_slot = g.ring_free.pop()  # the generator checked there are enough for its batch
             g.active.append(job)
 

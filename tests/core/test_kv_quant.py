@@ -561,12 +561,13 @@ def test_generator_batches_and_reuses_prefix_pages() -> None:
 
 
 
-@pytest.mark.parametrize("draft", ["self", "small"])
+@pytest.mark.parametrize("draft", ["self", "small", "small_fp16_target"])
 def test_speculative_decoding_over_quantized_caches(draft: str) -> None:
     """Speculative decoding with quantized caches (the target's K5V4; the draft's own pages): verification
     steps of k + 1 rows and the rollbacks of rejected drafts give the plain generator's greedy tokens over the same
     quantized cache, with jobs arriving at different steps, and leave no page in use. The model drafting for
-    itself (over a K5V4 cache of its own) has most drafts accepted; a small random draft (K4V3) has most rejected."""
+    itself (over a K5V4 cache of its own) has most drafts accepted; a small random draft (K4V3) has most rejected.
+    Over an unquantized target cache, the draft's K4V3 cache still keeps its jobs' recent rows."""
     from exl3_core.generator import Generator, Job
 
     model, _ = build_model(parse_shape("custom(128,256,2,4,2,300)"), device="cpu", dtype=torch.float32, seed=5,
@@ -596,8 +597,11 @@ def test_speculative_decoding_over_quantized_caches(draft: str) -> None:
             step += 1
         return [out[i] for i in range(len(prompts))]
 
-    plain = run(Generator(model=model, cache=quant(model, 5, 4), tokenizer=None))
-    cache, dcache = quant(model, 5, 4), (quant(drafter, 5, 4) if draft == "self" else quant(drafter, 4, 3))
+    def target() -> Cache:
+        return Cache(model, 24 * PAGE, page_size=PAGE) if draft == "small_fp16_target" else quant(model, 5, 4)
+
+    plain = run(Generator(model=model, cache=target(), tokenizer=None))
+    cache, dcache = target(), (quant(drafter, 5, 4) if draft == "self" else quant(drafter, 4, 3))
     gen = Generator(model=model, cache=cache, tokenizer=None, dynamic_draft=False, draft_model=drafter,
                     draft_cache=dcache, num_draft_tokens=3)
     assert run(gen) == plain
@@ -608,6 +612,7 @@ def test_speculative_decoding_over_quantized_caches(draft: str) -> None:
     else:
         assert s.accepted < s.drafted  # rejections: the rollbacks ran
     assert cache.allocator.num_live() == 0 and dcache.allocator.num_live() == 0
+    assert all(bool((layer.tags >= 0).any()) for layer in dcache.layers), "the draft's steps kept no recent rows"
 
 # -- exl3 bench --cache-bits ----------------------------------------------------------------------------------
 def test_bench_measures_each_cache_and_reports_capacity(one_torch_thread: None) -> None:

@@ -283,6 +283,8 @@ def test_cuda_decode_backend_takes_recent_rows_and_replays_them(recent_decode_op
 def test_decode_graphs_over_a_quantized_cache(width: int, backend: str) -> None:
     """Replayed decode steps over K4V4 pages equal the eager plan's steps from the same cache state, with the
     graphs captured at a 256-key bound (the short-bound kernel's) and at 2048 (the quantized split kernel's).
+    The prompts are longer than the recent-row window, so both widths are read; a step that names no ring slots
+    is refused by the graphs.
 
     Both step from one cache (the eager step runs first, then its writes are undone): the graph's fused store
     rounds the new key in other kernels before quantizing it, so the token's own codes may differ at a level
@@ -293,21 +295,22 @@ def test_decode_graphs_over_a_quantized_cache(width: int, backend: str) -> None:
     model, _ = build_model(parse_shape("custom(512,1024,2,4,2,2000)"), device=DEV, dtype=torch.float16, seed=4)
     plan = ExecutionPlan(model)
     page = 64
-    prompts = [list(range(5, 45)), list(range(100, 121))]
+    prompts = [list(range(5, 125)), list(range(100, 181))]
 
     def run(cache: Cache, graphed: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per decode step: (eager logits, graphed logits or the eager ones again), the graph's writes kept."""
         graphs = DecodeGraphs.create(plan, cache, width) if graphed else None
         assert not graphed or graphs is not None, "decode graphs declined over a quantized cache"
         pages = [cache.allocator.allocate(width) for _ in range(2)]
-        meta, _ = build_batch([Chunk(p, 0, pg, True) for p, pg in zip(prompts, pages)], page_size=page,
+        meta, _ = build_batch([Chunk(p, 0, pg, True, b + 1) for b, (p, pg) in enumerate(zip(prompts, pages))],
+                              page_size=page,
                               table_width=width, scratch_page=cache.scratch_page, device=torch.device(DEV),
                               decode=False)
         plan.forward(meta, cache)
         past = [len(p) for p in prompts]
         out = []
         for s in range(5):
-            chunks = [Chunk([(13 * s + 7 * b) % 2000], past[b], pages[b], True) for b in range(2)]
+            chunks = [Chunk([(13 * s + 7 * b) % 2000], past[b], pages[b], True, b + 1) for b in range(2)]
             before = [t.clone() for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
             meta, _ = build_batch(chunks, page_size=page, table_width=width, scratch_page=cache.scratch_page,
                                   device=torch.device(DEV), decode=True)
@@ -318,6 +321,12 @@ def test_decode_graphs_over_a_quantized_cache(width: int, backend: str) -> None:
                 now = [t for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)]
                 for t, b in zip(now, before):
                     t.copy_(b)
+                if s == 0:
+                    bare = [Chunk(c.tokens, c.past, c.pages, True) for c in chunks]
+                    meta, _ = build_batch(bare, page_size=page, table_width=width, scratch_page=cache.scratch_page,
+                                          device=torch.device("cpu"), decode=True)
+                    with pytest.raises(ValueError, match="ring slots"):
+                        graphs.run(meta)
                 meta, _ = build_batch(chunks, page_size=page, table_width=width, scratch_page=cache.scratch_page,
                                       device=torch.device("cpu"), decode=True)
                 out.append((eager, graphs.run(meta)[0][:2].float().clone()))
