@@ -182,6 +182,12 @@ class Cache:
     def storage_size(self) -> int:
         return sum(layer.storage_size() for layer in self.layers)
 
+    def clear_ring(self, slot: int) -> None:
+        """Ring slot ``slot`` of every layer's per-sequence state (recent rows) holds nothing: a new sequence takes
+        it (see :meth:`CacheLayer.clear_ring`)."""
+        for layer in self.layers:
+            layer.clear_ring(slot)
+
     def copy_page(self, src: int, dst: int) -> None:
         for layer in self.layers:
             layer.copy_page(src, dst)

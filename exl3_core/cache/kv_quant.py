@@ -162,6 +162,11 @@ class KVQuantLayer(CacheLayer):
     def bind_step(self, step: CacheStep | None) -> None:
         self._step = step if self.window and step is not None and step.ring_slots is not None else None
 
+    def clear_ring(self, slot: int) -> None:
+        # a reused prefix's positions are never written by the new sequence: the earlier one's rows must not match
+        if self.window:
+            self.tags[slot].fill_(-1)
+
     def uniform_reads(self) -> bool:
         return self._step is None  # with recent rows each query reads its own window at 8 bits
 

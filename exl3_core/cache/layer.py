@@ -86,6 +86,9 @@ class CacheLayer(ABC):
     def after_attention(self) -> None:
         """The bound forward's attention has read this layer (per-sequence state may now move); unbinds it."""
 
+    def clear_ring(self, slot: int) -> None:
+        """Forget what ring slot ``slot`` of the per-sequence state holds: a new sequence takes it."""
+
     def uniform_reads(self) -> bool:
         """Whether every query of the bound forward reads a stored row alike (as :meth:`stored` returns it), so that a
         fresh sequence may attend to its own rows without the cache."""

@@ -123,8 +123,9 @@ class Generator:
             raise ValueError(f"Generator: max_batch_size={max_batch_size}, but the {which} keeps recent rows for "
                              f"{self.ring_slots - 1} sequences at once; create the Cache with "
                              f"recent_seqs={max_batch_size} (or recent=0), or lower max_batch_size")
-        #: free ring slots
+        #: free ring slots, and the caches whose rings a job's slot indexes
         self.ring_free: list[int] = list(range(self.ring_slots - 1, 0, -1))
+        self.ring_caches: list[Cache] = [c for c in (cache, draft_cache) if c is not None and c.ring_slots]
         self.page_size = cache.page_size
         self.table_width = cache.max_pages_per_seq(max_seq_len)
         # the page table holds whole pages; a sequence still ends at the length asked for

@@ -62,6 +62,7 @@ class SchedulerHost(Protocol):
     cache: Cache
     ring_slots: int
     ring_free: list[int]
+    ring_caches: list[Cache]
 
     def _start(self, job: Job) -> None: ...
 
@@ -127,6 +128,8 @@ class Scheduler:
             job.status = "active"
             if g.ring_slots:
                 job.ring_slot = g.ring_free.pop()  # the generator checked there are enough for its batch
+                for c in g.ring_caches:
+                    c.clear_ring(job.ring_slot)
             g.active.append(job)
 
     def admissible(self) -> bool:

@@ -223,3 +223,30 @@ def test_forwards_read_recent_rows_whatever_the_chunking() -> None:
             torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
     plain = _forwards(opts | {"recent": 0}, [50], 6)
     assert max((a - b).abs().max().item() for a, b in zip(one, plain)) > 1e-2
+
+
+def test_a_reused_ring_slot_starts_empty() -> None:
+    """A job that takes the ring slot a longer job left finds no row of that job's positions there: the generator
+    clears the slot's tags when it hands the slot out (a reused prefix's positions, never written by the new job,
+    would otherwise read the earlier job's low bits)."""
+    from exl3_core.bench.models import build_model, parse_shape
+    from exl3_core.generator import Generator, Job
+
+    model, cache = build_model(parse_shape("custom(128,256,2,4,2,300)"), device="cpu", dtype=torch.float32, seed=4,
+                               cache_tokens=16 * 16, page_size=16,
+                               cache_kwargs={"variant": "quant", "k_bits": 4, "v_bits": 4, "recent": 16})
+    gen = Generator(model=model, cache=cache, tokenizer=None, max_batch_size=1)
+    g = torch.Generator().manual_seed(2)
+    long_job = Job(torch.randint(0, 300, (1, 70), generator=g), max_new_tokens=4, stop_at_eos=False)
+    gen.enqueue(long_job)
+    while gen.num_remaining():
+        gen.iterate()
+    layers = [layer for layer in cache.layers if isinstance(layer, KVQuantLayer)]
+    slot = 1 + max(range(cache.ring_slots - 1), key=lambda s: int((layers[0].tags[1 + s] >= 0).sum()))
+    assert all(int(layer.tags[slot].max()) >= 70 for layer in layers), "the long job kept no recent rows"
+    short = Job(torch.randint(0, 300, (1, 5), generator=g), max_new_tokens=3, stop_at_eos=False)
+    gen.enqueue(short)
+    gen.iterate()
+    assert short.ring_slot == slot
+    for layer in layers:  # only the short job's own positions, or nothing
+        assert int(layer.tags[slot].max()) < 6, layer.tags[slot].tolist()
