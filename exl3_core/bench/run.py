@@ -235,19 +235,25 @@ def bench_decode(model: Any, cache: Any, *, batch: int, ctx: int, new_tokens: in
     return out
 
 
-def decode_meta(model: Any, cache: Any, *, batch: int, ctx: int, device: Any = None) -> tuple[Any, list[int]]:
-    """``(BatchMeta, pages)`` of one decode step of ``batch`` sequences, each one token after ``ctx``
-    cached ones, over pages freshly allocated from ``cache`` (the caller releases them), with the
-    page table as wide as a sequence of ``ctx + 1`` tokens needs; tensors on ``device`` (default the
-    model's; the host, as the generator builds them, for a graph replay that stages them itself)."""
+def decode_meta(model: Any, cache: Any, *, batch: int, ctx: int, rows: int = 1,
+                device: Any = None) -> tuple[Any, list[int]]:
+    """``(BatchMeta, pages)`` of one decode step of ``batch`` sequences, each ``rows`` tokens after ``ctx``
+    cached ones, over pages freshly allocated from ``cache`` (the caller releases them), with the page
+    table as wide as a sequence of ``ctx + rows`` tokens needs and, where the cache keeps per-sequence
+    rings, ring slots 1 to ``batch``; tensors on ``device`` (default the model's; the host, as the
+    generator builds them, for a graph replay that stages them itself)."""
     from exl3_core.generator.batching import Chunk, build_batch
 
+    if cache.ring_slots and batch > cache.ring_slots - 1:
+        raise ValueError(f"decode_meta: batch {batch} needs {batch} ring slots, the cache has "
+                         f"{cache.ring_slots - 1}; create the Cache with recent_seqs >= {batch}")
     ps = cache.page_size
-    each = -(-(ctx + 1) // ps)
+    each = -(-(ctx + rows) // ps)
     pages = cache.allocator.allocate(each * batch)
     try:
-        chunks = [Chunk([1], ctx, pages[b * each:(b + 1) * each], True) for b in range(batch)]
-        meta, _ = build_batch(chunks, page_size=ps, table_width=cache.max_pages_per_seq(ctx + 1),
+        chunks = [Chunk([1] * rows, ctx, pages[b * each:(b + 1) * each], True, b + 1 if cache.ring_slots else -1)
+                  for b in range(batch)]
+        meta, _ = build_batch(chunks, page_size=ps, table_width=cache.max_pages_per_seq(ctx + rows),
                               scratch_page=cache.scratch_page, device=model.device if device is None else device,
                               decode=True)
     except BaseException:

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from exl3_core.bench.models import BenchShape, build_model, shape_dict
-from exl3_core.bench.run import decode_rate, time_median
-from exl3_core.generator.batching import Chunk, build_batch, to_device_async
+from exl3_core.bench.run import GRAPH_STEP_REPLAYS, decode_meta, decode_rate, time_median
+from exl3_core.generator.batching import to_device_async
 from exl3_core.generator.draft_policy import DraftLength, expected_tokens, ideal_speedup
 from exl3_core.generator.drafting import ModelDrafter
 from exl3_core.generator.job import Job
@@ -75,17 +75,12 @@ def step_time(model: Any, cache: Any, *, batch: int, ctx: int, rows: int) -> flo
     from exl3_core.plan import ExecutionPlan
 
     plan = ExecutionPlan(model)
-    ps = cache.page_size
-    each = -(-(ctx + rows) // ps)
-    width = cache.max_pages_per_seq(ctx + rows)
-    pages = cache.allocator.allocate(each * batch)
+    graphs = DecodeGraphs.create(plan, cache, cache.max_pages_per_seq(ctx + rows))
+    meta, pages = decode_meta(model, cache, batch=batch, ctx=ctx, rows=rows,
+                              device=torch.device("cpu") if graphs is not None else model.device)
     try:
-        chunks = [Chunk([1] * rows, ctx, pages[b * each:(b + 1) * each], True) for b in range(batch)]
-        graphs = DecodeGraphs.create(plan, cache, width)
-        meta, _ = build_batch(chunks, page_size=ps, table_width=width, scratch_page=cache.scratch_page,
-                              device=torch.device("cpu") if graphs is not None else model.device, decode=True)
         if graphs is not None:
-            n = 8
+            n = GRAPH_STEP_REPLAYS
             t = time_median(lambda: [graphs.run(meta) for _ in range(n)], model.device, warmup=2, iters=7) / n
             graphs.reset()
             return t

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from exl3_core.bench.models import RandomSource, build_model, layer_bits, named_shapes, parse_shape
-from exl3_core.bench.run import combine_ceilings, kv_bytes_per_token, run_bench, weight_bytes_per_token
+from exl3_core.bench.run import combine_ceilings, decode_meta, kv_bytes_per_token, run_bench, weight_bytes_per_token
 from exl3_core.quant.exl3.linear import EXL3Linear
 
 TINY = "custom(256,384,2,4,2,700)"
@@ -82,6 +82,25 @@ def test_run_bench_cpu_eager(tmp_path) -> None:
     assert "aten::" in res["profile_b1"]
     assert res["memory"]["planned"]["total"] == res["memory"]["allocated"]["total"]
     json.dumps(res, default=str)
+
+
+@pytest.mark.parametrize("variant", ["fp16", "quant"])
+def test_decode_meta_names_a_ring_slot_per_sequence_where_the_cache_keeps_rings(variant: str) -> None:
+    """The bench's decode steps are what the generator's would be: over a cache with recent rows, each
+    sequence its own ring slot (decode graphs refuse a step without them); a batch wider than the cache's
+    slots is refused with the option that fixes it."""
+    model, cache = build_model(parse_shape(TINY), device="cpu", cache_tokens=2048,
+                               cache_kwargs={"variant": variant, "recent_seqs": 3} if variant == "quant" else None)
+    meta, pages = decode_meta(model, cache, batch=3, ctx=20, rows=2)
+    cache.allocator.release(pages)
+    assert meta.input_ids.shape[0] >= 6
+    if variant == "fp16":
+        assert cache.ring_slots == 0 and meta.ring_slots is None
+        return
+    assert meta.ring_slots is not None and meta.ring_slots[:3].tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match="recent_seqs >= 4"):
+        decode_meta(model, cache, batch=4, ctx=20)
+    assert cache.allocator.num_live() == 0  # the refused step holds no pages
 
 
 def test_cli_parses(tmp_path) -> None:
