@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from exl3_core.cache_bits import CacheBits, add_cache_bits_arg
+from exl3_core.cache_bits import add_cache_bits_arg, cache_variants
 from exl3_core.cli import UsageError, bounded_float, nonneg_int, positive_float, positive_int, resolve_device
 from exl3_core.parallel.cli import add_parallel_args, parallel_load_kwargs
 
@@ -132,7 +132,7 @@ def _bench_cmd(args: argparse.Namespace) -> int:
                         prefill_past=args.prefill_past, new_tokens=args.new_tokens, profile=args.profile,
                         vs_transformers=args.vs_transformers, ceiling_lib=args.ceiling_lib, log=bar.write,
                         progress=bar, parallel=parallel_load_kwargs(args),
-                        cache_bits=tuple(args.cache_bits or (CacheBits(),)),
+                        cache_bits=cache_variants(args),
                         cache_memory=None if args.cache_memory is None else int(args.cache_memory * 2**30))
     if args.json is not None:
         args.json.write_text(json.dumps(res, indent=1, default=str), encoding="utf-8")

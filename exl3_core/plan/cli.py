@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from exl3_core.cache_bits import add_cache_bits_arg
+from exl3_core.cache_bits import add_cache_bits_arg, cache_variants
 
 
 def add_cli(sub: Any) -> None:
@@ -63,12 +63,13 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def _cache_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """The cache's variant and options from ``--variant`` and ``--cache-bits`` (which names variant 'quant')."""
-    if not args.cache_bits.quantized:
+    bits = cache_variants(args)[0]
+    if not bits.quantized:
         return {"variant": args.variant}
     if args.variant not in ("fp16", "quant"):
-        raise ValueError(f"--variant {args.variant} and --cache-bits {args.cache_bits.k_bits},{args.cache_bits.v_bits}"
+        raise ValueError(f"--variant {args.variant} and --cache-bits {bits.k_bits},{bits.v_bits}"
                          f": --cache-bits chooses the quantized variant; give one of the two")
-    return args.cache_bits.cache_kwargs()
+    return bits.cache_kwargs()
 
 
 def inspect_model(model: Any, cache: Any, max_batch: int = 32) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.cache import Cache
 from exl3_core.cache.geometry import LayerGeometry
 from exl3_core.cache.kv_quant import KVQuantLayer, MLAQuantLayer
-from exl3_core.cache_bits import CacheBits, add_cache_bits_arg, cache_kwargs, parse_cache_bits
+from exl3_core.cache_bits import CacheBits, add_cache_bits_arg, cache_kwargs, cache_variants, parse_cache_bits
 from exl3_core.plan import ExecutionPlan
 from exl3_core.reference import fused as fused_ref
 from exl3_core.reference import kv_quant as ref
@@ -398,6 +398,32 @@ def test_cache_bits_option() -> None:
     assert cache_kwargs(p.parse_args(["--cache-bits", "6,5"])) == {"variant": "quant", "k_bits": 6, "v_bits": 5}
     with pytest.raises(SystemExit):
         p.parse_args(["--cache-bits", "0"])
+
+
+def test_cache_recent_option(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--cache-recent N`` reaches the quantized cache's ``recent`` option (and its report label); it is refused
+    when no cache is quantized, or when N is not 0 or a power of two, naming the option."""
+    p = argparse.ArgumentParser()
+    add_cache_bits_arg(p)
+    assert cache_kwargs(p.parse_args(["--cache-bits", "4", "--cache-recent", "0"])) == {
+        "variant": "quant", "k_bits": 4, "v_bits": 4, "recent": 0}
+    assert "recent" not in cache_kwargs(p.parse_args(["--cache-bits", "4"]))
+    model = _geometry_model()
+    for argv, rings in ((["--cache-recent", "0"], False), ([], True)):
+        cache = Cache(model, 4 * PAGE, page_size=PAGE, device="cpu", dtype=torch.float16,
+                      **cache_kwargs(p.parse_args(["--cache-bits", "4", *argv])))
+        assert (cache.ring_slots > 0) == rings, argv
+    with pytest.raises(ValueError, match="--cache-recent 0: only a quantized cache"):
+        cache_kwargs(p.parse_args(["--cache-recent", "0"]))
+    for bad in ("3", "-1", "x"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--cache-bits", "4", "--cache-recent", bad])
+        assert "--cache-recent" in capsys.readouterr().err
+    many = argparse.ArgumentParser()
+    add_cache_bits_arg(many, repeat=True)
+    labels = [b.label(torch.float16) for b in
+              cache_variants(many.parse_args(["--cache-bits", "16", "--cache-bits", "4", "--cache-recent", "16"]))]
+    assert labels == ["fp16", "k4v4r16"]
 
 
 # -- the engine over a quantized cache ------------------------------------------------------------------------
