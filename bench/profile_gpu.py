@@ -13,7 +13,8 @@
 
     python bench/profile_gpu.py decode [--shape 8b] [--tokens 256] [--batch 1] [--cache-bits 16] [--lora 0]
         a decode step of --batch sequences (a graph bucket: 1, 2, 4, 8, 16, 32) replayed from its
-        CUDA graph at context --tokens over a cache of --cache-bits (exl3 bench's option: 16, 4, 8,4),
+        CUDA graph at context --tokens over a cache of --cache-bits (exl3 bench's option: 16, 4, 8,4;
+        --cache-recent N as there),
         with --lora R: random rank-R adapters on all seven projections (--lora-adapters N of them, row i using
         adapter i mod N):
         GPU time per kernel group per step, and one step's kernel timeline (start, duration, gap after
@@ -37,7 +38,7 @@ import torch
 
 from exl3_core.bench.models import build_model, parse_shape
 from exl3_core.bench.run import _sync, bench_prefill, decode_meta, graph_step_time, prefill_meta
-from exl3_core.cache_bits import parse_cache_bits
+from exl3_core.cache_bits import CacheBits, add_cache_bits_arg, cache_variants
 from exl3_core.lora.bench import load_random_adapters, select_rows
 from exl3_core.lora.registry import lora_set
 from exl3_core.plan import ExecutionPlan
@@ -261,13 +262,12 @@ def _group(name: str) -> str:
 
 
 def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "cuda", steps: int = 5,
-                   batch: int = 1, cache_bits: str = "16", lora: int = 0, lora_adapters: int = 1) -> None:
+                   batch: int = 1, bits: CacheBits = CacheBits(), lora: int = 0, lora_adapters: int = 1) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from exl3_core.generator.graphs import DecodeGraphs
 
     shape = parse_shape(shape_name)
-    bits = parse_cache_bits(cache_bits, "--cache-bits")
     model, cache = build_model(shape, bpw=4.0, head_bits=6, codebook="mul1", device=device,
                                cache_tokens=batch * (ctx + 1024), cache_kwargs=bits.cache_kwargs())
     if lora:
@@ -298,7 +298,8 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
         groups.setdefault(_group(name), []).append(t1 - t0)
     last = kern[per * (steps - 1): per * steps]
     wall = last[-1][2] - last[0][1]
-    lines = [(f"decode {shape_name} b={batch} ctx={ctx} cache {cache_bits}"
+    label = bits.label(model.dtype)
+    lines = [(f"decode {shape_name} b={batch} ctx={ctx} cache {label}"
               + (f", LoRA rank {lora} x {lora_adapters}" if lora else "")
               + f": graph step {(step or 0) * 1e3:.3f} ms "
               f"(events); {per} kernels per step; "
@@ -315,7 +316,7 @@ def profile_decode(shape_name: str, ctx: int, out: Path | None, device: str = "c
     cache.allocator.release(pages)
     graphs.reset()
     _emit("".join(lines), out, f"profile_decode_{shape_name}" + (f"_b{batch}" if batch > 1 else "")
-          + (f"_kv{cache_bits}" if bits.quantized else "") + (f"_lora{lora}" if lora else "") + ".txt")
+          + (f"_{label}" if bits.quantized else "") + (f"_lora{lora}" if lora else "") + ".txt")
 
 
 def main() -> None:
@@ -326,7 +327,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, default=1, help="decode: sequences per step (a captured bucket, <= 32)")
-    ap.add_argument("--cache-bits", default="16", help="decode: the cache's bits, as exl3 bench's option (16, 4, 8,4)")
+    add_cache_bits_arg(ap)  # decode: the cache, as exl3 bench's options (--cache-bits 16, 4, 8,4; --cache-recent)
     ap.add_argument("--lora", type=int, default=0, help="decode: random adapters of this rank on every projection")
     ap.add_argument("--lora-adapters", type=int, default=1, help="decode: how many (row i uses adapter i mod this)")
     a = ap.parse_args()
@@ -335,7 +336,7 @@ def main() -> None:
     elif a.what == "loop":
         profile_loop(a.shape or "1b", a.tokens or 128, a.out, a.device, batch=a.batch)
     elif a.what == "decode":
-        profile_decode(a.shape or "8b", a.tokens or 256, a.out, a.device, batch=a.batch, cache_bits=a.cache_bits,
+        profile_decode(a.shape or "8b", a.tokens or 256, a.out, a.device, batch=a.batch, bits=cache_variants(a)[0],
                        lora=a.lora, lora_adapters=a.lora_adapters)
     else:
         profile_host(a.shape or "1b", a.tokens or 128, a.out, a.device)

@@ -181,7 +181,8 @@ case "$stage" in
     # which need the baseline's build, then the n-gram figure. Also: one feature figure by name (spec, kvq_b1, ...),
     # spprobe (bench/spec_target_probe.py), qtests (the test files in $QTESTS), cand:NAME (bench/candidates/NAME.patch,
     # see the candidate stage), golden (every golden cell converted on CUDA, bench/golden_seeds.py), profsmol (the
-    # SmolLM2 shape's decode step per kernel at b=1 and b=16), profkvq (the 8B step per kernel, fp16 and K4V4 caches),
+    # SmolLM2 shape's decode step per kernel at b=1 and b=16), profkvq (the 8B step per kernel: fp16, K4V4, K4V4
+    # without recent rows),
     # prof (bench/profile_gpu.py once per ';'-separated argument set in $PROF),
     # ncuqs (the quantized-cache split decode kernels under ncu)
     stages=${STAGES:-fairness features tests ab1b ab8b ngram}
@@ -214,9 +215,10 @@ case "$stage" in
           per_set micro 120 bench/attn_decode_micro.py "${MICRO:-}" | grep -vE "^\s*$" ;;
         prof)  # bench/profile_gpu.py once per ';'-separated argument set in $PROF
           per_set prof 200 bench/profile_gpu.py "${PROF:-}" | grep -vE "^\s*$|UserWarning|_warn_once" ;;
-        profkvq)  # the 8B shape's decode step at b=1, ctx 256, on fp16 and K4V4 caches, per kernel
-          for kb in 16 4; do
-            timeout 200 python3 bench/profile_gpu.py decode --shape 8b --tokens 256 --cache-bits $kb \
+        profkvq)  # the 8B shape's decode step at b=1, ctx 256, per kernel: fp16, K4V4, K4V4 without recent rows
+          for kb in 16 4 4r0; do
+            extra=""; [ "$kb" = 4r0 ] && extra="--cache-recent 0"
+            timeout 200 python3 bench/profile_gpu.py decode --shape 8b --tokens 256 --cache-bits ${kb%r0} $extra \
               > "$OUT/profkvq_$kb.log" 2>&1; echo "cache $kb rc=$?"; head -24 "$OUT/profkvq_$kb.log"
           done ;;
         profsmol)  # the SmolLM2 shape's decode step at b=1 and b=16, per kernel (its b=1 step is the slower one)
