@@ -69,8 +69,9 @@ def _bits(cls: str, options: dict[str, object], latent: bool) -> tuple[int, int]
     """``(k_bits, v_bits)`` of a quantized layer's options (default 4 each), checked; a latent cache has one width."""
     unknown = sorted(set(options) - ({"k_bits", "v_bits"} if latent else {"k_bits", "v_bits", "recent", "recent_seqs"}))
     if unknown:
+        hint = " (a latent cache keeps no recent rows: leave --cache-recent out)" if latent and "recent" in unknown else ""
         raise ValueError(f"cache variant 'quant' ({cls}) takes k_bits and v_bits{'' if latent else ', recent and recent_seqs'}"
-                         f", not {unknown}")
+                         f", not {unknown}{hint}")
     k = ref.check_bits("k_bits", options.get("k_bits", 4))
     if latent:
         v = options.get("v_bits")

@@ -679,6 +679,11 @@ def test_bench_measures_each_cache_and_reports_capacity(one_torch_thread: None) 
 
 
 # -- the latent (MLA) cache quantized -------------------------------------------------------------------------
+def test_latent_cache_refuses_recent_rows_naming_the_option() -> None:
+    with pytest.raises(ValueError, match=r"not \['recent'\].*leave --cache-recent out"):
+        MLAQuantLayer.check_options(1, 40, 32, k_bits=4, recent=0)  # as Cache checks a layer type's options
+
+
 @pytest.mark.parametrize("backends", [("torch",), ("triton_paged",)])
 def test_quantized_latent_cache_in_chunked_steps(backends: tuple[str, ...]) -> None:
     """Latent attention over a quantized latent cache, prefilled in chunks and then decoded, against a cache-less
