@@ -9,7 +9,8 @@ forward without a GPU. The kernels' own arithmetic is checked against these cont
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -130,3 +131,21 @@ def assert_workspace_clean(ops: object) -> None:
     itself, which the next launch relies on); ``ops`` is ``torch.ops.exl3``."""
     z, counters = ops.exl3_linear_workspace(torch.empty(1, device="cuda"))  # type: ignore[attr-defined]
     assert z.count_nonzero().item() == 0 and counters.count_nonzero().item() == 0, "fused workspace left dirty"
+
+
+T = TypeVar("T")
+
+
+def captured(launch: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``launch()`` run once on a side stream (compiles, workspaces and first-use attributes happen off the capture),
+    then captured into a CUDA graph: ``(graph, what the captured call returned)``, its tensors the graph's static
+    buffers, refreshed by each replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = launch()
+    return graph, out

@@ -11,6 +11,7 @@ from exl3_core.attention import AttnSpec
 from exl3_core.attention.spec import device_cc, pow2_bucket, sm_count
 from exl3_core.reference.attention import attention as reference_attention
 from exl3_core.testing.attention import Case, make_args, tolerance
+from exl3_core.testing.kernels import captured
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -110,14 +111,7 @@ def test_graph_replay_at_other_lengths() -> None:
                            page_table=table)
     b = CudaDecodeAttention()
     assert b.unsupported_reasons(static.spec) == []
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        b.forward(static)  # the smem attribute and the first launch off the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = b.forward(static)
+    g, out = captured(lambda: b.forward(static))  # the smem attribute and the first launch off the capture
     for lens in ((481, 101), (17, 1), (64, 481), (129, 128)):
         static.seq_lens_k.copy_(torch.tensor(lens, dtype=torch.int32))
         static.q.copy_(torch.randn_like(static.q))

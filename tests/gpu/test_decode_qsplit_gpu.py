@@ -15,6 +15,7 @@ from exl3_core.attention.spec import AttnArgs, device_cc
 from exl3_core.reference.attention import attention as reference_attention
 from exl3_core.testing.attention import Case, make_args, tolerance
 from exl3_core.testing.attention import focus_recent as _focus
+from exl3_core.testing.kernels import captured
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -100,28 +101,25 @@ def test_sequences_without_a_query(qsplit) -> None:
     _check(out, args, "padded row")
 
 
+def _graph_inputs(args: AttnArgs, bound: int = 4096) -> AttnArgs:
+    """Two sequences' decode inputs as a graph captured at ``bound`` holds them: both rows may grow to 2001 keys over
+    row 0's written pages, and their lengths and queries are copies a replay refreshes."""
+    table = args.page_table.clone()
+    table[1] = table[0]
+    spec = args.spec._replace(max_keys=bound, num_seqs=2)
+    return args._replace(spec=spec, max_seqlen_k=bound, seq_lens_k=args.seq_lens_k.clone(), q=args.q.clone(),
+                         page_table=table)
+
+
 def test_graph_replay_at_other_lengths(qsplit) -> None:
     """Captured once through the backend at a bound, replayed with new lengths and queries as the decode graphs run
     it: the splits follow each replay's lengths on the device, the arrival counters are clean after every call."""
     from exl3_attn_backends.cuda_qsplit import CudaQuantSplitAttention
 
-    args = make_args(_case(128, 32, 8, (2000, 600), (4, 4)), DEV, seed=5)
-    table = args.page_table.clone()
-    table[1] = table[0]  # both rows may grow to 2001 keys over the written pages
-    bound = 4096
-    spec = args.spec._replace(max_keys=bound, num_seqs=2)
-    static = args._replace(spec=spec, max_seqlen_k=bound, seq_lens_k=args.seq_lens_k.clone(), q=args.q.clone(),
-                           page_table=table)
+    static = _graph_inputs(make_args(_case(128, 32, 8, (2000, 600), (4, 4)), DEV, seed=5))
     b = CudaQuantSplitAttention()
-    assert b.unsupported_reasons(spec) == []
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        b.forward(static)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = b.forward(static)
+    assert b.unsupported_reasons(static.spec) == []
+    g, out = captured(lambda: b.forward(static))
     for lens in ((2001, 601), (17, 1), (64, 2001), (129, 1500)):
         static.seq_lens_k.copy_(torch.tensor(lens, dtype=torch.int32))
         static.q.copy_(torch.randn_like(static.q))
@@ -260,26 +258,14 @@ def test_recent_rows_graph_replay(qsplit) -> None:
 
     args = make_args(_case(128, 32, 8, (2000, 600), (4, 4), recent=64), DEV, seed=6)
     assert args.quant is not None and args.quant.recent is not None
-    table = args.page_table.clone()
-    table[1] = table[0]  # both rows may grow to 2001 keys over the written pages
     g = torch.Generator().manual_seed(6)
     words = args.quant.k_scales.shape[2] * 4
     low = tuple(torch.randint(-2 ** 31, 2 ** 31 - 1, (*args.k_cache.shape[:2], words), generator=g,
                               dtype=torch.int32).to(DEV) for _ in range(2))
-    bound = 4096
-    spec = args.spec._replace(max_keys=bound, num_seqs=2)
-    static = args._replace(spec=spec, max_seqlen_k=bound, seq_lens_k=args.seq_lens_k.clone(), q=args.q.clone(),
-                           page_table=table)
+    static = _graph_inputs(args)
     b = CudaQuantSplitAttention()
-    assert b.unsupported_reasons(spec) == []
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        b.forward(static)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = b.forward(static)
+    assert b.unsupported_reasons(static.spec) == []
+    graph, out = captured(lambda: b.forward(static))
     for lens in ((2001, 601), (17, 1), (64, 2001), (129, 1500), (65, 66)):
         static.seq_lens_k.copy_(torch.tensor(lens, dtype=torch.int32))
         _fill_recent(static, low, stale=3 + lens[0] % 4)

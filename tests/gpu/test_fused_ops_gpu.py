@@ -10,6 +10,7 @@ import torch
 
 from exl3_core import ops
 from exl3_core.reference import fused as ref
+from exl3_core.testing.kernels import captured
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -141,14 +142,7 @@ def test_split_kv_graph_replay_at_other_lengths() -> None:
     static = args._replace(max_seqlen_k=width * 16, seq_lens_k=args.seq_lens_k.clone(), q=args.q.clone(),
                            page_table=table)
     b = tp.TritonPagedAttention()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        b.forward(static)  # compile off the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = b.forward(static)
+    g, out = captured(lambda: b.forward(static))  # compiled off the capture
     for lens in ((4001, 101), (17, 1), (2500, 4001)):
         static.seq_lens_k.copy_(torch.tensor(lens, dtype=torch.int32))
         static.q.copy_(torch.randn_like(static.q))

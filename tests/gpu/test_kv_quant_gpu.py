@@ -31,6 +31,7 @@ from exl3_core.reference import kv_quant as ref
 from exl3_core.reference.attention import attention as reference_attention
 from exl3_core.testing.attention import Case, check_backend, default_cases, make_args, tolerance
 from exl3_core.testing.attention import focus_recent as _focus
+from exl3_core.testing.kernels import captured
 
 pytestmark = pytest.mark.cuda
 DEV = "cuda"
@@ -254,14 +255,7 @@ def test_cuda_decode_backend_takes_recent_rows_and_replays_them(recent_decode_op
     assert b.unsupported_reasons(spec) == []
     static = _focus(make_args(case, DEV, seed=1))._replace(spec=spec, max_seqlen_k=256)
     _check_recent(b.forward(static), static, "eager")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        b.forward(static)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = b.forward(static)
+    graph, out = captured(lambda: b.forward(static))
     for seed in (2, 3):
         fresh = _focus(make_args(case, DEV, seed=seed))
         assert static.quant is not None and static.quant.recent is not None
