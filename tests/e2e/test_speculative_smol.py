@@ -150,6 +150,7 @@ def test_greedy_identity_batched_with_arrivals_and_cancels(smol, prompts, plain,
     assert gen.spec.stats.steps > 0
 
 
+@pytest.mark.slow  # the GPU pipeline's ngram stage runs this bench whole; greedy identity stays in the default run
 def test_ngram_bench_reports_each_draft_rule_over_the_answer_and_past_it() -> None:
     """``exl3 bench --ngram-bench`` on the CPU: the dynamic and the fixed draft length give the plain run's tokens,
     over ``new_tokens`` and over the answer alone (which ends at the model's end-of-turn), with the statistics and
