@@ -73,13 +73,13 @@ def test_rows_begin_as_the_tokenizer_begins_an_input(tmp_path, adds_bos: bool, r
     conf["add_bos_token"] = adds_bos
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(conf))
     rows, cols, vocab = 14, 16, 1024
-    ids = cal.calibration_ids(tmp_path, vocab, rows, cols, seed=3, random_fraction=random_fraction)
+    text = cal.builtin_text("calibration")[:20000]  # the rows' first token is the point, not the corpus
+    ids = cal.calibration_ids(tmp_path, vocab, rows, cols, seed=3, text=text, random_fraction=random_fraction)
     tok = cal.load_tokenizer(tmp_path)
     assert tok is not None and tok.bos_token_id == 1
     n_random = rows if random_fraction == 1.0 else round(rows * random_fraction)
     plain = cal.random_rows(n_random, cols, vocab, 3)
     if n_random < rows:
-        text = cal.tokenize_text(tok, cal.builtin_text("calibration"), vocab)
-        plain = torch.cat([cal.text_windows(text, rows - n_random, cols), plain])
+        plain = torch.cat([cal.text_windows(cal.tokenize_text(tok, text, vocab), rows - n_random, cols), plain])
     assert ids.shape == (rows, cols) and torch.equal(ids[:, 1:], plain[:, 1:])
     assert torch.equal(ids[:, 0], torch.full((rows,), 1) if adds_bos else plain[:, 0])

@@ -15,7 +15,7 @@ from exl3_core.eval.kld import kl_divergence
 from exl3_core.loader import SafetensorsCollection
 
 ARCHS = ["LlamaForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"]
-BPWS = [2.0, 3.0, 4.0]
+BPWS = [2.0, 4.0]
 
 
 @pytest.mark.parametrize("arch", [pytest.param(ARCHS[0], marks=pytest.mark.slow), *ARCHS[1:]])  # Llama: test_convert_*
@@ -46,4 +46,4 @@ def test_kld_falls_with_bitrate(arch: str, tmp_path: Path) -> None:
                 assert any(n.endswith("kv_b_proj.trellis") for n in names)
                 assert any(n.endswith("e_score_correction_bias") for n in names)
     print(f"{arch}: KLD at {BPWS} bpw = " + ", ".join(f"{k:.5f}" for k in klds))
-    assert klds[0] > klds[1] > klds[2] > 0, klds
+    assert klds[0] > klds[1] > 0, klds

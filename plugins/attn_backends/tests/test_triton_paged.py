@@ -15,11 +15,19 @@ from exl3_core.testing.attention import Case, check_backend, default_cases, make
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("case", default_cases(DEVICE, torch.float32), ids=lambda c: c.id)
-def test_matches_reference(case: Case) -> None:
+CASES = default_cases(DEVICE, torch.float32)
+
+
+def test_takes_every_conformance_case() -> None:
     b = TritonPagedAttention()
-    assert b.unsupported_reasons(case.spec) == []
-    check_backend(b, case, DEVICE, seed=7)
+    assert {c.id: b.unsupported_reasons(c.spec) for c in CASES} == {c.id: [] for c in CASES}
+
+
+# every case against the reference runs in tests/contract (where this plugin is installed); here every third one,
+# with another seed, so that the plugin's own tests check its kernels alone
+@pytest.mark.parametrize("case", CASES[::3] if DEVICE == "cpu" else CASES, ids=lambda c: c.id)
+def test_matches_reference(case: Case) -> None:
+    check_backend(TritonPagedAttention(), case, DEVICE, seed=7)
 
 
 def test_declines_with_reasons() -> None:
@@ -69,11 +77,17 @@ def _params(cases: list[Case]) -> list[object]:
     return [pytest.param(c, marks=_marks(c)) for c in cases]
 
 
-@pytest.mark.parametrize("short_chunk", [0, 32], ids=["chunk64", "short_bound_chunk32"])
-@pytest.mark.parametrize("case,splits", [pytest.param(c, n, marks=_marks(c)) for c in DECODE_CASES
-                                         for n in (None, 7)]  # None = heuristic
-                         + [(DECODE_CASES[0], 3), (DECODE_CASES[4], 3), (DECODE_CASES[6], 40)],  # 40: many empty
-                         ids=lambda x: x.id if isinstance(x, Case) else f"splits{x}")
+def _split_param(case: Case, splits: int | None, short_chunk: int) -> object:
+    return pytest.param(case, splits, short_chunk, marks=_marks(case),
+                        id=f"{case.id}-splits{splits}-chunk{short_chunk or 64}")
+
+
+# each case with the heuristic's split count (None) on the long bounds' 64-key chunks and with 7 splits on the
+# short bounds' 32-key chunks; 40 splits: many empty
+@pytest.mark.parametrize("case,splits,short_chunk",
+                         [_split_param(c, n, chunk) for c in DECODE_CASES for n, chunk in ((None, 0), (7, 32))]
+                         + [_split_param(DECODE_CASES[0], 3, 32), _split_param(DECODE_CASES[4], 3, 0),
+                            _split_param(DECODE_CASES[6], 40, 0)])
 def test_split_kv_decode_matches_reference(case: Case, splits: int | None, short_chunk: int,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """The split kernel against the reference: one key chunk loaded before the wait, most lengths taking
@@ -149,7 +163,7 @@ def test_split_kv_reload_of_the_newest_row(case: Case, monkeypatch: pytest.Monke
     assert forced
 
 
-@pytest.mark.parametrize("case", _params([DECODE_CASES[i] for i in (0, 3, 4, 6)]), ids=lambda c: c.id)
+@pytest.mark.parametrize("case", _params([DECODE_CASES[i] for i in (3, 4, 6)]), ids=lambda c: c.id)
 def test_split_kv_merge_rounds_and_counters(case: Case) -> None:
     """Each head block's last split program merges the splits: 40 splits exceed one merge round (running
     max across rounds); lengths leave trailing splits empty. The arrival counters are left at zero, so a
@@ -263,8 +277,9 @@ def test_split_kv_several_queries_match_reference(case: Case, splits: int | None
     assert b.route(case.spec).startswith("split-KV")
     check_backend(b, case, DEVICE, seed=13)
     assert used and (splits is None or used[0] == splits)
-    monkeypatch.setattr(tp, "decode_split_kv", lambda a, n: real(a, n, reload_fresh=True))
-    check_backend(b, case, DEVICE, seed=14)
+    if splits is not None or DEVICE != "cpu":  # on the CPU interpreter the reload once per case
+        monkeypatch.setattr(tp, "decode_split_kv", lambda a, n: real(a, n, reload_fresh=True))
+        check_backend(b, case, DEVICE, seed=14)
 
 
 def test_split_kv_several_queries_route() -> None:
@@ -295,7 +310,7 @@ def test_speculative_generation_through_the_split_kernel(monkeypatch: pytest.Mon
 
     def tokens(**spec: object) -> list[list[int]]:
         gen = Generator(model, cache, None, max_batch_size=2, **spec)  # type: ignore[arg-type]
-        jobs = [Job(p, max_new_tokens=9, stop_at_eos=False) for p in prompts]
+        jobs = [Job(p, max_new_tokens=6, stop_at_eos=False) for p in prompts]
         gen.enqueue(jobs)
         while gen.num_remaining():
             gen.iterate()
