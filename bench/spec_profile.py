@@ -6,7 +6,8 @@ self-predicting target, oracle draft and prompts) under cProfile and prints the 
 host, by own time and by cumulative time, with the step count so that per-step figures can be read off.
 
     python bench/spec_profile.py [--shape 8b] [--draft 1b] [--alpha 0.9] [--k 3] [--batch 1] [--out DIR]
-    (``--device cpu --shape 'custom(64,128,2,4,2,256)'``: a smoke run of the script itself)
+    (``--device cpu --shape 'custom(64,128,2,4,2,256)' --draft 'custom(64,128,1,4,2,256)'``: a smoke run of the
+    script itself; the draft shares the target's vocabulary)
 
 Then, without the profiler, events just before and after each launch of a step (the draft's first step, its
 chain, the verification) give each launch's device time in the step and the device time between launches, and
