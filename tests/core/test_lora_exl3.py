@@ -50,21 +50,15 @@ def _linears(model: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 
 # -- the kernels -----------------------------------------------------------------------------------------------
-def _kernel_params() -> list[object]:
-    """Every row count and dtype, each with two of the four (slices, expand) pairings: each pairing at every row
-    count."""
-    pairings = [((1, "one_slice"), "per_entry"), ((8192, "slices"), "wide"), ((8192, "slices"), "per_entry"),
-                ((1, "one_slice"), "wide")]
-    out = []
-    for i, (rows, dtype) in enumerate((r, d) for r in (1, 5, 37) for d in (torch.float32, torch.float16)):
-        for (values, name), expand in pairings[2 * (i % 2): 2 * (i % 2) + 2]:
-            out.append(pytest.param(dtype, rows, values, expand,
-                                    id=f"{rows}-{str(dtype)[6:]}-{name}-{expand}"))
-    return out
+#: per dtype, two of the four (shrink slice budget, its id, expand form) pairings: every row count meets all four
+KERNEL_PAIRINGS = {torch.float32: [(1, "one_slice", "per_entry"), (8192, "slices", "wide")],
+                   torch.float16: [(8192, "slices", "per_entry"), (1, "one_slice", "wide")]}
+KERNEL_PARAMS = [pytest.param(dtype, rows, values, expand, id=f"{rows}-{str(dtype)[6:]}-{name}-{expand}")
+                 for rows in (1, 5, 37) for dtype, pairs in KERNEL_PAIRINGS.items() for values, name, expand in pairs]
 
 
 @interpreted
-@pytest.mark.parametrize("dtype,rows,slice_values,expand", _kernel_params())
+@pytest.mark.parametrize("dtype,rows,slice_values,expand", KERNEL_PARAMS)
 def test_kernels_equal_torch_form(dtype: torch.dtype, rows: int, slice_values: int, expand: str,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """``slice_values`` 8192: at decode sizes the 600 input features in five shrink slices of one input block,
