@@ -96,8 +96,8 @@ def replies(smol: tuple[Model, Tokenizer]) -> tuple[list[torch.Tensor], dict[str
                 out[r["identifier"]] += r["token_ids"]
         return [out[i] for i in range(len(prompts))]
 
-    return prompts, {"fp16": run(CacheBits()), "k8v8": run(CacheBits(8, 8)),
-                     "fp16_stored": run(CacheBits(), device="cpu", dtype=torch.float16)}
+    return prompts, {"unquantized": run(CacheBits()), "k8v8": run(CacheBits(8, 8)),
+                     "stored_fp16": run(CacheBits(), device="cpu", dtype=torch.float16)}
 
 
 #: a top-2 logit gap this small is a near-tie: 8-bit cache noise may flip it (measured flips: gaps of 0.003-0.042)
@@ -112,14 +112,14 @@ def test_greedy_k8v8_replies_part_only_at_near_ties(
     storing the unquantized cache in fp16 instead of the model's fp32 alone parts one of the 10."""
     model, tok = smol
     prompts, out = replies
-    want, got = out["fp16"], out["k8v8"]
+    want, got = out["unquantized"], out["k8v8"]
     assert all(len(w) == 128 for w in want) and all(len(g) == 128 for g in got)
     parted = {i: next(n for n in range(128) if got[i][n] != want[i][n]) for i in range(len(prompts))
               if got[i] != want[i]}
-    half = sum(a == b for a, b in zip(out["fp16_stored"], want))
+    stored_fp16 = sum(a == b for a, b in zip(out["stored_fp16"], want))
     print(f"SmolLM2 greedy 128-token replies, K8V8 equal to the unquantized cache's: "
           f"{len(prompts) - len(parted)}/{len(prompts)}; parted at tokens {sorted(parted.values())}; "
-          f"the same cache stored in fp16 (the model in fp32): {half}/{len(prompts)}")
+          f"the same cache stored in fp16 (the model in fp32): {stored_fp16}/{len(prompts)}")
     for i, n in parted.items():
         ids = torch.cat([prompts[i][0], torch.tensor(want[i][:n])])[None]
         top = model.forward(ids)[0, -1].topk(2).values
